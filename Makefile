@@ -1,0 +1,44 @@
+# One entry point for people and CI. Everything installs into ./.venv (Python) and
+# ~/.cache/copse (Go-built cluster binaries); nothing is expected to be pre-installed
+# beyond what the machine ships (Python 3.11, Go).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PYTEST := $(BIN)/pytest
+
+.PHONY: venv test unit e2e lint crds cluster-up cluster-down demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# setuptools' editable finder pins the namespace's subpackages at install time;
+	@# listing the four source roots lets new subpackages import without a reinstall.
+	@printf '%s\n' $(addprefix $(CURDIR)/,operator planner router workers) \
+		> $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/copse-source-roots.pth
+	@rm -f $(VENV)/.installed-* && touch $@
+
+test: unit
+
+unit: venv
+	$(PYTEST) tests -q -p no:cacheprovider
+
+lint: venv
+	$(BIN)/ruff check operator planner router workers tests e2e benchmarks
+	$(BIN)/ruff format --check operator planner router workers tests e2e benchmarks
+	$(BIN)/mypy -p copse
+	$(BIN)/mypy tests e2e benchmarks
+
+crds: venv
+	$(BIN)/copse crds generate --out crds
+	rm -rf charts/copse/crds && cp -r crds charts/copse/crds
+
+demo: venv
+	$(BIN)/copse placement plan --nodes examples/nodes-2-racks.yaml --deployment ../shared/examples/seed-inferencedeployment.yaml
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,38 @@
+"""The umbrella ``copse`` command.
+
+Each component keeps its own CLI inside its package; this module only maps a
+subcommand name to where that CLI lives and imports it on first use, so that
+``copse bench replay`` never pays for importing kopf, and nothing here imports
+``copse.operator`` unless ``copse operator`` is what was asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+#: subcommand name -> "module:attribute" of a click command or group.
+SUBCOMMANDS: dict[str, str] = {
+    "crds": "copse.api.cli:crds",
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = SUBCOMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, _, attribute = target.partition(":")
+        command = getattr(importlib.import_module(module_name), attribute)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{target} is not a click command")
+        return command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """copse: LLM inference on Kubernetes GPU clusters (placement, routing, planning)."""
