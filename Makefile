@@ -34,7 +34,7 @@ lint: venv
 	$(BIN)/mypy tests e2e benchmarks
 
 crds: venv
-	$(BIN)/copse crds generate --out crds
+	$(BIN)/copse api crds --out crds
 	rm -rf charts/copse/crds && cp -r crds charts/copse/crds
 
 demo: venv

@@ -14,7 +14,7 @@ import click
 
 #: subcommand name -> "module:attribute" of a click command or group.
 SUBCOMMANDS: dict[str, str] = {
-    "crds": "copse.api.cli:crds",
+    "api": "copse.api.cli:api",
 }
 
 

@@ -1,0 +1,483 @@
+"""``InferenceDeployment`` (``copse.dev/v1alpha1``): the contract between users, operator and planner.
+
+The CRD under ``crds/`` is generated from these models (``make crds``); a test fails when
+the two drift. Cross-field rules live twice on purpose: as CEL (so the API server rejects a
+bad object) and as pydantic validators (so the CLI rejects the same file before it gets
+that far); ``tests/api`` checks both against one set of invalid manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Annotated, Any, TypeVar
+
+import pydantic
+from kube_custom_resource import schema
+from kube_custom_resource.custom_resource import CustomResource
+from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "copse.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Go-style durations as written in manifests ("300s", "5m", "1h30m"); the planner needs seconds.
+_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?(?:(\d+)ms)?$")
+DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?$"
+
+_T = TypeVar("_T")
+#: ``nullable: true`` in the CRD instead of an ``anyOf`` with null, which is not structural.
+Nullable = Annotated[_T | None, schema.Nullable]
+#: A free-form object the API server must not prune.
+FreeForm = Annotated[dict[str, Any], schema.XKubernetesPreserveUnknownFields]
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Parallelism = Annotated[int, Field(ge=1, le=1024)]
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Go-style duration such as ``300s`` or ``1h30m``."""
+    match = _DURATION.match(text)
+    if not text or match is None or not any(match.groups()):
+        raise ValueError(f"{text!r} is not a duration such as '300s', '5m' or '1h30m'")
+    hours, minutes, seconds, millis = (int(group or 0) for group in match.groups())
+    return hours * 3600 + minutes * 60 + seconds + millis / 1000
+
+
+class Role(str, schema.Enum):
+    """Which pool a TP group serves."""
+
+    WORKER = "worker"  # aggregated: prefill and decode in the same engine
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class AffinityPolicy(str, schema.Enum):
+    SAME_NVSWITCH_DOMAIN = "same-nvswitch-domain"
+    NONE = "none"
+
+
+class AntiAffinityPolicy(str, schema.Enum):
+    SPREAD_ACROSS_RACKS = "spread-across-racks"
+    NONE = "none"
+
+
+class ColdStartStrategy(str, schema.Enum):
+    MODELEXPRESS = "modelexpress"  # stream weights GPU-to-GPU from a running replica
+    NONE = "none"  # every replica loads weights from storage
+
+
+class EngineBackend(str, schema.Enum):
+    TRTLLM = "trtllm"  # NVIDIA's TensorRT-LLM image running trtllm-serve
+    MOCK = "mock"  # copse's GPU-free engine mocker, same HTTP surface
+
+
+class RoutingPolicy(str, schema.Enum):
+    KV = "kv"
+    DYNAMO = "dynamo"
+    PREFIX_ONLY = "prefix_only"
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+
+
+class Phase(str, schema.Enum):
+    PENDING = "Pending"
+    PLACING = "Placing"
+    RUNNING = "Running"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+class _Model(pydantic.BaseModel):
+    """camelCase in manifests, snake_case in Python, and dumps in the manifest spelling."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        validate_assignment=True,
+    )
+
+
+class _SpecModel(_Model):
+    """Spec parts reject unknown keys: a typo must not be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_SpecModel):
+    name: str = Field(min_length=1, description="Model id served by the engines (e.g. a Hugging Face name).")
+    tensor_parallelism: Parallelism = Field(
+        default=1, description="GPUs per pipeline stage; a TP group is placed whole or not at all."
+    )
+    pipeline_parallelism: Parallelism = Field(
+        default=1, description="Pipeline stages per group; a group needs TP x PP GPUs."
+    )
+
+    @property
+    def gpus_per_group(self) -> int:
+        return self.tensor_parallelism * self.pipeline_parallelism
+
+
+class PlacementSpec(_SpecModel):
+    affinity_policy: AffinityPolicy = Field(
+        default=AffinityPolicy.SAME_NVSWITCH_DOMAIN,
+        description="same-nvswitch-domain keeps every TP group inside one NVLink domain.",
+    )
+    anti_affinity_policy: AntiAffinityPolicy = Field(
+        default=AntiAffinityPolicy.SPREAD_ACROSS_RACKS,
+        description="spread-across-racks puts replicas on different racks so one rack loss keeps serving.",
+    )
+
+
+class TargetLatency(_SpecModel):
+    # The seed manifest spells these in snake_case; keep its spelling.
+    ttft_p99_ms: float = Field(
+        default=500.0, gt=0, alias="ttft_p99_ms", description="Time-to-first-token target (p99, ms)."
+    )
+    tbt_p99_ms: float = Field(
+        default=50.0, gt=0, alias="tbt_p99_ms", description="Time-between-tokens (ITL) target (p99, ms)."
+    )
+
+
+class ScaleUpTrigger(_SpecModel):
+    queue_depth: int = Field(
+        default=10,
+        ge=1,
+        description="Waiting requests per worker that trigger a scale-up ahead of the forecast.",
+    )
+
+
+class ScalingSpec(_SpecModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.minReplicas <= self.maxReplicas",
+                    "message": "scaling.minReplicas must not exceed scaling.maxReplicas",
+                }
+            ]
+        },
+    )
+
+    min_replicas: int = Field(default=1, ge=0, description="Fewest TP groups per pool, whatever the load.")
+    max_replicas: int = Field(default=16, ge=1, description="Most TP groups per pool, whatever the load.")
+    max_gpus: Nullable[PositiveInt] = Field(
+        default=None, description="GPU budget shared by all pools of this deployment (planner bound)."
+    )
+    target_latency: TargetLatency = Field(
+        default_factory=TargetLatency, description="Latency targets the planner sizes pools for."
+    )
+    scale_up_trigger: ScaleUpTrigger = Field(
+        default_factory=ScaleUpTrigger, description="Fast path when queues build faster than forecast."
+    )
+    scale_down_delay: str = Field(
+        default="300s",
+        pattern=DURATION_PATTERN,
+        description="How long load must stay low before capacity is removed (hysteresis).",
+    )
+
+    @field_validator("scale_down_delay")
+    @classmethod
+    def _check_duration(cls, value: str) -> str:
+        parse_duration(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ScalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"scaling.minReplicas ({self.min_replicas}) must not exceed "
+                f"scaling.maxReplicas ({self.max_replicas})"
+            )
+        return self
+
+    @property
+    def scale_down_delay_s(self) -> float:
+        return parse_duration(self.scale_down_delay)
+
+
+class ColdStartSpec(_SpecModel):
+    strategy: ColdStartStrategy = Field(
+        default=ColdStartStrategy.NONE, description="How a new replica gets its weights."
+    )
+    source_replica: str = Field(
+        default="any-healthy",
+        min_length=1,
+        description="Replica to stream weights from: 'any-healthy' or a group name of this deployment.",
+    )
+
+
+class PoolSpec(_SpecModel):
+    replicas: int = Field(ge=0, description="TP groups in this pool; the planner patches this.")
+    tensor_parallelism: Nullable[Parallelism] = Field(
+        default=None, description="Defaults to spec.model.tensorParallelism."
+    )
+    pipeline_parallelism: Nullable[Parallelism] = Field(
+        default=None, description="Defaults to spec.model.pipelineParallelism."
+    )
+
+
+class EngineSpec(_SpecModel):
+    backend: EngineBackend = Field(
+        default=EngineBackend.TRTLLM, description="trtllm for GPUs; mock runs copse's engine mocker instead."
+    )
+    image: Nullable[str] = Field(
+        default=None, description="Worker image; defaults per backend (TensorRT-LLM release or copse)."
+    )
+    command: Nullable[list[str]] = Field(
+        default=None, description="Replaces the backend's default command entirely."
+    )
+    args: list[str] = Field(default_factory=list, description="Extra arguments appended to the command.")
+    block_size: int = Field(
+        default=32, ge=1, le=4096, description="Tokens per KV block; the router hashes prefixes with it."
+    )
+    max_batch_tokens: int = Field(
+        default=8192, ge=1, description="Token budget of one engine step (chunked prefill)."
+    )
+    max_num_sequences: int = Field(default=256, ge=1, description="Most sequences batched in one step.")
+    kv_cache_free_gpu_memory_fraction: float = Field(
+        default=0.9, gt=0, le=1, description="Share of free GPU memory the engine gives to the KV cache."
+    )
+    extra_config: FreeForm = Field(
+        default_factory=dict, description="Merged into the engine's YAML config (--config) verbatim."
+    )
+
+
+class RouterSpec(_SpecModel):
+    policy: RoutingPolicy = Field(default=RoutingPolicy.KV, description="Worker selection policy by name.")
+    replicas: int = Field(
+        default=1, ge=1, description="Router replicas; they share in-flight load over NATS."
+    )
+    temperature: float = Field(
+        default=0.0, ge=0, description="Softmax temperature over predicted latency; 0 always picks the best."
+    )
+    queue_size: int = Field(
+        default=1024, ge=0, description="Requests held while every worker is busy, before 503."
+    )
+    image: Nullable[str] = Field(default=None, description="Router image; defaults to copse's.")
+    nats_url: Nullable[str] = Field(
+        default=None, description="NATS for KV events and replica sync; without it the router approximates."
+    )
+
+
+class Toleration(_SpecModel):
+    key: Nullable[str] = None
+    operator: str = Field(default="Equal", pattern="^(Equal|Exists)$")
+    value: Nullable[str] = None
+    effect: Nullable[str] = Field(default=None, pattern="^(NoSchedule|PreferNoSchedule|NoExecute)?$")
+    toleration_seconds: Nullable[int] = None
+
+
+class PodSpec(_SpecModel):
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints worker pods tolerate; placement honours them too."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Labels a node must carry to host workers."
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Added to every worker pod.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Added to every worker pod.")
+    service_account_name: Nullable[str] = None
+    resources: FreeForm = Field(
+        default_factory=dict, description="cpu/memory requests and limits; GPUs are set by placement."
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupPool:
+    """One pool as placement sees it: its role, size and the shape of each group."""
+
+    role: Role
+    replicas: int
+    tensor_parallelism: int
+    pipeline_parallelism: int
+
+    @property
+    def gpus_per_group(self) -> int:
+        return self.tensor_parallelism * self.pipeline_parallelism
+
+
+_POOL_RULE = "!has(self.{pool}) || !has(self.scaling) || self.{pool}.replicas <= self.scaling.maxReplicas"
+
+
+class InferenceDeploymentSpec(_SpecModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.prefill) == has(self.decode)",
+                    "message": "prefill and decode must be set together (disaggregated serving)",
+                },
+                {
+                    "rule": "!has(self.prefill) || !has(self.replicas)",
+                    "message": "spec.replicas is for aggregated serving; "
+                    "set prefill.replicas and decode.replicas instead",
+                },
+                {
+                    "rule": "!has(self.replicas) || !has(self.scaling) || "
+                    "self.replicas <= self.scaling.maxReplicas",
+                    "message": "spec.replicas must not exceed scaling.maxReplicas",
+                },
+                {
+                    "rule": _POOL_RULE.format(pool="prefill"),
+                    "message": "prefill.replicas must not exceed scaling.maxReplicas",
+                },
+                {
+                    "rule": _POOL_RULE.format(pool="decode"),
+                    "message": "decode.replicas must not exceed scaling.maxReplicas",
+                },
+            ]
+        },
+    )
+
+    model: ModelSpec = Field(description="What is served and the shape of one TP group.")
+    replicas: Nullable[Annotated[int, Field(ge=0)]] = Field(
+        default=None,
+        description="Aggregated TP groups (kubectl scale); defaults to scaling.minReplicas.",
+    )
+    prefill: Nullable[PoolSpec] = Field(default=None, description="Prefill pool (disaggregated).")
+    decode: Nullable[PoolSpec] = Field(default=None, description="Decode pool (disaggregated).")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Where TP groups may land.")
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec, description="Bounds and SLA targets.")
+    cold_start: ColdStartSpec = Field(default_factory=ColdStartSpec, description="How new replicas load.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="The inference engine in each pod.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The KV-aware router of this model.")
+    pod: PodSpec = Field(default_factory=PodSpec, description="Pod-level settings of the worker pods.")
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> InferenceDeploymentSpec:
+        if (self.prefill is None) != (self.decode is None):
+            raise ValueError("prefill and decode must be set together (disaggregated serving)")
+        if self.prefill is not None and self.replicas is not None:
+            raise ValueError(
+                "spec.replicas is for aggregated serving; set prefill.replicas and decode.replicas instead"
+            )
+        for name, replicas in (
+            ("spec.replicas", self.replicas),
+            ("prefill.replicas", self.prefill.replicas if self.prefill else None),
+            ("decode.replicas", self.decode.replicas if self.decode else None),
+        ):
+            if replicas is not None and replicas > self.scaling.max_replicas:
+                raise ValueError(
+                    f"{name} ({replicas}) must not exceed scaling.maxReplicas ({self.scaling.max_replicas})"
+                )
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+    def pools(self) -> list[GroupPool]:
+        """The pools to place, each with its replica count and group shape (defaults resolved)."""
+        if self.prefill is None or self.decode is None:
+            replicas = self.replicas if self.replicas is not None else self.scaling.min_replicas
+            return [
+                GroupPool(
+                    role=Role.WORKER,
+                    replicas=replicas,
+                    tensor_parallelism=self.model.tensor_parallelism,
+                    pipeline_parallelism=self.model.pipeline_parallelism,
+                )
+            ]
+        return [
+            GroupPool(
+                role=role,
+                replicas=pool.replicas,
+                tensor_parallelism=pool.tensor_parallelism or self.model.tensor_parallelism,
+                pipeline_parallelism=pool.pipeline_parallelism or self.model.pipeline_parallelism,
+            )
+            for role, pool in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode))
+        ]
+
+
+class Condition(_Model):
+    type: str
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str = ""
+    message: str = ""
+    last_transition_time: Nullable[str] = None
+    observed_generation: Nullable[int] = None
+
+
+class RoleStatus(_Model):
+    desired: int = 0
+    placed: int = 0
+    ready: int = 0
+
+
+class GroupPodStatus(_Model):
+    node: str
+    gpus: int
+
+
+class GroupStatus(_Model):
+    name: str = Field(description="The group's deterministic name; also its headless Service.")
+    role: Role
+    replica: int
+    domain: Nullable[str] = Field(default=None, description="NVLink domain, or null when it spans several.")
+    rack: Nullable[str] = None
+    pods: list[GroupPodStatus] = Field(default_factory=list)
+    cost: float = 0.0
+    ready: bool = False
+
+
+class UnplacedStatus(_Model):
+    role: Role
+    replica: int
+    reason: str
+
+
+class ColdStartStatus(_Model):
+    strategy: ColdStartStrategy
+    source: Nullable[str] = Field(default=None, description="The group new replicas stream from.")
+
+
+class InferenceDeploymentStatus(_Model):
+    phase: Phase = Phase.PENDING
+    observed_generation: Nullable[int] = None
+    conditions: list[Condition] = Field(default_factory=list)
+    roles: dict[str, RoleStatus] = Field(default_factory=dict, description="Per role: desired/placed/ready.")
+    ready: str = Field(default="", description="Ready/desired per role, for kubectl get.")
+    replicas: int = Field(default=0, description="Placed aggregated groups (scale subresource).")
+    selector: str = Field(default="", description="Label selector of the worker pods (scale subresource).")
+    score: Nullable[float] = Field(default=None, description="Placement score in [0, 1].")
+    groups: list[GroupStatus] = Field(default_factory=list)
+    unplaced: list[UnplacedStatus] = Field(default_factory=list)
+    cold_start: Nullable[ColdStartStatus] = None
+    # kopf keeps handler progress here when told to; never let the API server prune it.
+    kopf: FreeForm = Field(default_factory=dict)
+
+
+# kube-custom-resource builds its metaclass from type(BaseModel) at run time, which mypy cannot follow.
+class InferenceDeployment(  # type: ignore[metaclass,call-arg]
+    CustomResource,
+    kind=KIND,
+    plural_name=PLURAL,
+    short_names=["idep"],
+    subresources={
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    },
+    printer_columns=[
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+        {"name": "Score", "type": "number", "jsonPath": ".status.score"},
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
+    ],
+):
+    """A served model: TP groups placed on NVLink domains, a router in front, a planner sizing it."""
+
+    spec: InferenceDeploymentSpec
+    status: InferenceDeploymentStatus = Field(default_factory=InferenceDeploymentStatus)
