@@ -1,0 +1,71 @@
+"""Block hashing shared by engines (the mocker, the KV relay) and the router.
+
+Two hashes per full block of ``block_size`` tokens, both XXH3-64 with seed :data:`HASH_SEED`,
+as unsigned 64-bit Python ints:
+
+* **tokens hash** (``tokens_hash``): XXH3-64 over the block's token ids, each as a little-endian
+  unsigned 32-bit integer, in order (``block_size * 4`` bytes). It depends on the block alone.
+* **block hash** (``block_hash``): the hash of the whole prefix up to and including this block.
+  The first block of a sequence has ``block_hash = tokens_hash``; every later block has
+  ``block_hash = XXH3-64(LE_u64(parent block_hash) || LE_u64(tokens_hash))`` (16 bytes).
+
+A trailing partial block is never hashed (it is not shareable). These are the same conventions
+NVIDIA Dynamo uses (seed 1337, ``u32`` tokens, ``u64`` chaining), so equal prefixes get equal
+block hashes in every component.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+HASH_SEED = 1337
+"""Seed of every XXH3-64 computed here."""
+
+_PAIR = struct.Struct("<QQ")
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    try:
+        return np.asarray(tokens, dtype="<u4").tobytes()
+    except OverflowError as exc:
+        raise ValueError(f"token ids must lie in [0, 2**32): {exc}") from exc
+
+
+def tokens_hashes(tokens: Sequence[int] | np.ndarray, *, block_size: int) -> list[int]:
+    """The tokens hash of every full block of ``tokens``."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be at least 1")
+    data = _token_bytes(tokens)
+    stride = block_size * 4
+    full = len(data) // stride
+    view = memoryview(data)
+    return [_xxh3(view[i * stride : (i + 1) * stride], seed=HASH_SEED) for i in range(full)]
+
+
+def chain_hash(parent: int | None, tokens_hash: int) -> int:
+    """The block hash of a block with ``tokens_hash`` after a block whose block hash is ``parent``
+    (``None`` for the first block of a sequence)."""
+    if parent is None:
+        return tokens_hash
+    return _xxh3(_PAIR.pack(parent, tokens_hash), seed=HASH_SEED)
+
+
+def chain_hashes(tokens_hashes: Sequence[int], *, parent: int | None = None) -> list[int]:
+    """Block hashes of consecutive blocks with the given tokens hashes, after ``parent``."""
+    out: list[int] = []
+    for local in tokens_hashes:
+        parent = chain_hash(parent, local)
+        out.append(parent)
+    return out
+
+
+def block_hashes(
+    tokens: Sequence[int] | np.ndarray, *, block_size: int, parent: int | None = None
+) -> list[int]:
+    """Block hashes of every full block of ``tokens`` (the prefix identities a router matches on)."""
+    return chain_hashes(tokens_hashes(tokens, block_size=block_size), parent=parent)

@@ -1,0 +1,110 @@
+"""KV cache events as copse publishes them on NATS, and the dump used to resync.
+
+Every engine (mocker or KV relay next to ``trtllm-serve``) publishes one
+:class:`KvEventBatch` per flush on its deployment's events subject
+(:func:`copse.workers.protocol.subjects.kv_events_subject`), JSON-encoded.
+
+Ordering and gaps: within one engine incarnation (``worker_id``, ``epoch``) event ids start at
+1 and increase by exactly 1 per event, across batches. A subscriber that sees a new ``epoch``
+for a worker, or an ``event_id`` that is not ``last + 1``, has missed something: it drops what
+it knows of that worker and asks for a :class:`KvDump` (request :class:`KvDumpRequest` on
+:func:`~copse.workers.protocol.subjects.kv_dump_subject`), applies it, then applies only
+events whose id is greater than ``KvDump.last_event_id``.
+
+Block identities are the block hashes of :mod:`copse.workers.protocol.hashing`, so a router
+computes the same values from a prompt's token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+U64 = Annotated[int, Field(ge=0, lt=2**64)]
+"""An unsigned 64-bit hash."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StoredBlock(_Frozen):
+    """One block newly held by an engine."""
+
+    block_hash: U64
+    """Hash of the whole prefix up to this block (chained); the block's identity."""
+    tokens_hash: U64
+    """Hash of this block's tokens alone."""
+
+
+class KvStored(_Frozen):
+    """Consecutive blocks of one sequence became cached; ``blocks[0]`` follows ``parent_hash``."""
+
+    type: Literal["stored"] = "stored"
+    parent_hash: U64 | None
+    """Block hash of the block before ``blocks[0]``; ``None`` when ``blocks[0]`` starts a sequence."""
+    blocks: tuple[StoredBlock, ...]
+    """The new blocks in sequence order, each the parent of the next."""
+
+
+class KvRemoved(_Frozen):
+    """Blocks evicted from the cache (no cascade: descendants are removed by their own events)."""
+
+    type: Literal["removed"] = "removed"
+    block_hashes: tuple[U64, ...]
+
+
+class KvCleared(_Frozen):
+    """The engine dropped every cached block."""
+
+    type: Literal["cleared"] = "cleared"
+
+
+KvEventData = Annotated[KvStored | KvRemoved | KvCleared, Field(discriminator="type")]
+
+
+class KvEvent(_Frozen):
+    """One numbered change to an engine's cache."""
+
+    event_id: int = Field(ge=1)
+    """1 for the first event of an engine incarnation, then +1 per event."""
+    data: KvEventData
+
+
+class KvEventBatch(_Frozen):
+    """One NATS message: consecutive events of one engine."""
+
+    worker_id: str = Field(min_length=1)
+    """The engine's identity (pod name, or ``<prefix>-<index>`` for mocked engines)."""
+    epoch: int = Field(ge=0)
+    """Changes whenever the engine restarts (its start time in ns), so ids restarting at 1 are unambiguous."""
+    events: tuple[KvEvent, ...]
+
+
+class KvDumpRequest(_Frozen):
+    """Body of a dump request (NATS request/reply on the worker's dump subject, or HTTP)."""
+
+    worker_id: str | None = None
+    """Worker asked; optional, only checked when present (the subject already names the worker)."""
+
+
+class DumpBlock(_Frozen):
+    """One cached block in a dump."""
+
+    block_hash: U64
+    parent_hash: U64 | None
+    """Block hash of the previous block of the sequence that stored it; ``None`` for a first block."""
+    tokens_hash: U64
+
+
+class KvDump(_Frozen):
+    """Everything an engine holds at ``last_event_id``; parents are listed before their children."""
+
+    worker_id: str = Field(min_length=1)
+    epoch: int = Field(ge=0)
+    block_size: int = Field(ge=1)
+    """Tokens per block the engine hashes with; a router must hash prompts the same way."""
+    last_event_id: int = Field(ge=0)
+    """Id of the last event reflected here (0 before any event)."""
+    blocks: tuple[DumpBlock, ...]

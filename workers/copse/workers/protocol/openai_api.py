@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP surface of ``trtllm-serve`` that copse relies on.
+
+Requests are validated the way ``trtllm-serve`` validates them, with one deliberate difference
+in strictness: values must have the JSON type of their field (``"5"`` is not a valid
+``max_tokens``, ``1.0`` is not a token id). Unknown fields are rejected with 400, as
+``trtllm-serve`` does (its request models forbid extra fields). Inside a chat message unknown
+keys are ignored (``trtllm-serve`` types messages as open dictionaries).
+
+:func:`parse_request` turns a raw body into a request model or raises :class:`RequestError`,
+whose message names the offending field (``prompt[3]``, ``messages[0].content``, ...); the
+HTTP layer answers it as :class:`ErrorResponse` with status 400.
+
+Disaggregated serving follows ``trtllm-serve``: a request with
+``disaggregated_params.request_type == "context_only"`` is prefilled and returns one token plus
+``disaggregated_params`` (``first_gen_tokens``, ``ctx_request_id``, ``encoded_opaque_state``);
+the same prompt sent with those params and ``request_type == "generation_only"`` to a decode
+engine continues from there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DEFAULT_MAX_TOKENS = 32
+"""Output length when a request sets none (TensorRT-LLM's ``SamplingParams`` default)."""
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as sent (HTTP 400); ``param`` names the field when known."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _token_ids(value: object, *, field: str) -> list[int]:
+    if not isinstance(value, list):
+        raise ValueError(f"{field} must be a list of integer token ids, got {type(value).__name__}")
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValueError(f"{field}[{i}] must be an integer token id, got {token!r}")
+        if not 0 <= token < 2**32:
+            raise ValueError(f"{field}[{i}] must lie in [0, 2**32), got {token}")
+    return value
+
+
+class StreamOptions(_Request):
+    include_usage: bool = True
+    """Send a last chunk with token counts (and no choices)."""
+    continuous_usage_stats: bool = False
+    """Attach token counts to every chunk."""
+
+
+DisaggRequestType = Literal["context_only", "generation_only", "context_and_generation"]
+
+
+class DisaggregatedParams(_Request):
+    """``trtllm-serve``'s hand-over between a context (prefill) and a generation (decode) engine."""
+
+    request_type: DisaggRequestType
+    first_gen_tokens: list[int] | None = None
+    """Token(s) the context engine generated; the generation engine emits them first."""
+    ctx_request_id: int | None = None
+    """Id of the request on the context engine, to find its KV cache."""
+    encoded_opaque_state: str | None = None
+    """Engine-specific transfer state (the mocker stores where and how much KV to pull)."""
+    draft_tokens: list[int] | None = None
+    disagg_request_id: int | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | None = None
+
+    @field_validator("first_gen_tokens", "draft_tokens", mode="plain")
+    @classmethod
+    def _check_tokens(cls, value: object) -> list[int] | None:
+        return None if value is None else _token_ids(value, field="token ids")
+
+
+class _GenerationRequest(_Request):
+    """Fields common to completions and chat completions. Sampling fields are accepted as
+    ``trtllm-serve`` accepts them; a mocked engine generates without sampling, so they have no
+    effect there."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=1)
+    """Only one choice per request is supported."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    disaggregated_params: DisaggregatedParams | None = None
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _check_stop(cls, value: object) -> str | list[str] | None:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("stop_token_ids", mode="plain")
+    @classmethod
+    def _check_stop_token_ids(cls, value: object) -> list[int] | None:
+        return None if value is None else _token_ids(value, field="stop_token_ids")
+
+    def requested_tokens(self) -> int:
+        """Tokens to generate (``max_tokens`` or the default)."""
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt, as text or as token ids."""
+
+    prompt: str | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, value: object) -> str | list[int]:
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            return value
+        if isinstance(value, list) and value and all(isinstance(item, str | list) for item in value):
+            raise ValueError("batched prompts (a list of strings or of token lists) are not supported")
+        tokens = _token_ids(value, field="prompt")
+        if not tokens:
+            raise ValueError("prompt must not be empty")
+        return tokens
+
+    @field_validator("logprobs", mode="after")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("logprobs is not supported")
+        return value
+
+    @field_validator("suffix", mode="after")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+
+class TextPart(BaseModel):
+    """A text part of a chat message's content."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content is a string, a list of text parts, or null."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _check_content(cls, value: object) -> str | list[TextPart] | None:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"content must be a string or a list of text parts, got {type(value).__name__}")
+        parts = []
+        for i, part in enumerate(value):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise ValueError(
+                    f"content[{i}] must be {{'type': 'text', 'text': <string>}} (only text is supported)"
+                )
+            parts.append(TextPart(type="text", text=part["text"]))
+        return parts
+
+    def text(self) -> str:
+        """The message content as plain text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs", mode="after")
+    @classmethod
+    def _no_logprobs(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("logprobs is not supported")
+        return value
+
+    def requested_tokens(self) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().requested_tokens()
+
+
+_RequestT = TypeVar("_RequestT", bound=_Request)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else part)
+    return path
+
+
+def _describe(error: Any) -> tuple[str, str]:
+    path = _field_path(tuple(error["loc"]))
+    kind = error["type"]
+    if kind == "missing":
+        return path, f"{path}: field required"
+    if kind == "extra_forbidden":
+        return path, f"{path}: unknown field (trtllm-serve accepts only the fields of its OpenAI schema)"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    got = repr(error.get("input"))
+    if len(got) > 60:
+        got = got[:57] + "..."
+    return path, f"{path}: {message} (got {got})" if path else message
+
+
+def parse_request(model: type[_RequestT], body: bytes) -> _RequestT:
+    """Validate a raw JSON body; raises :class:`RequestError` naming the first bad field."""
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(raw).__name__}")
+    if raw.get("stream_options") is not None and not raw.get("stream"):
+        raise RequestError("stream_options: only allowed when stream is true", param="stream_options")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        path, message = _describe(exc.errors()[0])
+        raise RequestError(message, param=path or None) from exc
+
+
+# Responses ----------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorResponse(_Response):
+    """Body of a 4xx/5xx answer (``trtllm-serve``'s shape)."""
+
+    object: Literal["error"] = "error"
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def new_completion_id() -> str:
+    """A fresh completion id (``cmpl-...``)."""
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def new_chat_id() -> str:
+    """A fresh chat completion id (``chatcmpl-...``)."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    token_ids: list[int] | None = None
+    finish_reason: FinishReason | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class CompletionResponse(_Response):
+    id: str = Field(default_factory=new_completion_id)
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionStreamChoice(_Response):
+    index: int = 0
+    text: str
+    token_ids: list[int] | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionStreamResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str = Field(default_factory=new_chat_id)
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
