@@ -1,0 +1,212 @@
+"""The engine core: timing against the perf model, chunked prefill, prefix reuse, preemption,
+limits, aborts and disaggregated KV transfer."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from copse.workers.mocker import (
+    Engine,
+    EngineConfig,
+    EngineOverloaded,
+    RequestRejected,
+    Simulator,
+    StepOutput,
+)
+from copse.workers.perf import PolynomialPerfModel
+
+PERF = PolynomialPerfModel()
+
+
+def _engine(**config: object) -> Engine:
+    return Engine(worker_id="w0", config=EngineConfig(**config), perf=PERF)  # type: ignore[arg-type]
+
+
+def _prompt(n: int, *, salt: int = 0) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 30000 + 256 for i in range(n)]
+
+
+def test_single_request_ttft_and_itl_match_the_perf_model() -> None:
+    engine = _engine()
+    steps: list[StepOutput] = []
+    sim = Simulator([engine], on_step=lambda _, out: steps.append(out))
+    sim.submit(0, request_id="r", tokens=_prompt(1000), max_tokens=5)
+    sim.run()
+    (outcome,) = sim.outcomes
+    assert outcome.ttft_ms == pytest.approx(PERF.prefill_ms(new_tokens=1000))
+    gaps = [b.end_ms - a.end_ms for a, b in itertools.pairwise(steps)]
+    # decode step k computes the KV of token 1000 + k over a context of 1001 + k tokens
+    expected = [PERF.decode_itl_ms(active_kv_tokens=1001 + k, context_length=1001 + k) for k in range(4)]
+    assert gaps == pytest.approx(expected)
+    assert outcome.output_tokens == 5
+    assert outcome.finish_ms == pytest.approx(outcome.first_token_ms + sum(expected))
+
+
+def test_speedup_ratios_divide_step_times() -> None:
+    engine = _engine(speedup_ratio=2.0, decode_speedup_ratio=4.0)
+    sim = Simulator([engine])
+    sim.submit(0, request_id="r", tokens=_prompt(1000), max_tokens=2)
+    sim.run()
+    (outcome,) = sim.outcomes
+    assert outcome.ttft_ms == pytest.approx(PERF.prefill_ms(new_tokens=1000) / 2)
+    itl = PERF.decode_itl_ms(active_kv_tokens=1001, context_length=1001) / 8
+    assert outcome.finish_ms - outcome.first_token_ms == pytest.approx(itl)
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
+    engine = _engine(max_num_batched_tokens=8192)
+    steps: list[StepOutput] = []
+    sim = Simulator([engine], on_step=lambda _, out: steps.append(out))
+    sim.submit(0, request_id="r", tokens=_prompt(20000), max_tokens=1)
+    sim.run()
+    assert [s.prefill_tokens for s in steps] == [8192, 8192, 3616]
+    expected = sum(
+        PERF.prefill_ms(new_tokens=n, cached_tokens=c) for n, c in [(8192, 0), (8192, 8192), (3616, 16384)]
+    )
+    assert sim.outcomes[0].ttft_ms == pytest.approx(expected)
+
+
+def test_decodes_continue_while_another_prompt_is_chunked() -> None:
+    engine = _engine(max_num_batched_tokens=4096)
+    steps: list[StepOutput] = []
+    sim = Simulator([engine], on_step=lambda _, out: steps.append(out))
+    sim.submit(0, request_id="short", tokens=_prompt(100), max_tokens=50)
+    sim.run_until(sim.next_event_ms() or 0.0)  # the short prompt's prefill step
+    sim.submit(0, request_id="long", tokens=_prompt(12000, salt=1), max_tokens=1)
+    sim.run()
+    mixed = [s for s in steps if s.prefill_tokens and s.decode_tokens]
+    assert len(mixed) == 3  # the long prompt's three chunks each ride along with a decode
+    assert all(s.prefill_tokens + s.decode_tokens <= 4096 for s in steps)
+    assert {o.request_id: o.output_tokens for o in sim.outcomes} == {"short": 50, "long": 1}
+
+
+def test_unchunked_engine_refuses_prompts_above_the_budget() -> None:
+    engine = _engine(enable_chunked_prefill=False, max_num_batched_tokens=1024)
+    with pytest.raises(RequestRejected, match="chunked prefill disabled") as info:
+        engine.add_request(request_id="r", tokens=_prompt(2000), max_tokens=1, now_ms=0)
+    assert info.value.param == "prompt"
+
+
+def test_prefix_cache_hit_skips_cached_blocks() -> None:
+    engine = _engine(block_size=32)
+    sim = Simulator([engine])
+    prompt = _prompt(1000)
+    sim.submit(0, request_id="first", tokens=prompt, max_tokens=1)
+    sim.run()
+    sim.submit(0, request_id="second", tokens=[*prompt, 1, 2, 3], max_tokens=1)
+    sim.run()
+    second = sim.outcomes[1]
+    assert second.cached_tokens == 992  # 31 full blocks of 32
+    assert second.ttft_ms == pytest.approx(PERF.prefill_ms(new_tokens=11, cached_tokens=992))
+    assert engine.cached_tokens_total == 992
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    engine = _engine(block_size=10)
+    sim = Simulator([engine])
+    sim.submit(0, request_id="a", tokens=_prompt(100), max_tokens=1)
+    sim.run()
+    sim.submit(0, request_id="b", tokens=_prompt(100), max_tokens=1)
+    sim.run()
+    assert sim.outcomes[1].cached_tokens == 99
+    assert sim.outcomes[1].ttft_ms == pytest.approx(PERF.prefill_ms(new_tokens=1, cached_tokens=99))
+
+
+def test_preemption_is_lifo_and_every_request_still_completes() -> None:
+    # 12 blocks of 16 tokens; two requests of 80 prompt tokens (5 blocks) growing by 40 tokens each
+    engine = _engine(block_size=16, num_blocks=12)
+    preempted: list[str] = []
+    sim = Simulator([engine], on_step=lambda _, out: preempted.extend(r.request_id for r in out.preempted))
+    sim.submit(0, request_id="old", tokens=_prompt(80), max_tokens=40)
+    sim.submit(0, request_id="new", tokens=_prompt(80, salt=5), max_tokens=40)
+    sim.run()
+    assert preempted
+    assert set(preempted) == {"new"}  # the most recently admitted one is the victim
+    outcomes = {o.request_id: o for o in sim.outcomes}
+    assert outcomes["new"].preemptions == len(preempted)
+    assert outcomes["old"].preemptions == 0
+    assert {o.output_tokens for o in outcomes.values()} == {40}
+    assert engine.blocks.used_blocks == 0
+    assert engine.blocks.free_blocks + len(engine.blocks.inactive) == 12
+
+
+def test_max_num_seqs_bounds_the_running_batch() -> None:
+    engine = _engine(max_num_seqs=2)
+    sizes: list[int] = []
+    sim = Simulator([engine], on_step=lambda _, __: sizes.append(len(engine.running)))
+    for i in range(3):
+        sim.submit(0, request_id=f"r{i}", tokens=_prompt(64, salt=i), max_tokens=3)
+    sim.run()
+    assert max(sizes) <= 2
+    assert len(sim.outcomes) == 3
+
+
+def test_bounded_queue_overloads() -> None:
+    engine = _engine(max_waiting=2)
+    engine.add_request(request_id="a", tokens=_prompt(10), max_tokens=1, now_ms=0)
+    engine.add_request(request_id="b", tokens=_prompt(10), max_tokens=1, now_ms=0)
+    with pytest.raises(EngineOverloaded):
+        engine.add_request(request_id="c", tokens=_prompt(10), max_tokens=1, now_ms=0)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "param"),
+    [(200_000, 1, "prompt"), (1000, 131_000, "max_tokens"), (10, 0, "max_tokens")],
+)
+def test_requests_that_can_never_fit_are_rejected(prompt: int, max_tokens: int, param: str) -> None:
+    engine = _engine()
+    with pytest.raises(RequestRejected) as info:
+        engine.add_request(request_id="r", tokens=_prompt(prompt), max_tokens=max_tokens, now_ms=0)
+    assert info.value.param == param
+
+
+def test_abort_frees_blocks_even_mid_step() -> None:
+    engine = _engine(block_size=16)
+    engine.add_request(request_id="r", tokens=_prompt(100), max_tokens=10, now_ms=0)
+    end = engine.begin_step(0.0)
+    assert end is not None
+    assert engine.blocks.used_blocks == 7
+    assert engine.abort_request("r")
+    assert engine.blocks.used_blocks == 0
+    out = engine.end_step()
+    assert out.advanced == []
+    assert not engine.has_work()
+    assert not engine.abort_request("r")
+
+
+def test_decode_role_waits_for_the_kv_transfer_then_emits_the_given_token() -> None:
+    config = EngineConfig(role="decode", kv_bytes_per_token=1_000_000, kv_transfer_bandwidth_gbps=10.0)
+    engine = Engine(worker_id="d0", config=config, perf=PERF)
+    steps: list[StepOutput] = []
+    sim = Simulator([engine], on_step=lambda _, out: steps.append(out))
+    request = sim.submit(0, request_id="r", tokens=_prompt(1000), max_tokens=3, transferred_first_token=4242)
+    sim.run()
+    transfer_ms = 1000 * 1_000_000 / 10e9 * 1000
+    (outcome,) = sim.outcomes
+    assert outcome.first_token_ms == pytest.approx(transfer_ms)
+    assert request.output_ids()[0] == 4242
+    assert outcome.output_tokens == 3
+    assert [s.prefill_tokens for s in steps] == [0, 0, 0]  # the prompt's KV came over the wire
+    assert outcome.finish_ms - outcome.first_token_ms == pytest.approx(
+        PERF.decode_itl_ms(active_kv_tokens=1001, context_length=1001)
+        + PERF.decode_itl_ms(active_kv_tokens=1002, context_length=1002)
+    )
+
+
+def test_same_arrivals_give_the_same_tokens_and_times() -> None:
+    def run() -> tuple[list[object], list[list[int]]]:
+        engine = _engine(seed=7, block_size=16, num_blocks=64)
+        tokens: list[list[int]] = []
+        sim = Simulator([engine], on_step=lambda _, out: tokens.extend(r.output_ids() for r in out.finished))
+        rng = np.random.default_rng(3)
+        for i in range(20):
+            sim.run_until(float(i * 5))
+            sim.submit(0, request_id=f"r{i}", tokens=rng.integers(256, 1000, 150).tolist(), max_tokens=30)
+        sim.run()
+        return [dataclasses.astuple(o) for o in sim.outcomes], tokens
+
+    assert run() == run()

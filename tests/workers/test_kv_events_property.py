@@ -1,0 +1,160 @@
+"""The KV events an engine emits, replayed into an empty index, reproduce exactly what it holds --
+under eviction, preemption, aborts and resets -- and so do its dump and its TensorRT-LLM drain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from copse.workers.mocker import Engine, EngineConfig, Simulator, StepOutput
+from copse.workers.perf import PolynomialPerfModel
+from copse.workers.protocol import KvEvent, tokens_hashes
+
+BLOCK = 4
+
+
+class Index:
+    """The simplest subscriber: block hash -> parent hash, checked for consistency as it goes."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int | None] = {}
+
+    def apply(self, events: list[KvEvent]) -> None:
+        for ev in events:
+            data = ev.data
+            if data.type == "stored":
+                parent = data.parent_hash
+                assert parent is None or parent in self.blocks, "stored after an unknown parent"
+                for block in data.blocks:
+                    assert block.block_hash not in self.blocks, "stored twice without removal"
+                    self.blocks[block.block_hash] = parent
+                    parent = block.block_hash
+            elif data.type == "removed":
+                for block_hash in data.block_hashes:
+                    assert block_hash in self.blocks, "removed a block never stored"
+                    del self.blocks[block_hash]
+            else:
+                self.blocks.clear()
+
+
+@dataclass
+class Op:
+    kind: str  # "add" | "abort" | "reset" | "wait"
+    prefix: int = 0
+    own: int = 0
+    out: int = 1
+    dt: float = 0.0
+
+
+ops = st.lists(
+    st.one_of(
+        st.builds(
+            Op,
+            kind=st.just("add"),
+            prefix=st.integers(0, 3),
+            own=st.integers(1, 40),
+            out=st.integers(1, 30),
+            dt=st.floats(0, 30),
+        ),
+        st.builds(Op, kind=st.just("abort"), prefix=st.integers(0, 50)),
+        st.builds(Op, kind=st.just("reset")),
+        st.builds(Op, kind=st.just("wait"), dt=st.floats(0, 200)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, num_blocks=st.integers(12, 40), seed=st.integers(0, 2**32))
+def test_events_replay_to_the_cache_contents(ops: list[Op], num_blocks: int, seed: int) -> None:
+    engine = Engine(
+        worker_id="w",
+        config=EngineConfig(block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=48, seed=seed),
+        perf=PolynomialPerfModel(),
+        trtllm_event_buffer=100_000,
+    )
+    index = Index()
+    trtllm: set[int] = set()
+    stats = {"preempted": 0, "evicted": 0}
+
+    def check(_: int, out: StepOutput) -> None:
+        stats["preempted"] += len(out.preempted)
+        events = engine.drain_kv_events()
+        stats["evicted"] += sum(len(e.data.block_hashes) for e in events if e.data.type == "removed")
+        index.apply(events)
+        assert set(index.blocks) == engine.blocks.cached_hashes()
+        for request in engine.running:
+            assert all(engine.blocks.active[h] > 0 for h in request.blocks)
+        assert engine.blocks.free_blocks >= 0
+
+    sim = Simulator([engine], on_step=check)
+    prefixes = [[1000 + 97 * p + i for i in range(12)] for p in range(4)]
+    submitted = 0
+    for op in ops:
+        if op.kind == "add":
+            tokens = prefixes[op.prefix] + [5000 + submitted * 50 + i for i in range(op.own)]
+            if len(tokens) + op.out <= num_blocks * BLOCK:
+                sim.submit(0, request_id=f"r{submitted}", tokens=tokens, max_tokens=op.out)
+                submitted += 1
+            sim.run_until(sim.now_ms + op.dt)
+        elif op.kind == "abort":
+            engine.abort_request(f"r{op.prefix}")
+        elif op.kind == "reset":
+            engine.reset_prefix_cache()
+        else:
+            sim.run_until(sim.now_ms + op.dt)
+        index.apply(engine.drain_kv_events())
+        assert set(index.blocks) == engine.blocks.cached_hashes()
+    sim.run()
+    index.apply(engine.drain_kv_events())
+    held = engine.blocks.cached_hashes()
+    assert set(index.blocks) == held
+
+    # a dump replayed into an empty index gives the same blocks, parents first
+    dump = engine.dump_kv()
+    assert dump.last_event_id == engine.last_event_id
+    seen: set[int] = set()
+    for block in dump.blocks:
+        assert block.parent_hash is None or block.parent_hash in seen or block.parent_hash not in held
+        seen.add(block.block_hash)
+    assert seen == held
+
+    # the TensorRT-LLM drain tells the same story, and its tokens hash to the advertised blocks
+    assert engine.trtllm_events is not None
+    for raw in engine.trtllm_events:
+        data = raw["data"]
+        if data["type"] == "stored":
+            for block in data["blocks"]:
+                trtllm.add(block["block_hash"])
+                ids = [t["token_id"] for t in block["tokens"]]
+                assert len(ids) == BLOCK
+        elif data["type"] == "removed":
+            trtllm.difference_update(data["block_hashes"])
+    assert trtllm == held
+    event("preempted" if stats["preempted"] else "no preemption")
+    event("evicted" if stats["evicted"] else "no eviction")
+
+
+def test_trtllm_stored_tokens_hash_to_the_copse_tokens_hash() -> None:
+    engine = Engine(
+        worker_id="w",
+        config=EngineConfig(block_size=BLOCK, num_blocks=64),
+        perf=PolynomialPerfModel(),
+        trtllm_event_buffer=64,
+    )
+    sim = Simulator([engine])
+    sim.submit(0, request_id="r", tokens=list(range(300, 330)), max_tokens=9)
+    sim.run()
+    copse = [e for e in engine.drain_kv_events() if e.data.type == "stored"]
+    assert engine.trtllm_events is not None
+    raw = [e for e in engine.trtllm_events if e["data"]["type"] == "stored"]
+    assert [e["event_id"] for e in raw] == [e.event_id for e in copse]
+    for ours, theirs in zip(copse, raw, strict=True):
+        assert ours.data.type == "stored"
+        for block, raw_block in zip(ours.data.blocks, theirs["data"]["blocks"], strict=True):
+            ids = [t["token_id"] for t in raw_block["tokens"]]
+            assert tokens_hashes(ids, block_size=BLOCK) == [block.tokens_hash]
+    assert engine.trtllm_events[0]["data"] == {"type": "created", "num_blocks_per_cache_level": [64, 0]}

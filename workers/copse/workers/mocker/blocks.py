@@ -1,0 +1,234 @@
+"""The KV block manager of a mocked engine: prefix reuse by block hash, LRU eviction, and the
+events that mirror the cache contents exactly.
+
+A physical block is in one of four states:
+
+* **active** -- a full block with a known hash, referenced by ``refcount`` running sequences;
+* **inactive** -- a full block no sequence uses, still cached and reusable; evicted in LRU order;
+* **partial** -- the last, not yet full block of one sequence (never shared, never advertised);
+* **free**.
+
+Events: ``stored`` when a hash becomes cached, ``removed`` when an inactive block is evicted,
+``cleared`` when everything is dropped. A block reused from the inactive pool emits nothing (it
+never left the cache), so the set of stored-minus-removed hashes always equals
+``active | inactive``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from copse.workers.protocol.kv_events import KvCleared, KvEventData, KvRemoved, KvStored, StoredBlock
+
+#: Receives each event and, when the manager keeps tokens, the token ids of each stored block.
+EventSink = Callable[[KvEventData, list[np.ndarray] | None], None]
+
+
+class BlockHolder:
+    """What a sequence holds: its full blocks in order, and whether it holds a partial block."""
+
+    __slots__ = ("blocks", "partial")
+
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+        """Block hashes of the full blocks the sequence references, in sequence order."""
+        self.partial: int = 0
+        """1 if the sequence holds a partial last block, else 0."""
+
+
+class BlockManager:
+    """Blocks of one engine; every method is O(blocks touched), never O(cache size)."""
+
+    def __init__(
+        self, *, num_blocks: int, block_size: int, emit: EventSink, keep_tokens: bool = False
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be at least 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._emit = emit
+        self._keep_tokens = keep_tokens
+        self.active: dict[int, int] = {}
+        """Block hash -> number of sequences referencing it."""
+        self.inactive: OrderedDict[int, None] = OrderedDict()
+        """Cached, unreferenced block hashes, least recently released first."""
+        self.meta: dict[int, tuple[int | None, int]] = {}
+        """Block hash -> (parent block hash, tokens hash), for every cached block (for dumps)."""
+        self.partial_blocks = 0
+        """Partial blocks held by sequences."""
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks holding nothing."""
+        return self.num_blocks - len(self.active) - len(self.inactive) - self.partial_blocks
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks referenced by running sequences (active and partial)."""
+        return len(self.active) + self.partial_blocks
+
+    def cached_hashes(self) -> set[int]:
+        """Every block hash currently cached (what the engine's events advertise)."""
+        return set(self.active) | set(self.inactive)
+
+    def match_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` are cached."""
+        active, inactive = self.active, self.inactive
+        matched = 0
+        for block_hash in hashes:
+            if block_hash not in active and block_hash not in inactive:
+                break
+            matched += 1
+        return matched
+
+    def grow(
+        self,
+        holder: BlockHolder,
+        *,
+        num_tokens: int,
+        hashes: Sequence[int],
+        tokens_hashes: Sequence[int],
+        tokens: np.ndarray | None = None,
+    ) -> bool:
+        """Make ``holder`` hold blocks for its first ``num_tokens`` tokens; ``False`` (and no change)
+        when there are not enough free or evictable blocks.
+
+        ``hashes``/``tokens_hashes`` cover at least ``num_tokens // block_size`` blocks; ``tokens``
+        (the sequence's token ids) is only read when the manager keeps tokens for events.
+        """
+        size = self.block_size
+        full = num_tokens // size
+        need_partial = 1 if num_tokens % size else 0
+        start = len(holder.blocks)
+        if full == start and need_partial == holder.partial:
+            return True
+        active, inactive = self.active, self.inactive
+        reactivate = 0
+        missing = 0
+        for block_hash in hashes[start:full]:
+            if block_hash in active:
+                continue
+            if block_hash in inactive:
+                reactivate += 1
+            else:
+                missing += 1
+        extra = missing + need_partial - holder.partial
+        if extra > self.free_blocks + len(inactive) - reactivate:
+            return False
+        new_indices: list[int] = []
+        for index in range(start, full):
+            block_hash = hashes[index]
+            count = active.get(block_hash)
+            if count is not None:
+                active[block_hash] = count + 1
+            elif block_hash in inactive:
+                del inactive[block_hash]
+                active[block_hash] = 1
+            else:
+                new_indices.append(index)
+        evicted: list[int] = []
+        shortfall = extra - self.free_blocks
+        while shortfall > 0:
+            victim, _ = inactive.popitem(last=False)
+            del self.meta[victim]
+            evicted.append(victim)
+            shortfall -= 1
+        self.partial_blocks += need_partial - holder.partial
+        holder.partial = need_partial
+        holder.blocks.extend(hashes[start:full])
+        if evicted:
+            self._emit(KvRemoved.model_construct(block_hashes=tuple(evicted)), None)
+        if new_indices:
+            self._store(new_indices, hashes=hashes, tokens_hashes=tokens_hashes, tokens=tokens)
+        return True
+
+    def _store(
+        self,
+        indices: list[int],
+        *,
+        hashes: Sequence[int],
+        tokens_hashes: Sequence[int],
+        tokens: np.ndarray | None,
+    ) -> None:
+        """Register new blocks and emit one ``stored`` event per run of consecutive new blocks."""
+        active, meta = self.active, self.meta
+        run: list[int] = []
+        for index in indices:
+            if run and index != run[-1] + 1:
+                self._emit_run(run, hashes=hashes, tokens_hashes=tokens_hashes, tokens=tokens)
+                run = []
+            block_hash = hashes[index]
+            active[block_hash] = 1
+            meta[block_hash] = (hashes[index - 1] if index else None, tokens_hashes[index])
+            run.append(index)
+        self._emit_run(run, hashes=hashes, tokens_hashes=tokens_hashes, tokens=tokens)
+
+    def _emit_run(
+        self,
+        run: list[int],
+        *,
+        hashes: Sequence[int],
+        tokens_hashes: Sequence[int],
+        tokens: np.ndarray | None,
+    ) -> None:
+        first = run[0]
+        event = KvStored.model_construct(
+            type="stored",
+            parent_hash=hashes[first - 1] if first else None,
+            blocks=tuple(
+                StoredBlock.model_construct(block_hash=hashes[i], tokens_hash=tokens_hashes[i]) for i in run
+            ),
+        )
+        block_tokens = None
+        if self._keep_tokens and tokens is not None:
+            size = self.block_size
+            block_tokens = [tokens[i * size : (i + 1) * size] for i in run]
+        self._emit(event, block_tokens)
+
+    def release(self, holder: BlockHolder) -> None:
+        """Drop ``holder``'s references, last block first, so that suffixes are evicted before the
+        prefixes other sequences may share."""
+        active, inactive = self.active, self.inactive
+        for block_hash in reversed(holder.blocks):
+            count = active[block_hash] - 1
+            if count:
+                active[block_hash] = count
+            else:
+                del active[block_hash]
+                inactive[block_hash] = None
+        holder.blocks = []
+        self.partial_blocks -= holder.partial
+        holder.partial = 0
+
+    def clear(self) -> bool:
+        """Drop every cached block (only possible when no sequence holds any); ``False`` otherwise."""
+        if self.active or self.partial_blocks:
+            return False
+        self.inactive.clear()
+        self.meta.clear()
+        self._emit(KvCleared.model_construct(type="cleared"), None)
+        return True
+
+    def iter_cached(self) -> Iterator[tuple[int, int | None, int]]:
+        """``(block hash, parent hash, tokens hash)`` of every cached block, parents before children."""
+        meta = self.meta
+        emitted: set[int] = set()
+
+        def visit(block_hash: int) -> Iterator[tuple[int, int | None, int]]:
+            chain: list[int] = []
+            while block_hash not in emitted and block_hash in meta:
+                chain.append(block_hash)
+                parent = meta[block_hash][0]
+                if parent is None:
+                    break
+                block_hash = parent
+            for item in reversed(chain):
+                emitted.add(item)
+                parent, tokens_hash = meta[item]
+                yield item, parent, tokens_hash
+
+        for block_hash in list(meta):
+            yield from visit(block_hash)

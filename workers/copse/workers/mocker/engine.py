@@ -1,0 +1,651 @@
+"""The core of a mocked engine: a vLLM-v1-like scheduler over a :class:`BlockManager`, timed by a
+:class:`~copse.workers.perf.PerfModel`. Synchronous and clock-free: the caller says what time it is.
+
+Driving it (what :class:`~copse.workers.mocker.simulation.Simulator` and the HTTP server do)::
+
+    engine.add_request(request_id="r1", tokens=ids, max_tokens=100, now_ms=t)
+    end = engine.begin_step(now_ms=t)        # plan and start a step; None if there is nothing to do
+    ...                                      # nothing may happen to this engine until ``end``
+    out = engine.end_step()                  # tokens come out at ``end``; out.advanced / out.finished
+    events = engine.drain_kv_events()        # KV events emitted so far, in order
+
+Scheduling, once per step (vLLM v1): running sequences first, in order, each taking
+``num_tokens - num_computed`` tokens of the step's budget (a prompt's remaining chunk, or 1 to
+decode); a sequence that cannot get blocks preempts the most recently admitted running
+sequence (LIFO), which frees its blocks, forgets its progress and goes back to the front of the
+waiting queue. Then, unless something was preempted, waiting sequences are admitted in order
+while the budget, ``max_num_seqs`` and the free blocks allow; a sequence's prefix-cache hit is
+applied when it is admitted. A sequence samples a token when a step brings its computed tokens
+up to its length; the first such token is its first token.
+
+Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup * decode_speedup)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from copse.workers.mocker.blocks import BlockHolder, BlockManager
+from copse.workers.mocker.config import EngineConfig
+from copse.workers.perf import PerfModel
+from copse.workers.protocol.hashing import chain_hash, tokens_hashes
+from copse.workers.protocol.kv_events import DumpBlock, KvDump, KvEvent, KvEventData
+from copse.workers.protocol.tokenizer import RESERVED_IDS, VOCAB_SIZE
+
+RequestState = Literal["waiting", "transferring", "running", "finished", "aborted"]
+
+_LCG_MUL = 6364136223846793005
+_LCG_ADD = 1442695040888963407
+_MASK64 = (1 << 64) - 1
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (HTTP 503)."""
+
+
+class RequestRejected(ValueError):
+    """The request can never be served by this engine (HTTP 400); ``param`` names the field."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Request(BlockHolder):
+    """One request inside an engine. Times are in the caller's milliseconds."""
+
+    __slots__ = (
+        "arrival_ms",
+        "awaiting_first",
+        "cached_tokens",
+        "finish_ms",
+        "first_token_ms",
+        "hashes",
+        "last_token_ms",
+        "max_tokens",
+        "num_computed",
+        "num_output",
+        "num_tokens",
+        "preemptions",
+        "prompt_len",
+        "ready_ms",
+        "request_id",
+        "state",
+        "tokens",
+        "tokens_hashes",
+    )
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        tokens: np.ndarray,
+        prompt_len: int,
+        max_tokens: int,
+        arrival_ms: float,
+        hashes: list[int],
+        tokens_hashes: list[int],
+    ) -> None:
+        super().__init__()
+        self.request_id = request_id
+        self.tokens = tokens
+        """Prompt then generated token ids (room for ``max_tokens`` outputs)."""
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.arrival_ms = arrival_ms
+        self.hashes = hashes
+        """Block hashes of the full blocks known so far (prompt, then output as it fills)."""
+        self.tokens_hashes = tokens_hashes
+        self.num_tokens = prompt_len
+        """Prompt plus generated tokens."""
+        self.num_computed = 0
+        """Tokens whose KV is computed (or transferred) in this engine."""
+        self.num_output = 0
+        self.cached_tokens = -1
+        """Prompt tokens found in the prefix cache at first admission (-1 before admission)."""
+        self.first_token_ms = math.nan
+        self.last_token_ms = math.nan
+        self.finish_ms = math.nan
+        self.preemptions = 0
+        self.ready_ms = math.nan
+        """When transferred KV is in place (decode role); NaN otherwise."""
+        self.awaiting_first = False
+        """Admitted after a KV transfer; its given first token comes out at the end of this step."""
+        self.state: RequestState = "waiting"
+
+    def output_ids(self) -> list[int]:
+        """Generated token ids so far."""
+        return [int(t) for t in self.tokens[self.prompt_len : self.prompt_len + self.num_output]]
+
+    def outcome(self) -> RequestOutcome:
+        """What a simulation keeps of a request (without its token arrays)."""
+        return RequestOutcome(
+            request_id=self.request_id,
+            arrival_ms=self.arrival_ms,
+            first_token_ms=self.first_token_ms,
+            finish_ms=self.finish_ms,
+            prompt_tokens=self.prompt_len,
+            cached_tokens=max(self.cached_tokens, 0),
+            output_tokens=self.num_output,
+            preemptions=self.preemptions,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """Timings and counts of one finished request."""
+
+    request_id: str
+    arrival_ms: float
+    first_token_ms: float
+    finish_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens served from the prefix cache at first admission."""
+    output_tokens: int
+    preemptions: int
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.first_token_ms - self.arrival_ms
+
+    @property
+    def itl_ms(self) -> float:
+        """Mean inter-token latency (NaN for a single-token output)."""
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.finish_ms - self.first_token_ms) / (self.output_tokens - 1)
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    """What one step produced, at ``end_ms``."""
+
+    start_ms: float
+    end_ms: float
+    advanced: list[Request]
+    """Requests that emitted tokens this step (one each; a first token when ``num_output == 1``)."""
+    finished: list[Request]
+    """Requests that completed this step (also listed in ``advanced``); the engine forgot them."""
+    preempted: list[Request]
+    """Requests preempted when the step was planned (back in the waiting queue)."""
+    prefill_tokens: int
+    """Tokens prefilled (computed for prompts or recomputation) in the step."""
+    decode_tokens: int
+    """Sequences that decoded one token in the step."""
+
+
+def _as_token_array(tokens: Sequence[int] | np.ndarray, extra: int) -> np.ndarray:
+    prompt = np.asarray(tokens)
+    out = np.empty(len(prompt) + extra, dtype=np.uint32)
+    out[: len(prompt)] = prompt
+    return out
+
+
+class Engine:
+    """One mocked engine (see the module docstring for how to drive it)."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        config: EngineConfig,
+        perf: PerfModel,
+        epoch: int = 0,
+        trtllm_event_buffer: int = 0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.perf = perf
+        self.epoch = epoch
+        """Identifies this incarnation in KV events; a restarted engine must use a new value."""
+        self.block_size = config.block_size
+        num_blocks = config.num_blocks or perf.kv_capacity_tokens // config.block_size
+        if num_blocks < 1:
+            raise ValueError(
+                f"perf model holds {perf.kv_capacity_tokens} KV tokens,"
+                f" less than one block of {config.block_size}"
+            )
+        self.trtllm_events: deque[dict[str, Any]] | None = None
+        """TensorRT-LLM-format events for ``POST /kv_cache_events`` (bounded; oldest dropped)."""
+        if trtllm_event_buffer:
+            self.trtllm_events = deque(maxlen=trtllm_event_buffer)
+            self.trtllm_events.append(
+                {
+                    "event_id": 0,
+                    "data": {"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]},
+                    "window_size": config.max_model_len,
+                }
+            )
+        self.blocks = BlockManager(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            emit=self._emit,
+            keep_tokens=trtllm_event_buffer > 0,
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        """Every request not yet finished or aborted, by id."""
+        self._transfers: list[Request] = []
+        self._pending_events: list[KvEvent] = []
+        self._last_event_id = 0
+        self._rng = config.seed & _MASK64
+        self._busy_until: float | None = None
+        self._step_start = 0.0
+        self._scheduled: list[tuple[Request, int]] = []
+        self._preempted: list[Request] = []
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._speed = config.speedup_ratio
+        self._decode_speed = config.speedup_ratio * config.decode_speedup_ratio
+        self.capacity_tokens = num_blocks * config.block_size
+        """KV tokens the engine holds."""
+        # cumulative counters (metrics)
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions_total = 0
+
+    # requests -------------------------------------------------------------------------------
+
+    def check_request(self, *, prompt_len: int, max_tokens: int) -> None:
+        """Raise :class:`RequestRejected` if a request of this shape can never run here."""
+        if max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if prompt_len < 1:
+            raise RequestRejected("prompt must hold at least one token", param="prompt")
+        limit = min(self.config.max_model_len, self.capacity_tokens)
+        if prompt_len > limit:
+            raise RequestRejected(
+                f"prompt has {prompt_len} tokens, more than this engine's context of {limit} tokens",
+                param="prompt",
+            )
+        if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_batched_tokens:
+            raise RequestRejected(
+                f"prompt has {prompt_len} tokens, more than max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) with chunked prefill disabled",
+                param="prompt",
+            )
+        if prompt_len + max_tokens > limit:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this engine's context "
+                f"of {limit} tokens",
+                param="max_tokens",
+            )
+
+    def add_request(
+        self,
+        *,
+        request_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        max_tokens: int,
+        now_ms: float,
+        block_hashes: tuple[list[int], list[int]] | None = None,
+        transferred_first_token: int | None = None,
+    ) -> Request:
+        """Queue a request arriving at ``now_ms``.
+
+        ``block_hashes`` = ``(block hashes, tokens hashes)`` of the prompt's full blocks when the
+        caller already computed them (saves hashing twice). ``transferred_first_token`` marks a
+        generation-only request (decode role): its prompt's KV arrives from a prefill engine after
+        ``prompt tokens * kv_bytes_per_token / bandwidth`` and it starts by emitting that token.
+        Raises :class:`RequestRejected` or :class:`EngineOverloaded`.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in engine {self.worker_id}")
+        prompt_len = len(tokens)
+        self.check_request(prompt_len=prompt_len, max_tokens=max_tokens)
+        if len(self.waiting) + len(self._transfers) >= self.config.max_waiting:
+            raise EngineOverloaded(f"engine {self.worker_id} has {self.config.max_waiting} requests queued")
+        array = _as_token_array(tokens, max_tokens)
+        if block_hashes is None:
+            local = tokens_hashes(array[:prompt_len], block_size=self.block_size)
+            chained: list[int] = []
+            parent: int | None = None
+            for value in local:
+                parent = chain_hash(parent, value)
+                chained.append(parent)
+        else:
+            chained, local = list(block_hashes[0]), list(block_hashes[1])
+            if len(chained) != prompt_len // self.block_size or len(local) != len(chained):
+                raise ValueError(
+                    f"block_hashes cover {len(chained)} blocks,"
+                    f" the prompt has {prompt_len // self.block_size}"
+                )
+        request = Request(
+            request_id=request_id,
+            tokens=array,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            arrival_ms=now_ms,
+            hashes=chained,
+            tokens_hashes=local,
+        )
+        self.requests[request_id] = request
+        self.prompt_tokens_total += prompt_len
+        if transferred_first_token is None:
+            self.waiting.append(request)
+            return request
+        array[prompt_len] = transferred_first_token
+        request.num_tokens = prompt_len + 1
+        request.num_output = 1
+        request.cached_tokens = 0
+        request.state = "transferring"
+        seconds = prompt_len * self.config.kv_bytes_per_token / (self.config.kv_transfer_bandwidth_gbps * 1e9)
+        request.ready_ms = now_ms + seconds * 1000.0
+        self._transfers.append(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Forget a request (client gone) and free its blocks; ``False`` if it is not here."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.state == "running":
+            self.running.remove(request)
+            self.blocks.release(request)
+        elif request.state == "waiting":
+            self.waiting.remove(request)
+        elif request.state == "transferring":
+            self._transfers.remove(request)
+        request.state = "aborted"
+        return True
+
+    # stepping -------------------------------------------------------------------------------
+
+    @property
+    def busy_until(self) -> float | None:
+        """End of the step in progress, or ``None`` when idle."""
+        return self._busy_until
+
+    def has_work(self) -> bool:
+        """Whether anything is queued, running or in transfer."""
+        return bool(self.running or self.waiting or self._transfers)
+
+    def next_wake_ms(self) -> float | None:
+        """When an idle engine with nothing schedulable next has something to do (a KV transfer
+        completing); ``None`` if nothing is pending."""
+        if not self._transfers:
+            return None
+        return min(request.ready_ms for request in self._transfers)
+
+    def begin_step(self, now_ms: float) -> float | None:
+        """Plan a step starting at ``now_ms`` and return its end time; ``None`` if there is nothing to run."""
+        if self._busy_until is not None:
+            raise RuntimeError(f"engine {self.worker_id} is busy until {self._busy_until} ms")
+        if self._transfers:
+            self._collect_transfers(now_ms)
+        if not self.running and not self.waiting:
+            return None
+        scheduled = self._scheduled
+        preempted = self._preempted
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        chunks: list[tuple[int, int]] = []
+        decode_kv = 0
+        decodes = 0
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = request.num_tokens - request.num_computed
+            if n > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                n = budget
+            while not self._grow(request, request.num_computed + n):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.state != "running":
+                break
+            scheduled.append((request, n))
+            budget -= n
+            if n == 1 and request.num_output:
+                decodes += 1
+                decode_kv += request.num_computed + 1
+            else:
+                chunks.append((n, request.num_computed))
+            i += 1
+        if not preempted:
+            max_seqs = self.config.max_num_seqs
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < max_seqs:
+                request = waiting[0]
+                if request.awaiting_first:
+                    if not self._grow(request, request.prompt_len):
+                        break
+                    request.num_computed = request.prompt_len
+                    scheduled.append((request, 0))
+                else:
+                    computed = self._admission_hit(request)
+                    n = request.num_tokens - computed
+                    if n > budget:
+                        if chunked:
+                            n = budget
+                        elif scheduled:
+                            break  # unchunked: wait for a step of its own (a recompute may exceed it)
+                    if not self._grow(request, computed + n):
+                        break
+                    request.num_computed = computed
+                    scheduled.append((request, n))
+                    budget -= n
+                    chunks.append((n, computed))
+                waiting.popleft()
+                request.state = "running"
+                running.append(request)
+        if not scheduled:
+            # everything left is blocked (a prompt larger than the budget without chunking, or no blocks)
+            return None
+        duration = 0.0
+        if chunks:
+            duration += self.perf.prefill_batch_ms(chunks=chunks) / self._speed
+        if decodes:
+            duration += (
+                self.perf.decode_itl_ms(active_kv_tokens=decode_kv, context_length=decode_kv / decodes)
+                / self._decode_speed
+            )
+        self._prefill_tokens = sum(n for n, _ in chunks)
+        self._decode_tokens = decodes
+        self._step_start = now_ms
+        self._busy_until = now_ms + duration
+        return self._busy_until
+
+    def end_step(self) -> StepOutput:
+        """Finish the step in progress: emit tokens, complete requests, free their blocks."""
+        end = self._busy_until
+        if end is None:
+            raise RuntimeError(f"engine {self.worker_id} has no step in progress")
+        advanced: list[Request] = []
+        finished: list[Request] = []
+        vocab_span = VOCAB_SIZE - RESERVED_IDS
+        rng = self._rng
+        for request, n in self._scheduled:
+            if request.state != "running":
+                continue  # aborted during the step
+            if n == 0:
+                request.awaiting_first = False
+                request.first_token_ms = request.last_token_ms = end
+                advanced.append(request)
+                continue
+            computed = request.num_computed + n
+            request.num_computed = computed
+            if computed < request.num_tokens:
+                continue
+            rng = (rng * _LCG_MUL + _LCG_ADD) & _MASK64
+            request.tokens[computed] = RESERVED_IDS + (rng >> 33) % vocab_span
+            request.num_tokens = computed + 1
+            request.num_output += 1
+            if request.num_output == 1:
+                request.first_token_ms = end
+            request.last_token_ms = end
+            advanced.append(request)
+            if request.num_output >= request.max_tokens:
+                request.state = "finished"
+                request.finish_ms = end
+                self.blocks.release(request)
+                del self.requests[request.request_id]
+                finished.append(request)
+        self._rng = rng
+        self.generation_tokens_total += len(advanced)
+        if finished:
+            self.running = [r for r in self.running if r.state == "running"]
+        output = StepOutput(
+            start_ms=self._step_start,
+            end_ms=end,
+            advanced=advanced,
+            finished=finished,
+            preempted=self._preempted,
+            prefill_tokens=self._prefill_tokens,
+            decode_tokens=self._decode_tokens,
+        )
+        self._scheduled = []
+        self._preempted = []
+        self._busy_until = None
+        return output
+
+    def _collect_transfers(self, now_ms: float) -> None:
+        ready = [r for r in self._transfers if r.ready_ms <= now_ms]
+        if not ready:
+            return
+        ready.sort(key=lambda r: r.ready_ms)
+        for request in ready:
+            self._transfers.remove(request)
+            request.state = "waiting"
+            request.awaiting_first = True
+            self.waiting.append(request)
+
+    def _admission_hit(self, request: Request) -> int:
+        """Tokens of ``request`` already cached; recorded as its prefix hit at first admission."""
+        size = self.block_size
+        self._ensure_hashes(request, request.num_tokens // size)
+        hit = self.blocks.match_prefix(request.hashes[: request.num_tokens // size]) * size
+        computed = min(hit, request.num_tokens - 1)
+        if request.cached_tokens < 0:
+            request.cached_tokens = min(computed, request.prompt_len)
+            self.cached_tokens_total += request.cached_tokens
+        return computed
+
+    def _ensure_hashes(self, request: Request, full_blocks: int) -> None:
+        hashes = request.hashes
+        if len(hashes) >= full_blocks:
+            return
+        size = self.block_size
+        start = len(hashes)
+        local = tokens_hashes(request.tokens[start * size : full_blocks * size], block_size=size)
+        parent = hashes[-1] if hashes else None
+        for value in local:
+            parent = chain_hash(parent, value)
+            hashes.append(parent)
+        request.tokens_hashes.extend(local)
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        size = self.block_size
+        full = num_tokens // size
+        if full == len(request.blocks) and (1 if num_tokens % size else 0) == request.partial:
+            return True  # the common decode step: the last block still has room
+        if len(request.hashes) < full:
+            self._ensure_hashes(request, full)
+        return self.blocks.grow(
+            request,
+            num_tokens=num_tokens,
+            hashes=request.hashes,
+            tokens_hashes=request.tokens_hashes,
+            tokens=request.tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.release(request)
+        request.num_computed = 0
+        request.awaiting_first = False
+        request.preemptions += 1
+        request.state = "waiting"
+        self.preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # cache ----------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (emits ``cleared``); ``False`` while requests hold blocks."""
+        cached = list(self.blocks.meta) if self.trtllm_events is not None else []
+        if not self.blocks.clear():
+            return False
+        if self.trtllm_events is not None:
+            # TensorRT-LLM has no "cleared" event: a reset shows as the removal of every block
+            self.trtllm_events[-1]["data"]["block_hashes"] = cached
+        return True
+
+    @property
+    def kv_utilization(self) -> float:
+        """Fraction of blocks referenced by running requests."""
+        return self.blocks.used_blocks / self.blocks.num_blocks
+
+    def _emit(self, data: KvEventData, block_tokens: list[np.ndarray] | None) -> None:
+        self._last_event_id += 1
+        event = KvEvent.model_construct(event_id=self._last_event_id, data=data)
+        self._pending_events.append(event)
+        if self.trtllm_events is not None:
+            self.trtllm_events.append(_trtllm_event(event, block_tokens, window=self.config.max_model_len))
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """KV events emitted since the last drain, oldest first."""
+        events, self._pending_events = self._pending_events, []
+        return events
+
+    @property
+    def last_event_id(self) -> int:
+        """Id of the last event emitted (drained or not)."""
+        return self._last_event_id
+
+    def dump_kv(self) -> KvDump:
+        """Everything cached, as of :attr:`last_event_id`."""
+        return KvDump(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            block_size=self.block_size,
+            last_event_id=self._last_event_id,
+            blocks=tuple(
+                DumpBlock.model_construct(block_hash=h, parent_hash=p, tokens_hash=t)
+                for h, p, t in self.blocks.iter_cached()
+            ),
+        )
+
+
+def _trtllm_event(event: KvEvent, block_tokens: list[np.ndarray] | None, *, window: int) -> dict[str, Any]:
+    """``event`` in the JSON ``trtllm-serve`` drains (mocked engines use copse hashes as engine hashes)."""
+    data = event.data
+    body: dict[str, Any]
+    if data.type == "stored":
+        tokens = block_tokens or [np.empty(0, dtype=np.uint32)] * len(data.blocks)
+        body = {
+            "type": "stored",
+            "parent_hash": data.parent_hash,
+            "blocks": [
+                {
+                    "type": "stored_block",
+                    "block_hash": block.block_hash,
+                    "tokens": [
+                        {"type": "unique_token", "token_id": int(t), "token_extra_id": 0}
+                        for t in ids.tolist()
+                    ],
+                    "cache_level": 0,
+                    "priority": 35,
+                }
+                for block, ids in zip(data.blocks, tokens, strict=True)
+            ],
+        }
+    elif data.type == "removed":
+        body = {"type": "removed", "block_hashes": list(data.block_hashes)}
+    else:
+        body = {"type": "removed", "block_hashes": []}  # filled in by Engine.reset_prefix_cache
+    return {"event_id": event.event_id, "data": body, "window_size": window}
