@@ -1,0 +1,83 @@
+"""The approximate indexer, for engines that publish no KV events.
+
+It learns only from the router's own decisions: a request routed to a worker leaves its prompt
+blocks cached there. Instead of forgetting blocks after a fixed time (Dynamo's 120 s TTL), it
+simulates each worker's LRU cache with that worker's real capacity in blocks: blocks are touched
+in the order an engine releases them (output blocks first, then the prompt from its tail to its
+head, so shared prefixes stay longest), and the least recently touched blocks are evicted once
+the worker's capacity is exceeded. Output blocks occupy capacity but are never matched (the router
+cannot know their hashes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from copse.router.indexer import BlockIndex, Overlaps
+
+
+class ApproximateIndexer:
+    """A :class:`BlockIndex` fed by routing decisions, with one simulated LRU cache per worker."""
+
+    __slots__ = ("_anonymous", "_capacity", "_lru", "default_capacity_blocks", "index")
+
+    def __init__(self, *, default_capacity_blocks: int) -> None:
+        if default_capacity_blocks < 1:
+            raise ValueError(f"default_capacity_blocks={default_capacity_blocks} must be at least 1")
+        self.default_capacity_blocks = default_capacity_blocks
+        """Cache size assumed for a worker whose own size is not known."""
+        self.index = BlockIndex()
+        self._lru: dict[int, OrderedDict[int, None]] = {}
+        self._capacity: dict[int, int] = {}
+        self._anonymous = itertools.count(-1, -1)
+
+    def set_capacity(self, slot: int, blocks: int) -> None:
+        """The worker in ``slot`` holds at most ``blocks`` blocks (from its engine config)."""
+        if blocks < 1:
+            raise ValueError(f"capacity of slot {slot} must be at least 1 block, got {blocks}")
+        self._capacity[slot] = blocks
+        self._evict(slot)
+
+    def capacity(self, slot: int) -> int:
+        """Blocks the worker in ``slot`` is assumed to hold at most."""
+        return self._capacity.get(slot, self.default_capacity_blocks)
+
+    def overlaps(self, hashes: Sequence[int]) -> Overlaps:
+        return self.index.overlaps(hashes)
+
+    def blocks_held(self, slot: int) -> int:
+        return self.index.blocks_held(slot)
+
+    def on_routed(self, slot: int, hashes: Sequence[int], *, total_blocks: int) -> None:
+        lru = self._lru.get(slot)
+        if lru is None:
+            lru = self._lru[slot] = OrderedDict()
+        anonymous = self._anonymous
+        for _ in range(total_blocks - len(hashes)):
+            lru[next(anonymous)] = None
+        new: list[int] = []
+        for block in reversed(hashes):
+            if block in lru:
+                lru.move_to_end(block)
+            else:
+                lru[block] = None
+                new.append(block)
+        self.index.store(slot, new)
+        self._evict(slot)
+
+    def drop_worker(self, slot: int) -> None:
+        self._lru.pop(slot, None)
+        self._capacity.pop(slot, None)
+        self.index.drop(slot)
+
+    def _evict(self, slot: int) -> None:
+        lru = self._lru.get(slot)
+        if lru is None:
+            return
+        excess = len(lru) - self.capacity(slot)
+        if excess <= 0:
+            return
+        evicted = [lru.popitem(last=False)[0] for _ in range(excess)]
+        self.index.remove(slot, [block for block in evicted if block >= 0])

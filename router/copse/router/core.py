@@ -1,0 +1,517 @@
+"""The routing core: workers, indexer, in-flight load, policy, busy thresholds, the wait queue and
+disaggregated prefill -> decode routing. Pure: the caller supplies the clock and does the I/O.
+
+Lifecycle of a request: :meth:`Router.submit` routes it (or queues it while every worker is
+busy); the caller sends it, then reports :meth:`Router.prefill_done` at its first token and
+:meth:`Router.finish` at its end (or failure). Those two free capacity, so they return the queued
+requests that can now be routed.
+
+Roles: ``worker`` engines serve whole requests. With ``prefill`` and ``decode`` engines, a request
+is prefilled on a prefill worker and decoded on a decode worker close to it (same locality, e.g.
+NVLink domain, when the policy finds one as good), with the KV moved between them. A prompt whose
+uncached part is so short that moving its KV would take longer than prefilling it where it is
+decoded stays on the decode worker, and so does everything when no prefill worker is available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from copse.router.approx import ApproximateIndexer
+from copse.router.cost import FloatArray, PerfTable
+from copse.router.indexer import Indexer, RadixIndexer
+from copse.router.policies import (
+    KvPolicy,
+    Policy,
+    RouteRequest,
+    Selection,
+    SelectionSettings,
+    make_policy,
+    pick_lowest,
+)
+from copse.router.sequences import ActiveSequences
+from copse.router.slots import WorkerSlots
+from copse.workers.perf import PerfModel
+
+BoolArray = npt.NDArray[np.bool_]
+
+
+class Role(enum.StrEnum):
+    """What an engine does (the pod label ``copse.dev/role``)."""
+
+    WORKER = "worker"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class QueueFull(RuntimeError):
+    """Every worker is busy and the wait queue is full: the request cannot be accepted now."""
+
+
+class NoWorkers(RuntimeError):
+    """No worker can serve the request at all (none registered, or all excluded for it)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When a worker counts as saturated, and how many requests may wait for one."""
+
+    busy_prefill_tokens: float = 4 * 8192
+    """A worker with more uncached prompt tokens than this still to prefill takes no new request
+    (Dynamo's default: 4 x the engine's 8192-token step budget)."""
+    busy_kv_fraction: float = 0.95
+    """A worker whose predicted KV use exceeds this fraction of its cache takes no new request
+    (beyond it the engine would preempt running sequences)."""
+    queue_size: int = 1024
+    """Requests that may wait while every worker is busy; beyond it new requests are refused."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DisaggSettings:
+    """What moving KV from a prefill to a decode worker costs."""
+
+    kv_bytes_per_token: float = 131072.0
+    """KV bytes per token of the model (Llama-3-8B in fp16: 32 layers x 8 KV heads x 128 x 2 x 2)."""
+    near_gbps: float = 400.0
+    """Transfer bandwidth between workers of the same locality (NVLink domain), GB/s."""
+    far_gbps: float = 25.0
+    """Transfer bandwidth between workers of different localities (RDMA NIC), GB/s."""
+    overhead_ms: float = 5.0
+    """Fixed cost of handing a request over (a second request, transfer set-up): what keeps short
+    prompts on the decode worker."""
+
+    def transfer_ms(self, tokens: float, *, near: bool) -> float:
+        """Time to hand over a request and move the KV of ``tokens`` tokens, ms."""
+        gbps = self.near_gbps if near else self.far_gbps
+        return self.overhead_ms + tokens * self.kv_bytes_per_token / (gbps * 1e9) * 1000.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker the router may send requests to."""
+
+    worker_id: str
+    """Identity of the engine; KV events carry the same id."""
+    role: Role
+    locality: str | None = None
+    """Workers with the same locality exchange KV cheaply (e.g. the NVLink domain)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request goes."""
+
+    request_id: str
+    worker_id: str
+    """The worker that streams the output (aggregated, or the decode worker)."""
+    prefill_worker_id: str | None
+    """The worker that prefills first (disaggregated); ``None`` when ``worker_id`` prefills."""
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens the prefilling worker is predicted to hold already."""
+    predicted_ttft_ms: float
+    """Predicted time to first token at the moment of routing."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlightRecord:
+    """What one worker was charged for a request (shared with peer routers)."""
+
+    worker_id: str
+    hashes: Sequence[int]
+    prefill_tokens: int
+    prefill_ms: float
+    kv_tokens: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerChange:
+    """A change of in-flight load that other router replicas must mirror."""
+
+    op: Literal["add", "prefilled", "free"]
+    key: str
+    """Names one charge of one request on one worker, unique within the router that made it."""
+    record: FlightRecord | None = None
+    """What was charged (``add`` only)."""
+
+
+def _prefill_key(request_id: str) -> str:
+    return request_id + "\x00prefill"
+
+
+class Router:
+    """Routes requests to workers; see the module documentation for the lifecycle."""
+
+    def __init__(
+        self,
+        *,
+        perf: PerfModel,
+        settings: SelectionSettings,
+        policy: str = "kv",
+        thresholds: Thresholds | None = None,
+        disagg: DisaggSettings | None = None,
+        use_kv_events: bool = True,
+        share_load: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.thresholds = thresholds or Thresholds()
+        self.disagg = disagg or DisaggSettings()
+        self.perf = PerfTable(perf)
+        self.policy_name = policy
+        self.policy: Policy = make_policy(policy)
+        self._kv = KvPolicy()
+        self.slots = WorkerSlots()
+        self.indexer: Indexer
+        if use_kv_events:
+            self.radix: RadixIndexer | None = RadixIndexer(self.slots)
+            self.indexer = self.radix
+        else:
+            self.radix = None
+            self.indexer = ApproximateIndexer(
+                default_capacity_blocks=max(1, perf.kv_capacity_tokens // settings.block_size)
+            )
+        self.sequences = ActiveSequences(block_size=settings.block_size)
+        self.rng = random.Random(seed)
+        self.workers: dict[str, WorkerInfo] = {}
+        self._roles = {role: np.zeros(0, dtype=bool) for role in Role}
+        self._queue: deque[tuple[RouteRequest, frozenset[str]]] = deque()
+        self._queued: set[str] = set()
+        self._routes: dict[str, Route] = {}
+        self.outbox: list[PeerChange] | None = [] if share_load else None
+        """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
+        self.prompt_tokens_routed = 0
+        """Prompt tokens of every routed request (for the predicted hit rate)."""
+        self.cached_tokens_routed = 0
+        """Prompt tokens the chosen workers were predicted to hold."""
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def add_worker(self, info: WorkerInfo, *, now: float) -> list[Route]:
+        """Register (or update) a worker; returns queued requests it lets through."""
+        slot = self.slots.slot(info.worker_id)
+        self._grow(slot + 1)
+        self.workers[info.worker_id] = info
+        for role, mask in self._roles.items():
+            mask[slot] = role is info.role
+        return self._drain(now=now)
+
+    def remove_worker(self, worker_id: str) -> list[str]:
+        """Forget a worker that left; returns the ids of the requests that were in flight on it
+        (they are freed here; the caller retries or fails them)."""
+        if self.workers.pop(worker_id, None) is None:
+            return []
+        slot = self.slots.get(worker_id)
+        if slot is None:
+            return []
+        for mask in self._roles.values():
+            mask[slot] = False
+        lost = {key.removesuffix("\x00prefill") for key in self.sequences.drop_worker(slot)}
+        for request_id in lost:
+            self._routes.pop(request_id, None)
+        if self.radix is not None:
+            self.radix.forget(worker_id)
+        else:
+            self.indexer.drop_worker(slot)
+        self.slots.release(worker_id)
+        return sorted(lost)
+
+    def _grow(self, size: int) -> None:
+        self.sequences.ensure(size)
+        size = self.sequences.size
+        for role, mask in self._roles.items():
+            if len(mask) < size:
+                grown = np.zeros(size, dtype=bool)
+                grown[: len(mask)] = mask
+                self._roles[role] = grown
+
+    # -- routing ------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a worker."""
+        return len(self._queue)
+
+    def route_of(self, request_id: str) -> Route | None:
+        """The route of an in-flight request."""
+        return self._routes.get(request_id)
+
+    def submit(
+        self, request: RouteRequest, *, now: float, exclude: frozenset[str] = frozenset()
+    ) -> Route | None:
+        """Route ``request``; ``None`` when it waits in the queue (it comes back from
+        :meth:`prefill_done`, :meth:`finish` or :meth:`add_worker`). Raises :class:`NoWorkers` when
+        no registered worker could ever take it and :class:`QueueFull` when it cannot wait."""
+        if not self._servable(exclude):
+            raise NoWorkers("no worker is available for this request")
+        route = None if self._queue else self._try_route(request, now=now, exclude=exclude)
+        if route is None:
+            self._enqueue(request, exclude)
+        return route
+
+    def _enqueue(self, request: RouteRequest, exclude: frozenset[str]) -> None:
+        if len(self._queue) >= self.thresholds.queue_size:
+            raise QueueFull(f"all workers are busy and {len(self._queue)} requests are already waiting")
+        self._queue.append((request, exclude))
+        self._queued.add(request.request_id)
+
+    def prefill_done(self, request_id: str, *, now: float) -> list[Route]:
+        """The first token of ``request_id`` arrived; returns queued requests now routed."""
+        route = self._routes.get(request_id)
+        if route is None:
+            return []
+        self.sequences.prefill_done(request_id, now=now)
+        self._share(PeerChange(op="prefilled", key=request_id))
+        if route.prefill_worker_id is not None:
+            self.sequences.free(_prefill_key(request_id), now=now)
+            self._share(PeerChange(op="free", key=_prefill_key(request_id)))
+        return self._drain(now=now)
+
+    def finish(self, request_id: str, *, now: float) -> list[Route]:
+        """``request_id`` ended, failed or was cancelled; returns queued requests now routed."""
+        if request_id in self._queued:
+            self._queued.discard(request_id)
+            self._queue = deque(item for item in self._queue if item[0].request_id != request_id)
+            return []
+        route = self._routes.pop(request_id, None)
+        if route is None:
+            return []
+        self.sequences.free(request_id, now=now)
+        self._share(PeerChange(op="free", key=request_id))
+        prefill_key = _prefill_key(request_id)
+        if route.prefill_worker_id is not None and self.sequences.free(prefill_key, now=now) is not None:
+            self._share(PeerChange(op="free", key=prefill_key))
+        return self._drain(now=now)
+
+    def _share(self, change: PeerChange) -> None:
+        if self.outbox is not None:
+            self.outbox.append(change)
+
+    def _servable(self, exclude: frozenset[str]) -> bool:
+        return any(worker_id not in exclude for worker_id in self.workers)
+
+    def _drain(self, *, now: float) -> list[Route]:
+        routed: list[Route] = []
+        while self._queue:
+            request, exclude = self._queue[0]
+            route = self._try_route(request, now=now, exclude=exclude)
+            if route is None:
+                break
+            self._queue.popleft()
+            self._queued.discard(request.request_id)
+            routed.append(route)
+        return routed
+
+    def _eligible(self, role: Role, exclude: frozenset[str]) -> tuple[BoolArray, BoolArray]:
+        """(workers of ``role`` not excluded, those of them not busy)."""
+        present = self._roles[role].copy()
+        for worker_id in exclude:
+            slot = self.slots.get(worker_id)
+            if slot is not None:
+                present[slot] = False
+        if not present.any():
+            return present, present
+        seq, thresholds = self.sequences, self.thresholds
+        busy = (seq.requests > 0) & (
+            (seq.prefill_tokens > thresholds.busy_prefill_tokens)
+            | (seq.kv_tokens() > thresholds.busy_kv_fraction * self.perf.kv_capacity_tokens)
+        )
+        return present, present & ~busy
+
+    def _selection(self, request: RouteRequest, slots: npt.NDArray[np.int64], *, now: float) -> Selection:
+        overlaps = self.indexer.overlaps(request.hashes)
+        aligned = np.zeros(len(slots))
+        if overlaps:
+            for position, slot in enumerate(slots.tolist()):
+                depth = overlaps.get(slot)
+                if depth:
+                    aligned[position] = depth
+        return Selection(
+            request=request,
+            slots=slots,
+            overlaps=aligned,
+            sequences=self.sequences,
+            indexer=self.indexer,
+            perf=self.perf,
+            settings=self.settings,
+            rng=self.rng,
+            now=now,
+        )
+
+    def _try_route(self, request: RouteRequest, *, now: float, exclude: frozenset[str]) -> Route | None:
+        _, worker_free = self._eligible(Role.WORKER, exclude)
+        _, decode_free = self._eligible(Role.DECODE, exclude)
+        if decode_free.any():
+            _, prefill_free = self._eligible(Role.PREFILL, exclude)
+            if prefill_free.any():
+                return self._route_disaggregated(request, prefill_free, decode_free, now=now)
+            # No prefill worker available: decode workers serve whole requests.
+            worker_free = worker_free | decode_free
+        if not worker_free.any():
+            return None
+        selection = self._selection(request, np.flatnonzero(worker_free), now=now)
+        return self._commit_aggregated(selection, self.policy.choose(selection), now=now)
+
+    def _commit_aggregated(self, selection: Selection, position: int, *, now: float) -> Route:
+        request = selection.request
+        chosen = selection.subset(position)
+        cached = int(chosen.cached_tokens()[0])
+        slot = int(chosen.slots[0])
+        record = self._charge(
+            request, slot=slot, cached_tokens=cached, output=True, key=request.request_id, now=now
+        )
+        route = Route(
+            request_id=request.request_id,
+            worker_id=record.worker_id,
+            prefill_worker_id=None,
+            prompt_tokens=request.prompt_tokens,
+            cached_tokens=cached,
+            predicted_ttft_ms=float(KvPolicy.ttft_ms(chosen)[0]),
+        )
+        self._commit(route, [(request.request_id, record)])
+        return route
+
+    def _route_disaggregated(
+        self, request: RouteRequest, prefill_free: BoolArray, decode_free: BoolArray, *, now: float
+    ) -> Route:
+        prefill = self._selection(request, np.flatnonzero(prefill_free), now=now)
+        p_position = self.policy.choose(prefill)
+        p_slot = int(prefill.slots[p_position])
+        p_locality = self.workers[self.slots.worker_id(p_slot)].locality
+
+        decode = self._selection(request, np.flatnonzero(decode_free), now=now)
+        localities = [self.workers[self.slots.worker_id(int(slot))].locality for slot in decode.slots]
+        near = np.array([p_locality is not None and loc == p_locality for loc in localities], dtype=bool)
+        transfer: FloatArray = np.where(
+            near,
+            self.disagg.transfer_ms(request.prompt_tokens, near=True),
+            self.disagg.transfer_ms(request.prompt_tokens, near=False),
+        )
+        if self.policy_name == "kv":
+            d_position = pick_lowest(KvPolicy.decode_ms(decode) + transfer, temperature=0.0, rng=self.rng)
+        else:
+            d_position = self.policy.choose(decode)
+        local_cached = int(decode.cached_tokens()[d_position])
+        local_compute = (
+            self.perf.prefill_ms(new_tokens=request.prompt_tokens - local_cached, cached_tokens=local_cached)
+            - self.perf.f0
+        )
+        if local_compute <= transfer[d_position]:
+            # Moving the KV would cost more than computing it within the decode worker's next step.
+            return self._commit_aggregated(decode, d_position, now=now)
+        remote_ttft = float(KvPolicy.ttft_ms(prefill.subset(p_position))[0] + transfer[d_position])
+
+        cached = int(prefill.cached_tokens()[p_position])
+        prefill_key = _prefill_key(request.request_id)
+        p_record = self._charge(
+            request, slot=p_slot, cached_tokens=cached, output=False, key=prefill_key, now=now
+        )
+        d_record = self._charge(
+            request,
+            slot=int(decode.slots[d_position]),
+            cached_tokens=request.prompt_tokens,
+            output=True,
+            key=request.request_id,
+            now=now,
+        )
+        route = Route(
+            request_id=request.request_id,
+            worker_id=d_record.worker_id,
+            prefill_worker_id=p_record.worker_id,
+            prompt_tokens=request.prompt_tokens,
+            cached_tokens=cached,
+            predicted_ttft_ms=remote_ttft,
+        )
+        self._commit(route, [(prefill_key, p_record), (request.request_id, d_record)])
+        return route
+
+    def _commit(self, route: Route, records: list[tuple[str, FlightRecord]]) -> None:
+        self._routes[route.request_id] = route
+        self.prompt_tokens_routed += route.prompt_tokens
+        self.cached_tokens_routed += route.cached_tokens
+        for key, record in records:
+            self._share(PeerChange(op="add", key=key, record=record))
+
+    def _charge(
+        self, request: RouteRequest, *, slot: int, cached_tokens: int, output: bool, key: str, now: float
+    ) -> FlightRecord:
+        """Account ``request`` on ``slot``: prefill the uncached tokens, hold the prompt's KV (and
+        the output's, where it decodes)."""
+        bs = self.settings.block_size
+        new_tokens = request.prompt_tokens - cached_tokens
+        prefill_ms = 0.0
+        if new_tokens:
+            prefill_ms = self.perf.prefill_ms(new_tokens=new_tokens, cached_tokens=cached_tokens)
+        tail = request.prompt_tokens - len(request.hashes) * bs
+        kv_extra = float(tail + (request.max_tokens if output else 0))
+        self.sequences.add(
+            key,
+            slot=slot,
+            hashes=request.hashes,
+            prefill_tokens=new_tokens,
+            prefill_ms=prefill_ms,
+            kv_tokens=kv_extra,
+            now=now,
+        )
+        total_blocks = math.ceil((request.prompt_tokens + (request.max_tokens if output else 0)) / bs)
+        self.indexer.on_routed(slot, request.hashes, total_blocks=total_blocks)
+        return FlightRecord(
+            worker_id=self.slots.worker_id(slot),
+            hashes=request.hashes,
+            prefill_tokens=new_tokens,
+            prefill_ms=prefill_ms,
+            kv_tokens=kv_extra,
+        )
+
+    # -- peers (replica sync) -----------------------------------------------------------------
+
+    def apply_peer(self, change: PeerChange, *, peer: str, now: float) -> list[Route]:
+        """Mirror a change made by the router replica ``peer``; returns queued requests it lets
+        through. Charges on workers this router does not know are ignored."""
+        key = f"{peer}/{change.key}"
+        if change.op == "add":
+            record = change.record
+            if record is None or record.worker_id not in self.workers:
+                return []
+            slot = self.slots.get(record.worker_id)
+            if slot is None:
+                return []
+            self.sequences.add(
+                key,
+                slot=slot,
+                hashes=record.hashes,
+                prefill_tokens=record.prefill_tokens,
+                prefill_ms=record.prefill_ms,
+                kv_tokens=record.kv_tokens,
+                now=now,
+            )
+            return []
+        if change.op == "prefilled":
+            self.sequences.prefill_done(key, now=now)
+        else:
+            self.sequences.free(key, now=now)
+        return self._drain(now=now)
+
+    def forget_peer(self, peer: str, *, now: float) -> list[Route]:
+        """Drop every charge made by ``peer`` (it stopped or restarted)."""
+        prefix = f"{peer}/"
+        for key in self.sequences.keys_with_prefix(prefix):
+            self.sequences.free(key, now=now)
+        return self._drain(now=now)
+
+    def expire(self, *, now: float, max_age_s: float) -> list[str]:
+        """Free in-flight entries older than ``max_age_s`` whose end was never reported (lost peer
+        messages, or a caller that never reported); returns their keys."""
+        expired = self.sequences.expire(now=now, max_age_s=max_age_s)
+        for key in expired:
+            self._routes.pop(key, None)
+        return expired

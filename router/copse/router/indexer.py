@@ -1,0 +1,302 @@
+"""Which workers hold which prompt prefixes: the radix-tree indexer fed by KV events.
+
+A prompt is a sequence of chained block hashes (:mod:`copse.workers.protocol.hashing`): the hash
+of block *i* names the whole prefix up to and including block *i*, so it *is* the path from the
+root of the prefix tree to that node. The tree is therefore stored as one map from node (block
+hash) to the set of workers holding it, with no child maps to walk: matching a prompt is one map
+look-up per block and an intersection of worker sets, here bitmasks over worker slots.
+
+For a prompt, :meth:`BlockIndex.overlaps` answers how many leading blocks each worker holds: a
+worker counts up to the first block it does not hold, even if it holds later ones (it cannot
+reuse KV after a gap).
+
+:class:`RadixIndexer` keeps the index in step with each worker's event stream: events are
+applied in ``event_id`` order per engine incarnation (``epoch``); a gap, a new incarnation that
+does not start at event 1, or events from a worker never seen before (the router started after
+it) drop what is known of that worker and ask for a dump (:class:`ResyncNeeded`); events that
+arrive meanwhile are buffered and replayed after the dump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from copse.router.slots import WorkerSlots
+from copse.workers.protocol import KvCleared, KvDump, KvEvent, KvEventBatch, KvRemoved, KvStored
+
+Overlaps = dict[int, int]
+"""Worker slot -> number of leading prompt blocks that worker holds (only workers with at least one)."""
+
+#: Events kept per worker while a dump is awaited; older ones are dropped, which the id check
+#: after the dump turns into a new resync rather than a silent divergence.
+MAX_BUFFERED_EVENTS = 65536
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class BlockIndex:
+    """The prefix tree: block hash -> bitmask of the worker slots holding that block."""
+
+    __slots__ = ("_held", "_masks")
+
+    def __init__(self) -> None:
+        self._masks: dict[int, int] = {}
+        self._held: dict[int, set[int]] = {}
+
+    def store(self, slot: int, hashes: Iterable[int]) -> None:
+        """``slot`` now holds every block in ``hashes``."""
+        bit = 1 << slot
+        masks = self._masks
+        held = self._held.get(slot)
+        if held is None:
+            held = self._held[slot] = set()
+        for block in hashes:
+            masks[block] = masks.get(block, 0) | bit
+            held.add(block)
+
+    def remove(self, slot: int, hashes: Iterable[int]) -> None:
+        """``slot`` no longer holds the blocks in ``hashes`` (unknown ones are ignored)."""
+        held = self._held.get(slot)
+        if not held:
+            return
+        keep = ~(1 << slot)
+        masks = self._masks
+        for block in hashes:
+            if block in held:
+                held.discard(block)
+                mask = masks[block] & keep
+                if mask:
+                    masks[block] = mask
+                else:
+                    del masks[block]
+
+    def clear(self, slot: int) -> None:
+        """Forget every block of ``slot``."""
+        held = self._held.get(slot)
+        if not held:
+            return
+        keep = ~(1 << slot)
+        masks = self._masks
+        for block in held:
+            mask = masks[block] & keep
+            if mask:
+                masks[block] = mask
+            else:
+                del masks[block]
+        held.clear()
+
+    def drop(self, slot: int) -> None:
+        """Forget ``slot`` entirely (its worker is gone and the slot may be reused)."""
+        self.clear(slot)
+        self._held.pop(slot, None)
+
+    def holds(self, slot: int, block: int) -> bool:
+        """Whether ``slot`` holds ``block``."""
+        return bool(self._masks.get(block, 0) >> slot & 1)
+
+    def blocks_held(self, slot: int) -> int:
+        """Number of blocks ``slot`` holds."""
+        held = self._held.get(slot)
+        return len(held) if held else 0
+
+    def __len__(self) -> int:
+        """Number of distinct blocks held by at least one worker (tree nodes)."""
+        return len(self._masks)
+
+    def overlaps(self, hashes: Sequence[int]) -> Overlaps:
+        """For every worker holding at least the first block: how many leading blocks it holds."""
+        if not hashes:
+            return {}
+        masks = self._masks
+        active = masks.get(hashes[0], 0)
+        out: Overlaps = {}
+        depth = 1
+        n = len(hashes)
+        while active and depth < n:
+            mask = active & masks.get(hashes[depth], 0)
+            if mask != active:
+                for slot in _bits(active & ~mask):
+                    out[slot] = depth
+                active = mask
+            depth += 1
+        for slot in _bits(active):
+            out[slot] = depth
+        return out
+
+
+class Indexer(Protocol):
+    """What the router asks of an indexer, whichever way it learns the workers' caches."""
+
+    def overlaps(self, hashes: Sequence[int]) -> Overlaps:
+        """Leading blocks of ``hashes`` each worker holds."""
+        ...
+
+    def blocks_held(self, slot: int) -> int:
+        """Blocks the worker in ``slot`` is believed to hold."""
+        ...
+
+    def on_routed(self, slot: int, hashes: Sequence[int], *, total_blocks: int) -> None:
+        """The router sent a request with prompt ``hashes`` (``total_blocks`` of KV including its
+        output) to ``slot``."""
+        ...
+
+    def drop_worker(self, slot: int) -> None:
+        """Forget a worker that left."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResyncNeeded:
+    """The index lost track of ``worker_id`` at ``epoch``: ask it for a dump."""
+
+    worker_id: str
+    epoch: int
+    reason: str
+    """Why, for logs and metrics: ``gap``, ``new-worker`` or ``new-epoch``."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    epoch: int
+    last_event_id: int = 0
+    awaiting_dump: bool = False
+    buffer: list[KvEvent] = dataclasses.field(default_factory=list)
+
+
+class RadixIndexer:
+    """The exact indexer: a :class:`BlockIndex` driven by each worker's KV event stream."""
+
+    __slots__ = ("_streams", "index", "slots", "stats")
+
+    def __init__(self, slots: WorkerSlots) -> None:
+        self.slots = slots
+        self.index = BlockIndex()
+        self._streams: dict[str, _Stream] = {}
+        self.stats: dict[str, int] = {"events": 0, "blocks": 0, "resyncs": 0, "duplicates": 0, "stale": 0}
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def overlaps(self, hashes: Sequence[int]) -> Overlaps:
+        return self.index.overlaps(hashes)
+
+    def blocks_held(self, slot: int) -> int:
+        return self.index.blocks_held(slot)
+
+    def on_routed(self, slot: int, hashes: Sequence[int], *, total_blocks: int) -> None:
+        """Nothing to learn: the worker's events will say what it cached."""
+
+    def awaiting_dump(self, worker_id: str) -> bool:
+        """Whether a dump of ``worker_id`` is awaited (its blocks are unknown meanwhile)."""
+        stream = self._streams.get(worker_id)
+        return stream is not None and stream.awaiting_dump
+
+    def last_event_id(self, worker_id: str) -> int | None:
+        """Id of the last event applied for ``worker_id``; ``None`` for an unknown worker."""
+        stream = self._streams.get(worker_id)
+        return None if stream is None else stream.last_event_id
+
+    # -- updates ----------------------------------------------------------------------------
+
+    def drop_worker(self, slot: int) -> None:
+        self.index.drop(slot)
+
+    def forget(self, worker_id: str) -> None:
+        """Forget a worker that left: its blocks and its event stream position."""
+        self._streams.pop(worker_id, None)
+        slot = self.slots.get(worker_id)
+        if slot is not None:
+            self.index.drop(slot)
+
+    def apply(self, batch: KvEventBatch) -> ResyncNeeded | None:
+        """Apply one batch; returns a :class:`ResyncNeeded` when a dump must now be requested."""
+        return self.apply_events(batch.worker_id, epoch=batch.epoch, events=batch.events)
+
+    def apply_events(self, worker_id: str, *, epoch: int, events: Sequence[KvEvent]) -> ResyncNeeded | None:
+        """Apply consecutive events of one engine incarnation (what a batch carries)."""
+        stream = self._streams.get(worker_id)
+        if stream is not None and epoch < stream.epoch:
+            self.stats["stale"] += 1
+            return None
+        slot = self.slots.slot(worker_id)
+        if stream is None or epoch != stream.epoch:
+            reason = "new-worker" if stream is None else "new-epoch"
+            self.index.clear(slot)
+            stream = self._streams[worker_id] = _Stream(epoch=epoch)
+            if events and events[0].event_id != 1:
+                return self._lose_track(worker_id, stream, events, reason=reason)
+        if stream.awaiting_dump:
+            self._buffer(stream, events)
+            return None
+        return self._apply_events(worker_id, slot, stream, events)
+
+    def load_dump(self, dump: KvDump) -> ResyncNeeded | None:
+        """Replace what is known of ``dump.worker_id`` with the dump, then replay the events buffered
+        since the resync began. A dump older than what is already applied is ignored."""
+        stream = self._streams.get(dump.worker_id)
+        if stream is not None and (
+            dump.epoch < stream.epoch
+            or (
+                dump.epoch == stream.epoch
+                and not stream.awaiting_dump
+                and dump.last_event_id < stream.last_event_id
+            )
+        ):
+            self.stats["stale"] += 1
+            return None
+        if stream is None or dump.epoch != stream.epoch:
+            stream = self._streams[dump.worker_id] = _Stream(epoch=dump.epoch)
+        slot = self.slots.slot(dump.worker_id)
+        self.index.clear(slot)
+        self.index.store(slot, (block.block_hash for block in dump.blocks))
+        stream.last_event_id = dump.last_event_id
+        stream.awaiting_dump = False
+        buffered, stream.buffer = stream.buffer, []
+        return self._apply_events(dump.worker_id, slot, stream, buffered)
+
+    def _apply_events(
+        self, worker_id: str, slot: int, stream: _Stream, events: Sequence[KvEvent]
+    ) -> ResyncNeeded | None:
+        index = self.index
+        stats = self.stats
+        for position, event in enumerate(events):
+            if event.event_id <= stream.last_event_id:
+                stats["duplicates"] += 1
+                continue
+            if event.event_id != stream.last_event_id + 1:
+                index.clear(slot)
+                return self._lose_track(worker_id, stream, events[position:], reason="gap")
+            data = event.data
+            if isinstance(data, KvStored):
+                index.store(slot, [block.block_hash for block in data.blocks])
+                stats["blocks"] += len(data.blocks)
+            elif isinstance(data, KvRemoved):
+                index.remove(slot, data.block_hashes)
+                stats["blocks"] += len(data.block_hashes)
+            elif isinstance(data, KvCleared):
+                index.clear(slot)
+            stream.last_event_id = event.event_id
+            stats["events"] += 1
+        return None
+
+    def _lose_track(
+        self, worker_id: str, stream: _Stream, events: Sequence[KvEvent], *, reason: str
+    ) -> ResyncNeeded:
+        stream.awaiting_dump = True
+        stream.buffer = []
+        self._buffer(stream, events)
+        self.stats["resyncs"] += 1
+        return ResyncNeeded(worker_id=worker_id, epoch=stream.epoch, reason=reason)
+
+    @staticmethod
+    def _buffer(stream: _Stream, events: Sequence[KvEvent]) -> None:
+        stream.buffer.extend(events)
+        excess = len(stream.buffer) - MAX_BUFFERED_EVENTS
+        if excess > 0:
+            del stream.buffer[:excess]

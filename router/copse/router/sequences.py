@@ -1,0 +1,265 @@
+"""In-flight load per worker, as the router itself sees it (no engine metrics needed).
+
+Every request the router sends is tracked from routing to its first token (*prefilling*) and on
+to its end (*decoding*): per worker, the number of requests, the uncached prompt tokens still to
+prefill and their predicted prefill time, the prompt blocks in use (deduplicated: two requests
+sharing a prefix use its blocks once) and the KV tokens the worker will need.
+
+The worker prefills its queue in arrival order, so the prefill backlog is the predicted time of
+every request not yet prefilled minus the time the oldest one has already been running (capped
+at its prediction): a worker that has been busy on a long prompt for a while is closer to free
+than its raw backlog says.
+
+Per-worker figures live in numpy arrays indexed by worker slot, so a policy reads all workers
+at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclasses.dataclass(slots=True)
+class Flight:
+    """One in-flight request on one worker."""
+
+    slot: int
+    hashes: Sequence[int]
+    """Prompt block hashes (their KV is in use on the worker until the request ends)."""
+    prefill_tokens: int
+    """Uncached prompt tokens the worker must compute before the first token."""
+    prefill_ms: float
+    """Predicted time of that prefill alone."""
+    kv_tokens: float
+    """KV tokens this request needs beyond its full prompt blocks (partial block + output)."""
+    started: float
+    """When it was routed (the clock of the caller), for the backlog and for expiry."""
+    prefilling: bool = True
+
+
+class ActiveSequences:
+    """Per-worker in-flight requests and the load figures derived from them."""
+
+    __slots__ = (
+        "_blocks",
+        "_flights",
+        "_pending",
+        "active_blocks",
+        "block_size",
+        "head_ms",
+        "head_start",
+        "kv_extra",
+        "prefill_ms",
+        "prefill_tokens",
+        "prefilling",
+        "requests",
+    )
+
+    def __init__(self, *, block_size: int, slots: int = 8) -> None:
+        self.block_size = block_size
+        """Tokens per block, to turn active blocks into KV tokens."""
+        self._flights: dict[str, Flight] = {}
+        self._blocks: list[dict[int, int]] = []
+        self._pending: list[OrderedDict[str, None]] = []
+        self.requests: FloatArray = np.zeros(0)
+        """In-flight requests per worker."""
+        self.prefilling: FloatArray = np.zeros(0)
+        """Requests per worker still waiting for their first token."""
+        self.prefill_tokens: FloatArray = np.zeros(0)
+        """Uncached prompt tokens per worker still to prefill."""
+        self.prefill_ms: FloatArray = np.zeros(0)
+        """Sum of predicted prefill times of the requests still prefilling, per worker."""
+        self.active_blocks: FloatArray = np.zeros(0)
+        """Distinct full prompt blocks in use per worker."""
+        self.kv_extra: FloatArray = np.zeros(0)
+        """KV tokens in use per worker beyond the full prompt blocks (partial blocks and outputs)."""
+        self.head_start: FloatArray = np.zeros(0)
+        """When the oldest prefilling request of each worker was routed."""
+        self.head_ms: FloatArray = np.zeros(0)
+        """Predicted prefill time of that oldest request (0 when none)."""
+        self.ensure(slots)
+
+    def ensure(self, size: int) -> None:
+        """Make room for worker slots ``0 .. size-1``."""
+        old = len(self._blocks)
+        if size <= old:
+            return
+        size = max(size, 2 * old)
+        for name in (
+            "requests",
+            "prefilling",
+            "prefill_tokens",
+            "prefill_ms",
+            "active_blocks",
+            "kv_extra",
+            "head_start",
+            "head_ms",
+        ):
+            grown = np.zeros(size)
+            grown[:old] = getattr(self, name)
+            setattr(self, name, grown)
+        self._blocks.extend({} for _ in range(size - old))
+        self._pending.extend(OrderedDict() for _ in range(size - old))
+
+    @property
+    def size(self) -> int:
+        """Length of the per-worker arrays."""
+        return len(self._blocks)
+
+    def kv_tokens(self) -> FloatArray:
+        """KV tokens in use per worker (deduplicated prompt blocks, partial blocks, outputs)."""
+        return self.active_blocks * self.block_size + self.kv_extra
+
+    def backlog_ms(self, now: float) -> FloatArray:
+        """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds)."""
+        progress = np.clip((now - self.head_start) * 1000.0, 0.0, self.head_ms)
+        return np.maximum(self.prefill_ms - progress, 0.0)
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._flights
+
+    def get(self, request_id: str) -> Flight | None:
+        """The flight of ``request_id`` if it is in flight."""
+        return self._flights.get(request_id)
+
+    def add(
+        self,
+        request_id: str,
+        *,
+        slot: int,
+        hashes: Sequence[int],
+        prefill_tokens: int,
+        prefill_ms: float,
+        kv_tokens: float,
+        now: float,
+    ) -> None:
+        """Start tracking a request routed to ``slot`` (a request id already tracked is replaced)."""
+        if request_id in self._flights:
+            self.free(request_id)
+        self.ensure(slot + 1)
+        flight = Flight(
+            slot=slot,
+            hashes=hashes,
+            prefill_tokens=prefill_tokens,
+            prefill_ms=prefill_ms,
+            kv_tokens=kv_tokens,
+            started=now,
+        )
+        self._flights[request_id] = flight
+        blocks = self._blocks[slot]
+        new = 0
+        for block in hashes:
+            count = blocks.get(block, 0)
+            blocks[block] = count + 1
+            new += count == 0
+        self.active_blocks[slot] += new
+        self.kv_extra[slot] += kv_tokens
+        self.requests[slot] += 1
+        self.prefilling[slot] += 1
+        self.prefill_tokens[slot] += prefill_tokens
+        self.prefill_ms[slot] += prefill_ms
+        pending = self._pending[slot]
+        pending[request_id] = None
+        if len(pending) == 1:
+            self.head_start[slot] = now
+            self.head_ms[slot] = prefill_ms
+
+    def prefill_done(self, request_id: str, *, now: float) -> int | None:
+        """The request's first token arrived; returns its worker slot (``None`` if not tracked)."""
+        flight = self._flights.get(request_id)
+        if flight is None or not flight.prefilling:
+            return None if flight is None else flight.slot
+        self._end_prefill(request_id, flight, now=now)
+        return flight.slot
+
+    def free(self, request_id: str, *, now: float | None = None) -> int | None:
+        """The request ended (or failed); returns its worker slot (``None`` if not tracked)."""
+        flight = self._flights.pop(request_id, None)
+        if flight is None:
+            return None
+        slot = flight.slot
+        if flight.prefilling:
+            self._end_prefill(request_id, flight, now=flight.started if now is None else now)
+        blocks = self._blocks[slot]
+        gone = 0
+        for block in flight.hashes:
+            count = blocks[block] - 1
+            if count:
+                blocks[block] = count
+            else:
+                del blocks[block]
+                gone += 1
+        self.active_blocks[slot] -= gone
+        self.kv_extra[slot] -= flight.kv_tokens
+        self.requests[slot] -= 1
+        if not self.requests[slot]:
+            # Exact zero, not an accumulated float residue.
+            self.kv_extra[slot] = 0.0
+            self.prefill_ms[slot] = 0.0
+        return slot
+
+    def _end_prefill(self, request_id: str, flight: Flight, *, now: float) -> None:
+        slot = flight.slot
+        flight.prefilling = False
+        self.prefilling[slot] -= 1
+        self.prefill_tokens[slot] -= flight.prefill_tokens
+        self.prefill_ms[slot] -= flight.prefill_ms
+        pending = self._pending[slot]
+        was_head = next(iter(pending)) == request_id
+        del pending[request_id]
+        if not pending:
+            self.prefill_ms[slot] = 0.0
+            self.head_ms[slot] = 0.0
+        elif was_head:
+            head = self._flights.get(next(iter(pending)))
+            self.head_start[slot] = max(now, head.started) if head is not None else now
+            self.head_ms[slot] = head.prefill_ms if head is not None else 0.0
+
+    def active_prefix(self, slot: int, hashes: Sequence[int], *, limit: int) -> int:
+        """How many leading blocks of ``hashes`` (at most ``limit``) are in use on ``slot``.
+
+        In-flight prompts are prefix chains, so the blocks in use on a worker are closed under
+        taking prefixes and a binary search finds the boundary.
+        """
+        blocks = self._blocks[slot] if slot < len(self._blocks) else {}
+        low, high = 0, min(limit, len(hashes))
+        while low < high:
+            middle = (low + high + 1) // 2
+            if hashes[middle - 1] in blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        """Ids of the tracked requests that start with ``prefix``."""
+        return [request_id for request_id in self._flights if request_id.startswith(prefix)]
+
+    def drop_worker(self, slot: int) -> list[str]:
+        """Forget every request on ``slot`` (its worker left); returns their ids."""
+        gone = [request_id for request_id, flight in self._flights.items() if flight.slot == slot]
+        for request_id in gone:
+            self.free(request_id)
+        return gone
+
+    def expire(self, *, now: float, max_age_s: float) -> list[str]:
+        """Free requests routed more than ``max_age_s`` before ``now`` (their end was never seen,
+        e.g. a peer router died); returns their ids."""
+        old: list[str] = []
+        for request_id, flight in self._flights.items():
+            if now - flight.started <= max_age_s:
+                break
+            old.append(request_id)
+        for request_id in old:
+            self.free(request_id, now=now)
+        return old

@@ -1,0 +1,262 @@
+"""The routing core: policies, busy thresholds and queue, disaggregation, replica mirroring."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+
+from copse.router.core import (
+    DisaggSettings,
+    NoWorkers,
+    PeerChange,
+    QueueFull,
+    Role,
+    Router,
+    Thresholds,
+    WorkerInfo,
+)
+from copse.router.policies import POLICIES, RouteRequest, SelectionSettings
+from copse.workers.perf import PolynomialPerfModel
+from copse.workers.protocol import KvEvent, KvStored, StoredBlock, block_hashes
+
+BS = 16
+PERF = PolynomialPerfModel()
+
+
+def _router(policy: str = "kv", *, workers: int = 4, role: Role = Role.WORKER, **kwargs: Any) -> Router:
+    router = Router(perf=PERF, settings=SelectionSettings(block_size=BS), policy=policy, seed=1, **kwargs)
+    for i in range(workers):
+        router.add_worker(WorkerInfo(worker_id=f"w{i}", role=role), now=0.0)
+    return router
+
+
+def _request(rid: str, tokens: list[int], max_tokens: int = 10) -> RouteRequest:
+    return RouteRequest(
+        request_id=rid,
+        hashes=block_hashes(tokens, block_size=BS),
+        prompt_tokens=len(tokens),
+        max_tokens=max_tokens,
+    )
+
+
+def _cache(router: Router, worker: str, tokens: list[int]) -> None:
+    """Worker ``worker`` reports (via KV events) that it holds the full blocks of ``tokens``."""
+    assert router.radix is not None
+    hashes = block_hashes(tokens, block_size=BS)
+    blocks = tuple(StoredBlock(block_hash=h, tokens_hash=h) for h in hashes)
+    next_id = (router.radix.last_event_id(worker) or 0) + 1
+    router.radix.apply_events(
+        worker, epoch=1, events=[KvEvent(event_id=next_id, data=KvStored(parent_hash=None, blocks=blocks))]
+    )
+
+
+PROMPT = list(range(1000, 1000 + 4096))
+
+
+def test_kv_prefers_the_worker_holding_the_prefix() -> None:
+    router = _router()
+    _cache(router, "w2", PROMPT[:4000])
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.worker_id == "w2"
+    assert route.cached_tokens == 4000
+    assert route.predicted_ttft_ms < PERF.prefill_ms(new_tokens=4096)
+
+
+def test_kv_leaves_a_cached_worker_whose_backlog_costs_more_than_the_hit_saves() -> None:
+    router = _router(workers=2)
+    _cache(router, "w0", PROMPT[:1024])
+    # w0 is busy prefilling three long uncached prompts
+    for i in range(3):
+        other = list(range(50_000 * (i + 1), 50_000 * (i + 1) + 8000))
+        router.sequences.add(
+            f"busy{i}",
+            slot=router.slots.slot("w0"),
+            hashes=[],
+            prefill_tokens=8000,
+            prefill_ms=PERF.prefill_ms(new_tokens=len(other)),
+            kv_tokens=8000,
+            now=0.0,
+        )
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.worker_id == "w1"
+
+
+def test_idle_workers_tie_and_ties_are_spread() -> None:
+    router = _router()
+    chosen: collections.Counter[str] = collections.Counter()
+    for i in range(40):
+        route = router.submit(_request(f"r{i}", list(range(i * 100, i * 100 + 64))), now=0.0)
+        assert route is not None
+        chosen[route.worker_id] += 1
+        router.finish(f"r{i}", now=0.0)
+    assert set(chosen) == {"w0", "w1", "w2", "w3"}
+
+
+def test_every_policy_is_registered_and_routes() -> None:
+    assert set(POLICIES) == {"kv", "round_robin", "random", "least_loaded", "prefix_only", "dynamo"}
+    for name in POLICIES:
+        router = _router(name)
+        route = router.submit(_request("r", PROMPT), now=0.0)
+        assert route is not None
+        assert route.worker_id in router.workers
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'; known: dynamo, kv"):
+        _router("nope")
+
+
+def test_round_robin_cycles_in_worker_order() -> None:
+    router = _router("round_robin", workers=3)
+    order = [router.submit(_request(f"r{i}", PROMPT), now=0.0) for i in range(6)]
+    assert [route.worker_id for route in order if route] == ["w0", "w1", "w2", "w0", "w1", "w2"]
+
+
+def test_least_loaded_and_prefix_only() -> None:
+    router = _router("least_loaded", workers=2)
+    first = router.submit(_request("a", PROMPT), now=0.0)
+    second = router.submit(_request("b", PROMPT), now=0.0)
+    assert first
+    assert second
+    assert first.worker_id != second.worker_id
+
+    router = _router("prefix_only", workers=3)
+    _cache(router, "w1", PROMPT[:512])
+    _cache(router, "w2", PROMPT[:2048])
+    routes = [router.submit(_request(f"r{i}", PROMPT), now=0.0) for i in range(3)]
+    assert [route.worker_id if route else None for route in routes] == ["w2"] * 3
+
+
+def test_dynamo_cost_counts_prefill_and_decode_blocks() -> None:
+    router = _router("dynamo", workers=2)
+    _cache(router, "w0", PROMPT)
+    # w0 holds the prompt: 1 prefill block (at least one token is computed... Dynamo counts 0) vs 256
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.worker_id == "w0"
+    # w0 now carries 256 decode blocks; an unrelated prompt of 64 blocks goes to w1
+    route = router.submit(_request("s", list(range(90_000, 91_024))), now=0.0)
+    assert route is not None
+    assert route.worker_id == "w1"
+
+
+def test_busy_workers_are_skipped_then_requests_queue_and_drain_in_order() -> None:
+    router = _router(workers=2, thresholds=Thresholds(busy_prefill_tokens=5000, queue_size=2))
+    long = list(range(8000))
+    a = router.submit(_request("a", long), now=0.0)
+    b = router.submit(_request("b", [t + 10_000 for t in long]), now=0.0)
+    assert a
+    assert b
+    assert {a.worker_id, b.worker_id} == {"w0", "w1"}
+    assert router.submit(_request("c", [t + 20_000 for t in long]), now=0.0) is None
+    assert router.submit(_request("d", [t + 30_000 for t in long]), now=0.0) is None
+    assert router.queued == 2
+    with pytest.raises(QueueFull, match="2 requests are already waiting"):
+        router.submit(_request("e", PROMPT), now=0.0)
+    released = router.prefill_done("a", now=1.0)
+    assert [route.request_id for route in released] == ["c"]  # d waits: c made a busy again
+    assert released[0].worker_id == a.worker_id
+    router.finish("d", now=1.0)  # a queued request can be withdrawn
+    assert router.queued == 0
+
+
+def test_no_workers_and_exclusion() -> None:
+    with pytest.raises(NoWorkers):
+        _router(workers=0).submit(_request("r", PROMPT), now=0.0)
+    router = _router(workers=2)
+    route = router.submit(_request("r", PROMPT), now=0.0, exclude=frozenset({"w0"}))
+    assert route is not None
+    assert route.worker_id == "w1"
+    with pytest.raises(NoWorkers):
+        router.submit(_request("s", PROMPT), now=0.0, exclude=frozenset({"w0", "w1"}))
+
+
+def test_removing_a_worker_returns_its_requests_and_forgets_its_cache() -> None:
+    router = _router(workers=2)
+    _cache(router, "w1", PROMPT)
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.worker_id == "w1"
+    assert router.remove_worker("w1") == ["r"]
+    assert router.route_of("r") is None
+    assert router.indexer.overlaps(block_hashes(PROMPT, block_size=BS)) == {}
+    assert router.remove_worker("w1") == []
+    again = router.submit(_request("r", PROMPT), now=0.0)
+    assert again is not None
+    assert again.worker_id == "w0"
+
+
+def test_approximate_mode_learns_from_its_own_decisions() -> None:
+    router = _router(workers=4, use_kv_events=False)
+    first = router.submit(_request("a", PROMPT), now=0.0)
+    assert first is not None
+    router.finish("a", now=1.0)
+    second = router.submit(_request("b", PROMPT), now=1.0)
+    assert second is not None
+    assert second.worker_id == first.worker_id
+    assert second.cached_tokens == 4096 - 1 - (4096 - 1) % BS or second.cached_tokens == 4095
+
+
+def _disagg(**kwargs: Any) -> Router:
+    router = Router(perf=PERF, settings=SelectionSettings(block_size=BS), seed=3, **kwargs)
+    router.add_worker(WorkerInfo(worker_id="p0", role=Role.PREFILL, locality="rackA"), now=0.0)
+    router.add_worker(WorkerInfo(worker_id="d0", role=Role.DECODE, locality="rackB"), now=0.0)
+    router.add_worker(WorkerInfo(worker_id="d1", role=Role.DECODE, locality="rackA"), now=0.0)
+    return router
+
+
+def test_disaggregated_prefill_then_decode_close_to_it() -> None:
+    router = _disagg()
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert (route.prefill_worker_id, route.worker_id) == ("p0", "d1")
+    assert router.sequences.prefilling[router.slots.slot("p0")] == 1
+    router.prefill_done("r", now=0.5)
+    assert router.sequences.requests[router.slots.slot("p0")] == 0  # the prefill side is released
+    assert router.sequences.requests[router.slots.slot("d1")] == 1
+    router.finish("r", now=1.0)
+    assert router.sequences.requests.sum() == 0
+
+
+def test_short_prompts_stay_on_the_decode_worker_when_transfer_costs_more() -> None:
+    router = _disagg(disagg=DisaggSettings(overhead_ms=5.0))
+    short = router.submit(_request("r", PROMPT[:256]), now=0.0)
+    assert short is not None
+    assert short.prefill_worker_id is None
+    assert short.worker_id in {"d0", "d1"}
+    slow_link = _disagg(disagg=DisaggSettings(overhead_ms=0.0, near_gbps=0.05, far_gbps=0.05))
+    route = slow_link.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.prefill_worker_id is None
+
+
+def test_without_prefill_workers_decode_workers_serve_whole_requests() -> None:
+    router = _disagg()
+    router.remove_worker("p0")
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.prefill_worker_id is None
+    assert route.worker_id in {"d0", "d1"}
+
+
+def test_peer_changes_are_published_and_mirrored() -> None:
+    origin = _router(workers=2, share_load=True)
+    mirror = _router(workers=2)
+    route = origin.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    origin.prefill_done("r", now=0.2)
+    assert origin.outbox is not None
+    changes = list(origin.outbox)
+    assert [c.op for c in changes] == ["add", "prefilled"]
+    mirror.apply_peer(changes[0], peer="A", now=0.0)
+    slot = mirror.slots.slot(route.worker_id)
+    assert mirror.sequences.requests[slot] == 1
+    assert mirror.sequences.prefilling[slot] == 1
+    mirror.apply_peer(changes[1], peer="A", now=0.2)
+    assert mirror.sequences.prefilling[slot] == 0
+    mirror.apply_peer(PeerChange(op="free", key="r"), peer="A", now=0.3)
+    assert mirror.sequences.requests[slot] == 0
+    mirror.apply_peer(changes[0], peer="B", now=0.4)
+    mirror.forget_peer("B", now=0.5)
+    assert mirror.sequences.requests[slot] == 0
