@@ -89,7 +89,7 @@ def test_blockers_follow_kubernetes_taint_and_toleration_rules() -> None:
     blockers = {name: node.blockers() for name, node in topology.nodes.items()}
     assert blockers == {
         "ok": (),
-        "down": ("NotReady", "taint node.kubernetes.io/not-ready:NoSchedule"),
+        "down": ("NotReady",),
         "cordoned": ("cordoned",),
         "tainted": ("taint gpu=maint:NoSchedule",),
         "soft": (),

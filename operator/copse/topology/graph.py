@@ -22,6 +22,8 @@ from copse.topology.kube import Taint, Toleration
 from copse.topology.labels import CLIQUE_LABEL, UNSCHEDULABLE_TAINT, LabelKeys, clique_rack, first_label
 from copse.topology.links import Link, LinkTable, LinkTier
 
+NODE_CONDITION_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"})
+"""Taints the node controller adds to a NotReady node."""
 ROOT = ("cluster", "")
 """The tree's root vertex; every zone (or, without zones, every lower level) hangs below it."""
 
@@ -74,8 +76,10 @@ class GpuNode:
         if self.cordoned and not kube.tolerated(Taint(key=UNSCHEDULABLE_TAINT), tolerations):
             reasons.append("cordoned")
         for taint in self.taints:
-            if taint.key == UNSCHEDULABLE_TAINT and self.cordoned:
-                continue  # already reported as cordoned
+            if (taint.key == UNSCHEDULABLE_TAINT and self.cordoned) or (
+                taint.key in NODE_CONDITION_TAINTS and not self.ready
+            ):
+                continue  # the condition behind the taint is reported already
             if taint.effect in kube.BLOCKING_EFFECTS and not kube.tolerated(taint, tolerations):
                 reasons.append(f"taint {taint}")
         for key, value in (node_selector or {}).items():
