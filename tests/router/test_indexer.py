@@ -175,3 +175,19 @@ def test_forgetting_a_worker_frees_its_blocks() -> None:
     indexer.forget("a")
     assert indexer.overlaps(_PATHS[0]) == {slots.slot("b"): 2}
     assert indexer.last_event_id("a") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    holdings=st.lists(st.tuples(st.integers(0, 70), st.sampled_from(_PATHS), st.integers(1, 5)), max_size=80),
+    query=st.sampled_from(_PATHS),
+)
+def test_overlap_array_equals_the_mapping(
+    holdings: list[tuple[int, list[int], int]], query: list[int]
+) -> None:
+    index = BlockIndex()
+    for slot, path, length in holdings:
+        index.store(slot, path[:length])
+    array = index.overlap_array(query, 71)
+    mapping = index.overlaps(query)
+    assert {slot: int(depth) for slot, depth in enumerate(array) if depth} == mapping

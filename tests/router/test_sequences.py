@@ -57,10 +57,14 @@ def test_backlog_decays_with_the_oldest_prefill_and_passes_to_the_next() -> None
 def test_active_prefix_finds_the_leading_blocks_in_use() -> None:
     seq = ActiveSequences(block_size=16)
     _add(seq, "a", slot=0, blocks=[1, 2, 3])
+    _add(seq, "b", slot=2, blocks=[1, 2, 9, 9])
+    _add(seq, "c", slot=2, blocks=[1])
     prompt = chain_hashes([1, 2, 9, 9])
-    assert seq.active_prefix(0, prompt, limit=4) == 2
-    assert seq.active_prefix(0, prompt, limit=1) == 1
-    assert seq.active_prefix(1, prompt, limit=4) == 0
+    assert seq.active_prefix(prompt) == {0: 2, 2: 4}
+    seq.free("b")
+    assert seq.active_prefix(prompt) == {0: 2, 2: 1}
+    seq.free("c")
+    assert seq.active_prefix(prompt) == {0: 2}
 
 
 def test_expire_frees_only_old_requests_and_drop_worker_frees_its_own() -> None:

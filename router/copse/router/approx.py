@@ -15,6 +15,9 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from copse.router.indexer import BlockIndex, Overlaps
 
 
@@ -46,6 +49,9 @@ class ApproximateIndexer:
 
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
+
+    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
+        return self.index.overlap_array(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)

@@ -181,9 +181,11 @@ class Router:
                 default_capacity_blocks=max(1, perf.kv_capacity_tokens // settings.block_size)
             )
         self.sequences = ActiveSequences(block_size=settings.block_size)
+        self._busy_kv_tokens = self.thresholds.busy_kv_fraction * self.perf.kv_capacity_tokens
         self.rng = random.Random(seed)
         self.workers: dict[str, WorkerInfo] = {}
         self._roles = {role: np.zeros(0, dtype=bool) for role in Role}
+        self._role_count = dict.fromkeys(Role, 0)
         self._queue: deque[tuple[RouteRequest, frozenset[str]]] = deque()
         self._queued: set[str] = set()
         self._routes: dict[str, Route] = {}
@@ -200,7 +202,11 @@ class Router:
         """Register (or update) a worker; returns queued requests it lets through."""
         slot = self.slots.slot(info.worker_id)
         self._grow(slot + 1)
+        previous = self.workers.get(info.worker_id)
+        if previous is not None:
+            self._role_count[previous.role] -= 1
         self.workers[info.worker_id] = info
+        self._role_count[info.role] += 1
         for role, mask in self._roles.items():
             mask[slot] = role is info.role
         return self._drain(now=now)
@@ -208,8 +214,10 @@ class Router:
     def remove_worker(self, worker_id: str) -> list[str]:
         """Forget a worker that left; returns the ids of the requests that were in flight on it
         (they are freed here; the caller retries or fails them)."""
-        if self.workers.pop(worker_id, None) is None:
+        info = self.workers.pop(worker_id, None)
+        if info is None:
             return []
+        self._role_count[info.role] -= 1
         slot = self.slots.get(worker_id)
         if slot is None:
             return []
@@ -312,33 +320,29 @@ class Router:
         return routed
 
     def _eligible(self, role: Role, exclude: frozenset[str]) -> tuple[BoolArray, BoolArray]:
-        """(workers of ``role`` not excluded, those of them not busy)."""
-        present = self._roles[role].copy()
-        for worker_id in exclude:
-            slot = self.slots.get(worker_id)
-            if slot is not None:
-                present[slot] = False
+        """(workers of ``role`` not excluded, those of them not busy), over every slot."""
+        present = self._roles[role]
+        if not self._role_count[role]:
+            return present, present
+        if exclude:
+            present = present.copy()
+            for worker_id in exclude:
+                slot = self.slots.get(worker_id)
+                if slot is not None:
+                    present[slot] = False
         if not present.any():
             return present, present
         seq, thresholds = self.sequences, self.thresholds
-        busy = (seq.requests > 0) & (
-            (seq.prefill_tokens > thresholds.busy_prefill_tokens)
-            | (seq.kv_tokens() > thresholds.busy_kv_fraction * self.perf.kv_capacity_tokens)
+        busy = (seq.prefill_tokens > thresholds.busy_prefill_tokens) | (
+            seq.kv_tokens() > self._busy_kv_tokens
         )
         return present, present & ~busy
 
-    def _selection(self, request: RouteRequest, slots: npt.NDArray[np.int64], *, now: float) -> Selection:
-        overlaps = self.indexer.overlaps(request.hashes)
-        aligned = np.zeros(len(slots))
-        if overlaps:
-            for position, slot in enumerate(slots.tolist()):
-                depth = overlaps.get(slot)
-                if depth:
-                    aligned[position] = depth
+    def _selection(self, request: RouteRequest, eligible: BoolArray, *, now: float) -> Selection:
         return Selection(
             request=request,
-            slots=slots,
-            overlaps=aligned,
+            eligible=eligible,
+            overlaps=self.indexer.overlap_array(request.hashes, self.sequences.size),
             sequences=self.sequences,
             indexer=self.indexer,
             perf=self.perf,
@@ -358,14 +362,13 @@ class Router:
             worker_free = worker_free | decode_free
         if not worker_free.any():
             return None
-        selection = self._selection(request, np.flatnonzero(worker_free), now=now)
+        selection = self._selection(request, worker_free, now=now)
         return self._commit_aggregated(selection, self.policy.choose(selection), now=now)
 
-    def _commit_aggregated(self, selection: Selection, position: int, *, now: float) -> Route:
+    def _commit_aggregated(self, selection: Selection, slot: int, *, now: float) -> Route:
         request = selection.request
-        chosen = selection.subset(position)
-        cached = int(chosen.cached_tokens()[0])
-        slot = int(chosen.slots[0])
+        cached = int(selection.cached_tokens()[slot])
+        ttft = float(selection.ttft_ms()[slot])
         record = self._charge(
             request, slot=slot, cached_tokens=cached, output=True, key=request.request_id, now=now
         )
@@ -375,7 +378,7 @@ class Router:
             prefill_worker_id=None,
             prompt_tokens=request.prompt_tokens,
             cached_tokens=cached,
-            predicted_ttft_ms=float(KvPolicy.ttft_ms(chosen)[0]),
+            predicted_ttft_ms=ttft,
         )
         self._commit(route, [(request.request_id, record)])
         return route
@@ -383,41 +386,42 @@ class Router:
     def _route_disaggregated(
         self, request: RouteRequest, prefill_free: BoolArray, decode_free: BoolArray, *, now: float
     ) -> Route:
-        prefill = self._selection(request, np.flatnonzero(prefill_free), now=now)
-        p_position = self.policy.choose(prefill)
-        p_slot = int(prefill.slots[p_position])
+        prefill = self._selection(request, prefill_free, now=now)
+        p_slot = self.policy.choose(prefill)
         p_locality = self.workers[self.slots.worker_id(p_slot)].locality
 
-        decode = self._selection(request, np.flatnonzero(decode_free), now=now)
-        localities = [self.workers[self.slots.worker_id(int(slot))].locality for slot in decode.slots]
-        near = np.array([p_locality is not None and loc == p_locality for loc in localities], dtype=bool)
+        decode = dataclasses.replace(prefill, eligible=decode_free)
+        near = np.zeros(len(decode_free), dtype=bool)
+        if p_locality is not None:
+            for slot in np.flatnonzero(decode_free).tolist():
+                near[slot] = self.workers[self.slots.worker_id(slot)].locality == p_locality
         transfer: FloatArray = np.where(
             near,
             self.disagg.transfer_ms(request.prompt_tokens, near=True),
             self.disagg.transfer_ms(request.prompt_tokens, near=False),
         )
         if self.policy_name == "kv":
-            d_position = pick_lowest(KvPolicy.decode_ms(decode) + transfer, temperature=0.0, rng=self.rng)
+            d_slot = pick_lowest(decode.decode_ms() + transfer, decode_free, temperature=0.0, rng=self.rng)
         else:
-            d_position = self.policy.choose(decode)
-        local_cached = int(decode.cached_tokens()[d_position])
+            d_slot = self.policy.choose(decode)
+        local_cached = int(decode.cached_tokens()[d_slot])
         local_compute = (
             self.perf.prefill_ms(new_tokens=request.prompt_tokens - local_cached, cached_tokens=local_cached)
             - self.perf.f0
         )
-        if local_compute <= transfer[d_position]:
+        if local_compute <= transfer[d_slot]:
             # Moving the KV would cost more than computing it within the decode worker's next step.
-            return self._commit_aggregated(decode, d_position, now=now)
-        remote_ttft = float(KvPolicy.ttft_ms(prefill.subset(p_position))[0] + transfer[d_position])
+            return self._commit_aggregated(decode, d_slot, now=now)
+        remote_ttft = float(prefill.ttft_ms()[p_slot] + transfer[d_slot])
 
-        cached = int(prefill.cached_tokens()[p_position])
+        cached = int(prefill.cached_tokens()[p_slot])
         prefill_key = _prefill_key(request.request_id)
         p_record = self._charge(
             request, slot=p_slot, cached_tokens=cached, output=False, key=prefill_key, now=now
         )
         d_record = self._charge(
             request,
-            slot=int(decode.slots[d_position]),
+            slot=d_slot,
             cached_tokens=request.prompt_tokens,
             output=True,
             key=request.request_id,

@@ -20,7 +20,17 @@ FloatArray = npt.NDArray[np.float64]
 class PerfTable:
     """Vectorised ITL and exact prefill times of one :class:`PerfModel`."""
 
-    __slots__ = ("_active", "_context", "_itl", "f0", "kv_capacity_tokens", "model")
+    __slots__ = (
+        "_active",
+        "_context",
+        "_curve",
+        "_curve_x",
+        "_itl",
+        "_itl_by_active",
+        "f0",
+        "kv_capacity_tokens",
+        "model",
+    )
 
     def __init__(
         self,
@@ -29,8 +39,11 @@ class PerfTable:
         max_context: int = 131072,
         active_points: int = 65,
         context_points: int = 33,
+        curve_step: int = 16,
     ) -> None:
         self.model = model
+        self._curve_x = np.arange(0.0, max_context + 1.0, float(curve_step))
+        self._curve = np.array([model.prefill_curve_ms(float(x)) for x in self._curve_x])
         self.kv_capacity_tokens = float(model.kv_capacity_tokens)
         """KV cache size of one worker, tokens."""
         self.f0 = model.prefill_curve_ms(0.0)
@@ -44,24 +57,40 @@ class PerfTable:
                 for a in self._active
             ]
         )
+        # Models whose ITL ignores the context length (the polynomial default) need one axis only.
+        flat = bool(np.all(self._itl == self._itl[:, :1]))
+        self._itl_by_active = self._itl[:, 0].copy() if flat else None
 
     def prefill_ms(self, *, new_tokens: int, cached_tokens: int) -> float:
         """Time to prefill ``new_tokens`` after ``cached_tokens`` (the model's own answer), ms."""
         curve = self.model.prefill_curve_ms
         return self.f0 + curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
 
+    def prefill_curve_ms(self, tokens: FloatArray) -> FloatArray:
+        """``F`` (:meth:`PerfModel.prefill_curve_ms`) for many token counts: exact at multiples of
+        the sampling step (block sizes are), linear in between, clamped beyond the longest context."""
+        out: FloatArray = np.interp(tokens, self._curve_x, self._curve)
+        return out
+
     def itl_ms(self, active_kv_tokens: FloatArray, context_length: FloatArray) -> FloatArray:
         """Decode step time for each pair of (active KV tokens, mean context length), ms."""
-        a = np.clip(active_kv_tokens, self._active[0], self._active[-1])
-        c = np.clip(context_length, self._context[0], self._context[-1])
-        i = np.clip(np.searchsorted(self._active, a, side="right") - 1, 0, len(self._active) - 2)
-        j = np.clip(np.searchsorted(self._context, c, side="right") - 1, 0, len(self._context) - 2)
-        a0, a1 = self._active[i], self._active[i + 1]
-        c0, c1 = self._context[j], self._context[j + 1]
-        s = (a - a0) / (a1 - a0)
-        t = (c - c0) / (c1 - c0)
+        active, context = self._active, self._context
+        if self._itl_by_active is not None:
+            flat: FloatArray = np.interp(active_kv_tokens, active, self._itl_by_active)
+            return flat
+        a = np.minimum(np.maximum(active_kv_tokens, active[0]), active[-1])
+        c = np.minimum(np.maximum(context_length, context[0]), context[-1])
+        i = np.minimum(active.searchsorted(a, side="right"), len(active) - 1)
+        j = np.minimum(context.searchsorted(c, side="right"), len(context) - 1)
+        a0 = active[i - 1]
+        c0 = context[j - 1]
+        s = (a - a0) / (active[i] - a0)
+        t = (c - c0) / (context[j] - c0)
         grid = self._itl
-        low = grid[i, j] + t * (grid[i, j + 1] - grid[i, j])
-        high = grid[i + 1, j] + t * (grid[i + 1, j + 1] - grid[i + 1, j])
+        g00 = grid[i - 1, j - 1]
+        g01 = grid[i - 1, j]
+        low = g00 + t * (g01 - g00)
+        g10 = grid[i, j - 1]
+        high = g10 + t * (grid[i, j] - g10)
         out: FloatArray = low + s * (high - low)
         return out

@@ -23,6 +23,9 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from copse.router.slots import WorkerSlots
 from copse.workers.protocol import KvCleared, KvDump, KvEvent, KvEventBatch, KvRemoved, KvStored
 
@@ -39,6 +42,74 @@ def _bits(mask: int) -> Iterable[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+_SLOTS_OF: dict[int, npt.NDArray[np.intp]] = {}
+_SLOTS_OF_LIMIT = 4096
+
+
+def slots_of(mask: int) -> npt.NDArray[np.intp]:
+    """The slots set in ``mask``, as an index array (memoised: the same masks recur constantly)."""
+    found = _SLOTS_OF.get(mask)
+    if found is None:
+        if len(_SLOTS_OF) >= _SLOTS_OF_LIMIT:
+            _SLOTS_OF.clear()
+        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+        found = _SLOTS_OF[mask] = np.flatnonzero(np.unpackbits(raw, bitorder="little"))
+    return found
+
+
+def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
+    """Walk ``hashes`` from the root through ``masks`` (block -> bitmask of slots): for every slot
+    holding at least the first block, how many leading blocks it holds."""
+    if not hashes:
+        return {}
+    active = masks.get(hashes[0], 0)
+    out: Overlaps = {}
+    depth = 1
+    n = len(hashes)
+    while active and depth < n:
+        mask = active & masks.get(hashes[depth], 0)
+        if mask != active:
+            for slot in _bits(active & ~mask):
+                out[slot] = depth
+            active = mask
+        depth += 1
+    for slot in _bits(active):
+        out[slot] = depth
+    return out
+
+
+def _add_to_slots(out: npt.NDArray[np.float64], mask: int, amount: int) -> None:
+    if mask.bit_count() <= 8:
+        for slot in _bits(mask):
+            out[slot] += amount
+    else:
+        out[slots_of(mask)] += amount
+
+
+def leading_blocks_into(masks: dict[int, int], hashes: Sequence[int], out: npt.NDArray[np.float64]) -> None:
+    """:func:`leading_blocks` added into ``out[slot]`` (``out`` must cover every slot and be zero).
+
+    The walk sees a few runs of blocks with the same set of workers (nested, shrinking); each run
+    adds its length to its workers. The first run's set (who holds the first block, often a shared
+    system prompt) recurs from request to request, so its index array is memoised.
+    """
+    if not hashes:
+        return
+    active = masks.get(hashes[0], 0)
+    start = 0
+    depth = 1
+    n = len(hashes)
+    while active and depth < n:
+        mask = active & masks.get(hashes[depth], 0)
+        if mask != active:
+            _add_to_slots(out, active, depth - start)
+            start = depth
+            active = mask
+        depth += 1
+    if active:
+        _add_to_slots(out, active, depth - start)
 
 
 class BlockIndex:
@@ -112,22 +183,12 @@ class BlockIndex:
 
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         """For every worker holding at least the first block: how many leading blocks it holds."""
-        if not hashes:
-            return {}
-        masks = self._masks
-        active = masks.get(hashes[0], 0)
-        out: Overlaps = {}
-        depth = 1
-        n = len(hashes)
-        while active and depth < n:
-            mask = active & masks.get(hashes[depth], 0)
-            if mask != active:
-                for slot in _bits(active & ~mask):
-                    out[slot] = depth
-                active = mask
-            depth += 1
-        for slot in _bits(active):
-            out[slot] = depth
+        return leading_blocks(self._masks, hashes)
+
+    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
+        """:meth:`overlaps` as an array over slots ``0 .. size-1`` (every slot must be below ``size``)."""
+        out = np.zeros(size)
+        leading_blocks_into(self._masks, hashes, out)
         return out
 
 
@@ -136,6 +197,10 @@ class Indexer(Protocol):
 
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         """Leading blocks of ``hashes`` each worker holds."""
+        ...
+
+    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
+        """:meth:`overlaps` as an array over slots ``0 .. size-1``."""
         ...
 
     def blocks_held(self, slot: int) -> int:
@@ -185,6 +250,9 @@ class RadixIndexer:
 
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
+
+    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
+        return self.index.overlap_array(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)

@@ -1,16 +1,17 @@
 """Worker selection policies, by name.
 
-Every policy sees the same :class:`Selection`: the request, the eligible workers (right role,
-not busy) with how many leading prompt blocks each holds, and the in-flight load the router
-tracks. It returns the position of its choice among the eligible workers.
+Every policy sees the same :class:`Selection`: the request, which workers are eligible (right
+role, not busy), how many leading prompt blocks each worker holds, and the in-flight load the
+router tracks. Figures are arrays over all worker slots, so a decision costs a few array
+operations however many workers there are. A policy returns the slot of its choice.
 
 * ``kv`` (default): the predicted latency of this request on each worker, from the shared perf
   model: its time to first token (the worker's prefill backlog, then the prefill of the prompt
-  tokens the worker does not hold, with every step of it also paying the worker's current decode
-  step) plus its decode time (output tokens x the decode step time once its KV joins the worker's).
+  tokens the worker does not hold, every step of it also paying the worker's current decode step)
+  plus its decode time (output tokens x the decode step time once its KV joins the worker's).
   The minimum wins; a softmax temperature spreads near-ties.
 * ``dynamo``: NVIDIA Dynamo's default cost, ``overlap_weight x prefill blocks + decode blocks``
-  with weight 1, ties to the worker holding fewest blocks.
+  with weight 1, exact ties to the worker holding fewest blocks.
 * ``prefix_only``: the longest cached prefix, ties at random.
 * ``least_loaded``: the fewest in-flight requests, ties at random.
 * ``round_robin`` and ``random``: ignore caches and load.
@@ -31,7 +32,7 @@ from copse.router.cost import FloatArray, PerfTable
 from copse.router.indexer import Indexer
 from copse.router.sequences import ActiveSequences
 
-IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,13 +66,13 @@ class SelectionSettings:
 
 @dataclasses.dataclass(slots=True)
 class Selection:
-    """One decision's inputs."""
+    """One decision's inputs (arrays over every worker slot)."""
 
     request: RouteRequest
-    slots: IntArray
-    """Eligible worker slots."""
+    eligible: BoolArray
+    """Workers that may take the request."""
     overlaps: FloatArray
-    """Leading prompt blocks each eligible worker holds (aligned with ``slots``)."""
+    """Leading prompt blocks each worker holds."""
     sequences: ActiveSequences
     indexer: Indexer
     perf: PerfTable
@@ -79,27 +80,59 @@ class Selection:
     rng: random.Random
     now: float
     """Seconds on the caller's clock (the backlog of a worker decays with it)."""
-
-    def subset(self, position: int) -> Selection:
-        """The same decision restricted to the eligible worker at ``position``."""
-        return dataclasses.replace(
-            self, slots=self.slots[position : position + 1], overlaps=self.overlaps[position : position + 1]
-        )
+    _ttft: FloatArray | None = None
+    _shared: FloatArray | None = None
 
     def cached_tokens(self) -> FloatArray:
-        """Prompt tokens each eligible worker would not have to compute (at least one token is)."""
-        request = self.request
-        out: FloatArray = np.minimum(self.overlaps * self.settings.block_size, request.prompt_tokens - 1)
-        return np.maximum(out, 0.0)
+        """Prompt tokens each worker would not have to compute (at least one token always is)."""
+        out: FloatArray = np.minimum(
+            self.overlaps * self.settings.block_size, max(self.request.prompt_tokens - 1, 0)
+        )
+        return out
 
     def shared_active_blocks(self) -> FloatArray:
-        """Leading prompt blocks already in use by in-flight requests on each eligible worker."""
-        out = np.zeros(len(self.slots))
-        hashes = self.request.hashes
-        for position in np.flatnonzero(self.overlaps):
-            out[position] = self.sequences.active_prefix(
-                int(self.slots[position]), hashes, limit=int(self.overlaps[position])
-            )
+        """Leading prompt blocks already in use by in-flight requests on each worker."""
+        if self._shared is None:
+            self._shared = self.sequences.active_prefix_array(self.request.hashes)
+        return self._shared
+
+    def ttft_ms(self) -> FloatArray:
+        """Predicted time to first token on each worker, ms: the worker's prefill backlog, then
+        this prompt's uncached tokens, with every step (of the backlog's tokens and these) also
+        paying the worker's decode step while it has sequences decoding."""
+        if self._ttft is not None:
+            return self._ttft
+        request, seq, perf = self.request, self.sequences, self.perf
+        isl = float(request.prompt_tokens)
+        cached = self.cached_tokens()
+        own = perf.f0 + perf.model.prefill_curve_ms(isl) - perf.prefill_curve_ms(cached)
+        steps = np.ceil((seq.prefill_tokens + (isl - cached)) / self.settings.max_num_batched_tokens)
+        kv = seq.kv_tokens()
+        decoding = seq.requests > seq.prefilling
+        itl = perf.itl_ms(kv, kv / np.maximum(seq.requests, 1.0))
+        out: FloatArray = seq.backlog_ms(self.now) + own + steps * itl * decoding
+        self._ttft = out
+        return out
+
+    def decode_ms(self) -> FloatArray:
+        """Predicted decode time of the request on each worker: its output tokens times the decode
+        step time once its KV joins what the worker already holds, ms."""
+        request, seq = self.request, self.sequences
+        osl = float(request.max_tokens)
+        kv_after = (
+            seq.kv_tokens()
+            + (request.prompt_tokens + osl)
+            - self.shared_active_blocks() * self.settings.block_size
+        )
+        out: FloatArray = osl * self.perf.itl_ms(kv_after, kv_after / (seq.requests + 1.0))
+        return out
+
+    def latency_ms(self) -> FloatArray:
+        """Predicted time to first token plus (weighted) decode time on each worker, ms."""
+        weight = self.settings.decode_weight
+        if weight == 0.0:
+            return self.ttft_ms()
+        out: FloatArray = self.ttft_ms() + weight * self.decode_ms()
         return out
 
 
@@ -107,22 +140,27 @@ class Policy(Protocol):
     """Chooses one of the eligible workers."""
 
     def choose(self, selection: Selection) -> int:
-        """Position in ``selection.slots`` of the chosen worker."""
+        """The slot of the chosen worker (one of ``selection.eligible``)."""
         ...
 
 
-def pick_lowest(costs: FloatArray, *, temperature: float, rng: random.Random) -> int:
-    """The position of the lowest cost (a random one among exact ties) at temperature 0; otherwise a
-    sample with probability proportional to ``exp(-(cost - min) / ((max - min) * temperature))``."""
-    low = float(costs.min())
+def _random_of(candidates: npt.NDArray[np.intp], rng: random.Random) -> int:
+    return int(candidates[0]) if len(candidates) == 1 else int(candidates[rng.randrange(len(candidates))])
+
+
+def pick_lowest(costs: FloatArray, eligible: BoolArray, *, temperature: float, rng: random.Random) -> int:
+    """The eligible slot of lowest cost (a random one among exact ties) at temperature 0; otherwise
+    a sample with probability proportional to ``exp(-(cost - min) / ((max - min) * temperature))``
+    over eligible slots."""
+    masked = np.where(eligible, costs, np.inf)
+    low = float(masked.min())
     if temperature > 0.0:
-        span = float(costs.max()) - low
+        span = float(costs[eligible].max()) - low
         if span > 0.0:
-            weights = np.exp(-(costs - low) / (span * temperature))
+            weights = np.exp(-(masked - low) / (span * temperature))
             cumulative = np.cumsum(weights)
             return int(np.searchsorted(cumulative, rng.random() * float(cumulative[-1]), side="right"))
-    ties = np.flatnonzero(costs <= low + 1e-9 * max(1.0, abs(low)))
-    return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])
+    return _random_of(np.flatnonzero(masked <= low + 1e-9 * max(1.0, abs(low))), rng)
 
 
 class KvPolicy:
@@ -130,62 +168,11 @@ class KvPolicy:
 
     def choose(self, selection: Selection) -> int:
         return pick_lowest(
-            self.latency_ms(selection),
+            selection.latency_ms(),
+            selection.eligible,
             temperature=selection.settings.temperature,
             rng=selection.rng,
         )
-
-    @staticmethod
-    def ttft_ms(selection: Selection) -> FloatArray:
-        """Predicted time to first token on each eligible worker, ms."""
-        request, seq, perf = selection.request, selection.sequences, selection.perf
-        slots = selection.slots
-        isl = request.prompt_tokens
-        cached = selection.cached_tokens()
-        own = np.full(len(slots), perf.prefill_ms(new_tokens=isl, cached_tokens=0))
-        by_cached: dict[float, float] = {}
-        for position in np.flatnonzero(cached):
-            value = float(cached[position])
-            ms = by_cached.get(value)
-            if ms is None:
-                ms = by_cached[value] = perf.prefill_ms(new_tokens=isl - int(value), cached_tokens=int(value))
-            own[position] = ms
-        backlog = seq.backlog_ms(selection.now)[slots]
-        budget = selection.settings.max_num_batched_tokens
-        steps = np.ceil((seq.prefill_tokens[slots] + (isl - cached)) / budget)
-        requests = seq.requests[slots]
-        decoding = requests - seq.prefilling[slots]
-        kv = seq.kv_tokens()[slots]
-        itl = perf.itl_ms(kv, kv / np.maximum(requests, 1.0))
-        out: FloatArray = backlog + own + steps * np.where(decoding > 0, itl, 0.0)
-        return out
-
-    @classmethod
-    def latency_ms(cls, selection: Selection) -> FloatArray:
-        """Predicted time to first token plus (weighted) decode time on each eligible worker, ms."""
-        ttft = cls.ttft_ms(selection)
-        weight = selection.settings.decode_weight
-        if weight == 0.0:
-            return ttft
-        out: FloatArray = ttft + weight * cls.decode_ms(selection)
-        return out
-
-    @staticmethod
-    def decode_ms(selection: Selection) -> FloatArray:
-        """Predicted decode time of the request on each eligible worker: its output tokens times the
-        decode step time once its KV joins what the worker already holds, ms."""
-        request, seq = selection.request, selection.sequences
-        slots = selection.slots
-        osl = request.max_tokens
-        kv_after = (
-            seq.kv_tokens()[slots]
-            + request.prompt_tokens
-            + osl
-            - selection.shared_active_blocks() * selection.settings.block_size
-        )
-        itl_after = selection.perf.itl_ms(kv_after, kv_after / (seq.requests[slots] + 1.0))
-        out: FloatArray = osl * itl_after
-        return out
 
 
 class DynamoPolicy:
@@ -196,24 +183,22 @@ class DynamoPolicy:
         logits = self.logits(selection)
         temperature = selection.settings.temperature
         if temperature > 0.0:
-            return pick_lowest(logits, temperature=temperature, rng=selection.rng)
-        ties = np.flatnonzero(logits == logits.min())
+            return pick_lowest(logits, selection.eligible, temperature=temperature, rng=selection.rng)
+        masked = np.where(selection.eligible, logits, np.inf)
+        ties = np.flatnonzero(masked == masked.min())
         if len(ties) > 1:
-            sizes = np.array(
-                [selection.indexer.blocks_held(int(selection.slots[t])) for t in ties], dtype=np.float64
-            )
+            sizes = np.array([selection.indexer.blocks_held(int(slot)) for slot in ties])
             ties = ties[sizes == sizes.min()]
-        return int(ties[0]) if len(ties) == 1 else int(ties[selection.rng.randrange(len(ties))])
+        return _random_of(ties, selection.rng)
 
     @staticmethod
     def logits(selection: Selection) -> FloatArray:
-        """Dynamo's logit per eligible worker, in blocks."""
+        """Dynamo's logit per worker, in blocks."""
         request, seq, settings = selection.request, selection.sequences, selection.settings
-        slots = selection.slots
         bs = settings.block_size
         prompt_blocks = math.ceil(request.prompt_tokens / bs)
-        prefill_tokens = seq.prefill_tokens[slots] + request.prompt_tokens - selection.overlaps * bs
-        decode_blocks = seq.active_blocks[slots] + prompt_blocks - selection.shared_active_blocks()
+        prefill_tokens = seq.prefill_tokens + request.prompt_tokens - selection.overlaps * bs
+        decode_blocks = seq.active_blocks + prompt_blocks - selection.shared_active_blocks()
         out: FloatArray = settings.overlap_weight * prefill_tokens / bs + decode_blocks
         return out
 
@@ -222,21 +207,23 @@ class PrefixOnlyPolicy:
     """The longest cached prefix; ties at random."""
 
     def choose(self, selection: Selection) -> int:
-        return pick_lowest(-selection.overlaps, temperature=0.0, rng=selection.rng)
+        return pick_lowest(-selection.overlaps, selection.eligible, temperature=0.0, rng=selection.rng)
 
 
 class LeastLoadedPolicy:
     """The fewest in-flight requests; ties at random."""
 
     def choose(self, selection: Selection) -> int:
-        return pick_lowest(selection.sequences.requests[selection.slots], temperature=0.0, rng=selection.rng)
+        return pick_lowest(
+            selection.sequences.requests, selection.eligible, temperature=0.0, rng=selection.rng
+        )
 
 
 class RandomPolicy:
     """Any eligible worker, uniformly."""
 
     def choose(self, selection: Selection) -> int:
-        return selection.rng.randrange(len(selection.slots))
+        return _random_of(np.flatnonzero(selection.eligible), selection.rng)
 
 
 class RoundRobinPolicy:
@@ -246,12 +233,10 @@ class RoundRobinPolicy:
         self._last = -1
 
     def choose(self, selection: Selection) -> int:
-        slots = selection.slots
-        position = int(np.searchsorted(slots, self._last, side="right"))
-        if position >= len(slots):
-            position = 0
-        self._last = int(slots[position])
-        return position
+        candidates = np.flatnonzero(selection.eligible)
+        position = int(np.searchsorted(candidates, self._last, side="right"))
+        self._last = int(candidates[position if position < len(candidates) else 0])
+        return self._last
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {

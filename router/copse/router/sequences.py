@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from copse.router.indexer import Overlaps, leading_blocks, leading_blocks_into
+
 FloatArray = npt.NDArray[np.float64]
 
 
@@ -48,8 +50,10 @@ class ActiveSequences:
     """Per-worker in-flight requests and the load figures derived from them."""
 
     __slots__ = (
+        "_active",
         "_blocks",
         "_flights",
+        "_kv",
         "_pending",
         "active_blocks",
         "block_size",
@@ -67,6 +71,8 @@ class ActiveSequences:
         """Tokens per block, to turn active blocks into KV tokens."""
         self._flights: dict[str, Flight] = {}
         self._blocks: list[dict[int, int]] = []
+        self._active: dict[int, int] = {}
+        self._kv: FloatArray | None = None
         self._pending: list[OrderedDict[str, None]] = []
         self.requests: FloatArray = np.zeros(0)
         """In-flight requests per worker."""
@@ -106,6 +112,7 @@ class ActiveSequences:
             grown[:old] = getattr(self, name)
             setattr(self, name, grown)
         self._blocks.extend({} for _ in range(size - old))
+        self._kv = None
         self._pending.extend(OrderedDict() for _ in range(size - old))
 
     @property
@@ -115,12 +122,15 @@ class ActiveSequences:
 
     def kv_tokens(self) -> FloatArray:
         """KV tokens in use per worker (deduplicated prompt blocks, partial blocks, outputs)."""
-        return self.active_blocks * self.block_size + self.kv_extra
+        if self._kv is None:
+            self._kv = self.active_blocks * self.block_size + self.kv_extra
+        return self._kv
 
     def backlog_ms(self, now: float) -> FloatArray:
         """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds)."""
-        progress = np.clip((now - self.head_start) * 1000.0, 0.0, self.head_ms)
-        return np.maximum(self.prefill_ms - progress, 0.0)
+        progress = np.minimum(np.maximum((now - self.head_start) * 1000.0, 0.0), self.head_ms)
+        out: FloatArray = np.maximum(self.prefill_ms - progress, 0.0)
+        return out
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -156,12 +166,17 @@ class ActiveSequences:
             started=now,
         )
         self._flights[request_id] = flight
+        self._kv = None
         blocks = self._blocks[slot]
+        active = self._active
+        bit = 1 << slot
         new = 0
         for block in hashes:
             count = blocks.get(block, 0)
             blocks[block] = count + 1
-            new += count == 0
+            if not count:
+                new += 1
+                active[block] = active.get(block, 0) | bit
         self.active_blocks[slot] += new
         self.kv_extra[slot] += kv_tokens
         self.requests[slot] += 1
@@ -188,9 +203,12 @@ class ActiveSequences:
         if flight is None:
             return None
         slot = flight.slot
+        self._kv = None
         if flight.prefilling:
             self._end_prefill(request_id, flight, now=flight.started if now is None else now)
         blocks = self._blocks[slot]
+        active = self._active
+        keep = ~(1 << slot)
         gone = 0
         for block in flight.hashes:
             count = blocks[block] - 1
@@ -199,6 +217,11 @@ class ActiveSequences:
             else:
                 del blocks[block]
                 gone += 1
+                mask = active[block] & keep
+                if mask:
+                    active[block] = mask
+                else:
+                    del active[block]
         self.active_blocks[slot] -= gone
         self.kv_extra[slot] -= flight.kv_tokens
         self.requests[slot] -= 1
@@ -225,21 +248,16 @@ class ActiveSequences:
             self.head_start[slot] = max(now, head.started) if head is not None else now
             self.head_ms[slot] = head.prefill_ms if head is not None else 0.0
 
-    def active_prefix(self, slot: int, hashes: Sequence[int], *, limit: int) -> int:
-        """How many leading blocks of ``hashes`` (at most ``limit``) are in use on ``slot``.
+    def active_prefix(self, hashes: Sequence[int]) -> Overlaps:
+        """For every worker using at least the first block of ``hashes`` for an in-flight request:
+        how many leading blocks it uses."""
+        return leading_blocks(self._active, hashes)
 
-        In-flight prompts are prefix chains, so the blocks in use on a worker are closed under
-        taking prefixes and a binary search finds the boundary.
-        """
-        blocks = self._blocks[slot] if slot < len(self._blocks) else {}
-        low, high = 0, min(limit, len(hashes))
-        while low < high:
-            middle = (low + high + 1) // 2
-            if hashes[middle - 1] in blocks:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+    def active_prefix_array(self, hashes: Sequence[int]) -> FloatArray:
+        """:meth:`active_prefix` as an array over every slot."""
+        out = np.zeros(self.size)
+        leading_blocks_into(self._active, hashes, out)
+        return out
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """Ids of the tracked requests that start with ``prefix``."""
