@@ -188,7 +188,7 @@ def test_decode_role_waits_for_the_kv_transfer_then_emits_the_given_token() -> N
     transfer_ms = 1000 * 1_000_000 / 10e9 * 1000
     (outcome,) = sim.outcomes
     assert outcome.first_token_ms == pytest.approx(transfer_ms)
-    assert request.output_ids()[0] == 4242
+    assert request.output[0] == 4242
     assert outcome.output_tokens == 3
     assert [s.prefill_tokens for s in steps] == [0, 0, 0]  # the prompt's KV came over the wire
     assert outcome.finish_ms - outcome.first_token_ms == pytest.approx(
@@ -201,7 +201,7 @@ def test_same_arrivals_give_the_same_tokens_and_times() -> None:
     def run() -> tuple[list[object], list[list[int]]]:
         engine = _engine(seed=7, block_size=16, num_blocks=64)
         tokens: list[list[int]] = []
-        sim = Simulator([engine], on_step=lambda _, out: tokens.extend(r.output_ids() for r in out.finished))
+        sim = Simulator([engine], on_step=lambda _, out: tokens.extend(list(r.output) for r in out.finished))
         rng = np.random.default_rng(3)
         for i in range(20):
             sim.run_until(float(i * 5))

@@ -178,8 +178,9 @@ def test_kv_event_batch_round_trips_through_json() -> None:
     again = KvEventBatch.model_validate_json(batch.model_dump_json())
     assert again == batch
     assert [e.data.type for e in again.events] == ["stored", "removed", "cleared"]
+    assert json.loads(batch.model_dump_json())["events"][0]["data"]["blocks"] == [[2**64 - 1, 5]]
     with pytest.raises(ValidationError):
-        StoredBlock(block_hash=2**64, tokens_hash=0)
+        KvStored.model_validate({"parent_hash": None, "blocks": [[2**64, 0]]})
     with pytest.raises(ValidationError):
         KvEvent.model_validate({"event_id": 0, "data": {"type": "cleared"}})
     dump = KvDump(worker_id="w", epoch=1, block_size=16, last_event_id=0, blocks=())

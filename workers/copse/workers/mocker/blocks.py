@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 
 import numpy as np
 
 from copse.workers.protocol.kv_events import KvCleared, KvEventData, KvRemoved, KvStored, StoredBlock
+
+#: Builds a named tuple from a plain one without the Python-level ``__new__`` of named tuples.
+_new_tuple = tuple.__new__
 
 #: Receives each event and, when the manager keeps tokens, the token ids of each stored block.
 EventSink = Callable[[KvEventData, list[np.ndarray] | None], None]
@@ -154,38 +158,34 @@ class BlockManager:
         tokens: np.ndarray | None,
     ) -> None:
         """Register new blocks and emit one ``stored`` event per run of consecutive new blocks."""
-        active, meta = self.active, self.meta
-        run: list[int] = []
-        for index in indices:
-            if run and index != run[-1] + 1:
-                self._emit_run(run, hashes=hashes, tokens_hashes=tokens_hashes, tokens=tokens)
-                run = []
-            block_hash = hashes[index]
-            active[block_hash] = 1
-            meta[block_hash] = (hashes[index - 1] if index else None, tokens_hashes[index])
-            run.append(index)
-        self._emit_run(run, hashes=hashes, tokens_hashes=tokens_hashes, tokens=tokens)
+        first = 0
+        for k in range(1, len(indices) + 1):
+            if k == len(indices) or indices[k] != indices[k - 1] + 1:
+                self._store_run(indices[first], indices[k - 1] + 1, hashes, tokens_hashes, tokens)
+                first = k
 
-    def _emit_run(
+    def _store_run(
         self,
-        run: list[int],
-        *,
+        start: int,
+        stop: int,
         hashes: Sequence[int],
         tokens_hashes: Sequence[int],
         tokens: np.ndarray | None,
     ) -> None:
-        first = run[0]
+        new = hashes[start:stop]
+        local = tokens_hashes[start:stop]
+        parent = hashes[start - 1] if start else None
+        self.active.update(dict.fromkeys(new, 1))
+        self.meta.update(zip(new, zip([parent, *new[:-1]], local, strict=True), strict=True))
         event = KvStored.model_construct(
             type="stored",
-            parent_hash=hashes[first - 1] if first else None,
-            blocks=tuple(
-                StoredBlock.model_construct(block_hash=hashes[i], tokens_hash=tokens_hashes[i]) for i in run
-            ),
+            parent_hash=parent,
+            blocks=tuple(map(_new_tuple, repeat(StoredBlock), zip(new, local, strict=True))),
         )
         block_tokens = None
         if self._keep_tokens and tokens is not None:
             size = self.block_size
-            block_tokens = [tokens[i * size : (i + 1) * size] for i in run]
+            block_tokens = [tokens[i * size : (i + 1) * size] for i in range(start, stop)]
         self._emit(event, block_tokens)
 
     def release(self, holder: BlockHolder) -> None:

@@ -34,15 +34,15 @@ import numpy as np
 from copse.workers.mocker.blocks import BlockHolder, BlockManager
 from copse.workers.mocker.config import EngineConfig
 from copse.workers.perf import PerfModel
-from copse.workers.protocol.hashing import chain_hash, tokens_hashes
+from copse.workers.protocol.hashing import hash_blocks
 from copse.workers.protocol.kv_events import DumpBlock, KvDump, KvEvent, KvEventData
 from copse.workers.protocol.tokenizer import RESERVED_IDS, VOCAB_SIZE
 
 RequestState = Literal["waiting", "transferring", "running", "finished", "aborted"]
 
-_LCG_MUL = 6364136223846793005
-_LCG_ADD = 1442695040888963407
-_MASK64 = (1 << 64) - 1
+#: Generated ids cycle through a seeded table of this many ids (cheap, and reproducible by seed).
+_SAMPLE_TABLE = 1 << 16
+_SAMPLE_MASK = _SAMPLE_TABLE - 1
 
 
 class EngineOverloaded(RuntimeError):
@@ -65,6 +65,7 @@ class Request(BlockHolder):
         "awaiting_first",
         "cached_tokens",
         "finish_ms",
+        "first_scheduled_ms",
         "first_token_ms",
         "hashes",
         "last_token_ms",
@@ -72,6 +73,7 @@ class Request(BlockHolder):
         "num_computed",
         "num_output",
         "num_tokens",
+        "output",
         "preemptions",
         "prompt_len",
         "ready_ms",
@@ -95,7 +97,9 @@ class Request(BlockHolder):
         super().__init__()
         self.request_id = request_id
         self.tokens = tokens
-        """Prompt then generated token ids (room for ``max_tokens`` outputs)."""
+        """Prompt token ids."""
+        self.output: list[int] = []
+        """Generated token ids."""
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.arrival_ms = arrival_ms
@@ -109,6 +113,8 @@ class Request(BlockHolder):
         self.num_output = 0
         self.cached_tokens = -1
         """Prompt tokens found in the prefix cache at first admission (-1 before admission)."""
+        self.first_scheduled_ms = math.nan
+        """Start of the first step that worked on the request."""
         self.first_token_ms = math.nan
         self.last_token_ms = math.nan
         self.finish_ms = math.nan
@@ -119,9 +125,14 @@ class Request(BlockHolder):
         """Admitted after a KV transfer; its given first token comes out at the end of this step."""
         self.state: RequestState = "waiting"
 
-    def output_ids(self) -> list[int]:
-        """Generated token ids so far."""
-        return [int(t) for t in self.tokens[self.prompt_len : self.prompt_len + self.num_output]]
+    def token_slice(self, start: int, stop: int) -> np.ndarray:
+        """Token ids ``[start, stop)`` of prompt followed by output."""
+        prompt_len = self.prompt_len
+        if stop <= prompt_len:
+            return self.tokens[start:stop]
+        head = self.tokens[min(start, prompt_len) : prompt_len]
+        tail = np.asarray(self.output[max(start - prompt_len, 0) : stop - prompt_len], dtype=np.uint32)
+        return np.concatenate((head, tail))
 
     def outcome(self) -> RequestOutcome:
         """What a simulation keeps of a request (without its token arrays)."""
@@ -169,8 +180,10 @@ class StepOutput:
 
     start_ms: float
     end_ms: float
+    steps: int
+    """Engine steps this output covers (more than 1 only for fused decode steps)."""
     advanced: list[Request]
-    """Requests that emitted tokens this step (one each; a first token when ``num_output == 1``)."""
+    """Requests that emitted tokens (``steps`` each; a first token when ``num_output == 1``)."""
     finished: list[Request]
     """Requests that completed this step (also listed in ``advanced``); the engine forgot them."""
     preempted: list[Request]
@@ -178,14 +191,7 @@ class StepOutput:
     prefill_tokens: int
     """Tokens prefilled (computed for prompts or recomputation) in the step."""
     decode_tokens: int
-    """Sequences that decoded one token in the step."""
-
-
-def _as_token_array(tokens: Sequence[int] | np.ndarray, extra: int) -> np.ndarray:
-    prompt = np.asarray(tokens)
-    out = np.empty(len(prompt) + extra, dtype=np.uint32)
-    out[: len(prompt)] = prompt
-    return out
+    """Decode tokens computed (sequences decoding x steps)."""
 
 
 class Engine:
@@ -229,6 +235,7 @@ class Engine:
             emit=self._emit,
             keep_tokens=trtllm_event_buffer > 0,
         )
+        self._keep_tokens = trtllm_event_buffer > 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -236,10 +243,14 @@ class Engine:
         self._transfers: list[Request] = []
         self._pending_events: list[KvEvent] = []
         self._last_event_id = 0
-        self._rng = config.seed & _MASK64
+        self._samples = (
+            np.random.default_rng(config.seed).integers(RESERVED_IDS, VOCAB_SIZE, _SAMPLE_TABLE).tolist()
+        )
+        self._sample_index = 0
         self._busy_until: float | None = None
         self._step_start = 0.0
         self._scheduled: list[tuple[Request, int]] = []
+        self._steps = 1
         self._preempted: list[Request] = []
         self._prefill_tokens = 0
         self._decode_tokens = 0
@@ -249,8 +260,13 @@ class Engine:
         """KV tokens the engine holds."""
         # cumulative counters (metrics)
         self.prompt_tokens_total = 0
+        """Prompt tokens of every request received."""
+        self.admitted_prompt_tokens_total = 0
+        """Prompt tokens of requests admitted to the running batch (denominator of the hit rate)."""
         self.cached_tokens_total = 0
+        """Prompt tokens found in the prefix cache at first admission."""
         self.generation_tokens_total = 0
+        self.requests_finished_total = 0
         self.preemptions_total = 0
 
     # requests -------------------------------------------------------------------------------
@@ -304,14 +320,12 @@ class Engine:
         self.check_request(prompt_len=prompt_len, max_tokens=max_tokens)
         if len(self.waiting) + len(self._transfers) >= self.config.max_waiting:
             raise EngineOverloaded(f"engine {self.worker_id} has {self.config.max_waiting} requests queued")
-        array = _as_token_array(tokens, max_tokens)
+        try:
+            array = np.asarray(tokens, dtype=np.uint32)
+        except OverflowError as exc:
+            raise RequestRejected(f"token ids must lie in [0, 2**32): {exc}", param="prompt") from exc
         if block_hashes is None:
-            local = tokens_hashes(array[:prompt_len], block_size=self.block_size)
-            chained: list[int] = []
-            parent: int | None = None
-            for value in local:
-                parent = chain_hash(parent, value)
-                chained.append(parent)
+            chained, local = hash_blocks(array[:prompt_len], block_size=self.block_size)
         else:
             chained, local = list(block_hashes[0]), list(block_hashes[1])
             if len(chained) != prompt_len // self.block_size or len(local) != len(chained):
@@ -333,7 +347,7 @@ class Engine:
         if transferred_first_token is None:
             self.waiting.append(request)
             return request
-        array[prompt_len] = transferred_first_token
+        request.output.append(transferred_first_token)
         request.num_tokens = prompt_len + 1
         request.num_output = 1
         request.cached_tokens = 0
@@ -365,6 +379,11 @@ class Engine:
         """End of the step in progress, or ``None`` when idle."""
         return self._busy_until
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, including KV transfers in flight."""
+        return len(self.waiting) + len(self._transfers)
+
     def has_work(self) -> bool:
         """Whether anything is queued, running or in transfer."""
         return bool(self.running or self.waiting or self._transfers)
@@ -376,8 +395,14 @@ class Engine:
             return None
         return min(request.ready_ms for request in self._transfers)
 
-    def begin_step(self, now_ms: float) -> float | None:
-        """Plan a step starting at ``now_ms`` and return its end time; ``None`` if there is nothing to run."""
+    def begin_step(self, now_ms: float, *, horizon_ms: float | None = None) -> float | None:
+        """Plan a step starting at ``now_ms`` and return its end time; ``None`` if there is nothing to run.
+
+        With ``horizon_ms`` (a promise that no request arrives or is aborted before then), a step
+        that only decodes is fused with the identical steps that follow it, up to the horizon,
+        the first block boundary, the first request finishing or a KV transfer completing: the
+        outcome is exactly that of stepping one by one, without the per-step overhead.
+        """
         if self._busy_until is not None:
             raise RuntimeError(f"engine {self.worker_id} is busy until {self._busy_until} ms")
         if self._transfers:
@@ -427,6 +452,8 @@ class Engine:
                         break
                     request.num_computed = request.prompt_len
                     scheduled.append((request, 0))
+                    if math.isnan(request.first_scheduled_ms):
+                        request.first_scheduled_ms = now_ms
                 else:
                     computed = self._admission_hit(request)
                     n = request.num_tokens - computed
@@ -441,6 +468,8 @@ class Engine:
                     scheduled.append((request, n))
                     budget -= n
                     chunks.append((n, computed))
+                    if math.isnan(request.first_scheduled_ms):
+                        request.first_scheduled_ms = now_ms
                 waiting.popleft()
                 request.state = "running"
                 running.append(request)
@@ -455,11 +484,40 @@ class Engine:
                 self.perf.decode_itl_ms(active_kv_tokens=decode_kv, context_length=decode_kv / decodes)
                 / self._decode_speed
             )
+        end = now_ms + duration
+        steps = 1
+        if horizon_ms is not None and decodes == len(scheduled) and not preempted and end < horizon_ms:
+            steps, end = self._fuse_decodes(end, horizon_ms=horizon_ms, decode_kv=decode_kv, decodes=decodes)
+        self._steps = steps
         self._prefill_tokens = sum(n for n, _ in chunks)
-        self._decode_tokens = decodes
+        self._decode_tokens = decodes * steps
         self._step_start = now_ms
-        self._busy_until = now_ms + duration
-        return self._busy_until
+        self._busy_until = end
+        return end
+
+    def _fuse_decodes(
+        self, end: float, *, horizon_ms: float, decode_kv: int, decodes: int
+    ) -> tuple[int, float]:
+        """How many identical decode steps can follow the planned one, and when the last ends."""
+        size = self.block_size
+        limit = self.config.max_model_len
+        for request, _ in self._scheduled:
+            limit = min(limit, request.max_tokens - request.num_output)
+            filled = (request.num_computed + 1) % size
+            limit = min(limit, size - filled if filled else 1)
+        if self._transfers:
+            horizon_ms = min(horizon_ms, *(r.ready_ms for r in self._transfers))
+        itl = self.perf.decode_itl_ms
+        speed = self._decode_speed
+        steps = 1
+        while steps < limit:
+            active = decode_kv + steps * decodes
+            step_end = end + itl(active_kv_tokens=active, context_length=active / decodes) / speed
+            if step_end > horizon_ms:
+                break
+            end = step_end
+            steps += 1
+        return steps, end
 
     def end_step(self) -> StepOutput:
         """Finish the step in progress: emit tokens, complete requests, free their blocks."""
@@ -468,8 +526,19 @@ class Engine:
             raise RuntimeError(f"engine {self.worker_id} has no step in progress")
         advanced: list[Request] = []
         finished: list[Request] = []
-        vocab_span = VOCAB_SIZE - RESERVED_IDS
-        rng = self._rng
+        samples = self._samples
+        sample = self._sample_index
+        # fused decode steps: all but the last sample one token per request, in step order
+        for _ in range(self._steps - 1):
+            for request, _n in self._scheduled:
+                if request.state != "running":
+                    continue
+                request.output.append(samples[sample & _SAMPLE_MASK])
+                sample += 1
+                request.num_computed = request.num_tokens
+                request.num_tokens += 1
+                request.num_output += 1
+                self.generation_tokens_total += 1
         for request, n in self._scheduled:
             if request.state != "running":
                 continue  # aborted during the step
@@ -482,8 +551,8 @@ class Engine:
             request.num_computed = computed
             if computed < request.num_tokens:
                 continue
-            rng = (rng * _LCG_MUL + _LCG_ADD) & _MASK64
-            request.tokens[computed] = RESERVED_IDS + (rng >> 33) % vocab_span
+            request.output.append(samples[sample & _SAMPLE_MASK])
+            sample += 1
             request.num_tokens = computed + 1
             request.num_output += 1
             if request.num_output == 1:
@@ -496,13 +565,15 @@ class Engine:
                 self.blocks.release(request)
                 del self.requests[request.request_id]
                 finished.append(request)
-        self._rng = rng
+                self.requests_finished_total += 1
+        self._sample_index = sample
         self.generation_tokens_total += len(advanced)
         if finished:
             self.running = [r for r in self.running if r.state == "running"]
         output = StepOutput(
             start_ms=self._step_start,
             end_ms=end,
+            steps=self._steps,
             advanced=advanced,
             finished=finished,
             preempted=self._preempted,
@@ -534,6 +605,7 @@ class Engine:
         if request.cached_tokens < 0:
             request.cached_tokens = min(computed, request.prompt_len)
             self.cached_tokens_total += request.cached_tokens
+            self.admitted_prompt_tokens_total += request.prompt_len
         return computed
 
     def _ensure_hashes(self, request: Request, full_blocks: int) -> None:
@@ -542,11 +614,12 @@ class Engine:
             return
         size = self.block_size
         start = len(hashes)
-        local = tokens_hashes(request.tokens[start * size : full_blocks * size], block_size=size)
-        parent = hashes[-1] if hashes else None
-        for value in local:
-            parent = chain_hash(parent, value)
-            hashes.append(parent)
+        chained, local = hash_blocks(
+            request.token_slice(start * size, full_blocks * size),
+            block_size=size,
+            parent=hashes[-1] if hashes else None,
+        )
+        hashes.extend(chained)
         request.tokens_hashes.extend(local)
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
@@ -561,7 +634,7 @@ class Engine:
             num_tokens=num_tokens,
             hashes=request.hashes,
             tokens_hashes=request.tokens_hashes,
-            tokens=request.tokens,
+            tokens=request.token_slice(0, full * size) if self._keep_tokens else None,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -614,10 +687,7 @@ class Engine:
             epoch=self.epoch,
             block_size=self.block_size,
             last_event_id=self._last_event_id,
-            blocks=tuple(
-                DumpBlock.model_construct(block_hash=h, parent_hash=p, tokens_hash=t)
-                for h, p, t in self.blocks.iter_cached()
-            ),
+            blocks=tuple(DumpBlock(h, p, t) for h, p, t in self.blocks.iter_cached()),
         )
 
 

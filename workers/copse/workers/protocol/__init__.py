@@ -1,7 +1,14 @@
 """The wire protocol: OpenAI HTTP models, KV events (copse's and TensorRT-LLM's), NATS subjects,
 block hashing and the mocked engines' tokenizer. Everything a router needs to talk to engines."""
 
-from copse.workers.protocol.hashing import HASH_SEED, block_hashes, chain_hash, chain_hashes, tokens_hashes
+from copse.workers.protocol.hashing import (
+    HASH_SEED,
+    block_hashes,
+    chain_hash,
+    chain_hashes,
+    hash_blocks,
+    tokens_hashes,
+)
 from copse.workers.protocol.kv_events import (
     DumpBlock,
     KvCleared,
@@ -46,6 +53,7 @@ __all__ = [
     "block_hashes",
     "chain_hash",
     "chain_hashes",
+    "hash_blocks",
     "kv_dump_subject",
     "kv_events_subject",
     "parse_request",

@@ -44,7 +44,8 @@ def tokens_hashes(tokens: Sequence[int] | np.ndarray, *, block_size: int) -> lis
     stride = block_size * 4
     full = len(data) // stride
     view = memoryview(data)
-    return [_xxh3(view[i * stride : (i + 1) * stride], seed=HASH_SEED) for i in range(full)]
+    xxh3 = _xxh3
+    return [xxh3(view[i : i + stride], seed=HASH_SEED) for i in range(0, full * stride, stride)]
 
 
 def chain_hash(parent: int | None, tokens_hash: int) -> int:
@@ -64,8 +65,22 @@ def chain_hashes(tokens_hashes: Sequence[int], *, parent: int | None = None) -> 
     return out
 
 
+def hash_blocks(
+    tokens: Sequence[int] | np.ndarray, *, block_size: int, parent: int | None = None
+) -> tuple[list[int], list[int]]:
+    """``(block hashes, tokens hashes)`` of every full block of ``tokens``, in one pass."""
+    local = tokens_hashes(tokens, block_size=block_size)
+    chained: list[int] = []
+    pack = _PAIR.pack
+    xxh3 = _xxh3
+    for value in local:
+        parent = value if parent is None else xxh3(pack(parent, value), seed=HASH_SEED)
+        chained.append(parent)
+    return chained, local
+
+
 def block_hashes(
     tokens: Sequence[int] | np.ndarray, *, block_size: int, parent: int | None = None
 ) -> list[int]:
     """Block hashes of every full block of ``tokens`` (the prefix identities a router matches on)."""
-    return chain_hashes(tokens_hashes(tokens, block_size=block_size), parent=parent)
+    return hash_blocks(tokens, block_size=block_size, parent=parent)[0]

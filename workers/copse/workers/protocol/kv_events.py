@@ -17,7 +17,7 @@ computes the same values from a prompt's token ids.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,8 +29,11 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class StoredBlock(_Frozen):
-    """One block newly held by an engine."""
+class StoredBlock(NamedTuple):
+    """One block newly held by an engine; a ``[block_hash, tokens_hash]`` pair in JSON.
+
+    (A named tuple rather than a model: engines create millions of them in a simulation.)
+    """
 
     block_hash: U64
     """Hash of the whole prefix up to this block (chained); the block's identity."""
@@ -89,8 +92,8 @@ class KvDumpRequest(_Frozen):
     """Worker asked; optional, only checked when present (the subject already names the worker)."""
 
 
-class DumpBlock(_Frozen):
-    """One cached block in a dump."""
+class DumpBlock(NamedTuple):
+    """One cached block in a dump; a ``[block_hash, parent_hash, tokens_hash]`` triple in JSON."""
 
     block_hash: U64
     parent_hash: U64 | None

@@ -1,0 +1,119 @@
+"""KV events over a real NATS server: the mocker publishes, answers dumps, and the relay turns a
+trtllm-serve drain (here a mocked engine's) into the same copse events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import nats
+from nats.aio.msg import Msg
+
+from copse.workers.mocker import EngineConfig
+from copse.workers.nats_io import request_dump
+from copse.workers.protocol import KvEvent, KvEventBatch, kv_events_subject
+from copse.workers.relay import run_relay
+from copse.workers.testing import mock_fleet
+
+
+class Subscriber:
+    """Collects batches and keeps an index: worker -> block hashes."""
+
+    def __init__(self) -> None:
+        self.batches: list[KvEventBatch] = []
+        self.blocks: dict[str, set[int]] = {}
+        self.changed = asyncio.Event()
+
+    async def on_message(self, msg: Msg) -> None:
+        batch = KvEventBatch.model_validate_json(msg.data)
+        self.batches.append(batch)
+        held = self.blocks.setdefault(batch.worker_id, set())
+        for event in batch.events:
+            self._apply(held, event)
+        self.changed.set()
+
+    @staticmethod
+    def _apply(held: set[int], event: KvEvent) -> None:
+        data = event.data
+        if data.type == "stored":
+            held.update(b.block_hash for b in data.blocks)
+        elif data.type == "removed":
+            held.difference_update(data.block_hashes)
+        else:
+            held.clear()
+
+    async def until(self, worker: str, expected: set[int]) -> None:
+        async with asyncio.timeout(10):
+            while self.blocks.get(worker) != expected:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def test_mocker_publishes_events_that_mirror_its_cache_and_answers_dumps(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    subscriber = Subscriber()
+    await nc.subscribe(kv_events_subject(namespace="team-a", deployment="llama.v3"), cb=subscriber.on_message)
+    config = EngineConfig(block_size=16, num_blocks=64)
+    async with (
+        mock_fleet(
+            engines=2, config=config, nats_url=nats_url, namespace="team-a", deployment="llama.v3"
+        ) as fleet,
+        httpx.AsyncClient() as http,
+    ):
+        for i in range(6):  # more than 64 blocks in total: eviction happens
+            reply = await http.post(
+                f"{fleet.urls[i % 2]}/v1/completions",
+                json={"model": "m", "prompt": list(range(1000 + 500 * i, 1400 + 500 * i)), "max_tokens": 2},
+            )
+            assert reply.status_code == 200
+        for server in fleet.servers:
+            engine = server.engine
+            await subscriber.until(engine.worker_id, engine.blocks.cached_hashes())
+            ids = [
+                e.event_id for b in subscriber.batches if b.worker_id == engine.worker_id for e in b.events
+            ]
+            assert ids == list(range(1, len(ids) + 1))  # gap-free
+            assert any(e.data.type == "removed" for b in subscriber.batches for e in b.events)
+            dump = await request_dump(
+                nc, namespace="team-a", deployment="llama.v3", worker_id=engine.worker_id
+            )
+            assert dump.last_event_id == ids[-1]
+            assert dump.epoch == engine.epoch
+            assert {b.block_hash for b in dump.blocks} == engine.blocks.cached_hashes()
+    await nc.drain()
+
+
+async def test_relay_publishes_what_the_engine_holds(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    subscriber = Subscriber()
+    await nc.subscribe(kv_events_subject(namespace="ns", deployment="dep"), cb=subscriber.on_message)
+    config = EngineConfig(block_size=16, num_blocks=48)
+    async with mock_fleet(config=config) as fleet, httpx.AsyncClient() as http:
+        engine = fleet.servers[0].engine
+        stop = asyncio.Event()
+        relay = asyncio.create_task(
+            run_relay(
+                engine_url=fleet.urls[0],
+                nats_url=nats_url,
+                worker_id="pod-0",
+                namespace="ns",
+                deployment="dep",
+                block_size=16,
+                interval_s=0.02,
+                stop=stop,
+            )
+        )
+        for i in range(5):
+            await http.post(
+                f"{fleet.urls[0]}/v1/completions",
+                json={"model": "m", "prompt": list(range(2000 + 300 * i, 2200 + 300 * i)), "max_tokens": 20},
+            )
+        # the relay recomputes copse hashes from tokens: they equal the mocker's own block hashes
+        await subscriber.until("pod-0", engine.blocks.cached_hashes())
+        dump = await request_dump(nc, namespace="ns", deployment="dep", worker_id="pod-0")
+        assert {b.block_hash for b in dump.blocks} == engine.blocks.cached_hashes()
+        await http.post(f"{fleet.urls[0]}/reset_prefix_cache")
+        await subscriber.until("pod-0", set())
+        stop.set()
+        await relay
+    await nc.drain()

@@ -1,0 +1,287 @@
+"""``copse worker``: mocked engines, the KV relay, and perf profiles."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import click
+import nats
+from prometheus_client import CollectorRegistry, start_http_server
+
+from copse.workers.mocker.config import ROLES, EngineConfig
+from copse.workers.mocker.server import MockFleetSettings, start_fleet
+from copse.workers.nats_io import KvEventPublisher
+from copse.workers.perf import PerfModel, ProfileError, load_perf_model, save_profile
+from copse.workers.protocol.subjects import subject_token
+from copse.workers.relay import run_relay
+
+log = logging.getLogger(__name__)
+
+
+def _perf(profile: Path | None, gpus: int | None, capacity: int | None) -> PerfModel:
+    try:
+        return load_perf_model(profile, gpus_per_engine=gpus, kv_capacity_tokens=capacity)
+    except ProfileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--perf-profile") from exc
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _check_token(value: str, option: str) -> str:
+    try:
+        subject_token(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from exc
+    return value
+
+
+async def _until_signalled(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+@click.group()
+def worker() -> None:
+    """GPU-free engines, the KV event relay for trtllm-serve, and perf profiles."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+_PERF_OPTIONS = [
+    click.option(
+        "--perf-profile",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Profile (NPZ or JSON) to interpolate; default: the polynomial model.",
+    ),
+    click.option("--gpus-per-engine", type=click.IntRange(min=1), default=None, help="Tensor parallelism."),
+    click.option(
+        "--kv-capacity-tokens", type=click.IntRange(min=1), default=None, help="KV cache size in tokens."
+    ),
+]
+
+
+@worker.command("mock")
+@click.option(
+    "--engines", type=click.IntRange(min=1), default=1, show_default=True, help="Engines in this process."
+)
+@click.option(
+    "--port-base", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port of engine 0."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--model", "model_name", default="mock-model", show_default=True, help="Served model name.")
+@click.option("--worker-prefix", default="mock", show_default=True, help="Worker ids are <prefix>-<port>.")
+@click.option("--role", type=click.Choice(ROLES), default="aggregated", show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--num-blocks", type=click.IntRange(min=1), default=None, help="Default: KV capacity / block size."
+)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
+@click.option("--no-chunked-prefill", is_flag=True, help="Never split a prompt across steps.")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=131072, show_default=True)
+@click.option(
+    "--max-waiting", type=click.IntRange(min=1), default=4096, show_default=True, help="Queue bound (503)."
+)
+@click.option("--speedup-ratio", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option(
+    "--decode-speedup-ratio", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True
+)
+@click.option("--kv-bytes-per-token", type=click.IntRange(min=0), default=131072, show_default=True)
+@click.option(
+    "--kv-bandwidth-gbps", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds generated token ids.")
+@click.option(
+    "--virtual-clock", is_flag=True, help="Steps take no wall time (each engine keeps its own time)."
+)
+@click.option(
+    "--nats", "nats_url", default=None, help="Publish KV events to this NATS server (nats://host:port)."
+)
+@click.option(
+    "--namespace", default="default", show_default=True, help="Kubernetes namespace (NATS subject)."
+)
+@click.option("--deployment", default="mock", show_default=True, help="Deployment name (NATS subject).")
+@_PERF_OPTIONS[0]
+@_PERF_OPTIONS[1]
+@_PERF_OPTIONS[2]
+def mock(
+    *,
+    engines: int,
+    port_base: int,
+    host: str,
+    model_name: str,
+    worker_prefix: str,
+    role: str,
+    block_size: int,
+    num_blocks: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    no_chunked_prefill: bool,
+    max_model_len: int,
+    max_waiting: int,
+    speedup_ratio: float,
+    decode_speedup_ratio: float,
+    kv_bytes_per_token: int,
+    kv_bandwidth_gbps: float,
+    seed: int,
+    virtual_clock: bool,
+    nats_url: str | None,
+    namespace: str,
+    deployment: str,
+    perf_profile: Path | None,
+    gpus_per_engine: int | None,
+    kv_capacity_tokens: int | None,
+) -> None:
+    """Serve ENGINES mocked TensorRT-LLM engines on ports PORT_BASE.. (one process)."""
+    if port_base and port_base + engines - 1 > 65535:
+        raise click.BadParameter(
+            f"{engines} engines from port {port_base} run past 65535", param_hint="--engines"
+        )
+    _check_token(namespace, "--namespace")
+    _check_token(deployment, "--deployment")
+    _check_token(worker_prefix, "--worker-prefix")
+    perf = _perf(perf_profile, gpus_per_engine, kv_capacity_tokens)
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=not no_chunked_prefill,
+        max_model_len=max_model_len,
+        max_waiting=max_waiting,
+        speedup_ratio=speedup_ratio,
+        decode_speedup_ratio=decode_speedup_ratio,
+        role=role,  # type: ignore[arg-type]  # click.Choice(ROLES) guarantees a Role
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_transfer_bandwidth_gbps=kv_bandwidth_gbps,
+        seed=seed,
+    )
+    settings = MockFleetSettings(
+        engines=engines,
+        port_base=port_base,
+        host=host,
+        model_name=model_name,
+        worker_prefix=worker_prefix,
+        virtual_clock=virtual_clock,
+    )
+
+    async def serve() -> None:
+        connection = await nats.connect(nats_url) if nats_url else None
+        publisher = (
+            KvEventPublisher(connection, namespace=namespace, deployment=deployment) if connection else None
+        )
+        try:
+            fleet = await start_fleet(settings, config=config, perf=perf, publisher=publisher)
+        except OSError as exc:
+            raise click.UsageError(f"cannot listen on {host} from port {port_base}: {exc}") from exc
+        log.info("%d engine(s) on %s .. %s", engines, fleet.urls[0], fleet.urls[-1])
+        try:
+            await _until_signalled(asyncio.Event())
+        finally:
+            await fleet.close()
+            if connection is not None:
+                await connection.drain()
+
+    asyncio.run(serve())
+
+
+@worker.command("kv-relay")
+@click.option(
+    "--engine", "engine_url", required=True, help="Base URL of trtllm-serve (http://127.0.0.1:8000)."
+)
+@click.option("--nats", "nats_url", required=True, help="NATS server (nats://host:port).")
+@click.option("--deployment", required=True, help="Deployment name (NATS subject).")
+@click.option(
+    "--namespace",
+    default=lambda: os.environ.get("POD_NAMESPACE", "default"),
+    show_default="$POD_NAMESPACE or default",
+)
+@click.option(
+    "--worker-id",
+    default=lambda: os.environ.get("POD_NAME", socket.gethostname()),
+    show_default="$POD_NAME or the host name",
+)
+@click.option(
+    "--block-size", type=click.IntRange(min=1), default=32, show_default=True, help="Engine tokens_per_block."
+)
+@click.option(
+    "--interval", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True, help="Seconds."
+)
+@click.option(
+    "--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve Prometheus metrics here."
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+def kv_relay(
+    *,
+    engine_url: str,
+    nats_url: str,
+    deployment: str,
+    namespace: str,
+    worker_id: str,
+    block_size: int,
+    interval: float,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
+    """Drain a trtllm-serve's /kv_cache_events and publish copse KV events on NATS."""
+    _check_token(namespace, "--namespace")
+    _check_token(deployment, "--deployment")
+    _check_token(worker_id, "--worker-id")
+    registry = CollectorRegistry()
+    if metrics_port is not None:
+        start_http_server(metrics_port, addr=metrics_host, registry=registry)
+
+    async def relay() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            run_relay(
+                engine_url=engine_url,
+                nats_url=nats_url,
+                worker_id=worker_id,
+                namespace=namespace,
+                deployment=deployment,
+                block_size=block_size,
+                interval_s=interval,
+                registry=registry,
+                stop=stop,
+            )
+        )
+        signalled = asyncio.create_task(_until_signalled(stop))
+        await asyncio.wait({task, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        stop.set()
+        signalled.cancel()
+        await task
+
+    asyncio.run(relay())
+
+
+@worker.command("save-profile")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help=".npz or .json")
+@click.option("--points", type=click.IntRange(min=2), default=100, show_default=True)
+@click.option("--max-context-length", type=click.IntRange(min=1), default=131072, show_default=True)
+@_PERF_OPTIONS[0]
+@_PERF_OPTIONS[1]
+@_PERF_OPTIONS[2]
+def save_profile_command(
+    *,
+    out: Path,
+    points: int,
+    max_context_length: int,
+    perf_profile: Path | None,
+    gpus_per_engine: int | None,
+    kv_capacity_tokens: int | None,
+) -> None:
+    """Write the perf model (default: the polynomial) as a profile file others can load."""
+    perf = _perf(perf_profile, gpus_per_engine, kv_capacity_tokens)
+    try:
+        save_profile(perf, out, max_context_length=max_context_length, points=points)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {out}: {exc}", param_hint="--out") from exc
+    click.echo(f"wrote {out}")

@@ -1,0 +1,61 @@
+"""Prometheus metric names of the workers component, in one place.
+
+Mocked engines export TensorRT-LLM's own names (``tensorrt_llm/metrics/collector.py``), so that
+dashboards and the planner read a mocked fleet exactly as they read a real one. The KV relay's
+metrics carry copse's prefix.
+"""
+
+# trtllm-serve names ----------------------------------------------------------------------------
+TTFT_SECONDS = "trtllm_time_to_first_token_seconds"
+"""Histogram: request arrival to first token."""
+ITL_SECONDS = "trtllm_time_per_output_token_seconds"
+"""Histogram: gap between consecutive output tokens of a request."""
+E2E_SECONDS = "trtllm_e2e_request_latency_seconds"
+"""Histogram: request arrival to last token."""
+QUEUE_SECONDS = "trtllm_request_queue_time_seconds"
+"""Histogram: request arrival to its first scheduled step."""
+PROMPT_TOKENS = "trtllm_prompt_tokens"
+"""Counter (exposed with ``_total``): prompt tokens received."""
+GENERATION_TOKENS = "trtllm_generation_tokens"
+"""Counter (exposed with ``_total``): tokens generated."""
+REQUEST_SUCCESS = "trtllm_request_success"
+"""Counter (exposed with ``_total``) by ``finished_reason``: requests completed."""
+KV_CACHE_UTILIZATION = "trtllm_kv_cache_utilization"
+"""Gauge 0..1: fraction of KV blocks referenced by running requests."""
+KV_CACHE_HIT_RATE = "trtllm_kv_cache_hit_rate"
+"""Gauge 0..1: prompt tokens served from the prefix cache / prompt tokens admitted."""
+NUM_REQUESTS_RUNNING = "trtllm_num_requests_running"
+"""Gauge: requests in the running batch."""
+NUM_REQUESTS_WAITING = "trtllm_num_requests_waiting"
+"""Gauge: requests queued (including KV transfers in flight)."""
+
+# copse KV relay --------------------------------------------------------------------------------
+RELAY_EVENTS = "copse_kv_relay_events"
+"""Counter (``_total``) by ``type``: copse KV events published by the relay."""
+RELAY_DROPPED_BLOCKS = "copse_kv_relay_dropped_blocks"
+"""Counter (``_total``) by ``reason``: engine blocks the relay could not translate (unknown parent, size)."""
+RELAY_POLL_ERRORS = "copse_kv_relay_poll_errors"
+"""Counter (``_total``): failed polls of the engine's ``/kv_cache_events``."""
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+)
+"""Histogram buckets (seconds) of every latency above."""
+LABELS = ("model_name", "engine_type")
+"""Labels of every engine metric (TensorRT-LLM's)."""

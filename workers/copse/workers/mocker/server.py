@@ -1,0 +1,577 @@
+"""The HTTP surface of ``trtllm-serve`` in front of mocked engines, many engines per process.
+
+Per engine (one port each):
+
+=============================  ================================================================
+``POST /v1/completions``       OpenAI completions; ``prompt`` as text or token ids; SSE with ``stream``
+``POST /v1/chat/completions``  OpenAI chat completions (mock chat template and tokenizer)
+``GET /v1/models``             the served model name
+``GET /health``                200 when the engine loop runs
+``GET /metrics``               Prometheus, TensorRT-LLM names (also at ``/prometheus/metrics``)
+``POST /kv_cache_events``      drains TensorRT-LLM-format KV events (each returned once)
+``GET /kv_dump``               copse :class:`~copse.workers.protocol.kv_events.KvDump` (resync)
+``GET /worker_info``           worker id, role, block size and limits (for static router lists)
+``POST /reset_prefix_cache``   drop the cache (emits ``cleared``); 409 while requests hold blocks
+=============================  ================================================================
+
+Errors: 400 with :class:`~copse.workers.protocol.openai_api.ErrorResponse` naming the field;
+503 with ``Retry-After`` when the engine's queue is full. A client that disconnects (or stops
+reading a stream) has its request aborted and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from copse.workers.mocker.clock import Clock, RealClock, VirtualClock
+from copse.workers.mocker.config import EngineConfig
+from copse.workers.mocker.engine import Engine, EngineOverloaded, Request, RequestRejected, StepOutput
+from copse.workers.mocker.telemetry import EngineMetrics
+from copse.workers.nats_io import KvEventPublisher
+from copse.workers.perf import PerfModel
+from copse.workers.protocol.openai_api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DisaggregatedParams,
+    ErrorResponse,
+    PromptTokensDetails,
+    RequestError,
+    UsageInfo,
+    new_chat_id,
+    new_completion_id,
+    parse_request,
+)
+from copse.workers.protocol.tokenizer import encode, render_chat, token_text
+
+log = logging.getLogger(__name__)
+
+TRTLLM_EVENT_BUFFER = 1024
+"""Events kept for ``POST /kv_cache_events`` (TensorRT-LLM's ``event_buffer_max_size`` as Dynamo sets it)."""
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503: one second, about the time a full batch takes to turn over."""
+
+
+def _error(
+    status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    kind = {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        409: "ConflictError",
+        503: "ServiceUnavailableError",
+    }
+    body = ErrorResponse(message=message, type=kind.get(status, "Error"), param=param, code=status)
+    return web.json_response(text=body.model_dump_json(), status=status, headers=headers)
+
+
+def _json(model: BaseModel) -> web.Response:
+    return web.json_response(text=model.model_dump_json(exclude_none=True))
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A request being served over HTTP: what has been sent, and a wake-up for the handler."""
+
+    request: Request
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: int = 0
+    last_ms: float | None = None
+
+
+class EngineServer:
+    """One mocked engine, its step loop and its HTTP application."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        model_name: str,
+        clock: Clock,
+        publisher: KvEventPublisher | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.url = ""
+        """Base URL once listening."""
+        self.clock = clock
+        self.publisher = publisher
+        self.metrics = EngineMetrics(engine, model_name=model_name)
+        self._streams: dict[str, _Stream] = {}
+        self._work = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._loop_task: asyncio.Task[None] | None = None
+        self.app = web.Application()
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.get("/prometheus/metrics", self._metrics),
+                web.post("/kv_cache_events", self._kv_cache_events),
+                web.get("/kv_dump", self._kv_dump),
+                web.get("/worker_info", self._worker_info),
+                web.post("/reset_prefix_cache", self._reset_prefix_cache),
+            ]
+        )
+
+    # engine loop ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop (idempotent)."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.engine.worker_id}")
+
+    async def stop(self) -> None:
+        """Stop the step loop and abort whatever is in flight."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        for stream in self._streams.values():
+            stream.wake.set()
+
+    async def _run(self) -> None:
+        engine = self.engine
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while engine.has_work():
+                end = engine.begin_step(self.clock.now_ms())
+                if end is None:
+                    wake = engine.next_wake_ms()
+                    if wake is None:
+                        break
+                    await self._sleep_until_or_work(wake)
+                    continue
+                await self.clock.sleep_until(end)
+                self._deliver(engine.end_step())
+                await self._publish()
+            await self._publish()
+
+    async def _sleep_until_or_work(self, t_ms: float) -> None:
+        if isinstance(self.clock, VirtualClock):
+            await self.clock.sleep_until(t_ms)
+            return
+        self._work.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._work.wait(), max(0.0, (t_ms - self.clock.now_ms()) / 1000.0))
+
+    def _deliver(self, output: StepOutput) -> None:
+        metrics = self.metrics
+        for request in output.advanced:
+            stream = self._streams.get(request.request_id)
+            if stream is None:
+                continue
+            if stream.last_ms is None:
+                metrics.first_token(request)
+            else:
+                metrics.next_token(output.end_ms - stream.last_ms)
+            stream.last_ms = output.end_ms
+            stream.wake.set()
+        for request in output.finished:
+            metrics.finished(request)
+
+    async def _publish(self) -> None:
+        events = self.engine.drain_kv_events()
+        if self.publisher is not None and events:
+            await self.publisher.publish(
+                worker_id=self.engine.worker_id, epoch=self.engine.epoch, events=events
+            )
+
+    # serving ----------------------------------------------------------------------------------
+
+    def _admit(self, tokens: Sequence[int], body: CompletionRequest | ChatCompletionRequest) -> Request:
+        """Add a request to the engine per its role; raises RequestError/RequestRejected/EngineOverloaded."""
+        role = self.engine.config.role
+        params = body.disaggregated_params
+        kind = params.request_type if params is not None else "context_and_generation"
+        if role == "prefill" and kind != "context_only":
+            raise RequestError(
+                "this is a context (prefill) engine: send disaggregated_params.request_type='context_only'",
+                param="disaggregated_params",
+            )
+        if role == "decode" and kind != "generation_only":
+            raise RequestError(
+                "this is a generation (decode) engine:"
+                " send disaggregated_params.request_type='generation_only'",
+                param="disaggregated_params",
+            )
+        first_token: int | None = None
+        if kind == "generation_only":
+            assert params is not None
+            if not params.first_gen_tokens:
+                raise RequestError(
+                    "generation_only requests need the context engine's first_gen_tokens",
+                    param="disaggregated_params.first_gen_tokens",
+                )
+            first_token = params.first_gen_tokens[0]
+        max_tokens = 1 if kind == "context_only" else body.requested_tokens()
+        request_id = f"{self.engine.worker_id}-{next(self._ids)}"
+        return self.engine.add_request(
+            request_id=request_id,
+            tokens=tokens,
+            max_tokens=max_tokens,
+            now_ms=self.clock.now_ms(),
+            transferred_first_token=first_token,
+        )
+
+    def _context_params(self, request: Request) -> DisaggregatedParams:
+        state = {"worker_id": self.engine.worker_id, "prompt_tokens": request.prompt_len}
+        return DisaggregatedParams(
+            request_type="context_only",
+            first_gen_tokens=request.output[:1],
+            ctx_request_id=int(request.request_id.rsplit("-", 1)[1]),
+            encoded_opaque_state=base64.b64encode(json.dumps(state).encode()).decode(),
+        )
+
+    async def _tokens(self, stream: _Stream) -> AsyncIterator[list[int]]:
+        """New output tokens of a request as they come out, until it finishes."""
+        request = stream.request
+        while True:
+            await stream.wake.wait()
+            stream.wake.clear()
+            new = request.output[stream.sent : request.num_output]
+            if new:
+                stream.sent += len(new)
+                yield new
+            if request.state == "finished":
+                return
+            if request.state == "aborted":
+                raise web.HTTPServiceUnavailable(text="engine stopped")
+
+    async def _serve(
+        self, http: web.Request, body: CompletionRequest | ChatCompletionRequest, tokens: list[int]
+    ) -> web.StreamResponse:
+        try:
+            request = self._admit(tokens, body)
+        except RequestError as exc:
+            return _error(400, exc.message, param=exc.param)
+        except RequestRejected as exc:
+            return _error(400, str(exc), param=exc.param)
+        except EngineOverloaded as exc:
+            return _error(503, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+        stream = _Stream(request)
+        self._streams[request.request_id] = stream
+        self._work.set()
+        try:
+            if body.stream:
+                return await self._stream_response(http, body, stream)
+            return await self._full_response(body, stream)
+        finally:
+            del self._streams[request.request_id]
+            if request.state != "finished" and self.engine.abort_request(request.request_id):
+                log.info("request %s aborted (client gone)", request.request_id)
+                self._work.set()
+
+    def _usage(self, request: Request) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=request.prompt_len,
+            completion_tokens=request.num_output,
+            total_tokens=request.prompt_len + request.num_output,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=max(request.cached_tokens, 0)),
+        )
+
+    async def _full_response(
+        self, body: CompletionRequest | ChatCompletionRequest, stream: _Stream
+    ) -> web.Response:
+        async for _ in self._tokens(stream):
+            pass
+        request = stream.request
+        text = "".join(token_text(t) for t in request.output)
+        params = self._context_params(request) if self._is_context_only(body) else None
+        if isinstance(body, CompletionRequest):
+            return _json(
+                CompletionResponse(
+                    model=self.model_name,
+                    choices=[
+                        CompletionChoice(
+                            text=text,
+                            token_ids=list(request.output),
+                            finish_reason="length",
+                            disaggregated_params=params,
+                        )
+                    ],
+                    usage=self._usage(request),
+                    prompt_token_ids=[int(t) for t in request.tokens] if params is not None else None,
+                )
+            )
+        return _json(
+            ChatCompletionResponse(
+                model=self.model_name,
+                choices=[
+                    ChatChoice(
+                        message=AssistantMessage(content=text),
+                        finish_reason="length",
+                        disaggregated_params=params,
+                    )
+                ],
+                usage=self._usage(request),
+                prompt_token_ids=[int(t) for t in request.tokens] if params is not None else None,
+            )
+        )
+
+    @staticmethod
+    def _is_context_only(body: CompletionRequest | ChatCompletionRequest) -> bool:
+        return (
+            body.disaggregated_params is not None and body.disaggregated_params.request_type == "context_only"
+        )
+
+    async def _stream_response(
+        self, http: web.Request, body: CompletionRequest | ChatCompletionRequest, stream: _Stream
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(http)
+        request = stream.request
+        options = body.stream_options
+        every_chunk_usage = options is not None and options.continuous_usage_stats
+        chat = isinstance(body, ChatCompletionRequest)
+        response_id = new_chat_id() if chat else new_completion_id()
+        created = int(time.time())
+
+        async def send(model: BaseModel) -> None:
+            await response.write(f"data: {model.model_dump_json(exclude_none=True)}\n\n".encode())
+
+        if chat:
+            await send(
+                ChatCompletionStreamResponse(
+                    id=response_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))],
+                )
+            )
+        async for new in self._tokens(stream):
+            done = request.state == "finished" and stream.sent == request.num_output
+            reason = "length" if done else None
+            usage = self._usage(request) if every_chunk_usage else None
+            text = "".join(token_text(t) for t in new)
+            if chat:
+                await send(
+                    ChatCompletionStreamResponse(
+                        id=response_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[ChatStreamChoice(delta=DeltaMessage(content=text), finish_reason=reason)],
+                        usage=usage,
+                    )
+                )
+            else:
+                await send(
+                    CompletionStreamResponse(
+                        id=response_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[CompletionStreamChoice(text=text, token_ids=new, finish_reason=reason)],
+                        usage=usage,
+                    )
+                )
+        if options is not None and options.include_usage:
+            final: BaseModel
+            if chat:
+                final = ChatCompletionStreamResponse(
+                    id=response_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=self._usage(request),
+                )
+            else:
+                final = CompletionStreamResponse(
+                    id=response_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=self._usage(request),
+                )
+            await send(final)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _completions(self, http: web.Request) -> web.StreamResponse:
+        try:
+            body = parse_request(CompletionRequest, await http.read())
+        except RequestError as exc:
+            return _error(400, exc.message, param=exc.param)
+        tokens = encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if not tokens:
+            return _error(400, "prompt holds no tokens", param="prompt")
+        return await self._serve(http, body, tokens)
+
+    async def _chat(self, http: web.Request) -> web.StreamResponse:
+        try:
+            body = parse_request(ChatCompletionRequest, await http.read())
+        except RequestError as exc:
+            return _error(400, exc.message, param=exc.param)
+        tokens = encode(render_chat((m.role, m.text()) for m in body.messages))
+        return await self._serve(http, body, tokens)
+
+    # housekeeping -----------------------------------------------------------------------------
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "owned_by": "copse-mocker"}],
+            }
+        )
+
+    async def _health(self, _: web.Request) -> web.Response:
+        if self._loop_task is None or self._loop_task.done():
+            return web.Response(status=503, text="engine loop not running")
+        return web.Response(status=200)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def _kv_cache_events(self, _: web.Request) -> web.Response:
+        buffer = self.engine.trtllm_events
+        events = list(buffer) if buffer is not None else []
+        if buffer is not None:
+            buffer.clear()
+        return web.json_response(events)
+
+    async def _kv_dump(self, _: web.Request) -> web.Response:
+        return _json(self.engine.dump_kv())
+
+    async def _worker_info(self, _: web.Request) -> web.Response:
+        engine = self.engine
+        config = engine.config
+        return web.json_response(
+            {
+                "worker_id": engine.worker_id,
+                "epoch": engine.epoch,
+                "model": self.model_name,
+                "role": config.role,
+                "block_size": config.block_size,
+                "num_blocks": engine.blocks.num_blocks,
+                "max_num_seqs": config.max_num_seqs,
+                "max_num_batched_tokens": config.max_num_batched_tokens,
+                "max_model_len": config.max_model_len,
+                "gpus_per_engine": engine.perf.gpus_per_engine,
+            }
+        )
+
+    async def _reset_prefix_cache(self, _: web.Request) -> web.Response:
+        if not self.engine.reset_prefix_cache():
+            return _error(409, "requests hold KV blocks; the cache can only be reset when idle")
+        await self._publish()
+        return web.json_response({"reset": True})
+
+
+@dataclass
+class MockFleetSettings:
+    """What ``copse worker mock`` serves."""
+
+    engines: int = 1
+    """Engines in this process, on consecutive ports."""
+    port_base: int = 8000
+    """Port of the first engine; engine ``i`` listens on ``port_base + i`` (0: any free ports)."""
+    host: str = "127.0.0.1"
+    """Address every engine binds."""
+    model_name: str = "mock-model"
+    """Model name the engines report and accept."""
+    worker_prefix: str = "mock"
+    """Worker ids are ``<prefix>-<port>``, unique per host."""
+    virtual_clock: bool = False
+    """Run steps without sleeping (see :class:`VirtualClock`)."""
+
+
+class MockFleet:
+    """Many :class:`EngineServer` s in one process, each on its own port."""
+
+    def __init__(self, servers: list[EngineServer], runners: list[web.AppRunner]) -> None:
+        self.servers = servers
+        self._runners = runners
+
+    @property
+    def urls(self) -> list[str]:
+        """Base URL of every engine (``http://127.0.0.1:<port>``)."""
+        return [server.url for server in self.servers]
+
+    async def close(self) -> None:
+        """Stop every engine loop and close every listener."""
+        for server in self.servers:
+            await server.stop()
+        for runner in self._runners:
+            await runner.cleanup()
+
+
+async def start_fleet(
+    settings: MockFleetSettings,
+    *,
+    config: EngineConfig,
+    perf: PerfModel,
+    publisher: KvEventPublisher | None = None,
+) -> MockFleet:
+    """Start ``settings.engines`` engines; with a publisher, each publishes KV events and answers dumps."""
+    servers: list[EngineServer] = []
+    runners: list[web.AppRunner] = []
+    fleet = MockFleet(servers, runners)
+    try:
+        for index in range(settings.engines):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((settings.host, settings.port_base + index if settings.port_base else 0))
+            except OSError:
+                sock.close()
+                raise
+            port = sock.getsockname()[1]
+            engine = Engine(
+                worker_id=f"{settings.worker_prefix}-{port}",
+                config=config,
+                perf=perf,
+                epoch=time.time_ns(),
+                trtllm_event_buffer=TRTLLM_EVENT_BUFFER,
+            )
+            clock: Clock = VirtualClock() if settings.virtual_clock else RealClock()
+            server = EngineServer(
+                engine=engine, model_name=settings.model_name, clock=clock, publisher=publisher
+            )
+            server.url = f"http://{settings.host}:{port}"
+            runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            await web.SockSite(runner, sock).start()
+            server.start()
+            servers.append(server)
+            if publisher is not None:
+                await publisher.serve_dumps(worker_id=engine.worker_id, dump=engine.dump_kv)
+    except BaseException:
+        await fleet.close()
+        raise
+    return fleet

