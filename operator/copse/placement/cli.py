@@ -1,0 +1,106 @@
+"""``copse placement plan``: where a deployment's TP groups would go on a given node list.
+
+Exit status: 0 when every group is placed, 3 when some are not (the output still lists what
+was placed and why the rest was not), 2 for invalid input (the message names file and field).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from copse.api.manifest import ManifestError, load_deployment, read_documents
+from copse.placement.model import Plan, Pod
+from copse.placement.scheduler import plan as place
+from copse.placement.spec import request_from_spec
+from copse.topology.graph import TopologyError, build_topology
+
+EXIT_UNPLACED = 3
+EXIT_INVALID = 2
+
+
+def _objects(path: Path, kind: str) -> list[dict[str, Any]]:
+    """The ``kind`` objects of a file: a ``*List``, several documents or one object."""
+    objects = read_documents(path)
+    for index, obj in enumerate(objects):
+        if obj.get("kind", kind) != kind:
+            raise ManifestError(f"{path}: item {index + 1}: expected kind {kind}, got {obj.get('kind')!r}")
+    return objects
+
+
+def _pods_cell(pods: Sequence[Pod]) -> str:
+    """``node:gpus`` per pod; long gangs as first..last with the count, to keep rows readable."""
+    if len(pods) <= 4:
+        return ",".join(f"{pod.node}:{pod.gpus}" for pod in pods)
+    sizes = {pod.gpus for pod in pods}
+    shape = f"{len(pods)} pods x {sizes.pop()} GPUs" if len(sizes) == 1 else f"{len(pods)} pods"
+    return f"{pods[0].node}..{pods[-1].node} ({shape})"
+
+
+def _table(result: Plan) -> str:
+    header = ("ROLE", "REPLICA", "DOMAIN", "RACK", "NODES", "COST(us)")
+    rows = [
+        (
+            group.role,
+            str(group.replica),
+            group.domain or "(spans domains)",
+            group.rack or "-",
+            _pods_cell(group.pods),
+            f"{group.cost.total:.1f}",
+        )
+        for group in result.groups
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    placed, total = len(result.groups), len(result.groups) + len(result.unplaced)
+    lines.append(f"score {result.score:.3f}: {placed} of {total} groups placed")
+    lines.extend(f"unplaced {item.role} {item.replica}: {item.reason}" for item in result.unplaced)
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_INVALID)
+
+
+@click.group("placement")
+def placement() -> None:
+    """Gang placement of TP groups onto NVLink domains, without a cluster."""
+
+
+@placement.command("plan")
+@click.option("--nodes", "nodes_path", type=Path, required=True, help="NodeList/List or Node documents.")
+@click.option(
+    "--deployment", "deployment_path", type=Path, required=True, help="InferenceDeployment manifest."
+)
+@click.option("--pods", "pods_path", type=Path, help="Pods already holding GPUs (PodList or documents).")
+@click.option("--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def plan_command(nodes_path: Path, deployment_path: Path, pods_path: Path | None, output: str) -> None:
+    """Place DEPLOYMENT's TP groups on the nodes in NODES and print the plan."""
+    try:
+        nodes = _objects(nodes_path, "Node")
+        pods: Sequence[dict[str, Any]] = _objects(pods_path, "Pod") if pods_path else []
+        deployment = load_deployment(deployment_path)
+    except ManifestError as exc:
+        _fail(str(exc))
+    try:
+        topology = build_topology(nodes, pods=pods)
+    except TopologyError as exc:
+        _fail(f"{nodes_path}: {exc}")
+    result = place(topology, request_from_spec(deployment.spec))
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if output == "json":
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(_table(result))
+    if not result.feasible:
+        sys.exit(EXIT_UNPLACED)
