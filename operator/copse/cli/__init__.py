@@ -15,6 +15,7 @@ import click
 #: subcommand name -> "module:attribute" of a click command or group.
 SUBCOMMANDS: dict[str, str] = {
     "api": "copse.api.cli:api",
+    "operator": "copse.operator.cli:operator",
     "placement": "copse.placement.cli:placement",
     "worker": "copse.workers.cli:worker",
 }

@@ -1,0 +1,3 @@
+from copse.cli import main
+
+main()

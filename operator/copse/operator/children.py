@@ -1,0 +1,420 @@
+"""The Kubernetes objects of an InferenceDeployment, as plain dicts (pure: no I/O).
+
+Per TP group: one pod per node it spans (gated until the whole gang exists, pinned to its
+planned node by a required node affinity) and a headless Service for rank discovery. Per
+deployment: the engine ConfigMap and the router's ConfigMap, Deployment and Service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from copse.api import EngineBackend, InferenceDeployment, Role
+from copse.operator import names
+
+#: Images used when the manifest names none. The TensorRT-LLM release image carries
+#: trtllm-serve, MPI and the copse KV relay is pip-installed on top (see README, Images).
+TRTLLM_IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.2.0"
+COPSE_IMAGE = "ghcr.io/copse-dev/copse:0.1.0"
+
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+SSH_PORT = 2222
+ENGINE_CONFIG_DIR = "/etc/copse/engine"
+ROUTER_CONFIG_DIR = "/etc/copse/router"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupLayout:
+    """Where one TP group's pods go: the operator's input to build them."""
+
+    role: Role
+    replica: int
+    pods: tuple[tuple[str, int], ...]
+    """(node, GPUs) per rank, rank 0 first; rank 0 leads the MPI world and serves HTTP."""
+    domain: str | None
+    rack: str | None
+    cost: float
+
+    @property
+    def world_size(self) -> int:
+        return sum(gpus for _, gpus in self.pods)
+
+
+def owner_reference(deployment: InferenceDeployment) -> dict[str, Any]:
+    return {
+        "apiVersion": deployment.api_version,
+        "kind": deployment.kind,
+        "name": deployment.metadata.name,
+        "uid": deployment.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    deployment: InferenceDeployment, *, name: str, labels: dict[str, str], **extra: Any
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": deployment.metadata.namespace,
+        "labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY, **labels},
+        "ownerReferences": [owner_reference(deployment)],
+        **extra,
+    }
+
+
+def template_hash(deployment: InferenceDeployment, role: Role) -> str:
+    """What shapes a worker pod of ``role``; groups with another hash get rolled."""
+    spec = deployment.spec
+    [pool] = [pool for pool in spec.pools() if pool.role is role]
+    shaped = {
+        "model": spec.model.name,
+        "tp": pool.tensor_parallelism,
+        "pp": pool.pipeline_parallelism,
+        "engine": spec.engine.model_dump(mode="json"),
+        "pod": spec.pod.model_dump(mode="json"),
+        "coldStart": spec.cold_start.strategy.value,
+    }
+    return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def group_labels(deployment: InferenceDeployment, layout: GroupLayout) -> dict[str, str]:
+    name = deployment.metadata.name
+    return {
+        **names.worker_selector(name),
+        names.LABEL_ROLE: layout.role.value,
+        names.LABEL_GROUP: names.group_name(name, layout.role, layout.replica),
+        names.LABEL_REPLICA: str(layout.replica),
+    }
+
+
+def group_service(deployment: InferenceDeployment, layout: GroupLayout) -> dict[str, Any]:
+    """Headless Service of one group: DNS for its ranks, and the record of its planned placement."""
+    labels = group_labels(deployment, layout)
+    group = labels[names.LABEL_GROUP]
+    annotations = {
+        names.ANNOTATION_PLACEMENT: json.dumps([{"node": node, "gpus": gpus} for node, gpus in layout.pods]),
+        names.ANNOTATION_COST: f"{layout.cost:.6f}",
+        names.ANNOTATION_TEMPLATE_HASH: template_hash(deployment, layout.role),
+    }
+    if layout.domain is not None:
+        annotations[names.ANNOTATION_DOMAIN] = layout.domain
+    if layout.rack is not None:
+        annotations[names.ANNOTATION_RACK] = layout.rack
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(deployment, name=group, labels=labels, annotations=annotations),
+        "spec": {
+            "clusterIP": "None",
+            # Ranks must resolve each other before they are Ready: MPI starts them together.
+            "publishNotReadyAddresses": True,
+            "selector": {names.LABEL_GROUP: group},
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT},
+                {"name": "ssh", "port": SSH_PORT, "targetPort": SSH_PORT},
+            ],
+        },
+    }
+
+
+def _engine_command(
+    deployment: InferenceDeployment, layout: GroupLayout, *, rank: int, hosts: Sequence[str]
+) -> list[str]:
+    spec = deployment.spec
+    engine = spec.engine
+    if engine.command is not None:
+        return [*engine.command, *engine.args]
+    [pool] = [pool for pool in spec.pools() if pool.role is layout.role]
+    if engine.backend is EngineBackend.MOCK:
+        if rank > 0:
+            # The mocker runs the whole group in the leader; followers only hold the GPUs.
+            return ["sleep", "infinity"]
+        return [
+            "copse", "worker", "mock",
+            "--engines", "1",
+            "--port-base", str(ENGINE_PORT),
+            "--host", "0.0.0.0",
+            "--model", spec.model.name,
+            "--role", layout.role.value,
+            "--block-size", str(engine.block_size),
+            "--max-batch-tokens", str(engine.max_batch_tokens),
+            "--max-num-seqs", str(engine.max_num_sequences),
+            "--tensor-parallelism", str(pool.tensor_parallelism),
+            *engine.args,
+        ]  # fmt: skip
+    serve = [
+        "trtllm-serve", spec.model.name,
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--backend", "pytorch",
+        "--tp_size", str(pool.tensor_parallelism),
+        "--pp_size", str(pool.pipeline_parallelism),
+        "--max_num_tokens", str(engine.max_batch_tokens),
+        "--max_batch_size", str(engine.max_num_sequences),
+        "--config", f"{ENGINE_CONFIG_DIR}/{layout.role.value}.yaml",
+        *engine.args,
+    ]  # fmt: skip
+    if len(layout.pods) == 1:
+        return serve
+    if rank > 0:
+        # Multi-node TP: followers wait for the leader's mpirun to start their ranks over ssh,
+        # the way TensorRT-LLM runs one MPI world across pods (as with LeaderWorkerSet).
+        return ["/usr/sbin/sshd", "-D", "-p", str(SSH_PORT)]
+    host_list = ",".join(f"{host}:{gpus}" for host, (_, gpus) in zip(hosts, layout.pods, strict=True))
+    return [
+        "mpirun", "--allow-run-as-root", "--bind-to", "none",
+        "-np", str(layout.world_size),
+        "-H", host_list,
+        "-mca", "plm_rsh_args", f"-p {SSH_PORT}",
+        "trtllm-llmapi-launch", *serve,
+    ]  # fmt: skip
+
+
+def worker_pods(
+    deployment: InferenceDeployment, layout: GroupLayout, *, cold_start_source: str | None
+) -> list[dict[str, Any]]:
+    """The pods of one TP group, gated and pinned to their planned nodes."""
+    spec = deployment.spec
+    namespace = deployment.metadata.namespace
+    labels = group_labels(deployment, layout)
+    group = labels[names.LABEL_GROUP]
+    pod_names = [names.pod_name(group, rank) for rank in range(len(layout.pods))]
+    hosts = [f"{pod}.{group}.{namespace}.svc" for pod in pod_names]
+    digest = template_hash(deployment, layout.role)
+    image = spec.engine.image or (COPSE_IMAGE if spec.engine.backend is EngineBackend.MOCK else TRTLLM_IMAGE)
+    pods = []
+    for rank, ((node, gpus), pod) in enumerate(zip(layout.pods, pod_names, strict=True)):
+        env = {
+            "COPSE_DEPLOYMENT": deployment.metadata.name,
+            "COPSE_MODEL": spec.model.name,
+            "COPSE_ROLE": layout.role.value,
+            "COPSE_GROUP": group,
+            "COPSE_REPLICA": str(layout.replica),
+            "COPSE_NODE_RANK": str(rank),
+            "COPSE_NUM_NODES": str(len(layout.pods)),
+            "COPSE_WORLD_SIZE": str(layout.world_size),
+            "COPSE_LEADER_ADDRESS": hosts[0],
+            "COPSE_COLD_START_STRATEGY": spec.cold_start.strategy.value,
+            "COPSE_COLD_START_SOURCE": cold_start_source or "",
+        }
+        resources = {key: dict(value) for key, value in spec.pod.resources.items()}
+        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+        resources.setdefault("requests", {})[GPU_RESOURCE] = gpus
+        container: dict[str, Any] = {
+            "name": "engine",
+            "image": image,
+            "command": _engine_command(deployment, layout, rank=rank, hosts=hosts),
+            "env": [{"name": key, "value": value} for key, value in env.items()],
+            "resources": resources,
+            "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
+            "volumeMounts": [{"name": "engine-config", "mountPath": ENGINE_CONFIG_DIR}],
+        }
+        if rank == 0:
+            container["readinessProbe"] = {
+                "httpGet": {"path": "/health", "port": ENGINE_PORT},
+                "periodSeconds": 5,
+            }
+        pod_labels = {
+            **spec.pod.labels,
+            **labels,
+            names.LABEL_RANK: str(rank),
+            names.LABEL_LEADER: str(rank == 0).lower(),
+        }
+        annotations = {**spec.pod.annotations, names.ANNOTATION_TEMPLATE_HASH: digest}
+        pod_spec: dict[str, Any] = {
+            "hostname": pod,
+            "subdomain": group,
+            "schedulingGates": [{"name": names.GANG_GATE}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                        ]
+                    }
+                }
+            },
+            "tolerations": [t.model_dump(mode="json", exclude_none=True) for t in spec.pod.tolerations],
+            "containers": [container],
+            "volumes": [
+                {
+                    "name": "engine-config",
+                    "configMap": {"name": names.engine_config_name(deployment.metadata.name)},
+                }
+            ],
+            # A broken gang is restarted whole by the operator, not container by container.
+            "restartPolicy": "Never",
+        }
+        if spec.pod.node_selector:
+            pod_spec["nodeSelector"] = dict(spec.pod.node_selector)
+        if spec.pod.service_account_name:
+            pod_spec["serviceAccountName"] = spec.pod.service_account_name
+        pods.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": _metadata(deployment, name=pod, labels=pod_labels, annotations=annotations),
+                "spec": pod_spec,
+            }
+        )
+    return pods
+
+
+def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
+    """TensorRT-LLM's YAML config per role, as ``trtllm-serve --config`` reads it."""
+    engine = deployment.spec.engine
+    base: dict[str, Any] = {
+        "kv_cache_config": {
+            "enable_block_reuse": True,
+            # Events feed the router's KV index through the copse relay.
+            "event_buffer_max_size": 1024,
+            "free_gpu_memory_fraction": engine.kv_cache_free_gpu_memory_fraction,
+            "tokens_per_block": engine.block_size,
+        },
+        "enable_chunked_prefill": True,
+        **engine.extra_config,
+    }
+    transceiver = {"cache_transceiver_config": {"backend": "DEFAULT", "max_tokens_in_buffer": 8192}}
+    configs = {
+        Role.WORKER: base,
+        # Context servers run without the overlap scheduler, as TensorRT-LLM's disaggregated docs ask.
+        Role.PREFILL: {**base, **transceiver, "disable_overlap_scheduler": True},
+        Role.DECODE: {**base, **transceiver},
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(
+            deployment,
+            name=names.engine_config_name(deployment.metadata.name),
+            labels={names.LABEL_DEPLOYMENT: deployment.metadata.name},
+        ),
+        "data": {
+            f"{role.value}.yaml": yaml.safe_dump(config, sort_keys=True) for role, config in configs.items()
+        },
+    }
+
+
+def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
+    """The router's settings for this deployment, in the router's own config format."""
+    spec = deployment.spec
+    return {
+        "model": spec.model.name,
+        "host": "0.0.0.0",
+        "port": ROUTER_PORT,
+        "policy": spec.router.policy.value,
+        "temperature": spec.router.temperature,
+        "queue_size": spec.router.queue_size,
+        "block_size": spec.engine.block_size,
+        "nats_url": spec.router.nats_url,
+        "deployment": deployment.metadata.name,
+        "discovery": {
+            "kind": "kubernetes",
+            "namespace": deployment.metadata.namespace,
+            "selector": names.selector_string(
+                {**names.worker_selector(deployment.metadata.name), names.LABEL_LEADER: "true"}
+            ),
+            "port": ENGINE_PORT,
+        },
+    }
+
+
+def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
+    """ConfigMap, Deployment and Service of the router in front of this deployment's workers."""
+    spec = deployment.spec
+    name = names.router_name(deployment.metadata.name)
+    labels = {names.LABEL_DEPLOYMENT: deployment.metadata.name, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
+    config_text = yaml.safe_dump(router_config(deployment), sort_keys=True)
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(deployment, name=name, labels=labels),
+        "data": {"router.yaml": config_text},
+    }
+    config_digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    router_deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(deployment, name=name, labels=labels),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    # A changed config rolls the router pods.
+                    "annotations": {f"{names.DOMAIN}/config-hash": config_digest},
+                },
+                "spec": {
+                    "serviceAccountName": name,
+                    "tolerations": [
+                        t.model_dump(mode="json", exclude_none=True) for t in spec.pod.tolerations
+                    ],
+                    "containers": [
+                        {
+                            "name": "router",
+                            "image": spec.router.image or COPSE_IMAGE,
+                            "command": [
+                                "copse",
+                                "router",
+                                "run",
+                                "--config",
+                                f"{ROUTER_CONFIG_DIR}/router.yaml",
+                            ],
+                            "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+                            "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
+                            "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_DIR}],
+                        }
+                    ],
+                    "volumes": [{"name": "config", "configMap": {"name": name}}],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(deployment, name=name, labels=labels),
+        "spec": {
+            "selector": labels,
+            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}],
+        },
+    }
+    return [config_map, router_deployment, service, *router_rbac(deployment)]
+
+
+def router_rbac(deployment: InferenceDeployment) -> list[dict[str, Any]]:
+    """The router's ServiceAccount and the namespaced read access its discovery needs."""
+    name = names.router_name(deployment.metadata.name)
+    labels = {names.LABEL_DEPLOYMENT: deployment.metadata.name, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _metadata(deployment, name=name, labels=labels),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(deployment, name=name, labels=labels),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(deployment, name=name, labels=labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": name, "namespace": deployment.metadata.namespace}
+            ],
+        },
+    ]

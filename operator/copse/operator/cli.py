@@ -1,0 +1,44 @@
+"""``copse operator run``: reconcile InferenceDeployments against the current kubeconfig."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+import prometheus_client
+
+
+@click.group()
+def operator() -> None:
+    """The Kubernetes operator."""
+
+
+@operator.command()
+@click.option(
+    "--namespace",
+    "namespaces",
+    multiple=True,
+    help="Watch only these namespaces (repeatable); all namespaces by default.",
+)
+@click.option(
+    "--metrics-port", type=int, default=9090, show_default=True, help="Prometheus port; 0 disables."
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option("--verbose", "-v", is_flag=True, help="Also log kopf's own activity.")
+def run(namespaces: tuple[str, ...], metrics_port: int, metrics_host: str, verbose: bool) -> None:
+    """Run the operator (in-cluster config inside a pod, else the current kubeconfig)."""
+    # Imported here: registering kopf handlers is a side effect only `operator run` wants.
+    import kopf  # noqa: PLC0415
+
+    from copse.operator import handlers  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        handlers.quiet_kopf()
+    if metrics_port:
+        prometheus_client.start_http_server(metrics_port, addr=metrics_host)
+    kopf.run(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=list(namespaces),
+    )

@@ -1,0 +1,321 @@
+"""The operator's runtime: kopf watches, a write-through cache and one reconcile queue.
+
+kopf streams the watched objects (InferenceDeployments, pods that hold GPUs or belong to a
+deployment, the group Services, Nodes) into an in-memory cache and marks the affected
+deployments dirty; a single worker reconciles dirty deployments one at a time from that cache
+(so two passes never race), executes the decision, and requeues itself while something is in
+flight. Nothing is kept that the cluster does not also hold: a restart lists everything again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import pydantic
+
+from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, parse_deployment
+from copse.operator import children, metrics, names
+from copse.operator.kube import Kube
+from copse.operator.reconcile import Decision, ReconcileSettings, reconcile
+from copse.operator.state import observe_groups
+
+logger = logging.getLogger("copse.operator")
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+def _key(obj: Mapping[str, Any]) -> Key:
+    meta = obj["metadata"]
+    return meta.get("namespace", ""), meta["name"]
+
+
+def holds_gpus(pod: Mapping[str, Any]) -> bool:
+    for container in pod.get("spec", {}).get("containers", []):
+        resources = container.get("resources") or {}
+        for section in ("limits", "requests"):
+            if int((resources.get(section) or {}).get(children.GPU_RESOURCE, 0) or 0) > 0:
+                return True
+    return False
+
+
+def _node_fingerprint(node: Mapping[str, Any]) -> str:
+    """What about a node matters to placement; heartbeats alone must not trigger reconciles."""
+    ready = next(
+        (c.get("status") for c in node.get("status", {}).get("conditions", []) if c.get("type") == "Ready"),
+        None,
+    )
+    spec = node.get("spec", {})
+    return json.dumps(
+        [
+            ready,
+            spec.get("unschedulable", False),
+            spec.get("taints", []),
+            node.get("metadata", {}).get("labels", {}),
+            node.get("status", {}).get("allocatable", {}),
+        ],
+        sort_keys=True,
+    )
+
+
+@dataclasses.dataclass
+class Cache:
+    deployments: dict[Key, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    pods: dict[Key, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    services: dict[Key, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def put(
+        self, store: dict[Any, dict[str, Any]], key: Any, obj: Mapping[str, Any], *, deleted: bool
+    ) -> None:
+        if deleted:
+            store.pop(key, None)
+        else:
+            store[key] = dict(obj)
+
+
+class Controller:
+    def __init__(self, *, kube: Kube, settings: ReconcileSettings | None = None) -> None:
+        self.kube = kube
+        self.settings = settings or ReconcileSettings()
+        self.cache = Cache()
+        self._dirty: dict[Key, float] = {}
+        self._wakeup = asyncio.Event()
+
+    # -- feeding the cache (called from kopf event handlers) ---------------------------------
+
+    def mark(self, key: Key, *, after_s: float = 0.0) -> None:
+        due = time.monotonic() + after_s
+        self._dirty[key] = min(self._dirty.get(key, due), due)
+        self._wakeup.set()
+
+    def on_deployment(self, body: Mapping[str, Any], *, deleted: bool) -> None:
+        self.cache.put(self.cache.deployments, _key(body), body, deleted=deleted)
+        if not deleted:
+            self.mark(_key(body))
+
+    def on_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
+        self.cache.put(self.cache.pods, _key(pod), pod, deleted=deleted)
+        owner = pod.get("metadata", {}).get("labels", {}).get(names.LABEL_DEPLOYMENT)
+        if owner:
+            self.mark((pod["metadata"]["namespace"], owner))
+        elif deleted:
+            self._mark_unplaced()  # a foreign GPU pod went away: capacity may now fit
+
+    def on_service(self, service: Mapping[str, Any], *, deleted: bool) -> None:
+        self.cache.put(self.cache.services, _key(service), service, deleted=deleted)
+        owner = service.get("metadata", {}).get("labels", {}).get(names.LABEL_DEPLOYMENT)
+        if owner:
+            self.mark((service["metadata"]["namespace"], owner))
+
+    def on_node(self, node: Mapping[str, Any], *, deleted: bool) -> None:
+        name = node["metadata"]["name"]
+        before = self.cache.nodes.get(name)
+        self.cache.put(self.cache.nodes, name, node, deleted=deleted)
+        if deleted or before is None or _node_fingerprint(before) != _node_fingerprint(node):
+            for key in self.cache.deployments:
+                self.mark(key)
+
+    def _mark_unplaced(self) -> None:
+        for key, body in self.cache.deployments.items():
+            if body.get("status", {}).get("unplaced"):
+                self.mark(key)
+
+    async def prime(self) -> None:
+        """Fill the cache with a full listing so the first pass sees every existing child."""
+        for node in await self.kube.list_all("nodes"):
+            self.cache.nodes[node["metadata"]["name"]] = node
+        for pod in await self.kube.list_all("pods"):
+            if holds_gpus(pod) or names.LABEL_DEPLOYMENT in pod["metadata"].get("labels", {}):
+                self.cache.pods[_key(pod)] = pod
+        for service in await self.kube.list_all("services", label_selector=names.LABEL_GROUP):
+            self.cache.services[_key(service)] = service
+        for body in await self.kube.list_all(PLURAL):
+            self.on_deployment(body, deleted=False)
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            due = sorted((when, key) for key, when in self._dirty.items() if when <= now)
+            if not due:
+                self._wakeup.clear()
+                upcoming = min(self._dirty.values(), default=None)
+                timeout = None if upcoming is None else max(0.0, upcoming - now)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
+                continue
+            for _, key in due:
+                self._dirty.pop(key, None)
+                await self._reconcile_safely(key)
+
+    async def _reconcile_safely(self, key: Key) -> None:
+        started = time.monotonic()
+        try:
+            requeue = await self.reconcile_once(key)
+        except Exception:
+            # Any failure (API hiccup, conflict) is retried with a delay; the pass is idempotent.
+            logger.exception("%s/%s: reconcile failed; retrying in 5s", *key)
+            metrics.RECONCILE_ERRORS.inc()
+            self.mark(key, after_s=5.0)
+            return
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+            metrics.RECONCILES.inc()
+        if requeue is not None:
+            self.mark(key, after_s=requeue)
+
+    async def reconcile_once(self, key: Key) -> float | None:
+        body = self.cache.deployments.get(key)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None  # children go with their owner through ownerReferences
+        namespace, name = key
+        try:
+            deployment = parse_deployment(body, source=f"{KIND} {namespace}/{name}")
+        except (ManifestError, pydantic.ValidationError) as exc:
+            logger.error("%s", exc)
+            await self.kube.patch_status(namespace=namespace, name=name, status={"phase": "Failed"})
+            await self.kube.post_event(owner=body, type="Warning", reason="InvalidSpec", message=str(exc))
+            return None
+        services = [s for (ns, _), s in self.cache.services.items() if ns == namespace]
+        own_pods = [p for (ns, _), p in self.cache.pods.items() if ns == namespace]
+        groups = observe_groups(deployment=name, services=services, pods=own_pods, nodes=self.cache.nodes)
+        decision = reconcile(
+            deployment=deployment,
+            groups=groups,
+            nodes=list(self.cache.nodes.values()),
+            pods=list(self.cache.pods.values()),
+            now=datetime.now(UTC),
+            previous_status=body.get("status"),
+            settings=self.settings,
+        )
+        await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
+        return decision.requeue_after_s
+
+    async def _execute(
+        self, *, body: Mapping[str, Any], deployment: InferenceDeployment, decision: Decision, namespace: str
+    ) -> None:
+        name = deployment.metadata.name
+        for obj in [children.engine_configmap(deployment), *children.router_objects(deployment)]:
+            await self.kube.apply(obj)
+        for group, reason in decision.restart:
+            logger.info("%s/%s: gang restart of %s (%s)", namespace, name, group.name, reason)
+            await self._delete_pods(namespace, group.pods.values(), grace_period_s=0)
+            if group.service is not None:
+                patched = await self.kube.patch_service(
+                    namespace=namespace,
+                    name=group.name,
+                    json_patch=_annotate(
+                        group.service,
+                        {
+                            names.ANNOTATION_PLACEMENT: "",
+                            names.ANNOTATION_RESTARTS: str(group.restarts + 1),
+                            names.ANNOTATION_LAST_RESTART: datetime.now(UTC).isoformat(),
+                        },
+                    ),
+                )
+                self.cache.services[(namespace, group.name)] = patched
+            metrics.GANG_RESTARTS.inc()
+        for group, reason in decision.remove:
+            logger.info("%s/%s: removing group %s (%s)", namespace, name, group.name, reason)
+            await self._delete_pods(namespace, group.pods.values(), grace_period_s=None)
+            await self.kube.delete("Service", namespace=namespace, name=group.name)
+            self.cache.services.pop((namespace, group.name), None)
+        for layout in decision.place:
+            service = children.group_service(deployment, layout)
+            existing = self.cache.services.get((namespace, service["metadata"]["name"]))
+            if existing is None:
+                created = await self.kube.create(service)
+                if created is None:
+                    continue  # someone (an earlier us) recorded a placement already: use that
+                self.cache.services[_key(created)] = created
+            else:
+                # Record the new placement only over the cleared one this operator left.
+                patched = await self.kube.patch_service(
+                    namespace=namespace,
+                    name=existing["metadata"]["name"],
+                    json_patch=[
+                        {"op": "test", "path": "/metadata/resourceVersion",
+                         "value": existing["metadata"]["resourceVersion"]},
+                        *_annotate(existing, service["metadata"]["annotations"]),
+                    ],
+                )  # fmt: skip
+                self.cache.services[_key(patched)] = patched
+            logger.info(
+                "%s/%s: placed %s on %s (%s), cost %.3f",
+                namespace,
+                name,
+                service["metadata"]["name"],
+                layout.domain or "several domains",
+                ", ".join(f"{node}×{gpus}" for node, gpus in layout.pods),
+                layout.cost,
+            )
+        for layout in decision.create_pods:
+            group_name = names.group_name(name, layout.role, layout.replica)
+            for pod in children.worker_pods(deployment, layout, cold_start_source=decision.cold_start_source):
+                if _key(pod) in self.cache.pods:
+                    continue
+                created = await self.kube.create(pod)
+                if created is not None:
+                    self.cache.pods[_key(created)] = created
+            logger.info("%s/%s: created gated pods of %s", namespace, name, group_name)
+        for group in decision.lift_gates:
+            for member in group.pods.values():
+                if member.get("spec", {}).get("schedulingGates"):
+                    lifted = await self.kube.patch_pod(
+                        namespace=namespace,
+                        name=member["metadata"]["name"],
+                        json_patch=[{"op": "remove", "path": "/spec/schedulingGates"}],
+                    )
+                    self.cache.pods[_key(lifted)] = lifted
+            logger.info("%s/%s: gang %s complete; released its scheduling gates", namespace, name, group.name)
+        for event in decision.events:
+            await self.kube.post_event(
+                owner=body, type=event.type, reason=event.reason, message=event.message
+            )
+        status = decision.status
+        if status.get("score") is not None:
+            metrics.PLACEMENT_SCORE.labels(namespace=namespace, deployment=name).set(status["score"])
+        if _changed(body.get("status", {}), status):
+            logger.info(
+                "%s/%s: %s, ready %s, score %s",
+                namespace,
+                name,
+                status["phase"],
+                status["ready"],
+                status["score"],
+            )
+            await self.kube.patch_status(namespace=namespace, name=name, status=status)
+
+    async def _delete_pods(
+        self, namespace: str, pods: Iterable[Mapping[str, Any]], *, grace_period_s: int | None
+    ) -> None:
+        for pod in pods:
+            await self.kube.delete(
+                "Pod", namespace=namespace, name=pod["metadata"]["name"], grace_period_s=grace_period_s
+            )
+            # Write-through: the next pass must not see this pod as alive and restart it again.
+            self.cache.pods.pop(_key(pod), None)
+
+
+def _annotate(obj: Mapping[str, Any], annotations: Mapping[str, str]) -> list[dict[str, Any]]:
+    existing = obj.get("metadata", {}).get("annotations")
+    operations: list[dict[str, Any]] = []
+    if existing is None:
+        operations.append({"op": "add", "path": "/metadata/annotations", "value": {}})
+    for key, value in annotations.items():
+        path = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+        operations.append({"op": "add", "path": path, "value": value})
+    return operations
+
+
+def _changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    return any(before.get(key) != value for key, value in after.items())

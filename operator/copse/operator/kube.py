@@ -1,0 +1,156 @@
+"""The operator's writes to the API server, through the official client's ``kubernetes.aio``.
+
+Bodies are plain dicts. Owned configuration (ConfigMaps, the router's objects) goes through
+server-side apply, so re-applying the same object is a no-op; pods and group Services are
+created once and treated as immutable records, so a 409 means "already there".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.aio import client
+from kubernetes.aio.client.exceptions import ApiException
+
+from copse.api import GROUP, PLURAL, VERSION
+
+logger = logging.getLogger(__name__)
+
+FIELD_MANAGER = "copse-operator"
+
+#: kind -> (API class, the snake_case resource name in its method names)
+_KINDS: dict[str, tuple[str, str]] = {
+    "Pod": ("CoreV1Api", "pod"),
+    "Service": ("CoreV1Api", "service"),
+    "ConfigMap": ("CoreV1Api", "config_map"),
+    "ServiceAccount": ("CoreV1Api", "service_account"),
+    "Deployment": ("AppsV1Api", "deployment"),
+    "Role": ("RbacAuthorizationV1Api", "role"),
+    "RoleBinding": ("RbacAuthorizationV1Api", "role_binding"),
+}
+
+
+class Kube:
+    """Typed-enough access to the handful of calls the operator makes."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    def to_dict(self, model: Any) -> dict[str, Any]:
+        """A client model as the plain dict the API server sent."""
+        result: dict[str, Any] = self._api_client.sanitize_for_serialization(model)
+        return result
+
+    def _method(self, kind: str, verb: str) -> Any:
+        api_name, resource = _KINDS[kind]
+        api = getattr(client, api_name)(self._api_client)
+        return getattr(api, f"{verb}_namespaced_{resource}")
+
+    async def apply(self, obj: Mapping[str, Any]) -> None:
+        meta = obj["metadata"]
+        await self._method(obj["kind"], "patch")(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            body=dict(obj),
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type="application/apply-patch+yaml",
+        )
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create ``obj``; None when it already exists."""
+        try:
+            created = await self._method(obj["kind"], "create")(
+                namespace=obj["metadata"]["namespace"], body=dict(obj)
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+        return self.to_dict(created)
+
+    async def delete(
+        self, kind: str, *, namespace: str, name: str, grace_period_s: int | None = None
+    ) -> None:
+        try:
+            await self._method(kind, "delete")(
+                name=name, namespace=namespace, grace_period_seconds=grace_period_s
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    async def patch_pod(
+        self, *, namespace: str, name: str, json_patch: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        patched = await self.core.patch_namespaced_pod(
+            name=name, namespace=namespace, body=json_patch, _content_type="application/json-patch+json"
+        )
+        return self.to_dict(patched)
+
+    async def patch_service(
+        self, *, namespace: str, name: str, json_patch: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        patched = await self.core.patch_namespaced_service(
+            name=name, namespace=namespace, body=json_patch, _content_type="application/json-patch+json"
+        )
+        return self.to_dict(patched)
+
+    async def patch_status(self, *, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        await self.custom.patch_namespaced_custom_object_status(
+            group=GROUP,
+            version=VERSION,
+            namespace=namespace,
+            plural=PLURAL,
+            name=name,
+            body={"status": dict(status)},
+            _content_type="application/merge-patch+json",
+        )
+
+    async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None:
+        meta = owner["metadata"]
+        now = datetime.now(UTC).isoformat()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": owner["apiVersion"],
+                "kind": owner["kind"],
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.core.create_namespaced_event(namespace=meta["namespace"], body=body)
+        except ApiException as exc:
+            # An Event is feedback, not state: losing one must not fail the reconcile.
+            logger.warning("could not post event %s for %s: %s", reason, meta["name"], exc.reason)
+
+    async def list_all(self, resource: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        lister = {
+            "pods": self.core.list_pod_for_all_namespaces,
+            "services": self.core.list_service_for_all_namespaces,
+        }.get(resource)
+        if resource == "nodes":
+            listed = await self.core.list_node()
+        elif lister is not None:
+            listed = await lister(label_selector=label_selector)
+        else:
+            listed = await self.custom.list_cluster_custom_object(group=GROUP, version=VERSION, plural=PLURAL)
+            return list(listed["items"])
+        return [self.to_dict(item) for item in listed.items]

@@ -1,0 +1,75 @@
+"""Deterministic names and labels of everything the operator creates.
+
+Names derive only from the deployment, the role and the group's replica index, so an
+operator that restarts mid-reconcile finds what it already made instead of making it twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from copse.api import Role
+
+DOMAIN = "copse.dev"
+LABEL_DEPLOYMENT = f"{DOMAIN}/deployment"
+LABEL_ROLE = f"{DOMAIN}/role"
+LABEL_GROUP = f"{DOMAIN}/group"
+LABEL_REPLICA = f"{DOMAIN}/replica"
+LABEL_RANK = f"{DOMAIN}/rank"
+LABEL_LEADER = f"{DOMAIN}/leader"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "copse-operator"
+
+#: Hash of everything that shapes a worker pod; a mismatch means the group is outdated.
+ANNOTATION_TEMPLATE_HASH = f"{DOMAIN}/template-hash"
+#: The group's planned pods as JSON, written on its Service before any pod exists so a
+#: restarted operator can finish a half-created gang exactly as planned.
+ANNOTATION_PLACEMENT = f"{DOMAIN}/placement"
+#: The NVLink domain, rack and cost the group was placed with.
+ANNOTATION_DOMAIN = f"{DOMAIN}/domain"
+ANNOTATION_RACK = f"{DOMAIN}/rack"
+ANNOTATION_COST = f"{DOMAIN}/cost"
+#: Gang restarts so far and when the last one happened (backoff survives operator restarts).
+ANNOTATION_RESTARTS = f"{DOMAIN}/restarts"
+ANNOTATION_LAST_RESTART = f"{DOMAIN}/last-restart"
+
+#: Scheduling gate held on every pod of a gang until all of them exist.
+GANG_GATE = f"{DOMAIN}/gang"
+
+COMPONENT_WORKER = "worker"
+COMPONENT_ROUTER = "router"
+
+_MAX_NAME = 63
+
+
+def _fit(name: str) -> str:
+    """Kubernetes names (and Service names, which become DNS labels) stay within 63 characters."""
+    if len(name) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{name[: _MAX_NAME - 9].rstrip('-')}-{digest}"
+
+
+def group_name(deployment: str, role: Role, replica: int) -> str:
+    return _fit(f"{deployment}-{role.value}-{replica}")
+
+
+def pod_name(group: str, rank: int) -> str:
+    return _fit(f"{group}-{rank}")
+
+
+def engine_config_name(deployment: str) -> str:
+    return _fit(f"{deployment}-engine")
+
+
+def router_name(deployment: str) -> str:
+    return _fit(f"{deployment}-router")
+
+
+def worker_selector(deployment: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment, LABEL_COMPONENT: COMPONENT_WORKER}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

@@ -1,0 +1,371 @@
+"""One reconcile pass, as a pure function from what exists to what to do.
+
+Level-triggered: every pass reads the whole picture (the deployment, its groups, the nodes,
+the pods holding GPUs) and decides the next safe steps; running it twice changes nothing.
+Per pool it restarts broken gangs whole, places missing groups (incrementally, next to the
+groups that stay), removes surplus groups choosing those that free whole NVLink domains, and
+rolls groups with an outdated template one at a time with one group of surge, so serving
+capacity never drops below the desired count while a roll has room to surge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
+from copse.operator import names
+from copse.operator.children import GroupLayout, template_hash
+from copse.operator.planning import Placer
+from copse.operator.state import GroupState, ObservedGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconcileSettings:
+    restart_backoff_base_s: float = 2.0
+    """First wait before a restarted gang is placed again; doubles per restart, so a gang
+    that keeps failing does not thrash the scheduler."""
+    restart_backoff_max_s: float = 120.0
+    """Longest wait between restarts of one gang."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class Decision:
+    """What one pass wants done, in the order the executor does it."""
+
+    restart: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
+    """Broken gangs: delete all their pods now, count the restart, forget the placement."""
+    remove: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
+    """Groups to delete with their Service (scale-down, finished roll)."""
+    place: list[GroupLayout] = dataclasses.field(default_factory=list)
+    """New placements to record on the group's Service (created if missing)."""
+    create_pods: list[GroupLayout] = dataclasses.field(default_factory=list)
+    """Groups whose missing pods to create, gated (includes every group in ``place``)."""
+    lift_gates: list[ObservedGroup] = dataclasses.field(default_factory=list)
+    """Groups whose every pod exists: release the scheduling gates."""
+    cold_start_source: str | None = None
+    events: list[Event] = dataclasses.field(default_factory=list)
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    requeue_after_s: float | None = None
+    """Come back this soon even without a watch event (backoff expiry, a roll step)."""
+
+
+def _backoff_s(group: ObservedGroup, settings: ReconcileSettings) -> float:
+    if group.restarts == 0:
+        return 0.0
+    return float(
+        min(settings.restart_backoff_max_s, settings.restart_backoff_base_s * 2 ** (group.restarts - 1))
+    )
+
+
+def _free_indices(taken: set[int], count: int) -> list[int]:
+    """The lowest ``count`` replica indices not in use (names must not collide with a group
+    still terminating)."""
+    return [index for index in range(len(taken) + count) if index not in taken][:count]
+
+
+def _cold_start_source(deployment: InferenceDeployment, groups: Sequence[ObservedGroup]) -> str | None:
+    cold_start = deployment.spec.cold_start
+    if cold_start.strategy is ColdStartStrategy.NONE:
+        return None
+    ready = [group.name for group in groups if group.state is GroupState.READY]
+    if cold_start.source_replica == "any-healthy":
+        return ready[0] if ready else None
+    return cold_start.source_replica if cold_start.source_replica in ready else None
+
+
+def reconcile(
+    *,
+    deployment: InferenceDeployment,
+    groups: Sequence[ObservedGroup],
+    nodes: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    now: datetime,
+    previous_status: Mapping[str, Any] | None = None,
+    settings: ReconcileSettings = ReconcileSettings(),
+) -> Decision:
+    """Decide the next steps for ``deployment``; ``pods`` are all pods that may hold GPUs."""
+    decision = Decision()
+    name = deployment.metadata.name
+    live = [group for group in groups if group.state is not GroupState.TERMINATING]
+    placer = Placer(
+        deployment=deployment,
+        nodes=nodes,
+        pods=pods,
+        staying=[g.name for g in live if g.layout is not None and g.state is not GroupState.BROKEN],
+    )
+    waits: list[float] = []
+    to_place: list[tuple[Role, int]] = []
+    staying: list[ObservedGroup] = []
+
+    for pool in deployment.spec.pools():
+        current = template_hash(deployment, pool.role)
+        slots = [group for group in live if group.role is pool.role]
+        for group in slots:
+            if group.state is GroupState.BROKEN:
+                decision.restart.append((group, group.reason))
+                decision.events.append(
+                    Event(
+                        type="Warning",
+                        reason="GangRestart",
+                        message=f"restarting group {group.name}: {group.reason}",
+                    )
+                )
+
+        def outdated(group: ObservedGroup, current: str = current) -> bool:
+            return group.layout is not None and group.template_hash != current
+
+        rolling = any(outdated(group) for group in slots)
+        surplus = len(slots) - pool.replicas - (1 if rolling else 0)
+        removable = sorted(
+            slots,
+            key=lambda group: (
+                group.state not in {GroupState.UNPLACED, GroupState.BROKEN},
+                group.state is GroupState.READY,
+                not outdated(group),
+            ),
+        )
+        removed: list[ObservedGroup] = []
+        if surplus > 0:
+            # Groups that serve nothing go first; among serving ones the placement engine
+            # picks those whose removal frees whole domains.
+            idle = [g for g in removable if g.state is not GroupState.READY][:surplus]
+            serving = {g.replica: g for g in slots if g.state is GroupState.READY and g not in idle}
+            picked = placer.victims(
+                role=pool.role,
+                layouts=[g.layout for g in serving.values() if g.layout is not None],
+                count=surplus - len(idle),
+            )
+            chosen = idle + [serving[replica] for replica in picked]
+            removed += chosen
+            decision.remove += [(group, "scale-down") for group in chosen]
+        remaining = [group for group in slots if group not in removed]
+
+        if rolling and surplus <= 0:
+            fresh_ready = sum(1 for g in remaining if not outdated(g) and g.state is GroupState.READY)
+            old = [g for g in remaining if outdated(g)]
+            if len(remaining) > pool.replicas and fresh_ready >= len(remaining) - len(old):
+                # The surge group is up: retire one outdated group.
+                victim = sorted(old, key=lambda g: g.state is GroupState.READY)[0]
+                removed.append(victim)
+                remaining.remove(victim)
+                decision.remove.append((victim, "rolled to the new template"))
+            elif len(remaining) <= pool.replicas and all(g.state is GroupState.READY for g in remaining):
+                [surge] = _free_indices({g.replica for g in groups if g.role is pool.role}, 1)
+                to_place.append((pool.role, surge))
+                decision.events.append(
+                    Event(
+                        type="Normal",
+                        reason="RollingUpdate",
+                        message=f"{pool.role.value}: surging one group to replace {old[0].name}",
+                    )
+                )
+
+        missing = pool.replicas - len(remaining)
+        for group in remaining:
+            if group.state is GroupState.UNPLACED:
+                wait = (
+                    (group.last_restart.timestamp() + _backoff_s(group, settings) - now.timestamp())
+                    if group.last_restart
+                    else 0.0
+                )
+                if wait > 0:
+                    waits.append(wait)
+                else:
+                    to_place.append((group.role, group.replica))
+        if missing > 0:
+            taken = {g.replica for g in groups if g.role is pool.role}
+            taken |= {replica for role, replica in to_place if role is pool.role}
+            to_place += [(pool.role, index) for index in _free_indices(taken, missing)]
+        staying += [g for g in remaining if g.state not in {GroupState.UNPLACED, GroupState.BROKEN}]
+
+    restarting = {group.name for group, _ in decision.restart}
+    for group in staying:
+        if group.name in restarting:
+            continue
+        if group.state is GroupState.PLANNED and group.layout is not None:
+            decision.create_pods.append(group.layout)
+        elif group.state is GroupState.GATED:
+            decision.lift_gates.append(group)
+
+    outcome = placer.place(
+        requests=to_place,
+        existing=[g.layout for g in staying if g.layout is not None and g.name not in restarting],
+    )
+    decision.place = list(outcome.placed)
+    decision.create_pods += outcome.placed
+    for layout in outcome.placed:
+        where = f"domain {layout.domain}" if layout.domain else "several domains"
+        nodes_text = ", ".join(f"{node}×{gpus}" for node, gpus in layout.pods)
+        decision.events.append(
+            Event(
+                type="Normal",
+                reason="Placed",
+                message=f"group {names.group_name(name, layout.role, layout.replica)} on {where} "
+                f"({nodes_text}), cost {layout.cost:.3f}",
+            )
+        )
+    unplaced = [
+        {"role": role.value, "replica": replica, "reason": reason}
+        for role, replica, reason in outcome.unplaced
+    ]
+    previous = previous_status or {}
+    if unplaced and unplaced != list(previous.get("unplaced", [])):
+        decision.events.append(
+            Event(
+                type="Warning",
+                reason="PlacementInfeasible",
+                message="; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced),
+            )
+        )
+    decision.cold_start_source = _cold_start_source(deployment, groups)
+    decision.status = _status(
+        deployment=deployment,
+        groups=[g for g in staying if g.name not in restarting],
+        placed=outcome.placed,
+        unplaced=unplaced,
+        restarting=[g for g, _ in decision.restart],
+        cold_start_source=decision.cold_start_source,
+        placer=placer,
+        now=now,
+        previous_conditions=previous.get("conditions", []),
+    )
+    in_flight = decision.restart or decision.remove or decision.place or decision.lift_gates
+    if waits:
+        decision.requeue_after_s = min(waits)
+    elif in_flight:
+        decision.requeue_after_s = 1.0
+    return decision
+
+
+def _condition(
+    kind: str,
+    ok: bool,
+    *,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: datetime,
+    previous: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = next((c for c in previous if c.get("type") == kind), None)
+    # The transition time moves only when the status does, as Kubernetes conditions expect.
+    since = before["lastTransitionTime"] if before and before.get("status") == status else now.isoformat()
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def _status(
+    *,
+    deployment: InferenceDeployment,
+    groups: Sequence[ObservedGroup],
+    placed: Sequence[GroupLayout],
+    unplaced: list[dict[str, Any]],
+    restarting: Sequence[ObservedGroup],
+    cold_start_source: str | None,
+    placer: Placer,
+    now: datetime,
+    previous_conditions: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    name = deployment.metadata.name
+    generation = (
+        deployment.metadata.model_extra.get("generation") if deployment.metadata.model_extra else None
+    )
+    layouts = [g.layout for g in groups if g.layout is not None] + list(placed)
+    ready_names = {g.name for g in groups if g.state is GroupState.READY}
+    roles: dict[str, dict[str, int]] = {}
+    desired_total = ready_total = 0
+    for pool in deployment.spec.pools():
+        role_layouts = [layout for layout in layouts if layout.role is pool.role]
+        ready = sum(1 for g in groups if g.role is pool.role and g.name in ready_names)
+        roles[pool.role.value] = {"desired": pool.replicas, "placed": len(role_layouts), "ready": ready}
+        desired_total += pool.replicas
+        ready_total += min(ready, pool.replicas)
+    placed_total = sum(min(r["placed"], r["desired"]) for r in roles.values())
+    if ready_total >= desired_total:
+        phase = Phase.RUNNING
+    elif unplaced or restarting:
+        phase = (
+            Phase.DEGRADED
+            if ready_total > 0
+            else (Phase.FAILED if unplaced and not layouts else Phase.PLACING)
+        )
+    elif layouts:
+        phase = Phase.PLACING
+    else:
+        phase = Phase.PENDING
+    evaluation = placer.evaluate(layouts, unplaced=[(Role(u["role"]), int(u["replica"])) for u in unplaced])
+    groups_status = []
+    for scored in sorted(evaluation.groups, key=lambda item: (item.role, item.replica)):
+        group = names.group_name(name, Role(scored.role), scored.replica)
+        groups_status.append(
+            {
+                "name": group,
+                "role": scored.role,
+                "replica": scored.replica,
+                "domain": scored.domain,
+                "rack": scored.rack,
+                "pods": [{"node": pod.node, "gpus": pod.gpus} for pod in scored.pods],
+                "cost": round(scored.cost.total, 3),
+                "ready": group in ready_names,
+            }
+        )
+    infeasible = "; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced)
+    worker_pool = [pool for pool in deployment.spec.pools() if pool.role is Role.WORKER]
+    return {
+        "phase": phase.value,
+        "observedGeneration": generation,
+        "conditions": [
+            _condition(
+                "Placed",
+                placed_total >= desired_total,
+                reason="AllGroupsPlaced" if placed_total >= desired_total else "GroupsUnplaced",
+                message=f"{placed_total}/{desired_total} groups placed",
+                generation=generation,
+                now=now,
+                previous=previous_conditions,
+            ),
+            _condition(
+                "Ready",
+                ready_total >= desired_total,
+                reason="AllGroupsReady" if ready_total >= desired_total else "GroupsNotReady",
+                message=f"{ready_total}/{desired_total} groups ready",
+                generation=generation,
+                now=now,
+                previous=previous_conditions,
+            ),
+            _condition(
+                "PlacementInfeasible",
+                bool(unplaced),
+                reason="NotEnoughCapacity" if unplaced else "Feasible",
+                message=infeasible or "every group fits",
+                generation=generation,
+                now=now,
+                previous=previous_conditions,
+            ),
+        ],
+        "roles": roles,
+        "ready": ", ".join(f"{role} {r['ready']}/{r['desired']}" for role, r in roles.items()),
+        "replicas": roles[Role.WORKER.value]["placed"] if worker_pool else 0,
+        "selector": names.selector_string(names.worker_selector(name)),
+        "score": round(evaluation.score, 4) if layouts else None,
+        "groups": groups_status,
+        "unplaced": unplaced,
+        "coldStart": {"strategy": deployment.spec.cold_start.strategy.value, "source": cold_start_source},
+    }

@@ -1,0 +1,114 @@
+"""Worker pods, group Services and the router objects the operator creates."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from copse.api import Role
+from copse.operator import children, names
+from copse.operator.children import GroupLayout
+
+from .conftest import make_deployment
+
+TWO_NODES = GroupLayout(
+    role=Role.WORKER, replica=1, pods=(("gpu-a", 4), ("gpu-b", 4)), domain="rack1.0", rack="rack1", cost=0.25
+)
+
+
+def test_gang_pods_are_gated_pinned_and_ranked() -> None:
+    deployment = make_deployment(replicas=2, coldStart={"strategy": "modelexpress"})
+    pods = children.worker_pods(deployment, TWO_NODES, cold_start_source="llama-worker-0")
+    assert [pod["metadata"]["name"] for pod in pods] == ["llama-worker-1-0", "llama-worker-1-1"]
+    for rank, (pod, node) in enumerate(zip(pods, ["gpu-a", "gpu-b"], strict=True)):
+        spec = pod["spec"]
+        assert spec["schedulingGates"] == [{"name": names.GANG_GATE}]
+        term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [node]
+        [container] = spec["containers"]
+        assert container["resources"]["limits"][children.GPU_RESOURCE] == 4
+        env = {item["name"]: item["value"] for item in container["env"]}
+        assert env["COPSE_NODE_RANK"] == str(rank)
+        assert env["COPSE_WORLD_SIZE"] == "8"
+        assert env["COPSE_LEADER_ADDRESS"] == "llama-worker-1-0.llama-worker-1.serving.svc"
+        assert env["COPSE_COLD_START_STRATEGY"] == "modelexpress"
+        assert env["COPSE_COLD_START_SOURCE"] == "llama-worker-0"
+        assert pod["metadata"]["labels"][names.LABEL_LEADER] == str(rank == 0).lower()
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert spec["subdomain"] == "llama-worker-1"
+    leader, follower = (pod["spec"]["containers"][0]["command"] for pod in pods)
+    # Multi-node TP is one MPI world launched by the leader across both pods.
+    assert leader[0] == "mpirun"
+    assert (
+        "llama-worker-1-0.llama-worker-1.serving.svc:4,llama-worker-1-1.llama-worker-1.serving.svc:4"
+        in leader
+    )
+    assert leader[leader.index("trtllm-llmapi-launch") + 1] == "trtllm-serve"
+    assert "--tp_size" in leader
+    assert follower[0] == "/usr/sbin/sshd"
+
+
+def test_single_node_group_runs_trtllm_serve_with_its_role_config() -> None:
+    deployment = make_deployment(prefill={"replicas": 1}, decode={"replicas": 1})
+    layout = GroupLayout(role=Role.PREFILL, replica=0, pods=(("gpu-a", 8),), domain="d", rack="r", cost=0.0)
+    [pod] = children.worker_pods(deployment, layout, cold_start_source=None)
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["trtllm-serve", "meta-llama/Llama-3-70B"]
+    assert command[command.index("--config") + 1] == "/etc/copse/engine/prefill.yaml"
+    config = children.engine_configmap(deployment)
+    prefill = yaml.safe_load(config["data"]["prefill.yaml"])
+    decode = yaml.safe_load(config["data"]["decode.yaml"])
+    assert prefill["disable_overlap_scheduler"] is True
+    assert "disable_overlap_scheduler" not in decode
+    assert prefill["kv_cache_config"]["enable_block_reuse"] is True
+    assert prefill["kv_cache_config"]["tokens_per_block"] == 32
+
+
+def test_image_and_command_are_overridable() -> None:
+    deployment = make_deployment(
+        replicas=1, engine={"image": "my/engine:1", "command": ["run"], "args": ["--x"]}
+    )
+    [pod] = children.worker_pods(
+        deployment,
+        GroupLayout(role=Role.WORKER, replica=0, pods=(("n", 8),), domain=None, rack=None, cost=0),
+        cold_start_source=None,
+    )
+    container = pod["spec"]["containers"][0]
+    assert (container["image"], container["command"]) == ("my/engine:1", ["run", "--x"])
+
+
+def test_group_service_records_the_placement() -> None:
+    deployment = make_deployment(replicas=2)
+    service = children.group_service(deployment, TWO_NODES)
+    annotations = service["metadata"]["annotations"]
+    assert json.loads(annotations[names.ANNOTATION_PLACEMENT]) == [
+        {"node": "gpu-a", "gpus": 4},
+        {"node": "gpu-b", "gpus": 4},
+    ]
+    assert annotations[names.ANNOTATION_DOMAIN] == "rack1.0"
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {names.LABEL_GROUP: "llama-worker-1"}
+
+
+def test_template_hash_moves_with_the_engine_not_the_replica_count() -> None:
+    base = children.template_hash(make_deployment(replicas=2), Role.WORKER)
+    assert children.template_hash(make_deployment(replicas=5), Role.WORKER) == base
+    assert children.template_hash(make_deployment(replicas=2, engine={"image": "x"}), Role.WORKER) != base
+
+
+def test_router_discovers_leaders_of_this_deployment() -> None:
+    objects = {obj["kind"]: obj for obj in children.router_objects(make_deployment(replicas=1))}
+    config = yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"])
+    assert config["discovery"]["selector"] == (
+        "app.kubernetes.io/component=worker,copse.dev/deployment=llama,copse.dev/leader=true"
+    )
+    assert config["policy"] == "kv"
+    assert objects["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "llama-router"
+    assert objects["Role"]["rules"][0]["verbs"] == ["get", "list", "watch"]
+
+
+def test_long_names_stay_valid() -> None:
+    name = names.group_name("x" * 70, Role.DECODE, 12)
+    assert len(name) <= 63
+    assert name != names.group_name("x" * 70, Role.DECODE, 13)

@@ -1,0 +1,289 @@
+"""The controller against an in-memory cluster: placement, gangs, failures, scaling, rolling."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from copse.api import parse_deployment
+from copse.operator import names
+from copse.operator.controller import Controller
+from copse.operator.reconcile import ReconcileSettings, reconcile
+from copse.operator.state import GroupState, observe_groups
+from copse.topology.fake import gpu_nodes
+
+from .fake_cluster import FakeKube
+
+NAMESPACE = "serving"
+KEY = (NAMESPACE, "llama")
+
+
+def manifest(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "copse.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "llama", "namespace": NAMESPACE, "uid": "uid-llama", "generation": 1},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3-70B", "tensorParallelism": 8},
+            "placement": {
+                "affinityPolicy": "same-nvswitch-domain",
+                "antiAffinityPolicy": "spread-across-racks",
+            },
+            **spec,
+        },
+    }
+
+
+class Harness:
+    def __init__(self, *, racks: int = 2, **spec: Any) -> None:
+        self.kube = FakeKube()
+        for node in gpu_nodes(racks=racks):
+            self.kube.nodes[node["metadata"]["name"]] = node
+        self.kube.objects[("InferenceDeployment", NAMESPACE, "llama")] = manifest(**spec)
+        self.controller = Controller(kube=self.kube, settings=ReconcileSettings(restart_backoff_base_s=0))  # type: ignore[arg-type]
+
+    def snapshot(self) -> str:
+        return json.dumps({"/".join(key): obj for key, obj in self.kube.objects.items()}, sort_keys=True)
+
+    async def settle(self, *, max_passes: int = 12) -> int:
+        """Reconcile until a pass changes nothing; returns the passes it took."""
+        for passes in range(1, max_passes + 1):
+            before = self.snapshot()
+            self.kube.sync(self.controller)
+            await self.controller.reconcile_once(KEY)
+            self.kube.kubelet()
+            if self.snapshot() == before:
+                return passes
+        raise AssertionError(f"no steady state after {max_passes} passes")
+
+    @property
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]["status"]
+        return status
+
+    def update_spec(self, **spec: Any) -> None:
+        body = self.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
+        body["spec"].update(copy.deepcopy(spec))
+        body["metadata"]["generation"] += 1
+
+    def pods(self) -> list[dict[str, Any]]:
+        return self.kube.of_kind("Pod")
+
+
+def node_of(pod: dict[str, Any]) -> str:
+    node: str = pod["spec"]["nodeName"]
+    return node
+
+
+async def test_seed_deployment_lands_one_group_per_rack() -> None:
+    harness = Harness(scaling={"minReplicas": 2, "maxReplicas": 16})
+    await harness.settle()
+    status = harness.status
+    assert status["phase"] == "Running"
+    assert status["ready"] == "worker 2/2"
+    groups = status["groups"]
+    assert [g["name"] for g in groups] == ["llama-worker-0", "llama-worker-1"]
+    assert all(g["domain"] is not None and g["ready"] for g in groups)
+    assert len({g["rack"] for g in groups}) == 2, "spread-across-racks puts replicas on different racks"
+    assert status["score"] == pytest.approx(1.0, abs=0.05)
+    pods = harness.pods()
+    assert len(pods) == 4  # TP=8 on 4-GPU trays: two pods per group
+    assert all(not p["spec"].get("schedulingGates") and p["status"]["phase"] == "Running" for p in pods)
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions == {"Placed": "True", "Ready": "True", "PlacementInfeasible": "False"}
+    assert Counter(reason for _, reason, _ in harness.kube.events)["Placed"] == 2
+    assert ("ConfigMap", NAMESPACE, "llama-engine") in harness.kube.objects
+    assert ("Deployment", NAMESPACE, "llama-router") in harness.kube.objects
+
+
+async def test_gates_lift_only_after_the_whole_gang_exists() -> None:
+    harness = Harness(replicas=1)
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    pods = harness.pods()
+    assert len(pods) == 2
+    assert all(p["spec"]["schedulingGates"] == [{"name": names.GANG_GATE}] for p in pods)
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    assert all("schedulingGates" not in p["spec"] for p in harness.pods())
+
+
+async def test_a_second_pass_on_a_settled_deployment_changes_nothing() -> None:
+    harness = Harness(replicas=2)
+    await harness.settle()
+    assert await harness.settle() == 1
+
+
+async def test_restarted_operator_finishes_a_half_created_gang_without_duplicates() -> None:
+    harness = Harness(replicas=1)
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    [first, _] = sorted(p["metadata"]["name"] for p in harness.pods())
+    # The operator died after creating the Service and one pod.
+    del harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-1")]
+    planned = copy.deepcopy(harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")])
+    harness.controller = Controller(kube=harness.kube, settings=ReconcileSettings(restart_backoff_base_s=0))  # type: ignore[arg-type]
+    await harness.settle()
+    pods = harness.pods()
+    assert sorted(p["metadata"]["name"] for p in pods) == [first, "llama-worker-0-1"]
+    recorded = json.loads(planned["metadata"]["annotations"][names.ANNOTATION_PLACEMENT])
+    assert sorted(node_of(p) for p in pods) == sorted(pod["node"] for pod in recorded)
+    assert harness.status["phase"] == "Running"
+
+
+async def test_node_loss_restarts_the_whole_gang_elsewhere() -> None:
+    harness = Harness(replicas=2)
+    await harness.settle()
+    by_group: dict[str, list[str]] = {}
+    for pod in harness.pods():
+        by_group.setdefault(pod["metadata"]["labels"][names.LABEL_GROUP], []).append(node_of(pod))
+    lost = by_group["llama-worker-0"][0]
+    del harness.kube.nodes[lost]
+    await harness.settle()
+    after: dict[str, list[str]] = {}
+    for pod in harness.pods():
+        after.setdefault(pod["metadata"]["labels"][names.LABEL_GROUP], []).append(node_of(pod))
+    assert lost not in after["llama-worker-0"]
+    assert sorted(after["llama-worker-1"]) == sorted(by_group["llama-worker-1"]), (
+        "the other gang keeps serving"
+    )
+    assert harness.status["phase"] == "Running"
+    restarts = [message for _, reason, message in harness.kube.events if reason == "GangRestart"]
+    assert restarts == [f"restarting group llama-worker-0: node {lost} was deleted"]
+    # The broken gang's pods went at once (grace 0): a TP group missing a rank cannot serve.
+    assert {grace for kind, _, grace in harness.kube.deletions if kind == "Pod"} == {0}
+
+
+async def test_failed_pod_restarts_its_gang() -> None:
+    harness = Harness(replicas=1)
+    await harness.settle()
+    victim = harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-1")]
+    victim["status"]["phase"] = "Failed"
+    await harness.settle()
+    assert harness.status["phase"] == "Running"
+    service = harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")]
+    assert service["metadata"]["annotations"][names.ANNOTATION_RESTARTS] == "1"
+
+
+async def test_scale_up_then_down_frees_whole_domains() -> None:
+    harness = Harness(racks=3, replicas=2)
+    await harness.settle()
+    harness.update_spec(replicas=6)
+    await harness.settle()
+    assert harness.status["ready"] == "worker 6/6"
+    assert harness.status["replicas"] == 6
+    harness.update_spec(replicas=3)
+    await harness.settle()
+    assert harness.status["ready"] == "worker 3/3"
+    assert len(harness.pods()) == 6
+    racks = [g["rack"] for g in harness.status["groups"]]
+    assert len(set(racks)) == 3, "scale-down keeps one group per rack rather than emptying one"
+    assert Counter(reason for _, reason, _ in harness.kube.events)["Placed"] == 6
+
+
+async def test_infeasible_groups_are_reported_and_heal_when_nodes_arrive() -> None:
+    harness = Harness(racks=1, replicas=12, scaling={"maxReplicas": 16})
+    await harness.settle()
+    status = harness.status
+    assert status["phase"] == "Degraded"
+    assert status["roles"]["worker"] == {"desired": 12, "placed": 9, "ready": 9}
+    assert len(status["unplaced"]) == 3
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["PlacementInfeasible"]["status"] == "True"
+    assert "worker" in conditions["PlacementInfeasible"]["message"]
+    assert [reason for _, reason, _ in harness.kube.events].count("PlacementInfeasible") == 1
+    for node in gpu_nodes(racks=2, prefix="extra")[72 // 4 :]:
+        harness.kube.nodes[node["metadata"]["name"]] = node
+    await harness.settle()
+    assert harness.status["phase"] == "Running"
+    assert harness.status["unplaced"] == []
+
+
+async def test_disaggregated_pools_sit_close() -> None:
+    harness = Harness(racks=2, prefill={"replicas": 1, "tensorParallelism": 4}, decode={"replicas": 1})
+    await harness.settle()
+    status = harness.status
+    assert status["ready"] == "prefill 1/1, decode 1/1"
+    [decode, prefill] = sorted(status["groups"], key=lambda g: g["role"])
+    assert prefill["rack"] == decode["rack"], "KV transfer stays inside the rack"
+    roles = Counter(p["metadata"]["labels"][names.LABEL_ROLE] for p in harness.pods())
+    assert roles == {"prefill": 1, "decode": 2}
+
+
+async def test_engine_change_rolls_one_group_at_a_time_keeping_capacity() -> None:
+    harness = Harness(racks=3, replicas=2)
+    await harness.settle()
+    harness.update_spec(engine={"image": "trtllm:next"})
+    images_seen: list[Counter[str]] = []
+    for _ in range(30):
+        before = harness.snapshot()
+        harness.kube.sync(harness.controller)
+        await harness.controller.reconcile_once(KEY)
+        harness.kube.kubelet()
+        ready = [
+            p
+            for p in harness.pods()
+            if p.get("status", {}).get("phase") == "Running"
+            and p["metadata"]["labels"][names.LABEL_RANK] == "0"
+        ]
+        images_seen.append(Counter(p["spec"]["containers"][0]["image"] for p in ready))
+        assert len(ready) >= 2, "never fewer ready groups than desired during the roll"
+        if harness.snapshot() == before:
+            break
+    final = images_seen[-1]
+    assert final == {"trtllm:next": 2}
+    assert harness.status["phase"] == "Running"
+    assert max(sum(seen.values()) for seen in images_seen) == 3, "one group of surge"
+
+
+def test_restarted_gang_waits_out_its_backoff() -> None:
+    deployment = parse_deployment(manifest(replicas=1), source="test")
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "llama-worker-0",
+            "namespace": NAMESPACE,
+            "labels": {
+                names.LABEL_DEPLOYMENT: "llama",
+                names.LABEL_GROUP: "llama-worker-0",
+                names.LABEL_ROLE: "worker",
+                names.LABEL_REPLICA: "0",
+            },
+            "annotations": {
+                names.ANNOTATION_PLACEMENT: "",
+                names.ANNOTATION_RESTARTS: "3",
+                names.ANNOTATION_LAST_RESTART: "2026-01-01T00:00:00+00:00",
+            },
+        },
+    }
+    nodes = gpu_nodes(racks=1)
+    nodes_by_name = {n["metadata"]["name"]: n for n in nodes}
+    groups = observe_groups(deployment="llama", services=[service], pods=[], nodes=nodes_by_name)
+    assert groups[0].state is GroupState.UNPLACED
+    restart = datetime(2026, 1, 1, tzinfo=UTC)
+    settings = ReconcileSettings(restart_backoff_base_s=2, restart_backoff_max_s=120)
+    early = reconcile(
+        deployment=deployment,
+        groups=groups,
+        nodes=nodes,
+        pods=[],
+        now=restart + timedelta(seconds=7),
+        settings=settings,
+    )
+    assert early.place == []
+    assert early.requeue_after_s == pytest.approx(1.0)  # 2 * 2**(3-1) = 8 s after the restart
+    late = reconcile(
+        deployment=deployment,
+        groups=groups,
+        nodes=nodes,
+        pods=[],
+        now=restart + timedelta(seconds=9),
+        settings=settings,
+    )
+    assert [layout.replica for layout in late.place] == [0]
