@@ -12,6 +12,8 @@ import importlib
 
 import click
 
+from copse.cli import logs
+
 #: subcommand name -> "module:attribute" of a click command or group.
 SUBCOMMANDS: dict[str, str] = {
     "api": "copse.api.cli:api",
@@ -37,5 +39,21 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="COPSE_LOG_FORMAT",
+    help="json: one object per line with deployment/role/group fields, for log pipelines.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    envvar="COPSE_LOG_LEVEL",
+)
+def main(log_format: str, log_level: str) -> None:
     """copse: LLM inference on Kubernetes GPU clusters (placement, routing, planning)."""
+    logs.configure(fmt=log_format, level=log_level)

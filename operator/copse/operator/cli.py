@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import click
 import prometheus_client
 
@@ -32,7 +30,6 @@ def run(namespaces: tuple[str, ...], metrics_port: int, metrics_host: str, verbo
 
     from copse.operator import handlers  # noqa: PLC0415
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not verbose:
         handlers.quiet_kopf()
     if metrics_port:

@@ -37,6 +37,13 @@ def _key(obj: Mapping[str, Any]) -> Key:
     return meta.get("namespace", ""), meta["name"]
 
 
+def _context(
+    namespace: str, deployment: str, *, role: str | None = None, group: str | None = None
+) -> dict[str, Any]:
+    """Log-record fields: every line says which deployment (and group) it is about."""
+    return {"namespace": namespace, "deployment": deployment, "role": role, "group": group}
+
+
 def holds_gpus(pod: Mapping[str, Any]) -> bool:
     for container in pod.get("spec", {}).get("containers", []):
         resources = container.get("resources") or {}
@@ -163,7 +170,7 @@ class Controller:
             requeue = await self.reconcile_once(key)
         except Exception:
             # Any failure (API hiccup, conflict) is retried with a delay; the pass is idempotent.
-            logger.exception("%s/%s: reconcile failed; retrying in 5s", *key)
+            logger.exception("reconcile failed; retrying in 5s", extra=_context(*key))
             metrics.RECONCILE_ERRORS.inc()
             self.mark(key, after_s=5.0)
             return
@@ -181,7 +188,7 @@ class Controller:
         try:
             deployment = parse_deployment(body, source=f"{KIND} {namespace}/{name}")
         except (ManifestError, pydantic.ValidationError) as exc:
-            logger.error("%s", exc)
+            logger.error("%s", exc, extra=_context(namespace, name))
             await self.kube.patch_status(namespace=namespace, name=name, status={"phase": "Failed"})
             await self.kube.post_event(owner=body, type="Warning", reason="InvalidSpec", message=str(exc))
             return None
@@ -207,7 +214,12 @@ class Controller:
         for obj in [children.engine_configmap(deployment), *children.router_objects(deployment)]:
             await self.kube.apply(obj)
         for group, reason in decision.restart:
-            logger.info("%s/%s: gang restart of %s (%s)", namespace, name, group.name, reason)
+            logger.info(
+                "gang restart of %s (%s)",
+                group.name,
+                reason,
+                extra=_context(namespace, name, role=group.role.value, group=group.name),
+            )
             await self._delete_pods(namespace, group.pods.values(), grace_period_s=0)
             if group.service is not None:
                 patched = await self.kube.patch_service(
@@ -225,7 +237,12 @@ class Controller:
                 self.cache.services[(namespace, group.name)] = patched
             metrics.GANG_RESTARTS.inc()
         for group, reason in decision.remove:
-            logger.info("%s/%s: removing group %s (%s)", namespace, name, group.name, reason)
+            logger.info(
+                "removing group %s (%s)",
+                group.name,
+                reason,
+                extra=_context(namespace, name, role=group.role.value, group=group.name),
+            )
             await self._delete_pods(namespace, group.pods.values(), grace_period_s=None)
             await self.kube.delete("Service", namespace=namespace, name=group.name)
             self.cache.services.pop((namespace, group.name), None)
@@ -250,13 +267,12 @@ class Controller:
                 )  # fmt: skip
                 self.cache.services[_key(patched)] = patched
             logger.info(
-                "%s/%s: placed %s on %s (%s), cost %.3f",
-                namespace,
-                name,
+                "placed %s on %s (%s), cost %.3f",
                 service["metadata"]["name"],
                 layout.domain or "several domains",
                 ", ".join(f"{node}×{gpus}" for node, gpus in layout.pods),
                 layout.cost,
+                extra=_context(namespace, name, role=layout.role.value, group=service["metadata"]["name"]),
             )
         for layout in decision.create_pods:
             group_name = names.group_name(name, layout.role, layout.replica)
@@ -266,7 +282,11 @@ class Controller:
                 created = await self.kube.create(pod)
                 if created is not None:
                     self.cache.pods[_key(created)] = created
-            logger.info("%s/%s: created gated pods of %s", namespace, name, group_name)
+            logger.info(
+                "created gated pods of %s",
+                group_name,
+                extra=_context(namespace, name, role=layout.role.value, group=group_name),
+            )
         for group in decision.lift_gates:
             for member in group.pods.values():
                 if member.get("spec", {}).get("schedulingGates"):
@@ -276,7 +296,11 @@ class Controller:
                         json_patch=[{"op": "remove", "path": "/spec/schedulingGates"}],
                     )
                     self.cache.pods[_key(lifted)] = lifted
-            logger.info("%s/%s: gang %s complete; released its scheduling gates", namespace, name, group.name)
+            logger.info(
+                "gang %s complete; released its scheduling gates",
+                group.name,
+                extra=_context(namespace, name, role=group.role.value, group=group.name),
+            )
         for event in decision.events:
             await self.kube.post_event(
                 owner=body, type=event.type, reason=event.reason, message=event.message
@@ -286,12 +310,11 @@ class Controller:
             metrics.PLACEMENT_SCORE.labels(namespace=namespace, deployment=name).set(status["score"])
         if _changed(body.get("status", {}), status):
             logger.info(
-                "%s/%s: %s, ready %s, score %s",
-                namespace,
-                name,
+                "%s, ready %s, score %s",
                 status["phase"],
                 status["ready"],
                 status["score"],
+                extra=_context(namespace, name),
             )
             await self.kube.patch_status(namespace=namespace, name=name, status=status)
 
