@@ -59,8 +59,10 @@ class BlockManager:
         """Block hash -> number of sequences referencing it."""
         self.inactive: OrderedDict[int, None] = OrderedDict()
         """Cached, unreferenced block hashes, least recently released first."""
-        self.meta: dict[int, tuple[int | None, int]] = {}
-        """Block hash -> (parent block hash, tokens hash), for every cached block (for dumps)."""
+        self.parents: dict[int, int | None] = {}
+        """Block hash -> parent block hash, for every cached block (for dumps)."""
+        self.tokens_hashes: dict[int, int] = {}
+        """Block hash -> tokens hash, for every cached block (for dumps)."""
         self.partial_blocks = 0
         """Partial blocks held by sequences."""
 
@@ -110,59 +112,46 @@ class BlockManager:
         if full == start and need_partial == holder.partial:
             return True
         active, inactive = self.active, self.inactive
-        reactivate = 0
-        missing = 0
-        for block_hash in hashes[start:full]:
-            if block_hash in active:
-                continue
-            if block_hash in inactive:
-                reactivate += 1
-            else:
-                missing += 1
+        segment = hashes[start:full]
+        # set intersections run in C: most steps touch hundreds of prompt blocks at once
+        shared = active.keys() & segment if active else set()
+        cached = inactive.keys() & segment if inactive else set()
+        missing = len(segment) - len(shared) - len(cached)
         extra = missing + need_partial - holder.partial
-        if extra > self.free_blocks + len(inactive) - reactivate:
+        if extra > self.free_blocks + len(inactive) - len(cached):
             return False
-        new_indices: list[int] = []
-        for index in range(start, full):
-            block_hash = hashes[index]
-            count = active.get(block_hash)
-            if count is not None:
-                active[block_hash] = count + 1
-            elif block_hash in inactive:
-                del inactive[block_hash]
-                active[block_hash] = 1
-            else:
-                new_indices.append(index)
+        runs: list[tuple[int, int]] = []
+        if missing and missing == len(segment):
+            runs.append((start, full))
+        elif missing:
+            for index in range(start, full):
+                if hashes[index] in shared or hashes[index] in cached:
+                    continue
+                if runs and runs[-1][1] == index:
+                    runs[-1] = (runs[-1][0], index + 1)
+                else:
+                    runs.append((index, index + 1))
+        for block_hash in shared:
+            active[block_hash] += 1
+        for block_hash in cached:
+            del inactive[block_hash]
+            active[block_hash] = 1
         evicted: list[int] = []
         shortfall = extra - self.free_blocks
         while shortfall > 0:
             victim, _ = inactive.popitem(last=False)
-            del self.meta[victim]
+            del self.parents[victim]
+            del self.tokens_hashes[victim]
             evicted.append(victim)
             shortfall -= 1
         self.partial_blocks += need_partial - holder.partial
         holder.partial = need_partial
-        holder.blocks.extend(hashes[start:full])
+        holder.blocks.extend(segment)
         if evicted:
             self._emit(KvRemoved.model_construct(block_hashes=tuple(evicted)), None)
-        if new_indices:
-            self._store(new_indices, hashes=hashes, tokens_hashes=tokens_hashes, tokens=tokens)
+        for run_start, run_stop in runs:
+            self._store_run(run_start, run_stop, hashes, tokens_hashes, tokens)
         return True
-
-    def _store(
-        self,
-        indices: list[int],
-        *,
-        hashes: Sequence[int],
-        tokens_hashes: Sequence[int],
-        tokens: np.ndarray | None,
-    ) -> None:
-        """Register new blocks and emit one ``stored`` event per run of consecutive new blocks."""
-        first = 0
-        for k in range(1, len(indices) + 1):
-            if k == len(indices) or indices[k] != indices[k - 1] + 1:
-                self._store_run(indices[first], indices[k - 1] + 1, hashes, tokens_hashes, tokens)
-                first = k
 
     def _store_run(
         self,
@@ -172,11 +161,13 @@ class BlockManager:
         tokens_hashes: Sequence[int],
         tokens: np.ndarray | None,
     ) -> None:
+        """Register blocks ``[start, stop)`` of a sequence (all new) and emit their ``stored`` event."""
         new = hashes[start:stop]
         local = tokens_hashes[start:stop]
         parent = hashes[start - 1] if start else None
         self.active.update(dict.fromkeys(new, 1))
-        self.meta.update(zip(new, zip([parent, *new[:-1]], local, strict=True), strict=True))
+        self.parents.update(zip(new, [parent, *new[:-1]], strict=True))
+        self.tokens_hashes.update(zip(new, local, strict=True))
         event = KvStored.model_construct(
             type="stored",
             parent_hash=parent,
@@ -208,27 +199,28 @@ class BlockManager:
         if self.active or self.partial_blocks:
             return False
         self.inactive.clear()
-        self.meta.clear()
+        self.parents.clear()
+        self.tokens_hashes.clear()
         self._emit(KvCleared.model_construct(type="cleared"), None)
         return True
 
     def iter_cached(self) -> Iterator[tuple[int, int | None, int]]:
         """``(block hash, parent hash, tokens hash)`` of every cached block, parents before children."""
-        meta = self.meta
+        parents = self.parents
         emitted: set[int] = set()
 
         def visit(block_hash: int) -> Iterator[tuple[int, int | None, int]]:
             chain: list[int] = []
-            while block_hash not in emitted and block_hash in meta:
+            while block_hash not in emitted and block_hash in parents:
                 chain.append(block_hash)
-                parent = meta[block_hash][0]
+                parent = parents[block_hash]
                 if parent is None:
                     break
                 block_hash = parent
             for item in reversed(chain):
                 emitted.add(item)
-                parent, tokens_hash = meta[item]
+                parent, tokens_hash = parents[item], self.tokens_hashes[item]
                 yield item, parent, tokens_hash
 
-        for block_hash in list(meta):
+        for block_hash in list(parents):
             yield from visit(block_hash)
