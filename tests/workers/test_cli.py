@@ -52,13 +52,13 @@ def test_mock_serves_several_engines_until_sigterm() -> None:
     command = [sys.executable, "-c", "from copse.cli import main; main()", "worker", "mock"]
     process = subprocess.Popen(
         [*command, "--engines", "3", "--port-base", "0", "--virtual-clock"],
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
     )
-    assert process.stderr is not None
+    assert process.stdout is not None
     try:
         urls: list[str] = []
-        for line in process.stderr:
+        for line in process.stdout:
             found = re.search(r"3 engine\(s\) on (http://\S+) \.\. (http://\S+)", line)
             if found:
                 urls = [found.group(1), found.group(2)]
@@ -76,4 +76,4 @@ def test_mock_serves_several_engines_until_sigterm() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
-        process.stderr.close()
+        process.stdout.close()

@@ -210,3 +210,27 @@ def test_same_arrivals_give_the_same_tokens_and_times() -> None:
         return [dataclasses.astuple(o) for o in sim.outcomes], tokens
 
     assert run() == run()
+
+
+def test_fused_decode_steps_give_exactly_the_step_by_step_result() -> None:
+    def run(fuse: bool) -> tuple[list[tuple[object, ...]], list[int], int]:
+        config = EngineConfig(block_size=16, num_blocks=120, max_num_batched_tokens=512, seed=3)
+        engines = [Engine(worker_id=f"w{i}", config=config, perf=PERF) for i in range(2)]
+        steps: list[int] = []
+        sim = Simulator(engines, fuse_decode=fuse, on_step=lambda _, out: steps.append(out.steps))
+        rng = np.random.default_rng(11)
+        for i in range(60):
+            sim.run_until(float(i * 40))
+            tokens = rng.integers(256, 400, int(rng.integers(20, 600))).tolist()
+            sim.submit(i % 2, request_id=f"r{i}", tokens=tokens, max_tokens=int(rng.integers(1, 120)))
+        sim.run()
+        events = [e.event_id for engine in engines for e in engine.drain_kv_events()]
+        outcomes = [dataclasses.astuple(o) for o in sorted(sim.outcomes, key=lambda o: o.request_id)]
+        return outcomes, events, sum(steps) - len(steps)
+
+    stepwise, fused = run(False), run(True)
+    assert fused[0] == stepwise[0]
+    assert fused[1] == stepwise[1]
+    assert any(o[-1] for o in stepwise[0])  # the workload preempts
+    assert stepwise[2] == 0
+    assert fused[2] > 0  # and fusion did fuse

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -19,8 +18,6 @@ from copse.workers.nats_io import KvEventPublisher
 from copse.workers.perf import PerfModel, ProfileError, load_perf_model, save_profile
 from copse.workers.protocol.subjects import subject_token
 from copse.workers.relay import run_relay
-
-log = logging.getLogger(__name__)
 
 
 def _perf(profile: Path | None, gpus: int | None, capacity: int | None) -> PerfModel:
@@ -50,7 +47,6 @@ async def _until_signalled(stop: asyncio.Event) -> None:
 @click.group()
 def worker() -> None:
     """GPU-free engines, the KV event relay for trtllm-serve, and perf profiles."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 _PERF_OPTIONS = [
@@ -181,7 +177,7 @@ def mock(
             fleet = await start_fleet(settings, config=config, perf=perf, publisher=publisher)
         except OSError as exc:
             raise click.UsageError(f"cannot listen on {host} from port {port_base}: {exc}") from exc
-        log.info("%d engine(s) on %s .. %s", engines, fleet.urls[0], fleet.urls[-1])
+        click.echo(f"{engines} engine(s) on {fleet.urls[0]} .. {fleet.urls[-1]}")
         try:
             await _until_signalled(asyncio.Event())
         finally:

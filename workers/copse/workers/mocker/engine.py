@@ -24,6 +24,7 @@ Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -41,8 +42,14 @@ from copse.workers.protocol.tokenizer import RESERVED_IDS, VOCAB_SIZE
 RequestState = Literal["waiting", "transferring", "running", "finished", "aborted"]
 
 #: Generated ids cycle through a seeded table of this many ids (cheap, and reproducible by seed).
-_SAMPLE_TABLE = 1 << 16
+_SAMPLE_TABLE = 1 << 12
 _SAMPLE_MASK = _SAMPLE_TABLE - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_table(seed: int) -> tuple[int, ...]:
+    """Token ids engines of one seed generate, shared by all of them (a thousand engines, one table)."""
+    return tuple(np.random.default_rng(seed).integers(RESERVED_IDS, VOCAB_SIZE, _SAMPLE_TABLE).tolist())
 
 
 class EngineOverloaded(RuntimeError):
@@ -243,9 +250,7 @@ class Engine:
         self._transfers: list[Request] = []
         self._pending_events: list[KvEvent] = []
         self._last_event_id = 0
-        self._samples = (
-            np.random.default_rng(config.seed).integers(RESERVED_IDS, VOCAB_SIZE, _SAMPLE_TABLE).tolist()
-        )
+        self._samples = _sample_table(config.seed)
         self._sample_index = 0
         self._busy_until: float | None = None
         self._step_start = 0.0
