@@ -405,9 +405,8 @@ class Router:
         else:
             d_slot = self.policy.choose(decode)
         local_cached = int(decode.cached_tokens()[d_slot])
-        local_compute = (
-            self.perf.prefill_ms(new_tokens=request.prompt_tokens - local_cached, cached_tokens=local_cached)
-            - self.perf.f0
+        local_compute = self.perf.compute_ms(
+            new_tokens=request.prompt_tokens - local_cached, cached_tokens=local_cached
         )
         if local_compute <= transfer[d_slot]:
             # Moving the KV would cost more than computing it within the decode worker's next step.
@@ -454,7 +453,7 @@ class Router:
         new_tokens = request.prompt_tokens - cached_tokens
         prefill_ms = 0.0
         if new_tokens:
-            prefill_ms = self.perf.prefill_ms(new_tokens=new_tokens, cached_tokens=cached_tokens)
+            prefill_ms = self.perf.compute_ms(new_tokens=new_tokens, cached_tokens=cached_tokens)
         tail = request.prompt_tokens - len(request.hashes) * bs
         kv_extra = float(tail + (request.max_tokens if output else 0))
         self.sequences.add(

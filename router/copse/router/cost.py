@@ -61,10 +61,11 @@ class PerfTable:
         flat = bool(np.all(self._itl == self._itl[:, :1]))
         self._itl_by_active = self._itl[:, 0].copy() if flat else None
 
-    def prefill_ms(self, *, new_tokens: int, cached_tokens: int) -> float:
-        """Time to prefill ``new_tokens`` after ``cached_tokens`` (the model's own answer), ms."""
+    def compute_ms(self, *, new_tokens: int, cached_tokens: int) -> float:
+        """Compute time of prefilling ``new_tokens`` after ``cached_tokens``, without the fixed
+        per-step cost ``f0`` (a prefill spanning several steps pays ``f0`` in each), ms."""
         curve = self.model.prefill_curve_ms
-        return self.f0 + curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
+        return curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
 
     def prefill_curve_ms(self, tokens: FloatArray) -> FloatArray:
         """``F`` (:meth:`PerfModel.prefill_curve_ms`) for many token counts: exact at multiples of

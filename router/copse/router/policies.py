@@ -6,10 +6,11 @@ router tracks. Figures are arrays over all worker slots, so a decision costs a f
 operations however many workers there are. A policy returns the slot of its choice.
 
 * ``kv`` (default): the predicted latency of this request on each worker, from the shared perf
-  model: its time to first token (the worker's prefill backlog, then the prefill of the prompt
-  tokens the worker does not hold, every step of it also paying the worker's current decode step)
-  plus its decode time (output tokens x the decode step time once its KV joins the worker's).
-  The minimum wins; a softmax temperature spreads near-ties.
+  model: its time to first token (the compute of the worker's prefill backlog and of the prompt
+  tokens the worker does not hold, plus for every step that takes the fixed step cost and the
+  worker's decode step, which is how decode load slows a prefill), plus ``decode_weight`` x its
+  decode time (output tokens x the decode step time once its KV joins the worker's; weight 0 by
+  default, see ``SelectionSettings``). The minimum wins; a softmax temperature spreads near-ties.
 * ``dynamo``: NVIDIA Dynamo's default cost, ``overlap_weight x prefill blocks + decode blocks``
   with weight 1, exact ties to the worker holding fewest blocks.
 * ``prefix_only``: the longest cached prefix, ties at random.
@@ -58,8 +59,10 @@ class SelectionSettings:
     """Per-step token budget of the engines: a prefill of N tokens spans ceil(N / budget) steps."""
     temperature: float = 0.0
     """Softmax temperature over costs normalised by their spread; 0 picks the minimum."""
-    decode_weight: float = 1.0
-    """Weight of the predicted decode time against the time to first token in the ``kv`` cost."""
+    decode_weight: float = 0.0
+    """Weight of the request's predicted decode time against its time to first token in the ``kv``
+    cost; 0 ranks by time to first token alone, which still charges decode work through the
+    decode part of every prefill step (see benchmarks/RESULTS.md for the measured effect)."""
     overlap_weight: float = 1.0
     """Weight of prefill blocks in the ``dynamo`` cost."""
 
@@ -97,20 +100,21 @@ class Selection:
         return self._shared
 
     def ttft_ms(self) -> FloatArray:
-        """Predicted time to first token on each worker, ms: the worker's prefill backlog, then
-        this prompt's uncached tokens, with every step (of the backlog's tokens and these) also
-        paying the worker's decode step while it has sequences decoding."""
+        """Predicted time to first token on each worker, ms: the compute of the worker's prefill
+        backlog and of this prompt's uncached tokens, plus, for every step that takes (the step
+        budget bounds the tokens per step), the fixed step cost and the worker's decode step
+        while it has sequences decoding."""
         if self._ttft is not None:
             return self._ttft
         request, seq, perf = self.request, self.sequences, self.perf
         isl = float(request.prompt_tokens)
         cached = self.cached_tokens()
-        own = perf.f0 + perf.model.prefill_curve_ms(isl) - perf.prefill_curve_ms(cached)
+        own = perf.model.prefill_curve_ms(isl) - perf.prefill_curve_ms(cached)
         steps = np.ceil((seq.prefill_tokens + (isl - cached)) / self.settings.max_num_batched_tokens)
         kv = seq.kv_tokens()
         decoding = seq.requests > seq.prefilling
-        itl = perf.itl_ms(kv, kv / np.maximum(seq.requests, 1.0))
-        out: FloatArray = seq.backlog_ms(self.now) + own + steps * itl * decoding
+        step = perf.f0 + perf.itl_ms(kv, kv / np.maximum(seq.requests, 1.0)) * decoding
+        out: FloatArray = seq.backlog_ms(self.now) + own + steps * step
         self._ttft = out
         return out
 

@@ -5,6 +5,10 @@ with the chosen policy and submitted to a mocked engine (:mod:`copse.workers.moc
 KV events reach the router's indexer before each decision; first tokens and finishes reach its load
 tracker as they happen on the virtual clock. The same trace, settings and seed give the same report.
 
+Engines use the trace's block size (one trace hash id = one KV block) unless the engine config
+sets ``block_size``, which must then divide it so that prefixes shared in the trace are shared
+by the engines.
+
 Latencies are measured from the trace arrival (so time spent in the router's queue counts):
 TTFT to the first token, e2e to the last, ITL as each request's mean gap between output tokens.
 The cache hit rate is the share of prompt tokens the engines found in their prefix caches.
@@ -48,6 +52,8 @@ class EngineSetup:
 
     config: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     perf: PerfModel = dataclasses.field(default_factory=lambda: load_perf_model(None))
+    block_size_set: bool = False
+    """Whether the block size was chosen explicitly; otherwise a replay uses the trace's."""
 
 
 def load_engine_setup(path: str | Path | None) -> EngineSetup:
@@ -77,13 +83,14 @@ def load_engine_setup(path: str | Path | None) -> EngineSetup:
         config = EngineConfig(**raw)
     except (TypeError, ValueError) as exc:
         raise EngineConfigError(f"{path}: {exc}") from exc
+    block_size_set = "block_size" in raw
     profile_path = None if profile is None else (path.parent / str(profile))
     try:
         capacity = None if config.num_blocks is None else config.num_blocks * config.block_size
         perf = load_perf_model(profile_path, kv_capacity_tokens=capacity)
     except ValueError as exc:
         raise EngineConfigError(f"{path}: perf_profile: {exc}") from exc
-    return EngineSetup(config=config, perf=perf)
+    return EngineSetup(config=config, perf=perf, block_size_set=block_size_set)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +108,8 @@ class ReplaySettings:
     """Tokens per trace hash id (512 for Mooncake traces)."""
     temperature: float = 0.0
     """Softmax temperature of the router's selection."""
+    decode_weight: float = 0.0
+    """Weight of predicted decode time in the ``kv`` cost."""
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
     engines: EngineSetup = dataclasses.field(default_factory=EngineSetup)
 
@@ -174,7 +183,7 @@ def replay(
     trace: Sequence[TraceRequest],
     settings: ReplaySettings,
     *,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> ReplayReport:
     """Replay ``trace`` through the router and ``settings.workers`` mocked engines.
 
@@ -183,6 +192,8 @@ def replay(
     """
     started = time.perf_counter()
     engine_config = settings.engines.config
+    if not settings.engines.block_size_set:
+        engine_config = dataclasses.replace(engine_config, block_size=settings.trace_block_size)
     perf = settings.engines.perf
     block_size = engine_config.block_size
     if settings.trace_block_size % block_size:
@@ -209,6 +220,7 @@ def replay(
             block_size=block_size,
             max_num_batched_tokens=engine_config.max_num_batched_tokens,
             temperature=settings.temperature,
+            decode_weight=settings.decode_weight,
         ),
         policy=settings.policy,
         thresholds=settings.thresholds,

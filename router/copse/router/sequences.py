@@ -38,7 +38,7 @@ class Flight:
     prefill_tokens: int
     """Uncached prompt tokens the worker must compute before the first token."""
     prefill_ms: float
-    """Predicted time of that prefill alone."""
+    """Predicted compute time of that prefill alone (without per-step overheads)."""
     kv_tokens: float
     """KV tokens this request needs beyond its full prompt blocks (partial block + output)."""
     started: float
@@ -81,7 +81,7 @@ class ActiveSequences:
         self.prefill_tokens: FloatArray = np.zeros(0)
         """Uncached prompt tokens per worker still to prefill."""
         self.prefill_ms: FloatArray = np.zeros(0)
-        """Sum of predicted prefill times of the requests still prefilling, per worker."""
+        """Sum of predicted prefill compute times of the requests still prefilling, per worker."""
         self.active_blocks: FloatArray = np.zeros(0)
         """Distinct full prompt blocks in use per worker."""
         self.kv_extra: FloatArray = np.zeros(0)

@@ -1,0 +1,197 @@
+"""``copse router``, ``copse bench`` and ``copse synth``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+import click
+import yaml
+from tqdm import tqdm
+
+from copse.router.config import ConfigError, parse_config
+from copse.router.core import Thresholds
+from copse.router.policies import POLICIES
+from copse.router.replay import EngineConfigError, ReplayReport, ReplaySettings, load_engine_setup, replay
+from copse.router.server import serve
+from copse.router.trace import TRACE_FORMATS, TraceError, TraceFormat, load_trace
+
+
+def _fail(message: str) -> SystemExit:
+    click.echo(f"error: {message}", err=True)
+    return SystemExit(2)
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks of routing policies."""
+
+
+def _table(report: ReplayReport) -> str:
+    def row(name: str, dist: object) -> str:
+        values = [getattr(dist, key) for key in ("mean", "p50", "p90", "p99")]
+        return f"{name:<10}" + "".join(f"{v:>12,.1f}" for v in values)
+
+    lines = [
+        f"policy {report.policy}, {report.workers} workers: {report.requests} requests completed, "
+        f"{report.failed} refused, {report.preemptions} preemptions",
+        f"{'ms':<10}{'mean':>12}{'p50':>12}{'p90':>12}{'p99':>12}",
+        row("TTFT", report.ttft_ms),
+        row("ITL", report.itl_ms),
+        row("e2e", report.e2e_ms),
+        f"cache hit rate {report.cache_hit_rate:.1%} of prompt tokens; "
+        f"throughput {report.throughput_tok_s:,.0f} output tokens/s",
+        f"simulated {report.simulated_s:,.0f} s in {report.wall_s:,.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+@bench.command("replay")
+@click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Trace file.")
+@click.option("--format", "fmt", type=click.Choice(TRACE_FORMATS), default="mooncake", show_default=True)
+@click.option(
+    "--trace-block-size", type=int, default=512, show_default=True, help="Tokens per trace hash id."
+)
+@click.option("--workers", type=int, default=16, show_default=True, help="Mocked engines.")
+@click.option("--policy", type=click.Choice(sorted(POLICIES)), default="kv", show_default=True)
+@click.option("--speedup", type=float, default=1.0, show_default=True, help="Divide arrival times by this.")
+@click.option(
+    "--engine-config",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="YAML/JSON engine settings (EngineConfig fields and perf_profile).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="Router softmax temperature.")
+@click.option("--queue-size", type=int, default=Thresholds().queue_size, show_default=True)
+@click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def replay_command(
+    *,
+    trace_path: Path,
+    fmt: TraceFormat,
+    trace_block_size: int,
+    workers: int,
+    policy: str,
+    speedup: float,
+    engine_config: Path | None,
+    seed: int,
+    temperature: float,
+    queue_size: int,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """Replay a request trace through the router and mocked engines on a virtual clock."""
+    for name, value in (
+        ("--workers", workers),
+        ("--trace-block-size", trace_block_size),
+        ("--queue-size", queue_size),
+    ):
+        if value < 1:
+            raise _fail(f"{name} must be at least 1, got {value}")
+    if not (speedup > 0 and math.isfinite(speedup)):
+        raise _fail(f"--speedup must be a positive number, got {speedup}")
+    if temperature < 0:
+        raise _fail(f"--temperature must not be negative, got {temperature}")
+    try:
+        trace = load_trace(trace_path, fmt=fmt, trace_block_size=trace_block_size)
+        engines = load_engine_setup(engine_config)
+    except (TraceError, EngineConfigError) as exc:
+        raise _fail(str(exc)) from exc
+    if limit is not None:
+        trace = trace[:limit]
+    settings = ReplaySettings(
+        policy=policy,
+        workers=workers,
+        speedup=speedup,
+        seed=seed,
+        trace_block_size=trace_block_size,
+        temperature=temperature,
+        thresholds=Thresholds(queue_size=queue_size),
+        engines=engines,
+    )
+    with tqdm(total=len(trace), unit="req", file=sys.stderr, disable=None, desc=policy) as bar:
+        try:
+            report = replay(trace, settings, progress=bar.update)
+        except ValueError as exc:
+            raise _fail(str(exc)) from exc
+    click.echo(json.dumps(report.as_json()) if as_json else _table(report))
+
+
+@click.group()
+def router() -> None:
+    """The KV-aware router."""
+
+
+@router.command("run")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Router YAML (what the operator mounts); flags below override its values.",
+)
+@click.option(
+    "--worker", "workers", multiple=True, help="Static worker URL (repeatable); implies static discovery."
+)
+@click.option("--model", default=None, help="Model name served.")
+@click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Listen port (default 8080; 0 = any free port).")
+@click.option("--policy", type=click.Choice(sorted(POLICIES)), default=None)
+@click.option("--block-size", type=int, default=None, help="Engines' KV block size in tokens.")
+@click.option("--nats-url", default=None, help="NATS server for KV events and replica load sharing.")
+@click.option("--deployment", default=None, help="Deployment name (NATS subjects).")
+@click.option("--log-level", default="INFO", show_default=True)
+def run_command(
+    *,
+    config_path: Path | None,
+    workers: tuple[str, ...],
+    model: str | None,
+    host: str | None,
+    port: int | None,
+    policy: str | None,
+    block_size: int | None,
+    nats_url: str | None,
+    deployment: str | None,
+    log_level: str,
+) -> None:
+    """Serve the OpenAI API in front of the workers."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raw: dict[str, object] = {}
+    source = "command line"
+    if config_path is not None:
+        try:
+            loaded = yaml.safe_load(config_path.read_text())
+        except OSError as exc:
+            raise _fail(f"{config_path}: cannot read ({exc.strerror})") from exc
+        except yaml.YAMLError as exc:
+            raise _fail(f"{config_path}: not valid YAML ({exc})") from exc
+        if not isinstance(loaded, dict):
+            raise _fail(f"{config_path}: expected a mapping of router settings")
+        raw, source = loaded, str(config_path)
+    overrides = {
+        "model": model,
+        "host": host,
+        "port": port,
+        "policy": policy,
+        "block_size": block_size,
+        "nats_url": nats_url,
+        "deployment": deployment,
+    }
+    raw.update({key: value for key, value in overrides.items() if value is not None})
+    if workers:
+        raw["discovery"] = {"kind": "static", "workers": [{"url": url.rstrip("/")} for url in workers]}
+    try:
+        config = parse_config(raw, source=source)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from exc
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,175 @@
+"""The router's settings: one YAML file (what the operator mounts) or command-line flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from copse.router.core import DisaggSettings, Role, Thresholds
+from copse.router.policies import POLICIES, SelectionSettings
+
+
+class ConfigError(ValueError):
+    """Settings that cannot be used; the message names the file, the field and the value."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StaticWorker(_Model):
+    """One worker of a static list."""
+
+    url: str = Field(pattern=r"^https?://[^/\s]+$")
+    """Base URL of the engine's HTTP server (scheme, host and port, no path)."""
+    role: Role = Role.WORKER
+    """``worker`` serves whole requests; ``prefill`` and ``decode`` form a disaggregated pair."""
+    id: str | None = None
+    """Worker id its KV events carry; asked from its ``/worker_info`` when absent."""
+    locality: str | None = None
+    """Workers sharing a locality (e.g. NVLink domain) exchange KV cheaply."""
+
+
+class StaticDiscovery(_Model):
+    """A fixed list of workers (local runs, tests); each is probed and dropped while it fails."""
+
+    kind: Literal["static"]
+    workers: list[StaticWorker] = Field(min_length=1)
+
+
+class KubernetesDiscovery(_Model):
+    """Worker pods found by label, ready ones only."""
+
+    kind: Literal["kubernetes"]
+    namespace: str = Field(min_length=1)
+    """Namespace of the InferenceDeployment and its pods."""
+    selector: str = Field(min_length=1)
+    """Label selector of the rank-0 worker pods (the operator sets it)."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Port of the engine's HTTP server on the pod IP."""
+
+
+Discovery = Annotated[StaticDiscovery | KubernetesDiscovery, Field(discriminator="kind")]
+
+
+class RouterConfig(_Model):
+    """Everything ``copse router run`` needs."""
+
+    model: str = Field(min_length=1)
+    """Model name served (requests naming another model get 404)."""
+    host: str = "127.0.0.1"
+    """Address to listen on (the operator's pods use 0.0.0.0)."""
+    port: int = Field(default=8080, ge=0, le=65535)
+    """Port to listen on (0 picks a free one)."""
+    policy: str = "kv"
+    """Worker selection policy (see ``copse.router.policies``)."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Softmax temperature of selection; 0 always picks the best worker."""
+    queue_size: int = Field(default=Thresholds().queue_size, ge=0)
+    """Requests that may wait while every worker is busy; beyond it the router answers 503."""
+    block_size: int = Field(default=32, ge=1)
+    """Tokens per KV block of the engines (TensorRT-LLM's ``tokens_per_block``)."""
+    nats_url: str | None = None
+    """NATS server for KV events and load sharing between router replicas; without it the router
+    learns caches from its own decisions (approximate indexer)."""
+    deployment: str = Field(default="copse", min_length=1)
+    """InferenceDeployment name (part of the NATS subjects)."""
+    namespace: str = "default"
+    """Namespace part of the NATS subjects (taken from Kubernetes discovery when set there)."""
+    discovery: Discovery
+    tokenizer: Path | None = None
+    """Local tokenizer file (Hugging Face ``tokenizer.json``) for text prompts; without it text is
+    tokenized like the mocked engines do."""
+    perf_profile: Path | None = None
+    """Perf profile of the engines (NPZ/JSON); the polynomial default model without it."""
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    """KV cache size of one engine, tokens; from ``/worker_info`` or the perf model without it."""
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    """Engines' per-step token budget (prefill steps a prompt needs)."""
+    decode_weight: float = Field(default=0.0, ge=0.0)
+    """Weight of the request's predicted decode time against its time to first token in the ``kv``
+    cost (0: the measured best for TTFT and end-to-end latency on the Mooncake trace)."""
+    busy_prefill_tokens: float = Field(default=Thresholds().busy_prefill_tokens, gt=0)
+    """Outstanding prefill tokens beyond which a worker takes no new request."""
+    busy_kv_fraction: float = Field(default=Thresholds().busy_kv_fraction, gt=0)
+    """KV use (fraction of the cache) beyond which a worker takes no new request."""
+    max_retries: int = Field(default=2, ge=0)
+    """Other workers tried when a worker fails before the first token."""
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest wait in the queue before the router answers 503."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest a worker may take to answer (or to send the next chunk of a stream)."""
+    health_interval_s: float = Field(default=0.25, gt=0)
+    """Period of worker health probes: a dead worker is dropped within interval + timeout."""
+    health_timeout_s: float = Field(default=0.5, gt=0)
+    """Timeout of one health probe."""
+    peer_timeout_s: float = Field(default=5.0, gt=0)
+    """A peer router silent this long is considered gone and its load forgotten."""
+    kv_transfer: DisaggSettings = Field(default_factory=DisaggSettings)
+    """What moving KV from a prefill to a decode worker costs (disaggregated routing)."""
+    seed: int | None = None
+    """Seed of tie-breaking (reproducible runs); random when absent."""
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value!r}; known: {', '.join(sorted(POLICIES))}")
+        return value
+
+    @model_validator(mode="after")
+    def _namespace_from_discovery(self) -> RouterConfig:
+        if isinstance(self.discovery, KubernetesDiscovery) and "namespace" not in self.model_fields_set:
+            self.namespace = self.discovery.namespace
+        return self
+
+    def selection(self) -> SelectionSettings:
+        """The cost-function settings."""
+        return SelectionSettings(
+            block_size=self.block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            temperature=self.temperature,
+            decode_weight=self.decode_weight,
+        )
+
+    def thresholds(self) -> Thresholds:
+        """Busy thresholds and queue bound."""
+        return Thresholds(
+            busy_prefill_tokens=self.busy_prefill_tokens,
+            busy_kv_fraction=self.busy_kv_fraction,
+            queue_size=self.queue_size,
+        )
+
+
+def _describe(exc: ValidationError, *, source: str) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(root)"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        parts.append(f"{source}: {where}: {message} (got {error.get('input')!r})")
+    return "\n".join(parts)
+
+
+def parse_config(raw: object, *, source: str) -> RouterConfig:
+    """Validate a mapping; ``source`` names it in errors. Raises :class:`ConfigError`."""
+    try:
+        return RouterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source=source)) from exc
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read and validate a YAML (or JSON) router config. Raises :class:`ConfigError`."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of router settings")
+    return parse_config(raw, source=str(path))

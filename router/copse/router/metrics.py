@@ -1,0 +1,113 @@
+"""Every Prometheus metric the router exports (names live here and nowhere else).
+
+Per-worker load gauges are read from the routing core at scrape time, so they never drift from
+what the router decides with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from copse.router.core import Router
+
+PREFIX = "copse_router"
+
+#: Latency buckets (seconds) spanning a fast decode step to a long queued prefill.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class RouterMetrics:
+    """The router's metrics in their own registry (one per router instance)."""
+
+    def __init__(self, router: Callable[[], Router]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Requests answered, by HTTP status.", ["status"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from request arrival to its first streamed token.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Mean gap between streamed tokens of a request.",
+            buckets=_ITL,
+            registry=r,
+        )
+        self.duration = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time from request arrival to its last byte.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of routed requests.", registry=r
+        )
+        self.cached_tokens = Counter(
+            f"{PREFIX}_predicted_cached_tokens",
+            "Prompt tokens the chosen worker was predicted to hold (hit rate = this / prompt tokens).",
+            registry=r,
+        )
+        self.retries = Counter(
+            f"{PREFIX}_retries", "Requests sent again to another worker before their first token.", registry=r
+        )
+        self.kv_resyncs = Counter(
+            f"{PREFIX}_kv_resyncs",
+            "Worker cache dumps requested after a gap in KV events.",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_events = Counter(f"{PREFIX}_kv_event_batches", "KV event batches received.", registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "Requests waiting for a worker.", registry=r)
+        self.workers = Gauge(
+            f"{PREFIX}_workers", "Workers the router may use, by role.", ["role"], registry=r
+        )
+        self.peers = Gauge(f"{PREFIX}_peers", "Other router replicas heard from recently.", registry=r)
+        r.register(_WorkerLoad(router))
+
+
+class _WorkerLoad(Collector):
+    def __init__(self, router: Callable[[], Router]) -> None:
+        self._router = router
+
+    def collect(self) -> Iterable[Metric]:
+        router = self._router()
+        seq = router.sequences
+        kv = seq.kv_tokens()
+        families = {
+            "inflight": GaugeMetricFamily(
+                f"{PREFIX}_worker_inflight_requests", "Requests in flight per worker.", labels=["worker"]
+            ),
+            "prefill": GaugeMetricFamily(
+                f"{PREFIX}_worker_prefill_tokens",
+                "Uncached prompt tokens still to prefill per worker.",
+                labels=["worker"],
+            ),
+            "kv": GaugeMetricFamily(
+                f"{PREFIX}_worker_kv_tokens",
+                "KV tokens in use per worker (router's estimate).",
+                labels=["worker"],
+            ),
+            "cached": GaugeMetricFamily(
+                f"{PREFIX}_worker_cached_blocks",
+                "KV blocks the indexer believes each worker holds.",
+                labels=["worker"],
+            ),
+        }
+        for worker_id in router.workers:
+            slot = router.slots.get(worker_id)
+            if slot is None or slot >= seq.size:
+                continue
+            families["inflight"].add_metric([worker_id], float(seq.requests[slot]))
+            families["prefill"].add_metric([worker_id], float(seq.prefill_tokens[slot]))
+            families["kv"].add_metric([worker_id], float(kv[slot]))
+            families["cached"].add_metric([worker_id], float(router.indexer.blocks_held(slot)))
+        yield from families.values()

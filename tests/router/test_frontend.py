@@ -1,0 +1,247 @@
+"""The HTTP frontend against real mocked engines (and small fake workers for failures)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from copse.router.config import RouterConfig, parse_config
+from copse.router.server import RunningRouter, start_router
+from copse.workers.testing import mock_fleet
+
+from .conftest import eventually
+
+MODEL = "mock-model"
+
+
+def _config(urls: list[str], **extra: Any) -> RouterConfig:
+    raw: dict[str, Any] = {
+        "model": MODEL,
+        "port": 0,
+        "block_size": 32,
+        "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
+        "health_interval_s": 0.05,
+        "seed": 1,
+    }
+    raw.update(extra)
+    return parse_config(raw, source="test")
+
+
+async def _started(config: RouterConfig, workers: int) -> RunningRouter:
+    running = await start_router(config, router_id="test-router")
+    await eventually(lambda: len(running.service.router.workers) == workers)
+    return running
+
+
+async def _sse(response: aiohttp.ClientResponse) -> list[Any]:
+    events: list[Any] = []
+    async for line in response.content:
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+PROMPT = list(range(300, 300 + 200))
+
+
+async def test_streams_a_completion_and_exposes_health_models_and_metrics() -> None:
+    async with mock_fleet(engines=2) as fleet:
+        running = await _started(_config(fleet.urls), 2)
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
+                async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                    assert response.status == 200
+                    assert response.headers["Content-Type"].startswith("text/event-stream")
+                    events = await _sse(response)
+                assert events[-1] == "[DONE]"
+                texts = [e["choices"][0]["text"] for e in events[:-1] if e["choices"]]
+                assert len(texts) == 5
+                async with http.post(
+                    f"{running.url}/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "hi there"}],
+                        "max_tokens": 3,
+                    },
+                ) as response:
+                    chat = await response.json()
+                assert chat["choices"][0]["message"]["content"]
+                async with http.get(f"{running.url}/v1/models") as response:
+                    assert (await response.json())["data"][0]["id"] == MODEL
+                async with http.get(f"{running.url}/health") as response:
+                    assert response.status == 200
+                    assert (await response.json())["workers"] == 2
+                async with http.get(f"{running.url}/metrics") as response:
+                    metrics = await response.text()
+            assert "copse_router_time_to_first_token_seconds_count 1.0" in metrics
+            assert 'copse_router_requests_total{status="200"} 2.0' in metrics
+            assert "copse_router_worker_inflight_requests" in metrics
+            assert running.service.router.sequences.requests.sum() == 0  # everything was released
+        finally:
+            await running.close()
+
+
+async def test_bad_input_unknown_model_and_no_workers() -> None:
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config(fleet.urls), 1)
+        try:
+            async with aiohttp.ClientSession() as http:
+                bad = {"model": MODEL, "prompt": PROMPT, "max_tokens": "5"}
+                async with http.post(f"{running.url}/v1/completions", json=bad) as response:
+                    assert response.status == 400
+                    error = await response.json()
+                async with http.post(f"{fleet.urls[0]}/v1/completions", json=bad) as response:
+                    assert error == await response.json()  # the same 400 the workers give
+                assert error["param"] == "max_tokens"
+                other = {"model": "gpt-9", "prompt": PROMPT}
+                async with http.post(f"{running.url}/v1/completions", json=other) as response:
+                    assert response.status == 404
+                    assert "gpt-9" in (await response.json())["message"]
+                await fleet.servers[0].stop()  # the only worker dies
+                await eventually(lambda: not running.service.router.workers)
+                async with http.get(f"{running.url}/health") as response:
+                    assert response.status == 503
+                good = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+                async with http.post(f"{running.url}/v1/completions", json=good) as response:
+                    assert response.status == 503
+                    assert response.headers["Retry-After"] == "1"
+        finally:
+            await running.close()
+
+
+@pytest.fixture
+async def fake_worker() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """A worker that is healthy but misbehaves as ``state['mode']`` says."""
+    state: dict[str, Any] = {"mode": "error", "hits": 0, "release": asyncio.Event()}
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response({"worker_id": "fake", "block_size": 32, "num_blocks": 1000})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        state["hits"] += 1
+        if state["mode"] == "error":
+            return web.Response(status=500, text="engine crashed")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if state["mode"] == "hold":
+            await state["release"].wait()
+        chunk = {
+            "id": "x",
+            "object": "text_completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "text": " a"}],
+        }
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if state["mode"] == "break":
+            assert request.transport is not None
+            request.transport.close()  # dies mid-stream
+            return response
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.add_routes(
+        [web.get("/health", health), web.get("/worker_info", info), web.post("/v1/completions", completions)]
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}", state
+    state["release"].set()
+    await runner.cleanup()
+
+
+async def test_a_worker_failing_before_the_first_token_is_retried_elsewhere(
+    fake_worker: tuple[str, dict[str, Any]],
+) -> None:
+    url, state = fake_worker
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config([url, *fleet.urls], policy="round_robin"), 2)
+        try:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(2):  # round robin sends one of the two to the broken worker
+                    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+                    async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                        assert response.status == 200
+                        events = await _sse(response)
+                    assert events[-1] == "[DONE]"
+                    assert all("error" not in e for e in events if isinstance(e, dict))
+            assert state["hits"] >= 1
+            assert running.service.metrics.retries._value.get() >= 1
+        finally:
+            await running.close()
+
+
+async def test_a_worker_failing_mid_stream_ends_it_with_an_error_event(
+    fake_worker: tuple[str, dict[str, Any]],
+) -> None:
+    url, state = fake_worker
+    state["mode"] = "break"
+    running = await _started(_config([url]), 1)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+            async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                assert response.status == 200
+                events = await _sse(response)
+        assert events[0]["choices"][0]["text"] == " a"
+        assert events[-1]["error"]["code"] == 502
+        assert "[DONE]" not in events
+    finally:
+        await running.close()
+
+
+async def test_overload_answers_503_with_retry_after(fake_worker: tuple[str, dict[str, Any]]) -> None:
+    url, state = fake_worker
+    state["mode"] = "hold"
+    running = await _started(_config([url], queue_size=0, busy_prefill_tokens=10), 1)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+            first = asyncio.create_task(http.post(f"{running.url}/v1/completions", json=body))
+            await eventually(lambda: running.service.router.sequences.prefill_tokens.sum() > 10)
+            async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                assert response.status == 503
+                assert response.headers["Retry-After"] == "1"
+                assert "busy" in (await response.json())["message"]
+            state["release"].set()
+            held = await first
+            assert held.status == 200
+            held.release()
+    finally:
+        await running.close()
+
+
+async def test_requests_wait_in_the_queue_until_a_worker_frees(
+    fake_worker: tuple[str, dict[str, Any]],
+) -> None:
+    url, state = fake_worker
+    state["mode"] = "hold"
+    running = await _started(_config([url], queue_size=4, busy_prefill_tokens=10), 1)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+            first = asyncio.create_task(http.post(f"{running.url}/v1/completions", json=body))
+            await eventually(lambda: running.service.router.sequences.prefill_tokens.sum() > 10)
+            second = asyncio.create_task(http.post(f"{running.url}/v1/completions", json=body))
+            await eventually(lambda: running.service.router.queued == 1)
+            state["release"].set()
+            for task in (first, second):
+                response = await task
+                assert response.status == 200
+                assert (await _sse(response))[-1] == "[DONE]"
+    finally:
+        await running.close()

@@ -1,0 +1,170 @@
+"""Trace loading, token synthesis and the discrete-event replay."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from copse.router.cli import bench
+from copse.router.replay import EngineConfigError, ReplaySettings, load_engine_setup, replay
+from copse.router.trace import TokenSynth, TraceError, TraceRequest, load_trace
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+
+
+def _write_trace(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _shared_prefix_trace(n: int) -> list[TraceRequest]:
+    """``n`` requests, 1 s apart, all sharing their first three 512-token blocks."""
+    return [
+        TraceRequest(
+            timestamp_ms=1000.0 * i, input_length=1800, output_length=20, hash_ids=(0, 1, 2, 100 + i)
+        )
+        for i in range(n)
+    ]
+
+
+def test_mooncake_trace_loads_sorted_and_gzip_or_plain(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 50, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]},
+        {"timestamp": 10, "input_length": 512, "output_length": 1, "hash_ids": [0]},
+    ]
+    plain = _write_trace(tmp_path / "t.jsonl", rows)
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, gz):
+        trace = load_trace(path)
+        assert [r.timestamp_ms for r in trace] == [10.0, 50.0]
+        assert trace[1].hash_ids == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            {"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0]},
+            "1 hash_ids for input_length 600",
+        ),
+        ({"timestamp": -1, "input_length": 5, "output_length": 3, "hash_ids": [0]}, "timestamp must be"),
+        (
+            {"timestamp": 0, "input_length": "5", "output_length": 3, "hash_ids": [0]},
+            "input_length must be an integer",
+        ),
+        (
+            {"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": ["a"]},
+            "hash_ids must be a list",
+        ),
+    ],
+)
+def test_bad_mooncake_lines_name_file_line_and_field(
+    tmp_path: Path, row: dict[str, object], message: str
+) -> None:
+    good = {"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": [0]}
+    path = _write_trace(tmp_path / "bad.jsonl", [good, {**good, **row}])
+    with pytest.raises(TraceError, match=rf"bad.jsonl:2: .*{message}"):
+        load_trace(path)
+
+
+def test_azure_trace_gets_private_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "az.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,1000,44\n"
+        "2023-11-16 18:15:47.1805900,10,0\n"
+    )
+    trace = load_trace(path, fmt="azure")
+    assert [r.timestamp_ms for r in trace] == pytest.approx([0.0, 500.0])
+    assert len(trace[0].hash_ids) == 2
+    assert not set(trace[0].hash_ids) & set(trace[1].hash_ids)
+    assert trace[1].output_length == 1
+
+
+def test_token_synth_shares_prefixes_exactly_where_hash_ids_do() -> None:
+    synth = TokenSynth(seed=7, trace_block_size=512)
+    a = synth.tokens([0, 1, 2], 1500)
+    b = synth.tokens([0, 1, 9], 1100)
+    assert len(a) == 1500
+    assert len(b) == 1100
+    assert np.array_equal(a[:1024], b[:1024])
+    assert not np.array_equal(a[1024:1100], b[1024:1100])
+    assert np.array_equal(TokenSynth(seed=7, trace_block_size=512).tokens([0], 512), a[:512])
+    assert not np.array_equal(TokenSynth(seed=8, trace_block_size=512).tokens([0], 512), a[:512])
+    assert a.min() >= 256
+    assert a.max() < 32000
+
+
+def test_replay_is_deterministic_and_reuses_shared_prefixes() -> None:
+    trace = _shared_prefix_trace(12)
+    settings = ReplaySettings(policy="kv", workers=3, seed=3)
+    first = replay(trace, settings)
+    again = replay(trace, settings)
+    assert first.as_json() == again.as_json()
+    assert first.requests == 12
+    assert first.failed == 0
+    # After the first request, the 1536 shared tokens hit on the worker that holds them.
+    assert first.cache_hit_rate == pytest.approx(11 * 1536 / (12 * 1800), rel=0.02)
+    rr = replay(trace, ReplaySettings(policy="round_robin", workers=3, seed=3))
+    assert rr.cache_hit_rate < first.cache_hit_rate  # round robin pays the prefix once per worker
+    assert set(first.as_json()) == {
+        "policy",
+        "workers",
+        "requests",
+        "ttft_ms",
+        "itl_ms",
+        "e2e_ms",
+        "cache_hit_rate",
+        "throughput_tok_s",
+    }
+
+
+def test_replay_refuses_an_engine_block_size_that_splits_trace_blocks(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("block_size: 48\n")
+    with pytest.raises(ValueError, match="must divide the trace block size 512"):
+        replay(_shared_prefix_trace(1), ReplaySettings(engines=load_engine_setup(config)))
+
+
+def test_engine_config_errors_name_the_file_and_key(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("block_sise: 32\n")
+    with pytest.raises(EngineConfigError, match=r"engine.yaml: unknown key\(s\) block_sise"):
+        load_engine_setup(config)
+    config.write_text("max_num_seqs: 0\n")
+    with pytest.raises(EngineConfigError, match=r"engine\.yaml: max_num_seqs=0 must be at least 1"):
+        load_engine_setup(config)
+    config.write_text("num_blocks: 1000\nblock_size: 16\n")
+    assert load_engine_setup(config).perf.kv_capacity_tokens == 16000
+
+
+def test_bench_replay_cli_prints_json_and_a_table() -> None:
+    runner = CliRunner()
+    args = ["replay", "--trace", str(MOONCAKE), "--workers", "2", "--limit", "20", "--speedup", "50"]
+    result = runner.invoke(bench, [*args, "--json", "--policy", "least_loaded"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["policy"] == "least_loaded"
+    assert report["workers"] == 2
+    assert report["requests"] == 20
+    assert set(report["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
+    table = runner.invoke(bench, args)
+    assert table.exit_code == 0
+    assert "TTFT" in table.stdout
+    assert "cache hit rate" in table.stdout
+
+
+def test_bench_replay_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
+    runner = CliRunner()
+    missing = runner.invoke(bench, ["replay", "--trace", str(tmp_path / "none.jsonl")])
+    assert missing.exit_code == 2
+    assert "none.jsonl: no such trace file" in missing.stderr
+    bad = runner.invoke(bench, ["replay", "--trace", str(MOONCAKE), "--speedup", "0"])
+    assert bad.exit_code == 2
+    assert "--speedup must be a positive number" in bad.stderr
