@@ -44,6 +44,8 @@ class _View:
 
 @dataclass
 class Placed:
+    """A group in the engine's state: its pods (node indices, GPUs) and where they lie."""
+
     group: GroupRequest
     nodes: list[int]
     gpus: list[int]
@@ -87,6 +89,11 @@ class _CachedTerms:
 
 
 class Engine:
+    """Free GPUs per node and the groups placed so far, for one request on one topology.
+
+    ``add``/``remove`` are exact inverses, so strategies may try moves and undo them.
+    """
+
     def __init__(self, topology: Topology, request: PlacementRequest, model: CostModel) -> None:
         self.topology = topology
         self.request = request
@@ -129,6 +136,8 @@ class Engine:
             domain_block[d] = block_code[block_key]
         self.n_racks = len(rack_code)
         self.n_blocks = len(block_code)
+        self.domain_rack = domain_rack
+        self.domain_block = domain_block
         self.node_domain = np.array([domain_code[node.domain] for node in nodes], dtype=np.int64)
         self.node_rack = domain_rack[self.node_domain]
         self.node_block = domain_block[self.node_domain]
@@ -155,13 +164,18 @@ class Engine:
         self.max_gpus = int(self.cap.max()) if len(self.cap) else 0
 
         self._views: dict[Eligibility, _View] = {}
-        self.pending: dict[str, list[GroupRequest]] = {}
+        self.pending: dict[str, dict[GroupKey, GroupRequest]] = {}
         """Groups the scheduler has yet to place, by role (for the KV look-ahead)."""
         self.placed: dict[GroupKey, Placed] = {}
         self.role_racks: dict[str, IntArray] = {}
         self.presence: dict[str, tuple[IntArray, IntArray, IntArray]] = {}
         self.role_count: dict[str, int] = {}
+        self.single_domain: dict[str, IntArray] = {}
+        """Per role, placed groups lying in one domain, counted per domain (for KV sums)."""
+        self.multi_domain: dict[str, dict[GroupKey, Placed]] = {}
+        """Per role, placed groups spanning domains."""
         self._kv = {tier: kv_us(links=self.links, model=model, tier=tier) for tier in LinkTier}
+        self._kv_table = np.array([self._kv[tier] for tier in LinkTier], dtype=np.float64)
         self._comm_cache: dict[tuple[int, int, int, int], float] = {}
         self._pod_sizes: dict[int, IntArray] = {}
         self._shapes: dict[tuple[int, int], _Shape] = {}
@@ -310,6 +324,22 @@ class Engine:
             return LinkTier.BLOCK
         return LinkTier.BEYOND
 
+    def _domain_nearest(self, role: str) -> IntArray:
+        """Per domain, the tier to the nearest placed group of ``role`` (BEYOND while none)."""
+        if not self.role_count.get(role):
+            return np.full(len(self.domain_names), int(LinkTier.BEYOND), dtype=np.int64)
+        dom_count, rack_count, block_count = self.presence[role]
+        result: IntArray = np.where(
+            dom_count > 0,
+            int(LinkTier.DOMAIN),
+            np.where(
+                rack_count[self.domain_rack] > 0,
+                int(LinkTier.RACK),
+                np.where(block_count[self.domain_block] > 0, int(LinkTier.BLOCK), int(LinkTier.BEYOND)),
+            ),
+        )
+        return result
+
     def kv_partner_role(self, role: str) -> str | None:
         """The role ``role`` ships KV to, if this request has it."""
         other = KV_COUNTERPART.get(role)
@@ -322,15 +352,15 @@ class Engine:
             return None
         return self._nearest(other, placed.domains, placed.racks, placed.blocks)
 
-    def _partners(self, role: str) -> list[Placed]:
-        return [placed for placed in self.placed.values() if placed.group.role == role]
-
-    def kv_delta_cells(self, group: GroupRequest) -> FloatArray | float:
-        """Change of the total KV term if the group went into each cell."""
+    def kv_delta_cells(self, group: GroupRequest, *, partner_beside: bool = False) -> FloatArray | float:
+        """Change of the total KV term if the group went into each cell (``partner_beside``: a
+        counterpart group comes into the same cell with it, as in a bundle)."""
         other = self.kv_partner_role(group.role)
         if other is None:
             return 0.0
-        if self.role_count.get(other):
+        if partner_beside:
+            own_tier = np.full(self.n_cells, int(LinkTier.DOMAIN))
+        elif self.role_count.get(other):
             dom_count, rack_count, block_count = self.presence[other]
             own_tier = np.where(
                 dom_count[self.cell_domain] > 0,
@@ -343,15 +373,23 @@ class Engine:
             )
         else:
             own_tier = np.full(self.n_cells, int(LinkTier.BEYOND))
-        kv_table = np.array([self._kv[tier] for tier in LinkTier], dtype=np.float64)
-        base = 0.0
-        add_dom = np.zeros(len(self.domain_names))
-        add_rack = np.zeros(self.n_racks)
-        add_block = np.zeros(self.n_blocks)
+        kv_table = self._kv_table
+        # Partners in one domain, all at once: for each domain, the change of their KV if this
+        # group lands at tier t from them, then summed per domain/rack/block it would land in.
+        count = self.single_domain.get(other, np.zeros(len(self.domain_names), dtype=np.int64))
+        current = self._domain_nearest(group.role)
+        values = [
+            count * (kv_table[np.minimum(current, int(tier))] - kv_table[current])
+            for tier in (LinkTier.DOMAIN, LinkTier.RACK, LinkTier.BLOCK, LinkTier.BEYOND)
+        ]
+        base = float(values[3].sum())
+        add_block = np.bincount(self.domain_block, weights=values[2] - values[3], minlength=self.n_blocks)
+        add_rack = np.bincount(self.domain_rack, weights=values[1] - values[2], minlength=self.n_racks)
+        add_dom = values[0] - values[1]
         tiers = (LinkTier.DOMAIN, LinkTier.RACK, LinkTier.BLOCK, LinkTier.BEYOND)
-        for partner in self._partners(other):
-            current = self._nearest(group.role, partner.domains, partner.racks, partner.blocks)
-            value = {tier: self._kv[min(current, tier)] - self._kv[current] for tier in tiers}
+        for partner in self.multi_domain.get(other, {}).values():
+            nearest = self._nearest(group.role, partner.domains, partner.racks, partner.blocks)
+            value = {tier: self._kv[min(nearest, tier)] - self._kv[nearest] for tier in tiers}
             base += value[LinkTier.BEYOND]
             for b in partner.blocks:
                 add_block[b] += value[LinkTier.BLOCK] - value[LinkTier.BEYOND]
@@ -373,12 +411,16 @@ class Engine:
         (inf where they do not all fit): each takes its best fit of what the previous left.
 
         Exact for the comm and fragmentation terms; KV and spread are counted against the
-        groups already placed (the members' own KV is NVLink-near, the same in every cell).
+        groups already placed, a member's own KV as NVLink-near when its counterpart is in the
+        bundle. Like :meth:`partner_lookahead`, it charges a cell left without room for the next
+        group that will want to sit beside the bundle.
         """
         hist = self.view(members[0]).hist.copy()
         rows = np.arange(self.n_cells)
+        bins = np.arange(self.max_gpus + 1, dtype=np.int64)
         feasible = np.ones(self.n_cells, dtype=np.bool_)
         cost = np.zeros(self.n_cells)
+        roles = {member.role for member in members}
         for member in members:
             shape = self._shape(member)
             counts = hist * shape.fits
@@ -386,11 +428,16 @@ class Engine:
             before = np.cumsum(counts, axis=1) - counts
             taken = np.clip(shape.pods[:, None] - before, 0, counts)
             cost += (taken * shape.node_delta).sum(axis=1) + shape.comm
-            cost += self.kv_delta_cells(member) + self.spread_cells(member)
+            beside = KV_COUNTERPART.get(member.role) in roles
+            cost += self.kv_delta_cells(member, partner_beside=beside) + self.spread_cells(member)
             hist -= taken
-            for free in range(self.max_gpus + 1):
-                moved = np.where(free >= shape.pod_gpus, taken[:, free], 0)
-                hist[rows, np.maximum(free - shape.pod_gpus, 0)] += moved
+            # Each taken node moves from f to f - p free GPUs.
+            target = np.maximum(bins[None, :] - shape.pod_gpus[:, None], 0)
+            np.add.at(hist, (np.broadcast_to(rows[:, None], target.shape), target), taken * shape.fits)
+        partner = self._pending_partner(roles, exclude=members)
+        if partner is not None:
+            room = (hist * self._shape(partner).fits).sum(axis=1)
+            cost += self._no_room_penalty(partner, room)
         gpus = sum(member.gpus for member in members)
         capacity = self.cell_cap
         safe = np.where(capacity > 0, capacity, 1.0)
@@ -402,15 +449,41 @@ class Engine:
         result: FloatArray = np.where(feasible, cost, np.inf)
         return result
 
+    def _no_room_penalty(self, partner: GroupRequest, room: IntArray) -> FloatArray:
+        """Per cell: 0 when ``room`` (its nodes that fit a partner pod) holds ``partner``, else the
+        extra KV cost of the nearest other cell that can: in the same rack, block, or beyond."""
+        elsewhere = self.cell_terms(partner).feasible.astype(np.float64)
+        in_rack = (
+            np.bincount(self.cell_rack, weights=elsewhere, minlength=self.n_racks)[self.cell_rack] > elsewhere
+        )
+        in_block = (
+            np.bincount(self.cell_block, weights=elsewhere, minlength=self.n_blocks)[self.cell_block]
+            > elsewhere
+        )
+        kv = self._kv
+        tier_cost = np.where(
+            in_rack, kv[LinkTier.RACK], np.where(in_block, kv[LinkTier.BLOCK], kv[LinkTier.BEYOND])
+        )
+        result: FloatArray = np.where(room >= self._shape(partner).pods, 0.0, tier_cost - kv[LinkTier.DOMAIN])
+        return result
+
+    def _pending_partner(self, roles: set[str], exclude: Sequence[GroupRequest] = ()) -> GroupRequest | None:
+        """A group still to place whose KV goes to one of ``roles``."""
+        skip = {group.key for group in exclude}
+        for role, groups in self.pending.items():
+            if KV_COUNTERPART.get(role) in roles:
+                for key, group in groups.items():
+                    if key not in skip:
+                        return group
+        return None
+
     def partner_lookahead(self, group: GroupRequest, terms: CellTerms) -> FloatArray | float:
         """A greedy heuristic, not part of the cost: if the counterpart role still has groups to
         place, charge a cell that would have no room left for one of them next to this group
         (its KV would then cross the fabric instead of NVLink)."""
-        other = KV_COUNTERPART.get(group.role)
-        pending = self.pending.get(other or "")
-        if other is None or not pending:
+        partner = self._pending_partner({group.role})
+        if partner is None:
             return 0.0
-        partner = pending[0]
         partner_shape = self._shape(partner)
         bins = np.arange(self.max_gpus + 1, dtype=np.int64)
         remaining = np.clip(self.view(partner).hist - terms.taken, 0, None)
@@ -418,14 +491,7 @@ class Engine:
         # Nodes the group takes keep f - p free GPUs, which may still hold a partner pod.
         after = bins[None, :] - terms.pod_gpus[:, None]
         room += (terms.taken * (after >= partner_shape.pod_gpus[:, None])).sum(axis=1)
-        has_partner = (
-            self.presence[other][0][self.cell_domain] > 0
-            if other in self.presence
-            else np.zeros(self.n_cells, dtype=np.bool_)
-        )
-        penalty = self._kv[LinkTier.RACK] - self._kv[LinkTier.DOMAIN]
-        result: FloatArray = np.where((room < partner_shape.pods) & ~has_partner, penalty, 0.0)
-        return result
+        return self._no_room_penalty(partner, room)
 
     def spread_cells(self, group: GroupRequest) -> FloatArray | float:
         if not self.request.spread_racks:
@@ -511,10 +577,27 @@ class Engine:
             return 0.0
         domains, racks, blocks = self._sets([node for node, _ in choice])
         delta = self._kv[self._nearest(other, domains, racks, blocks)]
-        for partner in self._partners(other):
-            between = _set_tier(domains, racks, blocks, partner)
-            current = self._nearest(group.role, partner.domains, partner.racks, partner.blocks)
-            delta += self._kv[min(current, between)] - self._kv[current]
+        count = self.single_domain.get(other)
+        if count is not None and count.any():
+            doms = np.arange(len(self.domain_names))
+            between = np.where(
+                np.isin(doms, list(domains)),
+                int(LinkTier.DOMAIN),
+                np.where(
+                    np.isin(self.domain_rack, list(racks)),
+                    int(LinkTier.RACK),
+                    np.where(
+                        np.isin(self.domain_block, list(blocks)), int(LinkTier.BLOCK), int(LinkTier.BEYOND)
+                    ),
+                ),
+            )
+            current = self._domain_nearest(group.role)
+            kv_table = self._kv_table
+            delta += float((count * (kv_table[np.minimum(current, between)] - kv_table[current])).sum())
+        for partner in self.multi_domain.get(other, {}).values():
+            between_tier = _set_tier(domains, racks, blocks, partner)
+            current_tier = self._nearest(group.role, partner.domains, partner.racks, partner.blocks)
+            delta += self._kv[min(current_tier, between_tier)] - self._kv[current_tier]
         return delta
 
     def fragmentation_level(self) -> float:
@@ -583,6 +666,15 @@ class Engine:
                 np.zeros(self.n_racks, dtype=np.int64),
                 np.zeros(self.n_blocks, dtype=np.int64),
             )
+        if role not in self.single_domain:
+            self.single_domain[role] = np.zeros(len(self.domain_names), dtype=np.int64)
+            self.multi_domain[role] = {}
+        if len(placed.domains) == 1:
+            self.single_domain[role][next(iter(placed.domains))] += sign
+        elif sign > 0:
+            self.multi_domain[role][placed.group.key] = placed
+        else:
+            del self.multi_domain[role][placed.group.key]
         self.role_count[role] = self.role_count.get(role, 0) + sign
         for r in placed.racks:
             self.role_racks[role][r] += sign

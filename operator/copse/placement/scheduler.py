@@ -173,31 +173,36 @@ def plan(
     engine = Engine(topology, request, model)
     for placement in existing:
         engine.add(groups[placement.key], _choice(engine, placement))
-    position = {group.key: i for i, group in enumerate(request.groups)}
     missing = [group for group in request.groups if group.key not in engine.placed]
-    order = sorted(missing, key=lambda g: (-g.gpus, position[g.key]))
+    # Largest first; among equals, roles take turns (prefill 0, decode 0, prefill 1, ...) so
+    # that a short cluster does not end up with one role only.
+    rank: dict[GroupKey, int] = {}
+    seen: dict[str, int] = {}
+    for group in missing:
+        rank[group.key] = seen.get(group.role, 0)
+        seen[group.role] = rank[group.key] + 1
+    position = {group.key: i for i, group in enumerate(request.groups)}
+    order = sorted(missing, key=lambda g: (-g.gpus, rank[g.key], position[g.key]))
     recipes = _recipes(engine, order) if strategy == "min-cost" else [[]]
-    best: tuple[tuple[int, float], dict[GroupKey, PodChoice], dict[GroupKey, str]] | None = None
-    for bundles in recipes:
-        reasons = _run(engine, order, bundles, choose, improve=strategy == "min-cost")
-        chosen = {
-            group.key: list(zip(engine.placed[group.key].nodes, engine.placed[group.key].gpus, strict=True))
-            for group in order
-            if group.key in engine.placed
-        }
-        if len(recipes) > 1:
-            key = (sum(g.gpus for g in order if g.key not in chosen), engine.objective())
-            if best is None or key < best[0]:
-                best = (key, chosen, reasons)
-            for group_key in chosen:
-                engine.remove(group_key)
-        else:
-            best = ((0, 0.0), {}, reasons)
-    assert best is not None
-    _, chosen, reasons = best
-    for group in order:
-        if group.key in chosen:
-            engine.add(group, chosen[group.key])
+    if len(recipes) == 1:
+        reasons = _run(engine, order, recipes[0], choose, improve=strategy == "min-cost")
+    else:
+        outcomes = []
+        for bundles in recipes:
+            outcome_reasons = _run(engine, order, bundles, choose, improve=True)
+            chosen = {
+                key: list(zip(engine.placed[key].nodes, engine.placed[key].gpus, strict=True))
+                for key in (group.key for group in order)
+                if key in engine.placed
+            }
+            unplaced_gpus = sum(group.gpus for group in order if group.key not in chosen)
+            outcomes.append(((unplaced_gpus, engine.objective()), chosen, outcome_reasons))
+            for key in chosen:
+                engine.remove(key)
+        _, chosen, reasons = min(outcomes, key=lambda outcome: outcome[0])
+        for group in order:
+            if group.key in chosen:
+                engine.add(group, chosen[group.key])
     placements = [
         GroupPlacement(
             role=placed.group.role,
@@ -224,13 +229,17 @@ def _run(
     one in ``order``; returns why groups stayed unplaced."""
     engine.pending = {}
     for group in order:
-        engine.pending.setdefault(group.role, []).append(group)
-    for bundle in bundles:
-        cell = _bundle_cell(engine, bundle)
+        engine.pending.setdefault(group.role, {})[group.key] = group
+    for whole in bundles:
+        # A bundle that fits no domain is shrunk from its end (fewer prefill groups per decode).
+        for size in range(len(whole), 1, -1):
+            cell = _bundle_cell(engine, whole[:size])
+            if cell is not None:
+                break
         if cell is None:
             continue
-        for group in bundle:
-            engine.pending[group.role].remove(group)
+        for group in whole[:size]:
+            del engine.pending[group.role][group.key]
             terms = engine.cell_terms(group)
             pod_gpus, pods = int(terms.pod_gpus[cell]), int(terms.pods[cell])
             nodes = engine.best_nodes(group, cell, pod_gpus, pods)
@@ -239,7 +248,7 @@ def _run(
     for group in order:
         if group.key in engine.placed:
             continue
-        engine.pending[group.role].remove(group)
+        del engine.pending[group.role][group.key]
         choice = choose(engine, group)
         if choice is None:
             reasons[group.key] = explain(engine, group)
@@ -320,8 +329,47 @@ def _improve(engine: Engine, keys: Sequence[GroupKey]) -> None:
                 moved = True
             else:
                 engine.add(placed.group, current)
+        moved |= _swap_far_partners(engine, keys)
         if not moved:
             return
+
+
+def _swap_far_partners(engine: Engine, keys: Sequence[GroupKey]) -> bool:
+    """Swap a disaggregated group whose KV leaves its NVLink domain with a same-shaped group of
+    the other role, when that lowers the total (a decode and a prefill each next to the wrong
+    partner: neither single move helps, the exchange does)."""
+    swapped = False
+    for key in keys:
+        placed = engine.placed.get(key)
+        nearest = engine.nearest_counterpart(placed) if placed is not None else None
+        if placed is None or nearest is None or nearest <= LinkTier.DOMAIN:
+            continue
+        for other_key in keys:
+            other = engine.placed[other_key]
+            if (
+                other.group.role == placed.group.role
+                or other.gpus != placed.gpus
+                or other.group.eligibility != placed.group.eligibility
+                or other.domains == placed.domains
+            ):
+                continue
+            mine = list(zip(placed.nodes, placed.gpus, strict=True))
+            theirs = list(zip(other.nodes, other.gpus, strict=True))
+            engine.remove(other_key)
+            before = engine.marginal(other.group, theirs)
+            engine.remove(key)
+            before += engine.marginal(placed.group, mine)
+            after = engine.marginal(placed.group, theirs)
+            engine.add(placed.group, theirs)
+            after += engine.marginal(other.group, mine)
+            if after < before - 1e-9:
+                engine.add(other.group, mine)
+                swapped = True
+                break
+            engine.remove(key)
+            engine.add(placed.group, mine)
+            engine.add(other.group, theirs)
+    return swapped
 
 
 def _spread_floor(groups: int, racks: int) -> float:
