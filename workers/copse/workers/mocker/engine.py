@@ -457,8 +457,7 @@ class Engine:
                         break
                     request.num_computed = request.prompt_len
                     scheduled.append((request, 0))
-                    if math.isnan(request.first_scheduled_ms):
-                        request.first_scheduled_ms = now_ms
+                    request.first_scheduled_ms = now_ms
                 else:
                     computed = self._admission_hit(request)
                     n = request.num_tokens - computed
@@ -473,8 +472,11 @@ class Engine:
                     scheduled.append((request, n))
                     budget -= n
                     chunks.append((n, computed))
-                    if math.isnan(request.first_scheduled_ms):
+                    if request.cached_tokens < 0:  # first admission: its prefix hit and queueing time
+                        request.cached_tokens = min(computed, request.prompt_len)
                         request.first_scheduled_ms = now_ms
+                        self.cached_tokens_total += request.cached_tokens
+                        self.admitted_prompt_tokens_total += request.prompt_len
                 waiting.popleft()
                 request.state = "running"
                 running.append(request)
@@ -602,16 +604,11 @@ class Engine:
             self.waiting.append(request)
 
     def _admission_hit(self, request: Request) -> int:
-        """Tokens of ``request`` already cached; recorded as its prefix hit at first admission."""
+        """Tokens of ``request`` already cached (at least one token is always left to compute)."""
         size = self.block_size
         self._ensure_hashes(request, request.num_tokens // size)
         hit = self.blocks.match_prefix(request.hashes[: request.num_tokens // size]) * size
-        computed = min(hit, request.num_tokens - 1)
-        if request.cached_tokens < 0:
-            request.cached_tokens = min(computed, request.prompt_len)
-            self.cached_tokens_total += request.cached_tokens
-            self.admitted_prompt_tokens_total += request.prompt_len
-        return computed
+        return min(hit, request.num_tokens - 1)
 
     def _ensure_hashes(self, request: Request, full_blocks: int) -> None:
         hashes = request.hashes
