@@ -94,6 +94,20 @@ def test_pods_take_gpus_away(tmp_path: Path) -> None:
     assert "unplaced worker 0: needs 8 GPUs" in busy.output
 
 
+def test_topology_config_changes_link_costs(tmp_path: Path) -> None:
+    nodes = EXAMPLES / "nodes-2-racks.yaml"
+    config = tmp_path / "topology.yaml"
+    config.write_text("links:\n  domain: {bandwidthGBps: 90}\n")
+    default = json.loads(run("--nodes", nodes, "--deployment", SEED, "--output", "json").output)
+    slower = run("--nodes", nodes, "--deployment", SEED, "--output", "json", "--topology-config", config)
+    assert slower.exit_code == 0
+    assert json.loads(slower.output)["groups"][0]["cost"] > default["groups"][0]["cost"]
+    config.write_text("links:\n  spine: {}\n")
+    bad = run("--nodes", nodes, "--deployment", SEED, "--topology-config", config)
+    assert bad.exit_code == 2
+    assert "topology.yaml: links: unknown tier 'spine'" in bad.output
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [

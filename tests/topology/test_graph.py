@@ -11,6 +11,7 @@ from copse.topology import (
     LinkTable,
     LinkTier,
     Toleration,
+    TopologyConfig,
     TopologyError,
     build_topology,
     fake,
@@ -203,3 +204,16 @@ def test_link_tiers_get_slower_and_are_overridable() -> None:
 def test_taint_string_is_kubectl_style() -> None:
     assert str(Taint(key="gpu", value="bad", effect="NoExecute")) == "gpu=bad:NoExecute"
     assert str(Taint(key="gpu")) == "gpu:NoSchedule"
+
+
+def test_topology_config_combines_labels_and_links() -> None:
+    config = TopologyConfig.from_dict(
+        {"labels": {"rack": "example.com/rack"}, "links": {"domain": {"latencyUs": 2.5}}}
+    )
+    assert config.labels.rack == ("example.com/rack",)
+    assert config.links.domain.latency_us == 2.5
+    assert TopologyConfig.from_dict(None) == TopologyConfig()
+    with pytest.raises(ValueError, match=r"unknown keys \['link'\]"):
+        TopologyConfig.from_dict({"link": {}})
+    with pytest.raises(ValueError, match="links: expected an object"):
+        TopologyConfig.from_dict({"links": [1]})

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import click
+import yaml
 
 from copse.api.manifest import ManifestError, load_deployment, read_documents
 from copse.placement.model import Plan, Pod
 from copse.placement.scheduler import plan as place
 from copse.placement.spec import request_from_spec
+from copse.topology.config import TopologyConfig
 from copse.topology.graph import TopologyError, build_topology
 
 EXIT_UNPLACED = 3
@@ -31,6 +33,19 @@ def _objects(path: Path, kind: str) -> list[dict[str, Any]]:
         if obj.get("kind", kind) != kind:
             raise ManifestError(f"{path}: item {index + 1}: expected kind {kind}, got {obj.get('kind')!r}")
     return objects
+
+
+def _config(path: Path | None) -> TopologyConfig:
+    if path is None:
+        return TopologyConfig()
+    try:
+        return TopologyConfig.from_dict(yaml.safe_load(path.read_text()))
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{path}: not valid YAML/JSON: {exc}") from exc
+    except ValueError as exc:
+        raise ManifestError(f"{path}: {exc}") from exc
 
 
 def _pods_cell(pods: Sequence[Pod]) -> str:
@@ -83,16 +98,25 @@ def placement() -> None:
 )
 @click.option("--pods", "pods_path", type=Path, help="Pods already holding GPUs (PodList or documents).")
 @click.option("--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
-def plan_command(nodes_path: Path, deployment_path: Path, pods_path: Path | None, output: str) -> None:
+@click.option(
+    "--topology-config",
+    "config_path",
+    type=Path,
+    help="YAML with label keys (labels:) and link tier costs (links:) overriding the defaults.",
+)
+def plan_command(
+    nodes_path: Path, deployment_path: Path, pods_path: Path | None, output: str, config_path: Path | None
+) -> None:
     """Place DEPLOYMENT's TP groups on the nodes in NODES and print the plan."""
     try:
         nodes = _objects(nodes_path, "Node")
         pods: Sequence[dict[str, Any]] = _objects(pods_path, "Pod") if pods_path else []
         deployment = load_deployment(deployment_path)
+        config = _config(config_path)
     except ManifestError as exc:
         _fail(str(exc))
     try:
-        topology = build_topology(nodes, pods=pods)
+        topology = build_topology(nodes, pods=pods, label_keys=config.labels, links=config.links)
     except TopologyError as exc:
         _fail(f"{nodes_path}: {exc}")
     result = place(topology, request_from_spec(deployment.spec))

@@ -1,5 +1,6 @@
 """The cluster's GPU topology: nodes, NVLink domains, racks, blocks and the link tiers between them."""
 
+from copse.topology.config import TopologyConfig
 from copse.topology.graph import Domain, GpuNode, Topology, TopologyError, build_topology, gpu_usage
 from copse.topology.kube import Taint, Toleration
 from copse.topology.labels import LabelKeys
@@ -15,6 +16,7 @@ __all__ = [
     "Taint",
     "Toleration",
     "Topology",
+    "TopologyConfig",
     "TopologyError",
     "build_topology",
     "gpu_usage",
