@@ -17,6 +17,7 @@ from copse.cli import logs
 #: subcommand name -> "module:attribute" of a click command or group.
 SUBCOMMANDS: dict[str, str] = {
     "api": "copse.api.cli:api",
+    "cluster": "copse.cluster.cli:cluster",
     "bench": "copse.router.cli:bench",
     "router": "copse.router.cli:router",
     "operator": "copse.operator.cli:operator",
