@@ -22,10 +22,25 @@ $(STAMP): pyproject.toml
 		> $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/copse-source-roots.pth
 	@rm -f $(VENV)/.installed-* && touch $@
 
-test: unit
+test:
+	$(MAKE) unit
+	$(MAKE) e2e
 
 unit: venv
 	$(PYTEST) tests -q -p no:cacheprovider
+
+# Against $KUBECONFIG only with COPSE_E2E_USE_KUBECONFIG=1; otherwise the local control plane
+# (reused if `make cluster-up` runs it, else started and stopped by the session). The build runs
+# first, outside pytest, so a cold cache shows per-component progress and no test timeout covers it.
+e2e: venv
+	@if [ "$$COPSE_E2E_USE_KUBECONFIG" != 1 ]; then $(BIN)/copse cluster build >/dev/null; fi
+	$(PYTEST) e2e -q -p no:cacheprovider -m e2e --timeout=600
+
+cluster-up: venv
+	$(BIN)/copse cluster up
+
+cluster-down: venv
+	$(BIN)/copse cluster down
 
 lint: venv
 	$(BIN)/ruff check operator planner router workers tests e2e benchmarks

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -258,12 +259,12 @@ def _apiserver_ready(url: str, layout: comp.Layout) -> bool:
 
 def _http_ok(url: str, *, layout: comp.Layout, auth: bool) -> bool:
     headers = {}
-    verify: str | bool
+    verify: ssl.SSLContext | bool
     if url.startswith("https://"):
         if auth:
             token = _admin_token(layout)
             headers["Authorization"] = f"Bearer {token}"
-            verify = str(layout.pki / "ca.crt")
+            verify = ssl.create_default_context(cafile=layout.pki / "ca.crt")
         else:
             # controller-manager and scheduler serve /healthz with a self-signed cert they make at start.
             verify = False
