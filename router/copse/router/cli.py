@@ -18,6 +18,7 @@ from copse.router.core import Thresholds
 from copse.router.policies import POLICIES
 from copse.router.replay import EngineConfigError, ReplayReport, ReplaySettings, load_engine_setup, replay
 from copse.router.server import serve
+from copse.router.synth import PrefixModel, SynthKnobs, write_jsonl
 from copse.router.trace import TRACE_FORMATS, TraceError, TraceFormat, load_trace
 
 
@@ -195,3 +196,54 @@ def run_command(
         raise _fail(str(exc)) from exc
     except KeyboardInterrupt:
         pass
+
+
+@click.command()
+@click.option(
+    "--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Mooncake JSONL trace."
+)
+@click.option(
+    "--output", type=click.Path(path_type=Path), default=None, help="Output JSONL (default: stdout)."
+)
+@click.option("--block-size", type=int, default=512, show_default=True, help="Tokens per hash id.")
+@click.option("--num-requests", type=int, default=1000, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--prefix-len-multiplier", type=float, default=1.0, show_default=True)
+@click.option("--prefix-root-multiplier", type=int, default=1, show_default=True)
+@click.option("--prompt-len-multiplier", type=float, default=1.0, show_default=True)
+@click.option("--osl-multiplier", type=float, default=1.0, show_default=True)
+@click.option("--speedup-ratio", type=float, default=1.0, show_default=True)
+def synth(
+    *,
+    trace_path: Path,
+    output: Path | None,
+    block_size: int,
+    num_requests: int,
+    seed: int,
+    prefix_len_multiplier: float,
+    prefix_root_multiplier: int,
+    prompt_len_multiplier: float,
+    osl_multiplier: float,
+    speedup_ratio: float,
+) -> None:
+    """Learn a Mooncake trace's prefix tree and sample a new trace from it."""
+    try:
+        knobs = SynthKnobs(
+            num_requests=num_requests,
+            seed=seed,
+            prefix_len_multiplier=prefix_len_multiplier,
+            prefix_root_multiplier=prefix_root_multiplier,
+            prompt_len_multiplier=prompt_len_multiplier,
+            osl_multiplier=osl_multiplier,
+            speedup_ratio=speedup_ratio,
+        )
+        trace = load_trace(trace_path, trace_block_size=block_size)
+    except (ValueError, TraceError) as exc:
+        raise _fail(str(exc)) from exc
+    requests = PrefixModel.learn(trace, block_size=block_size).sample(knobs)
+    if output is None:
+        write_jsonl(requests, sys.stdout)
+    else:
+        with output.open("w") as handle:
+            write_jsonl(requests, handle)
+        click.echo(f"wrote {len(requests)} requests to {output}", err=True)

@@ -145,14 +145,8 @@ def load_trace(
     return requests
 
 
-def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64's finaliser, elementwise (wrapping uint64 arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    out: npt.NDArray[np.uint64] = x ^ (x >> np.uint64(31))
-    return out
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX = np.uint64(0x94D049BB133111EB)
 
 
 class TokenSynth:
@@ -161,16 +155,18 @@ class TokenSynth:
 
     def __init__(self, *, seed: int, trace_block_size: int) -> None:
         self.trace_block_size = trace_block_size
-        self._seed = np.uint64(_mix(np.array([seed & (2**64 - 1)], dtype=np.uint64))[0])
-        self._positions = np.arange(trace_block_size, dtype=np.uint64)
+        self._seed = np.uint64((seed * 0xD1B54A32D192ED03 + 1) & (2**64 - 1))
+        self._positions = np.arange(trace_block_size, dtype=np.uint64) * _MIX
 
     def tokens(self, hash_ids: Sequence[int], length: int) -> npt.NDArray[np.uint32]:
         """The first ``length`` token ids of a prompt made of the blocks ``hash_ids``."""
-        size = self.trace_block_size
         ids = np.asarray(hash_ids, dtype=np.uint64)
         with np.errstate(over="ignore"):
-            keys = (ids[:, None] * np.uint64(size) + self._positions[None, :]).reshape(-1)[:length]
-            mixed = _mix(keys ^ self._seed)
+            # A multiply-xorshift of (id, position): distinct pairs give unrelated tokens.
+            x = ((ids * _GOLDEN + self._seed)[:, None] + self._positions[None, :]).reshape(-1)[:length]
+            x = x ^ (x >> np.uint64(31))
+            x = x * _GOLDEN
+            x = x >> np.uint64(17)
         span = np.uint64(VOCAB_SIZE - RESERVED_IDS)
-        out: npt.NDArray[np.uint32] = (mixed % span + np.uint64(RESERVED_IDS)).astype(np.uint32)
+        out: npt.NDArray[np.uint32] = (x % span + np.uint64(RESERVED_IDS)).astype(np.uint32)
         return out
