@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "cluster": "copse.cluster.cli:cluster",
     "bench": "copse.router.cli:bench",
     "router": "copse.router.cli:router",
+    "synth": "copse.router.cli:synth",
     "operator": "copse.operator.cli:operator",
     "placement": "copse.placement.cli:placement",
     "worker": "copse.workers.cli:worker",
