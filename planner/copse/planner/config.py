@@ -1,0 +1,125 @@
+"""The planner's configuration: one pydantic model, loaded from YAML or built from CLI flags.
+
+What the InferenceDeployment already says (latency targets, replica bounds, GPU budget,
+scale-down delay, queue-depth trigger, group shapes) is *not* here: it is read from the
+deployment on every decision (see :class:`copse.planner.policy.Limits`), so that editing the
+deployment retunes a running planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pydantic
+import yaml
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from copse.planner.predictors import PREDICTORS, PredictorSettings
+
+#: Quantile the planner's latency estimates are taken at: the InferenceDeployment's targets are p99.
+DEFAULT_QUANTILE = 0.99
+
+
+class PrometheusConfig(pydantic.BaseModel):
+    """Where and what to ask Prometheus for each interval (the README lists the default queries)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    url: str = "http://127.0.0.1:9090"
+    """Base URL of the Prometheus HTTP API (in-cluster: the Prometheus Service)."""
+    selector: str = 'namespace="{namespace}",deployment="{name}"'
+    """Label matchers selecting one deployment's series; {namespace} and {name} are filled in."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Per-query timeout: a slow Prometheus must not stall the planner loop."""
+    queries: dict[str, str] = Field(default_factory=dict)
+    """PromQL per field, overriding the defaults ({selector} and {window} are filled in)."""
+
+
+class PlannerConfig(pydantic.BaseModel):
+    """How the planner forecasts, sizes and paces its changes."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    predictor: str = "arima"
+    """Load predictor by registry name; ARIMA follows trends and bursts best on real traffic."""
+    predictor_settings: PredictorSettings = Field(default_factory=PredictorSettings)
+    """Knobs of the predictors (window sizes, ARIMA refits, Kalman noise); ``period`` is set from season_s."""
+    season_s: float = Field(default=86400.0, gt=0)
+    """Length of the load cycle the seasonal predictor repeats: a day."""
+    interval_s: float = Field(default=60.0, gt=0)
+    """Seconds between decisions in ``copse planner run``; the dry run takes it from the recording."""
+    quantile: float = Field(default=DEFAULT_QUANTILE, gt=0, lt=1)
+    """Quantile of TTFT/ITL the estimates are taken at, matching the deployment's p99 targets."""
+    headroom: float = Field(default=0.9, gt=0, le=1)
+    """Size pools for this fraction of each target: margin for engines a little slower than profiled."""
+    forecast_quantile: float | None = Field(default=0.9, gt=0, lt=1)
+    """Size for this quantile of the predictor's recent errors, not its point forecast (None: the point)."""
+    error_window: int = Field(default=144, ge=1)
+    """Recent one-step forecast errors the quantile is taken over (a day of 10-minute intervals)."""
+    startup_delay_s: float = Field(default=120.0, ge=0)
+    """Time from adding a replica to it serving (pod start, weight load); scale-ups start this early."""
+    hysteresis: float = Field(default=0.1, ge=0)
+    """Remove a replica only if the rest would still meet the targets at this much more load."""
+    correction: bool = True
+    """Learn how much slower (or faster) the engines are than the profile from observed TTFT/ITL."""
+    correction_bounds: tuple[float, float] = (0.5, 2.0)
+    """Clamp of a correction factor: a wild measurement must not double or halve the fleet at once."""
+    correction_smoothing: float = Field(default=0.3, gt=0, le=1)
+    """Weight of the newest measurement in the exponentially smoothed correction factor."""
+    isl_scv: float = Field(default=1.0, ge=0)
+    """Prompt-length variability (squared CV) assumed when the metrics carry no p90 ISL."""
+    default_isl: float = Field(default=3000.0, gt=0)
+    """Input length assumed until the first requests are seen."""
+    default_osl: float = Field(default=150.0, gt=0)
+    """Output length assumed until the first requests are seen."""
+    fast_path_poll_s: float = Field(default=10.0, gt=0)
+    """How often ``copse planner run`` checks queue depth between decisions (the fast path)."""
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    """Port of the planner's own /metrics (0: do not serve); bound to 127.0.0.1 unless metrics_host says."""
+    metrics_host: str = "127.0.0.1"
+    """Address the planner's /metrics listens on (0.0.0.0 in a pod so Prometheus can scrape it)."""
+    prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)
+    """The metrics source of ``copse planner run`` when no recording is given."""
+
+    @field_validator("predictor")
+    @classmethod
+    def _known_predictor(cls, value: str) -> str:
+        if value not in PREDICTORS:
+            raise ValueError(f"unknown predictor {value!r}; known: {', '.join(sorted(PREDICTORS))}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> PlannerConfig:
+        low, high = self.correction_bounds
+        if not 0 < low <= 1 <= high:
+            raise ValueError(f"correction_bounds {self.correction_bounds} must satisfy 0 < low <= 1 <= high")
+        return self
+
+    def settings_for(self, interval_s: float) -> PredictorSettings:
+        """Predictor settings with the seasonal period expressed in intervals of ``interval_s``."""
+        return dataclasses.replace(self.predictor_settings, period=max(1, round(self.season_s / interval_s)))
+
+
+class ConfigError(ValueError):
+    """A planner config file that cannot be used; the message names the file and field."""
+
+
+def load_config(path: Path | None) -> PlannerConfig:
+    """The config in a YAML file, or the defaults when ``path`` is ``None``."""
+    if path is None:
+        return PlannerConfig()
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    try:
+        return PlannerConfig.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        details = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or '(top level)'}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise ConfigError(f"{path}: invalid planner config: {details}") from exc

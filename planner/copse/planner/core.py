@@ -1,0 +1,327 @@
+"""The planner: observations in, replica decisions (with the numbers behind them) out. Pure.
+
+One decision, at the start of each interval:
+
+1. Forecast the next ``1 + ceil(startup_delay / interval)`` intervals: a replica added now serves
+   only after the start-up delay, so a rise predicted that far ahead is acted on now (lead time).
+2. Size each pool for each forecast interval at ``headroom`` x the targets (see
+   :mod:`copse.planner.capacity`), with the correction factors learned so far; take the largest.
+3. Fast path: when the front pool's queue exceeds ``queue_depth`` per replica, size for the
+   forecast plus draining that queue within one interval, whatever the forecast said.
+4. Floors: never below what in-flight work needs -- the decoding sequences' KV, and the queued
+   prompts within the TTFT target.
+5. Hysteresis: a pool shrinks only to a count that would still meet the targets at
+   ``1 + hysteresis`` times the forecast; then the scale-down delay (:class:`ScaleDownGate`).
+6. Bounds: ``min_replicas``/``max_replicas`` per pool, then the GPU budget in whole groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+
+from copse.api import Role
+from copse.planner.capacity import CapacityModel, Corrections, Sizing, Workload
+from copse.planner.config import PlannerConfig
+from copse.planner.forecast import LoadForecast, LoadForecaster
+from copse.planner.observations import Observation
+from copse.planner.policy import Limits, ScaleDownGate, clamp, fit_budget
+
+#: Bisection steps when solving for a correction factor (2^-30 of the clamp range).
+_CORRECTION_STEPS = 30
+
+
+def workload_of(load: LoadForecast | Observation, *, scale: float = 1.0) -> Workload:
+    """The workload of a forecast or an observed interval, its rate multiplied by ``scale``."""
+    return Workload(
+        rate=load.num_requests / load.duration_s * scale,
+        isl=load.isl or 1.0,
+        osl=load.osl or 1.0,
+        isl_p90=load.isl_p90,
+        kv_hit_rate=load.kv_hit_rate or 0.0,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What the planner wants applied, and why."""
+
+    time: float
+    """When it was decided (start of the interval it is for), seconds."""
+    current: dict[Role, int]
+    """Replicas in place when deciding."""
+    target: dict[Role, int]
+    """Replicas to apply (within bounds and budget)."""
+    sized: dict[Role, Sizing]
+    """What the forecast load needs per pool, before floors, stability and bounds."""
+    forecast: LoadForecast | None
+    """The load sized for (the largest over the lead-time horizon); ``None`` before any data."""
+    next_forecast: LoadForecast | None
+    """The forecast for the very next interval."""
+    corrections: Corrections
+    """Correction factors in use."""
+    reasons: tuple[str, ...]
+    """Why the target differs from the sized need (bounds, budget, delay, fast path, ...)."""
+    margin: float
+    """Factor on the forecast rate covering recent forecast errors (1.0 = the point forecast)."""
+
+    @property
+    def changed(self) -> bool:
+        return self.target != self.current
+
+    def describe(self) -> str:
+        """One log line with the numbers behind the decision."""
+        parts = []
+        if self.forecast is not None:
+            f = self.forecast
+            parts.append(
+                f"forecast {f.rate:.2f} req/s isl {f.isl:.0f}"
+                + (f" (p90 {f.isl_p90:.0f})" if f.isl_p90 is not None else "")
+                + f" osl {f.osl:.0f} hit {f.kv_hit_rate:.2f} x{self.margin:.2f} for forecast error"
+            )
+        for role, sizing in self.sized.items():
+            parts.append(
+                f"{role.value}: throughput {sizing.throughput_replicas} -> sized {sizing.replicas}"
+                + ("" if sizing.feasible else " (target unreachable)")
+                + f" -> {self.current.get(role, 0)}→{self.target[role]}"
+            )
+        parts.append(
+            f"corrections prefill {self.corrections.prefill:.2f} decode {self.corrections.decode:.2f}"
+        )
+        if self.reasons:
+            parts.append("because " + "; ".join(self.reasons))
+        return ", ".join(parts)
+
+
+class Planner:
+    """Forecasts load and turns it into replica targets for the pools of one deployment."""
+
+    def __init__(
+        self,
+        *,
+        config: PlannerConfig,
+        limits: Limits,
+        capacity: CapacityModel,
+        interval_s: float,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s={interval_s} must be positive")
+        self.config = config
+        self.limits = limits
+        self.capacity = capacity
+        self.interval_s = interval_s
+        self.horizon = 1 + math.ceil(config.startup_delay_s / interval_s)
+        self.forecaster = LoadForecaster(
+            config.predictor,
+            settings=config.settings_for(interval_s),
+            default_isl=config.default_isl,
+            default_osl=config.default_osl,
+            error_window=config.error_window,
+        )
+        self.corrections = Corrections()
+        self._gate = ScaleDownGate()
+        self._observed = False
+
+    # --- learning ---------------------------------------------------------------------------
+
+    def observe(self, obs: Observation, *, replicas: Mapping[Role, int]) -> None:
+        """Learn from an interval that ended, served by ``replicas``."""
+        self.forecaster.observe(obs)
+        self._observed = True
+        if self.config.correction and obs.num_requests > 0 and obs.isl and obs.osl:
+            self.corrections = self._corrected(obs, replicas)
+
+    def _corrected(self, obs: Observation, replicas: Mapping[Role, int]) -> Corrections:
+        """Correction factors moved toward the ones that make the estimate match ``obs``."""
+        low, high = self.config.correction_bounds
+        alpha = self.config.correction_smoothing
+        corrections = self.corrections
+        if any(replicas.get(role, 0) == 0 for role in self.limits.roles):
+            return corrections
+        for field, observed in (("prefill", obs.ttft_ms), ("decode", obs.itl_ms)):
+            if observed is None:
+                continue
+            solved = _solve_increasing(
+                _EstimateOf(
+                    capacity=self.capacity, obs=obs, replicas=replicas, corrections=corrections, field=field
+                ),
+                observed,
+                low=low,
+                high=high,
+            )
+            smoothed = (1 - alpha) * getattr(corrections, field) + alpha * solved
+            corrections = dataclasses.replace(corrections, **{field: min(max(smoothed, low), high)})
+        return corrections
+
+    # --- deciding ---------------------------------------------------------------------------
+
+    def size(self, load: Workload) -> dict[Role, Sizing]:
+        """Replicas each pool needs for ``load`` at ``headroom`` x the targets, with current corrections."""
+        ttft = self.limits.ttft_ms * self.config.headroom
+        itl = self.limits.itl_ms * self.config.headroom
+        if not self.limits.disaggregated:
+            sizing = self.capacity.aggregated_replicas(
+                load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections
+            )
+            return {Role.WORKER: sizing}
+        return {
+            Role.PREFILL: self.capacity.prefill_replicas(load, ttft_ms=ttft, scale=self.corrections.prefill),
+            Role.DECODE: self.capacity.decode_replicas(load, itl_ms=itl, scale=self.corrections.decode),
+        }
+
+    def _size_horizon(self, forecasts: list[LoadForecast], *, scale: float = 1.0) -> dict[Role, Sizing]:
+        best: dict[Role, Sizing] = {}
+        for forecast in forecasts:
+            for role, sizing in self.size(workload_of(forecast, scale=scale)).items():
+                if role not in best or sizing.replicas > best[role].replicas:
+                    best[role] = sizing
+        return best
+
+    def decide(
+        self,
+        *,
+        now: float,
+        current: Mapping[Role, int],
+        queue_depth: float | None = None,
+        inflight: float | None = None,
+    ) -> Decision:
+        """Replica targets for the interval starting at ``now``.
+
+        ``queue_depth`` is the number of requests waiting for the front pool (prefill or
+        aggregated workers) and ``inflight`` the number of sequences decoding, both as of now.
+        """
+        current = {role: current.get(role, 0) for role in self.limits.roles}
+        reasons: list[str] = []
+        if not self._observed:
+            target = fit_budget(clamp(current, self.limits), self.limits)
+            return Decision(
+                time=now,
+                current=current,
+                target=target,
+                sized={},
+                forecast=None,
+                next_forecast=None,
+                corrections=self.corrections,
+                reasons=("no load observed yet: holding", *_bound_reasons(current, target)),
+                margin=1.0,
+            )
+        forecasts = self.forecaster.forecast(self.horizon)
+        quantile = self.config.forecast_quantile
+        margin = 1.0 + (self.forecaster.margin(quantile) if quantile is not None else 0.0)
+        sized = self._size_horizon(forecasts, scale=margin)
+        peak = max(forecasts, key=lambda f: f.num_requests)
+        if peak is not forecasts[0] and any(
+            sized[role].replicas > current[role] for role in self.limits.roles
+        ):
+            reasons.append(f"lead time: sized for the load {forecasts.index(peak)} interval(s) ahead")
+        desired = {role: sizing.replicas for role, sizing in sized.items()}
+        front = self.limits.front
+        # Fast path: a queue the forecast did not see.
+        if queue_depth is not None and queue_depth >= self.limits.queue_depth * max(current[front], 1):
+            drain = dataclasses.replace(forecasts[0], num_requests=forecasts[0].num_requests + queue_depth)
+            need = self.size(workload_of(drain))[front].replicas
+            if need > desired[front]:
+                desired[front] = need
+                reasons.append(
+                    f"queue depth {queue_depth:.0f} >= {self.limits.queue_depth}/replica: fast path"
+                )
+        # Floors: in-flight work keeps its capacity.
+        floors = self._floors(forecasts[0], queue_depth=queue_depth, inflight=inflight)
+        for role, floor in floors.items():
+            if desired[role] < floor and current[role] > desired[role]:
+                desired[role] = min(floor, current[role])
+                reasons.append(f"{role.value}: in-flight work needs {floor}")
+        # Hysteresis: shrink only to what would still hold with more load.
+        shrinking = [role for role in self.limits.roles if desired[role] < current[role]]
+        if shrinking and self.config.hysteresis > 0:
+            padded = self._size_horizon(forecasts, scale=margin * (1 + self.config.hysteresis))
+            for role in shrinking:
+                held = min(current[role], max(desired[role], padded[role].replicas))
+                if held > desired[role]:
+                    reasons.append(f"{role.value}: hysteresis keeps {held}")
+                    desired[role] = held
+        settled = self._gate.settle(
+            now=now, current=current, desired=desired, delay_s=self.limits.scale_down_delay_s
+        )
+        for role in self.limits.roles:
+            if settled[role] > desired[role]:
+                reasons.append(f"{role.value}: scale-down delay keeps {settled[role]}")
+        bounded = clamp(settled, self.limits)
+        target = fit_budget(bounded, self.limits)
+        reasons.extend(_bound_reasons(settled, bounded))
+        for role in self.limits.roles:
+            if target[role] < bounded[role]:
+                reasons.append(f"{role.value}: GPU budget {self.limits.gpu_budget} caps it at {target[role]}")
+        return Decision(
+            time=now,
+            current=current,
+            target=target,
+            sized=sized,
+            forecast=peak,
+            next_forecast=forecasts[0],
+            corrections=self.corrections,
+            reasons=tuple(reasons),
+            margin=margin,
+        )
+
+    def _floors(
+        self, forecast: LoadForecast, *, queue_depth: float | None, inflight: float | None
+    ) -> dict[Role, int]:
+        floors: dict[Role, int] = {}
+        load = workload_of(forecast)
+        if inflight:
+            floors[self.limits.back] = math.ceil(inflight / self.capacity.max_batch(load.context_length))
+        if queue_depth:
+            service_ms = self.capacity.prefill_service_ms(
+                load.isl, hit_rate=load.kv_hit_rate, scale=self.corrections.prefill
+            )
+            floor = math.ceil(queue_depth * service_ms / self.limits.ttft_ms)
+            floors[self.limits.front] = max(floors.get(self.limits.front, 0), floor)
+        return floors
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _EstimateOf:
+    """The estimated TTFT (field ``prefill``) or ITL (``decode``) of an observed interval as a
+    function of that field's correction factor."""
+
+    capacity: CapacityModel
+    obs: Observation
+    replicas: Mapping[Role, int]
+    corrections: Corrections
+    field: str
+
+    def __call__(self, scale: float) -> float:
+        result = self.capacity.estimate(
+            replicas=self.replicas,
+            load=workload_of(self.obs),
+            duration_s=self.obs.duration_s,
+            corrections=dataclasses.replace(self.corrections, **{self.field: scale}),
+        )
+        return result.ttft_ms if self.field == "prefill" else result.itl_ms
+
+
+def _bound_reasons(before: Mapping[Role, int], after: Mapping[Role, int]) -> tuple[str, ...]:
+    reasons = []
+    for role, count in after.items():
+        if count > before.get(role, 0):
+            reasons.append(f"{role.value}: min_replicas raises it to {count}")
+        elif count < before.get(role, 0):
+            reasons.append(f"{role.value}: max_replicas caps it at {count}")
+    return tuple(reasons)
+
+
+def _solve_increasing(function: Callable[[float], float], target: float, *, low: float, high: float) -> float:
+    """``x`` in ``[low, high]`` with ``function(x) == target`` for an increasing function (clamped)."""
+    if function(low) >= target:
+        return low
+    if function(high) <= target:
+        return high
+    for _ in range(_CORRECTION_STEPS):
+        middle = (low + high) / 2
+        if function(middle) < target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2

@@ -1,0 +1,109 @@
+"""Forecasting the load of the coming intervals: one predictor per series."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import numpy as np
+
+from copse.planner.observations import Observation
+from copse.planner.predictors import PredictorSettings, make_predictor
+
+#: Series forecast from each observation; the optional ones only once the source has given them.
+SERIES: tuple[str, ...] = ("num_requests", "isl", "osl", "isl_p90", "kv_hit_rate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadForecast:
+    """Predicted load of one future interval."""
+
+    num_requests: float
+    """Requests arriving in the interval."""
+    duration_s: float
+    """Interval length, seconds."""
+    isl: float
+    """Mean input length, tokens."""
+    osl: float
+    """Mean output length, tokens."""
+    isl_p90: float | None
+    """90th percentile input length, tokens, when the source gives it."""
+    kv_hit_rate: float
+    """Expected prefix-cache hit rate (0 when unknown)."""
+
+    @property
+    def rate(self) -> float:
+        return self.num_requests / self.duration_s
+
+
+class LoadForecaster:
+    """Keeps one predictor (the same kind) per series and forecasts them together.
+
+    ISL and OSL are undefined in an interval without requests; those intervals update only the
+    request count. Until the first ISL/OSL are seen, ``default_isl``/``default_osl`` stand in.
+    """
+
+    def __init__(
+        self,
+        predictor: str,
+        *,
+        settings: PredictorSettings | None = None,
+        default_isl: float = 3000.0,
+        default_osl: float = 150.0,
+        error_window: int = 144,
+    ) -> None:
+        settings = settings or PredictorSettings()
+        self.predictor = predictor
+        self._predictors = {name: make_predictor(predictor, settings) for name in SERIES}
+        self._seen: set[str] = set()
+        self._defaults = {"isl": default_isl, "osl": default_osl}
+        self.duration_s: float | None = None
+        self._errors: deque[float] = deque(maxlen=error_window)
+
+    def observe(self, obs: Observation) -> None:
+        if "num_requests" in self._seen:
+            predicted = float(self._predictors["num_requests"].forecast(1)[0])
+            if predicted > 0:
+                self._errors.append(obs.num_requests / predicted - 1.0)
+        self.duration_s = obs.duration_s
+        self._update("num_requests", obs.num_requests)
+        if obs.num_requests > 0:
+            for name in ("isl", "osl", "isl_p90", "kv_hit_rate"):
+                self._update(name, getattr(obs, name))
+
+    def margin(self, quantile: float) -> float:
+        """How far above its forecast the request count has come, at ``quantile`` of the recent
+        one-step errors (relative, never negative): what sizing for that quantile adds."""
+        if not self._errors:
+            return 0.0
+        return max(0.0, float(np.quantile(np.asarray(self._errors), quantile)))
+
+    def _update(self, name: str, value: float | None) -> None:
+        if value is None:
+            return
+        self._seen.add(name)
+        self._predictors[name].observe(value)
+
+    def forecast(self, steps: int) -> list[LoadForecast]:
+        """The next ``steps`` intervals (``steps`` >= 1); requires at least one observation."""
+        if self.duration_s is None:
+            raise ValueError("no observation yet: nothing to forecast the interval length from")
+        values = {
+            name: self._predictors[name].forecast(steps) if name in self._seen else None for name in SERIES
+        }
+        out = []
+        for k in range(steps):
+            at = {name: None if series is None else float(series[k]) for name, series in values.items()}
+            isl = at["isl"] if at["isl"] is not None else self._defaults["isl"]
+            osl = at["osl"] if at["osl"] is not None else self._defaults["osl"]
+            out.append(
+                LoadForecast(
+                    num_requests=at["num_requests"] or 0.0,
+                    duration_s=self.duration_s,
+                    isl=max(isl, 1.0),
+                    osl=max(osl, 1.0),
+                    isl_p90=None if at["isl_p90"] is None else max(at["isl_p90"], isl),
+                    kv_hit_rate=min(max(at["kv_hit_rate"] or 0.0, 0.0), 1.0),
+                )
+            )
+        return out

@@ -1,0 +1,105 @@
+"""What the planner sees of one interval, wherever it came from (Prometheus, a recording, a trace)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Observation:
+    """The load and latency of one interval that has ended.
+
+    Token lengths are ``None`` when the interval had no requests; optional fields are ``None``
+    when the source does not provide them.
+    """
+
+    timestamp: float
+    """Start of the interval, seconds (any epoch; only differences matter)."""
+    duration_s: float
+    """Length of the interval, seconds."""
+    num_requests: float
+    """Requests that arrived in the interval."""
+    isl: float | None
+    """Mean input (prompt) length, tokens."""
+    osl: float | None
+    """Mean output length, tokens."""
+    isl_p90: float | None = None
+    """90th percentile of the input length, tokens: long prompts set the TTFT tail."""
+    kv_hit_rate: float | None = None
+    """Fraction of prompt tokens served from the prefix cache, in [0, 1]."""
+    ttft_ms: float | None = None
+    """Observed p99 time to first token, ms (drives the prefill correction factor)."""
+    itl_ms: float | None = None
+    """Observed p99 inter-token latency, ms (drives the decode correction factor)."""
+    queue_depth: float | None = None
+    """Requests waiting for a prefill slot at the end of the interval (the fast path)."""
+    inflight: float | None = None
+    """Requests decoding at the end of the interval (scale-down never drops their KV)."""
+
+    @property
+    def rate(self) -> float:
+        """Arrival rate, requests per second."""
+        return self.num_requests / self.duration_s
+
+    @property
+    def end(self) -> float:
+        return self.timestamp + self.duration_s
+
+
+def _weighted(values: Sequence[tuple[float | None, float]]) -> float | None:
+    pairs = [(value, weight) for value, weight in values if value is not None and weight > 0]
+    total = sum(weight for _, weight in pairs)
+    if total == 0:
+        return None
+    return sum(value * weight for value, weight in pairs) / total
+
+
+def _largest(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return max(present) if present else None
+
+
+def merge(group: Sequence[Observation]) -> Observation:
+    """One observation covering consecutive ones: counts add, means weight by requests, and tail
+    figures (p90, p99, queue) take the worst, which is what an SLO over the longer interval sees."""
+    if not group:
+        raise ValueError("cannot merge an empty group of observations")
+    weights = [obs.num_requests for obs in group]
+    prompt_tokens = [(obs.isl or 0.0) * obs.num_requests for obs in group]
+    return Observation(
+        timestamp=group[0].timestamp,
+        duration_s=sum(obs.duration_s for obs in group),
+        num_requests=sum(weights),
+        isl=_weighted([(obs.isl, w) for obs, w in zip(group, weights, strict=True)]),
+        osl=_weighted([(obs.osl, w) for obs, w in zip(group, weights, strict=True)]),
+        isl_p90=_largest([obs.isl_p90 for obs in group]),
+        # The hit rate is a fraction of prompt tokens, so it averages over prompt tokens.
+        kv_hit_rate=_weighted([(obs.kv_hit_rate, t) for obs, t in zip(group, prompt_tokens, strict=True)]),
+        ttft_ms=_largest([obs.ttft_ms for obs in group]),
+        itl_ms=_largest([obs.itl_ms for obs in group]),
+        queue_depth=group[-1].queue_depth,
+        inflight=group[-1].inflight,
+    )
+
+
+def resample(observations: Sequence[Observation], *, interval_s: float, source: str) -> list[Observation]:
+    """Merge consecutive observations into intervals of ``interval_s`` seconds.
+
+    ``interval_s`` must be a whole multiple of the recording's own interval; ``source`` names the
+    input in the error otherwise.
+    """
+    if not observations:
+        return []
+    base = observations[0].duration_s
+    factor = interval_s / base
+    if factor < 1 or not math.isclose(factor, round(factor), rel_tol=1e-9):
+        raise ValueError(
+            f"{source}: --interval {interval_s:g}s is not a whole multiple of the recording's "
+            f"interval ({base:g}s)"
+        )
+    size = round(factor)
+    if size == 1:
+        return list(observations)
+    return [merge(observations[start : start + size]) for start in range(0, len(observations), size)]

@@ -1,0 +1,76 @@
+"""Queueing formulas the capacity model uses (pure math, no perf model).
+
+* Erlang C -- the probability that an arrival waits, in an M/M/c queue.
+* The M/M/c wait tail ``P(W > t) = C * exp(-(c*mu - lambda) * t)``, scaled by the Allen-Cunneen
+  factor ``(1 + cs^2) / 2`` for general service times (M/G/c); ``cs^2`` is the squared coefficient
+  of variation of the service time (0 for fixed-size prompts, 1 for exponential).
+* A lognormal fit of the prompt-length distribution from its mean and 90th percentile, which
+  gives ``cs^2`` when the metrics carry a p90.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+#: z of the 90th percentile of a standard normal distribution.
+_Z90 = NormalDist().inv_cdf(0.9)
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability that an arrival has to wait with ``servers`` servers and ``offered`` Erlangs
+    (arrival rate times mean service time); 1.0 when the queue is unstable."""
+    if servers < 1:
+        raise ValueError(f"servers={servers} must be at least 1")
+    if offered < 0:
+        raise ValueError(f"offered={offered} must not be negative")
+    if offered == 0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    # Erlang B by its stable recursion, then C from B.
+    blocking = 1.0
+    for k in range(1, servers + 1):
+        blocking = offered * blocking / (k + offered * blocking)
+        if blocking == 0.0:  # underflow: stays 0 for every larger k
+            break
+    return servers * blocking / (servers - offered * (1.0 - blocking))
+
+
+def wait_quantile_s(
+    *, servers: int, arrival_rate: float, service_s: float, quantile: float, service_scv: float = 1.0
+) -> float:
+    """The ``quantile`` of the waiting time (seconds, before service starts) in an M/G/c queue,
+    approximated by the M/M/c tail scaled by ``(1 + service_scv) / 2``; ``inf`` when unstable."""
+    if not 0 < quantile < 1:
+        raise ValueError(f"quantile={quantile} must lie in (0, 1)")
+    if arrival_rate <= 0:
+        return 0.0
+    capacity = servers / service_s
+    if arrival_rate >= capacity:
+        return math.inf
+    waiting = erlang_c(servers, arrival_rate * service_s)
+    if waiting <= 1.0 - quantile:
+        return 0.0
+    tail = math.log(waiting / (1.0 - quantile)) / (capacity - arrival_rate)
+    return tail * (1.0 + service_scv) / 2.0
+
+
+def lognormal_scv(*, mean: float, p90: float) -> float:
+    """Squared coefficient of variation of a lognormal distribution with this mean and p90.
+
+    A p90 at or below the mean means a light tail (0 is returned). Above about 2.28x the mean no
+    lognormal fits; the heaviest lognormal that comes closest (sigma = z90) is used.
+    """
+    if mean <= 0 or p90 <= mean:
+        return 0.0
+    # ln(p90 / mean) = z*sigma - sigma^2 / 2; take the smaller root.
+    gap = math.log(p90 / mean)
+    discriminant = _Z90 * _Z90 - 2.0 * gap
+    sigma = _Z90 - math.sqrt(discriminant) if discriminant > 0 else _Z90
+    return math.expm1(sigma * sigma)
+
+
+def normal_quantile(quantile: float) -> float:
+    """z such that a standard normal variable stays below it with probability ``quantile``."""
+    return NormalDist().inv_cdf(quantile)

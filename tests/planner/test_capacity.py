@@ -1,0 +1,263 @@
+"""Queueing formulas and replica math against hand-computed cases."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from copse.api import Role
+from copse.planner.capacity import Backlog, CapacityModel, Corrections, Workload
+from copse.planner.queueing import erlang_c, lognormal_scv, wait_quantile_s
+from copse.workers.perf import PolynomialPerfModel
+
+PD = (Role.PREFILL, Role.DECODE)
+
+
+# --- queueing ------------------------------------------------------------------------------
+
+
+def test_erlang_c_hand_values() -> None:
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(2, 1.5) == pytest.approx(9 / 14)
+    assert erlang_c(3, 0.0) == 0.0
+    assert erlang_c(3, 3.0) == 1.0  # unstable
+
+
+def test_erlang_c_large_pool_does_not_underflow() -> None:
+    assert 0.0 <= erlang_c(5000, 4900.0) < 1.0
+    assert erlang_c(100_000, 1.0) == 0.0
+
+
+def test_wait_quantile_mm1() -> None:
+    # P(W > t) = rho * exp(-(mu - lambda) t) with lambda 0.5, mu 1.
+    expected = math.log(0.5 / 0.01) / 0.5
+    assert wait_quantile_s(servers=1, arrival_rate=0.5, service_s=1.0, quantile=0.99) == pytest.approx(
+        expected
+    )
+    # Fixed service times wait half as long (Allen-Cunneen).
+    fixed = wait_quantile_s(servers=1, arrival_rate=0.5, service_s=1.0, quantile=0.99, service_scv=0.0)
+    assert fixed == pytest.approx(expected / 2)
+    assert wait_quantile_s(servers=1, arrival_rate=1.0, service_s=1.0, quantile=0.99) == math.inf
+    assert wait_quantile_s(servers=4, arrival_rate=0.1, service_s=1.0, quantile=0.99) == 0.0
+
+
+def test_lognormal_scv_recovers_sigma() -> None:
+    sigma = 0.5
+    mean, p90 = math.exp(sigma**2 / 2), math.exp(1.2815515655446004 * sigma)
+    assert lognormal_scv(mean=mean, p90=p90) == pytest.approx(math.expm1(sigma**2))
+    assert lognormal_scv(mean=100.0, p90=90.0) == 0.0
+    assert lognormal_scv(mean=100.0, p90=1000.0) == pytest.approx(math.expm1(1.2815515655446004**2))
+
+
+# --- prefill ------------------------------------------------------------------------------
+
+
+def test_prefill_service_counts_only_uncached_tokens(linear: CapacityModel) -> None:
+    # 1000 tokens, half cached: overhead 10 + 500 new tokens x 0.01.
+    assert linear.prefill_service_ms(1000, hit_rate=0.5) == pytest.approx(15.0)
+    assert linear.prefill_service_ms(1000, hit_rate=0.0) == pytest.approx(20.0)
+    assert linear.prefill_service_ms(1000, hit_rate=0.5, scale=2.0) == pytest.approx(30.0)
+
+
+def test_prefill_ttft_hand_computed(linear: CapacityModel) -> None:
+    load = Workload(rate=100.0, isl=1000, osl=100, kv_hit_rate=0.5)
+    estimate = linear.estimate(replicas={Role.PREFILL: 2, Role.DECODE: 5}, load=load, duration_s=60.0)
+    # M/M/2 with a = 1.5: C = 9/14; wait p99 = ln(C / 0.01) / (2/0.015 - 100) s; plus the 15 ms prefill.
+    wait_ms = math.log((9 / 14) / 0.01) / (2 / 0.015 - 100.0) * 1000.0
+    assert estimate.ttft_ms == pytest.approx(wait_ms + 15.0)
+    assert estimate.backlog == Backlog()
+
+
+def test_prefill_replicas_start_from_the_token_throughput_bound(linear: CapacityModel) -> None:
+    load = Workload(rate=100.0, isl=1000, osl=100, kv_hit_rate=0.5)
+    # 100 req/s x 500 new tokens = 50k tokens/s over 500 / 15 ms = 33.3k tokens/s per GPU: 2.
+    sizing = linear.prefill_replicas(load, ttft_ms=150.0)
+    assert (sizing.throughput_replicas, sizing.replicas, sizing.feasible) == (2, 2, True)
+    # 139.9 ms at 2 replicas misses 100 ms; 3 replicas give 46.6 ms.
+    assert linear.prefill_replicas(load, ttft_ms=100.0).replicas == 3
+
+
+def test_prefix_hits_reduce_prefill_replicas(linear: CapacityModel) -> None:
+    cold = Workload(rate=300.0, isl=4000, osl=100)
+    warm = dataclasses.replace(cold, kv_hit_rate=0.6)
+    assert (
+        linear.prefill_replicas(warm, ttft_ms=500).replicas
+        < linear.prefill_replicas(cold, ttft_ms=500).replicas
+    )
+
+
+def test_p90_isl_sets_the_ttft_tail(linear: CapacityModel) -> None:
+    mean_only = Workload(rate=100.0, isl=1000, osl=100)
+    long_tail = dataclasses.replace(mean_only, isl_p90=2000)
+    # With 10 engines for 2 Erlangs nobody waits at p99: TTFT is the prefill of the tail prompt.
+    replicas = {Role.PREFILL: 10, Role.DECODE: 5}
+    a = linear.estimate(replicas=replicas, load=mean_only, duration_s=60.0)
+    b = linear.estimate(replicas=replicas, load=long_tail, duration_s=60.0)
+    assert (a.ttft_ms, b.ttft_ms) == pytest.approx((20.0, 30.0))
+
+
+def test_unreachable_ttft_is_reported(linear: CapacityModel) -> None:
+    load = Workload(rate=10.0, isl=1000, osl=100)
+    sizing = linear.prefill_replicas(load, ttft_ms=15.0)  # one prompt alone takes 20 ms
+    assert not sizing.feasible
+    assert sizing.replicas == sizing.throughput_replicas == 1
+
+
+def test_no_load_needs_no_replicas(linear: CapacityModel) -> None:
+    load = Workload(rate=0.0, isl=1000, osl=100)
+    assert linear.prefill_replicas(load, ttft_ms=100).replicas == 0
+    assert linear.decode_replicas(load, itl_ms=20).replicas == 0
+    assert linear.aggregated_replicas(load, ttft_ms=100, itl_ms=20).replicas == 0
+
+
+# --- decode -------------------------------------------------------------------------------
+
+
+def test_decode_itl_from_littles_law_fixed_point(linear: CapacityModel) -> None:
+    # 10 req/s x 100 tokens on one engine: n = 1000 x (10 + 0.1 n) / 1000 -> n = 100/9.
+    load = Workload(rate=10.0, isl=1000, osl=100)
+    estimate = linear.estimate(replicas={Role.PREFILL: 5, Role.DECODE: 1}, load=load, duration_s=60.0)
+    n = 100 / 9
+    tail = n + 2.3263478740408408 * math.sqrt(n)
+    assert estimate.decoding == pytest.approx(n, rel=1e-6)
+    assert estimate.itl_ms == pytest.approx(10.0 + 0.1 * tail, rel=1e-6)
+
+
+def test_decode_replicas_from_the_best_batch_under_the_itl_target(linear: CapacityModel) -> None:
+    load = Workload(rate=100.0, isl=1000, osl=100)
+    # KV holds 100000 // 1050 = 95 sequences, max_num_seqs 64 -> best batch 64 at 16.4 ms:
+    # 64 / 16.4 ms = 3902 tokens/s; 10000 tokens/s needs 3 engines.
+    sizing = linear.decode_replicas(load, itl_ms=20.0)
+    assert sizing.throughput_replicas == 3
+    assert sizing.feasible
+    itl = linear.estimate(
+        replicas={Role.PREFILL: 50, Role.DECODE: sizing.replicas}, load=load, duration_s=60.0
+    ).itl_ms
+    assert itl <= 20.0
+    fewer = linear.estimate(
+        replicas={Role.PREFILL: 50, Role.DECODE: sizing.replicas - 1}, load=load, duration_s=60.0
+    ).itl_ms
+    assert fewer > 20.0
+
+
+def test_unreachable_itl_is_reported(linear: CapacityModel) -> None:
+    load = Workload(rate=10.0, isl=1000, osl=100)
+    sizing = linear.decode_replicas(load, itl_ms=9.0)  # an idle step takes 10 ms
+    assert not sizing.feasible
+    assert sizing.replicas >= 1
+
+
+# --- overload -----------------------------------------------------------------------------
+
+
+def test_overload_builds_a_backlog_that_carries_over(linear: CapacityModel) -> None:
+    load = Workload(rate=200.0, isl=1000, osl=100)  # 20 ms prompts: 50 req/s per engine
+    replicas = {Role.PREFILL: 2, Role.DECODE: 5}
+    first = linear.estimate(replicas=replicas, load=load, duration_s=10.0)
+    assert first.backlog.prefill == pytest.approx(1000.0)  # (200 - 100) x 10 s
+    # The last arrival waits for the backlog plus z = 2.33 standard deviations of the
+    # arrivals-minus-completions count over the segment (variance (200 + 100) x 10).
+    spread = 2.3263478740408408 * math.sqrt(300.0 * 10.0)
+    assert first.ttft_ms == pytest.approx((1000.0 + spread) / 100.0 * 1000.0 + 20.0)
+    # The next segment, with enough replicas, drains it -- but its early requests still wait.
+    calm = dataclasses.replace(load, rate=50.0)
+    second = linear.estimate(
+        replicas={Role.PREFILL: 8, Role.DECODE: 5}, load=calm, duration_s=10.0, backlog=first.backlog
+    )
+    assert second.backlog.prefill == 0.0
+    assert second.ttft_ms > 2000.0
+
+
+def test_decode_overload_shows_as_an_itl_stall(linear: CapacityModel) -> None:
+    load = Workload(rate=100.0, isl=1000, osl=1000)  # 100k tokens/s of output
+    estimate = linear.estimate(replicas={Role.PREFILL: 10, Role.DECODE: 1}, load=load, duration_s=60.0)
+    assert estimate.backlog.decode > 0
+    assert estimate.itl_ms > 1000.0
+
+
+def test_no_replicas_means_everything_waits(linear: CapacityModel) -> None:
+    load = Workload(rate=1.0, isl=1000, osl=100)
+    estimate = linear.estimate(replicas={Role.PREFILL: 0, Role.DECODE: 0}, load=load, duration_s=60.0)
+    assert estimate.ttft_ms >= 60_000.0
+    assert estimate.backlog.prefill == pytest.approx(60.0)
+
+
+# --- aggregated ---------------------------------------------------------------------------
+
+
+def test_aggregated_engines_share_time_between_prefill_and_decode(linear: CapacityModel) -> None:
+    load = Workload(rate=20.0, isl=1000, osl=100)
+
+    # Prefill takes 20 req/s x 20 ms = 40 % of one engine; decode steps stretch by 1/0.6.
+    one = linear.estimate(replicas={Role.WORKER: 1}, load=load, duration_s=60.0)
+    disagg = linear.estimate(replicas={Role.PREFILL: 1, Role.DECODE: 1}, load=load, duration_s=60.0)
+    assert one.itl_ms > disagg.itl_ms * 1.5
+    sizing = linear.aggregated_replicas(load, ttft_ms=200.0, itl_ms=20.0)
+    assert sizing.feasible
+    result = linear.estimate(replicas={Role.WORKER: sizing.replicas}, load=load, duration_s=60.0)
+    assert result.ttft_ms <= 200.0
+    assert result.itl_ms <= 20.0
+    smaller = linear.estimate(replicas={Role.WORKER: sizing.replicas - 1}, load=load, duration_s=60.0)
+    assert smaller.ttft_ms > 200.0 or smaller.itl_ms > 20.0
+
+
+def test_corrections_slow_the_model_down(linear: CapacityModel) -> None:
+    load = Workload(rate=50.0, isl=2000, osl=200)
+    replicas = {Role.PREFILL: 4, Role.DECODE: 2}
+    base = linear.estimate(replicas=replicas, load=load, duration_s=60.0)
+    slow = linear.estimate(
+        replicas=replicas, load=load, duration_s=60.0, corrections=Corrections(prefill=1.5, decode=1.5)
+    )
+    assert slow.ttft_ms > base.ttft_ms
+    assert slow.itl_ms > base.itl_ms
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(0.1, 400.0),
+    isl=st.floats(10.0, 20000.0),
+    osl=st.floats(1.0, 2000.0),
+    hit=st.floats(0.0, 0.95),
+    prefill=st.integers(1, 40),
+    decode=st.integers(1, 40),
+)
+def test_more_replicas_never_make_latency_worse(
+    *, rate: float, isl: float, osl: float, hit: float, prefill: int, decode: int
+) -> None:
+    capacity = CapacityModel(PolynomialPerfModel())
+    load = Workload(rate=rate, isl=isl, osl=osl, kv_hit_rate=hit)
+    base = capacity.estimate(replicas={Role.PREFILL: prefill, Role.DECODE: decode}, load=load, duration_s=60)
+    more_prefill = capacity.estimate(
+        replicas={Role.PREFILL: prefill + 1, Role.DECODE: decode}, load=load, duration_s=60
+    )
+    more_decode = capacity.estimate(
+        replicas={Role.PREFILL: prefill, Role.DECODE: decode + 1}, load=load, duration_s=60
+    )
+    assert more_prefill.ttft_ms <= base.ttft_ms + 1e-9
+    assert more_decode.itl_ms <= base.itl_ms + 1e-9
+    worker = capacity.estimate(replicas={Role.WORKER: prefill}, load=load, duration_s=60)
+    more_workers = capacity.estimate(replicas={Role.WORKER: prefill + 1}, load=load, duration_s=60)
+    assert more_workers.ttft_ms <= worker.ttft_ms + 1e-9
+    assert more_workers.itl_ms <= worker.itl_ms + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(rate=st.floats(0.5, 300.0), isl=st.floats(100.0, 8000.0), osl=st.floats(10.0, 500.0))
+def test_sized_pools_meet_the_targets(rate: float, isl: float, osl: float) -> None:
+    capacity = CapacityModel(PolynomialPerfModel())
+    load = Workload(rate=rate, isl=isl, osl=osl)
+    prefill = capacity.prefill_replicas(load, ttft_ms=800.0)
+    decode = capacity.decode_replicas(load, itl_ms=30.0)
+    estimate = capacity.estimate(
+        replicas={Role.PREFILL: prefill.replicas, Role.DECODE: decode.replicas}, load=load, duration_s=60
+    )
+    if prefill.feasible:
+        assert estimate.ttft_ms <= 800.0
+        assert prefill.replicas >= prefill.throughput_replicas
+    if decode.feasible:
+        assert estimate.itl_ms <= 30.0

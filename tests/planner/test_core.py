@@ -1,0 +1,257 @@
+"""The planner's decisions: lead time, fast path, floors, hysteresis, delay, bounds, corrections."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from copse.api import Role
+from copse.planner.capacity import CapacityModel, Corrections, Workload
+from copse.planner.config import PlannerConfig
+from copse.planner.core import Planner, workload_of
+from copse.planner.observations import Observation
+from copse.planner.policy import Limits
+
+P, D, W = Role.PREFILL, Role.DECODE, Role.WORKER
+INTERVAL = 60.0
+
+
+def config(**overrides: object) -> PlannerConfig:
+    values: dict[str, object] = {
+        "predictor": "constant",
+        "headroom": 1.0,
+        "forecast_quantile": None,
+        "startup_delay_s": 0.0,
+        "hysteresis": 0.0,
+        "correction": False,
+    }
+    values.update(overrides)
+    return PlannerConfig.model_validate(values)
+
+
+def limits(**overrides: object) -> Limits:
+    values: dict[str, object] = {
+        "roles": (P, D),
+        "gpus_per_replica": {P: 1, D: 1},
+        "ttft_ms": 200.0,
+        "itl_ms": 20.0,
+        "min_replicas": 1,
+        "max_replicas": 50,
+        "scale_down_delay_s": 0.0,
+        "max_num_seqs": 64,
+    }
+    values.update(overrides)
+    return Limits(**values)  # type: ignore[arg-type]
+
+
+def interval(step: int, rate: float, **extra: object) -> Observation:
+    return Observation(
+        timestamp=step * INTERVAL,
+        duration_s=INTERVAL,
+        num_requests=rate * INTERVAL,
+        isl=1000.0,
+        osl=100.0,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def planner(
+    capacity: CapacityModel, *, cfg: PlannerConfig | None = None, lim: Limits | None = None
+) -> Planner:
+    return Planner(config=cfg or config(), limits=lim or limits(), capacity=capacity, interval_s=INTERVAL)
+
+
+def need(capacity: CapacityModel, rate: float, lim: Limits | None = None) -> dict[Role, int]:
+    """What the capacity model says a steady ``rate`` needs, for comparison."""
+    lim = lim or limits()
+    load = Workload(rate=rate, isl=1000.0, osl=100.0)
+    return {
+        P: capacity.prefill_replicas(load, ttft_ms=lim.ttft_ms).replicas,
+        D: capacity.decode_replicas(load, itl_ms=lim.itl_ms).replicas,
+    }
+
+
+def run(plan: Planner, rates: list[float], start: dict[Role, int] | None = None) -> list[dict[Role, int]]:
+    """Decide, apply, observe, for each rate in turn; the targets applied."""
+    current = start or {P: 1, D: 1}
+    applied = []
+    for step, rate in enumerate(rates):
+        decision = plan.decide(now=step * INTERVAL, current=current)
+        current = decision.target
+        applied.append(current)
+        plan.observe(interval(step, rate), replicas=current)
+    return applied
+
+
+def test_without_data_it_holds_within_bounds(linear: CapacityModel) -> None:
+    decision = planner(linear, lim=limits(min_replicas=2)).decide(now=0.0, current={P: 1, D: 9})
+    assert decision.target == {P: 2, D: 9}
+    assert decision.forecast is None
+    assert "no load observed yet" in decision.reasons[0]
+
+
+def test_it_sizes_the_forecast_load(linear: CapacityModel) -> None:
+    plan = planner(linear)
+    plan.observe(interval(0, 300.0), replicas={P: 1, D: 1})
+    decision = plan.decide(now=INTERVAL, current={P: 1, D: 1})
+    assert decision.target == need(linear, 300.0)
+    assert decision.target[P] > 1
+    assert decision.changed
+
+
+def test_lead_time_covers_the_startup_delay(linear: CapacityModel) -> None:
+    # A 10-interval cycle with a step up at positions 8-9; 150 s of start-up = 3 intervals ahead.
+    cycle = [50.0] * 8 + [400.0] * 2
+    cfg = config(predictor="seasonal", season_s=10 * INTERVAL, startup_delay_s=150.0)
+    plan = planner(linear, cfg=cfg)
+    assert plan.horizon == 4
+    for step, rate in enumerate(cycle * 2):
+        plan.observe(interval(step, rate), replicas={P: 1, D: 1})
+    # Deciding for position 5 of the third cycle, it already provisions for position 8.
+    for step in range(20, 26):
+        decision = plan.decide(now=step * INTERVAL, current={P: 1, D: 1})
+        plan.observe(interval(step, cycle[step % 10]), replicas=decision.target)
+    assert decision.next_forecast is not None
+    assert decision.next_forecast.num_requests == pytest.approx(50.0 * INTERVAL)
+    assert decision.target == need(linear, 400.0)
+    assert any("lead time" in reason for reason in decision.reasons)
+
+
+def test_scale_down_waits_for_the_delay(linear: CapacityModel) -> None:
+    plan = planner(linear, lim=limits(scale_down_delay_s=180.0))
+    applied = run(plan, [300.0] * 4 + [20.0] * 6)
+    high, low = need(linear, 300.0), need(linear, 20.0)
+    prefill = [targets[P] for targets in applied]
+    # Decisions use the previous interval; low load is first seen at step 5 and must stand 180 s.
+    assert prefill[1:5] == [high[P]] * 4
+    assert prefill[5:8] == [high[P]] * 3
+    assert prefill[8] == low[P]
+
+
+def changes(applied: list[dict[Role, int]]) -> int:
+    return sum(a[P] != b[P] for a, b in itertools.pairwise(applied))
+
+
+def test_hysteresis_stops_flapping(linear: CapacityModel) -> None:
+    # Load hovering around the point where the prefill pool needs one replica more.
+    base = 100.0
+    while need(linear, base)[P] == need(linear, base * 1.04)[P]:
+        base *= 1.01
+    rates = [base * (1.04 if step % 2 else 0.98) for step in range(30)]
+    flapping = run(planner(linear), rates)
+    steady = run(planner(linear, cfg=config(hysteresis=0.15)), rates)
+    assert changes(flapping) >= 20
+    assert changes(steady) <= 2
+
+
+def test_queue_depth_fast_path_scales_up_ahead_of_the_forecast(linear: CapacityModel) -> None:
+    plan = planner(linear, lim=limits(queue_depth=10))
+    plan.observe(interval(0, 100.0), replicas={P: 2, D: 1})
+    calm = plan.decide(now=INTERVAL, current={P: 2, D: 1})
+    assert not any("fast path" in reason for reason in calm.reasons)
+    queued = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queue_depth=9000.0)
+    assert queued.target[P] > calm.target[P]
+    assert any("fast path" in reason for reason in queued.reasons)
+    below = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queue_depth=15.0)  # < 10 per replica
+    assert not any("fast path" in reason for reason in below.reasons)
+
+
+def test_in_flight_sequences_keep_their_decode_replicas(linear: CapacityModel) -> None:
+    plan = planner(linear)
+    plan.observe(interval(0, 1.0), replicas={P: 4, D: 10})
+    # 1050-token contexts: 64 sequences per engine; 500 in flight need 8 engines.
+    decision = plan.decide(now=INTERVAL, current={P: 4, D: 10}, inflight=500.0)
+    assert decision.target[D] == 8
+    assert any("in-flight work needs 8" in reason for reason in decision.reasons)
+    # The floor never forces a scale-up by itself.
+    assert plan.decide(now=INTERVAL, current={P: 4, D: 5}, inflight=500.0).target[D] == 5
+
+
+def test_queued_prompts_keep_their_prefill_replicas(linear: CapacityModel) -> None:
+    plan = planner(linear, lim=limits(queue_depth=1000))
+    plan.observe(interval(0, 1.0), replicas={P: 6, D: 1})
+    # 100 queued prompts of 20 ms within the 200 ms TTFT need 10 engines; 6 are there.
+    decision = plan.decide(now=INTERVAL, current={P: 6, D: 1}, queue_depth=100.0)
+    assert decision.target[P] == 6
+
+
+def test_targets_respect_bounds_and_budget(linear: CapacityModel) -> None:
+    lim = limits(max_replicas=6, gpu_budget=8, gpus_per_replica={P: 2, D: 1})
+    plan = planner(linear, lim=lim)
+    plan.observe(interval(0, 5000.0), replicas={P: 1, D: 1})
+    decision = plan.decide(now=INTERVAL, current={P: 1, D: 1})
+    assert decision.sized[P].replicas > 6
+    assert lim.gpus(decision.target) <= 8
+    assert all(1 <= count <= 6 for count in decision.target.values())
+    assert any("max_replicas caps" in reason for reason in decision.reasons)
+    assert any("GPU budget 8" in reason for reason in decision.reasons)
+
+
+def test_aggregated_deployments_size_one_pool(linear: CapacityModel) -> None:
+    lim = limits(roles=(W,), gpus_per_replica={W: 2})
+    plan = planner(linear, lim=lim)
+    plan.observe(interval(0, 50.0), replicas={W: 1})
+    decision = plan.decide(now=INTERVAL, current={W: 1})
+    assert set(decision.target) == {W}
+    expected = linear.aggregated_replicas(Workload(rate=50.0, isl=1000, osl=100), ttft_ms=200.0, itl_ms=20.0)
+    assert decision.target[W] == expected.replicas
+
+
+def test_corrections_learn_slower_engines(linear: CapacityModel) -> None:
+    cfg = config(correction=True, correction_smoothing=1.0)
+    plan = planner(linear, cfg=cfg)
+    replicas = {P: 4, D: 2}
+    obs = interval(0, 100.0)
+    estimate = linear.estimate(replicas=replicas, load=workload_of(obs), duration_s=INTERVAL)
+    plan.observe(
+        dataclasses.replace(obs, ttft_ms=estimate.ttft_ms, itl_ms=estimate.itl_ms), replicas=replicas
+    )
+    assert (plan.corrections.prefill, plan.corrections.decode) == pytest.approx((1.0, 1.0), abs=1e-6)
+    # Observed 50 % slower prefill: the solved factor makes the estimate match the observation.
+    slower = dataclasses.replace(obs, ttft_ms=estimate.ttft_ms * 1.5)
+    plan.observe(slower, replicas=replicas)
+    assert plan.corrections.prefill > 1.0
+    matched = linear.estimate(
+        replicas=replicas,
+        load=workload_of(obs),
+        duration_s=INTERVAL,
+        corrections=Corrections(prefill=plan.corrections.prefill, decode=plan.corrections.decode),
+    )
+    assert matched.ttft_ms == pytest.approx(estimate.ttft_ms * 1.5, rel=1e-4)
+    # A wild measurement is clamped.
+    plan.observe(dataclasses.replace(obs, itl_ms=estimate.itl_ms * 100), replicas=replicas)
+    assert plan.corrections.decode == 2.0
+
+
+def test_corrections_are_smoothed(linear: CapacityModel) -> None:
+    plan = planner(linear, cfg=config(correction=True, correction_smoothing=0.3))
+    replicas = {P: 4, D: 2}
+    obs = interval(0, 100.0)
+    estimate = linear.estimate(replicas=replicas, load=workload_of(obs), duration_s=INTERVAL)
+    plan.observe(dataclasses.replace(obs, itl_ms=estimate.itl_ms * 100), replicas=replicas)
+    assert plan.corrections.decode == pytest.approx(0.7 + 0.3 * 2.0)
+
+
+def test_decision_log_line_has_the_numbers(linear: CapacityModel) -> None:
+    plan = planner(linear)
+    plan.observe(interval(0, 300.0), replicas={P: 1, D: 1})
+    line = plan.decide(now=INTERVAL, current={P: 1, D: 1}).describe()
+    assert "forecast 300.00 req/s isl 1000 osl 100" in line
+    assert "prefill: throughput" in line
+    assert "corrections prefill 1.00 decode 1.00" in line
+
+
+def test_forecast_error_margin_adds_capacity(linear: CapacityModel) -> None:
+    # A predictor that keeps under-forecasting by ~30 %: sizing for its p90 error adds replicas.
+    rates = [100.0 * 1.3**k for k in range(8)]
+    point = planner(linear)
+    margin = planner(linear, cfg=config(forecast_quantile=0.9))
+    for step, rate in enumerate(rates):
+        point.observe(interval(step, rate), replicas={P: 1, D: 1})
+        margin.observe(interval(step, rate), replicas={P: 1, D: 1})
+    a = point.decide(now=8 * INTERVAL, current={P: 1, D: 1})
+    b = margin.decide(now=8 * INTERVAL, current={P: 1, D: 1})
+    assert b.margin == pytest.approx(1.3)
+    assert b.target[P] > a.target[P]
