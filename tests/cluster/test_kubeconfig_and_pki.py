@@ -21,7 +21,7 @@ def test_kubeconfig_loads_in_the_kubernetes_client_with_server_ca_and_token(tmp_
         dump_kubeconfig(render_kubeconfig(server="https://127.0.0.1:6443", ca_file=ca, token="abc123"))
     )
     configuration = client.Configuration()
-    config.load_kube_config(config_file=str(path), client_configuration=configuration)  # type: ignore[no-untyped-call]
+    config.load_kube_config(config_file=str(path), client_configuration=configuration)
     assert configuration.host == "https://127.0.0.1:6443"
     assert configuration.ssl_ca_cert == str(ca)
     assert list(configuration.api_key.values()) == ["Bearer abc123"]

@@ -67,7 +67,8 @@ class _Builder:
             "GOTOOLCHAIN": "local",
             # Static binaries, as upstream releases them (KUBE_STATIC_LIBRARIES, etcd's build_lib.sh).
             "CGO_ENABLED": "0",
-            "GOFLAGS": "-mod=mod",
+            # The wrapper modules' go.sum starts empty; keep any flags the user set (e.g. -modcacherw).
+            "GOFLAGS": " ".join(flag for flag in (os.environ.get("GOFLAGS", ""), "-mod=mod") if flag),
         }
         self._current = ""
         self.kube_dir: Path | None = None

@@ -30,7 +30,14 @@ from copse.cluster.kubeconfig import dump_kubeconfig, render_kubeconfig
 from copse.cluster.kubectl import Kubectl, KubectlError
 from copse.cluster.logs import tail
 from copse.cluster.pki import generate_pki
-from copse.cluster.state import ClusterState, ProcessRecord, is_alive, read_state, record_for, write_state
+from copse.cluster.state import (
+    ClusterState,
+    ProcessRecord,
+    is_alive,
+    process_start_ticks,
+    read_state,
+    write_state,
+)
 from copse.cluster.versions import DEFAULT_VERSIONS, Binaries, Versions, cache_root
 from copse.topology import fake
 
@@ -325,8 +332,11 @@ class _Starter:
                 start_new_session=True,
             )
         self.popens[component.name] = popen
-        self.records[component.name] = record_for(popen.pid)
-        write_state(self.layout.state, self.state(ports))
+        ticks = process_start_ticks(popen.pid)
+        # None: it already exited (a bad flag, say); wait_ready reports that with its log.
+        if ticks is not None:
+            self.records[component.name] = ProcessRecord(pid=popen.pid, start_ticks=ticks)
+            write_state(self.layout.state, self.state(ports))
         return popen
 
     def wait_ready(
