@@ -56,13 +56,14 @@ def load(path: Path, limit: int | None) -> list[Row]:
     return rows
 
 
-def replay(rows: list[Row], *, engines: int, fuse: bool) -> tuple[float, Simulator]:
+def replay(rows: list[Row], *, engines: int, fuse: bool) -> tuple[float, float, Simulator]:
+    """Replay ``rows`` round-robin; returns wall seconds, CPU seconds of this process, the simulator."""
     perf = PolynomialPerfModel()
     sim = Simulator(
         [Engine(worker_id=f"w{i}", config=EngineConfig(), perf=perf) for i in range(engines)],
         fuse_decode=fuse,
     )
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for n, row in enumerate(rows):
         sim.run_until(row.timestamp_ms)
         for engine in sim.engines:
@@ -70,7 +71,7 @@ def replay(rows: list[Row], *, engines: int, fuse: bool) -> tuple[float, Simulat
         tokens = trace_tokens(row.hash_ids, row.input_length)
         sim.submit(n % engines, request_id=str(n), tokens=tokens, max_tokens=row.output_length)
     sim.run()
-    return time.perf_counter() - started, sim
+    return time.perf_counter() - started, time.process_time() - cpu, sim
 
 
 def main() -> None:
@@ -84,7 +85,7 @@ def main() -> None:
     rows = load(args.trace, args.limit)
     results = {}
     for fuse in (False, True):
-        wall, sim = replay(rows, engines=args.engines, fuse=fuse)
+        wall, cpu, sim = replay(rows, engines=args.engines, fuse=fuse)
         outcomes = sim.outcomes
         tokens = sum(o.prompt_tokens + o.output_tokens for o in outcomes)
         generated = sum(o.output_tokens for o in outcomes)
@@ -93,7 +94,7 @@ def main() -> None:
         print(
             f"{'fused' if fuse else 'step-by-step':>12}: {len(outcomes)} requests,"
             f" {sim.now_ms / 1000:.0f} s simulated"
-            f" in {wall:.1f} s wall ({sim.now_ms / 1000 / wall:.0f}x real time);"
+            f" in {wall:.1f} s wall, {cpu:.1f} s CPU ({sim.now_ms / 1000 / wall:.0f}x real time);"
             f" {tokens / wall:,.0f} tokens/s (prompt+output), {generated / wall:,.0f} generated tokens/s;"
             f" TTFT p50 {statistics.median(ttft):.0f} ms, p99 {ttft[int(0.99 * (len(ttft) - 1))]:.0f} ms"
         )

@@ -16,9 +16,9 @@ never left the cache), so the set of stored-minus-removed hashes always equals
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from copse.workers.protocol.kv_events import KvCleared, KvEventData, KvRemoved, 
 
 #: Builds a named tuple from a plain one without the Python-level ``__new__`` of named tuples.
 _new_tuple = tuple.__new__
+
+#: Runs an iterator to its end in C (bulk dict updates without a Python-level loop).
+_consume = deque[object](maxlen=0).extend
 
 #: Receives each event and, when the manager keeps tokens, the token ids of each stored block.
 EventSink = Callable[[KvEventData, list[np.ndarray] | None], None]
@@ -57,8 +60,9 @@ class BlockManager:
         self._keep_tokens = keep_tokens
         self.active: dict[int, int] = {}
         """Block hash -> number of sequences referencing it."""
-        self.inactive: OrderedDict[int, None] = OrderedDict()
-        """Cached, unreferenced block hashes, least recently released first."""
+        self.inactive: dict[int, None] = {}
+        """Cached, unreferenced block hashes, least recently released first (a plain dict keeps
+        insertion order and is twice as fast as an OrderedDict here)."""
         self.parents: dict[int, int | None] = {}
         """Block hash -> parent block hash, for every cached block (for dumps)."""
         self.tokens_hashes: dict[int, int] = {}
@@ -113,9 +117,9 @@ class BlockManager:
             return True
         active, inactive = self.active, self.inactive
         segment = hashes[start:full]
-        # set intersections run in C: most steps touch hundreds of prompt blocks at once
-        shared = active.keys() & segment if active else set()
-        cached = inactive.keys() & segment if inactive else set()
+        # filter() over the segment runs in C: a prefill step touches hundreds of blocks at once
+        shared = list(filter(active.__contains__, segment)) if active else []
+        cached = list(filter(inactive.__contains__, segment)) if inactive else []
         missing = len(segment) - len(shared) - len(cached)
         extra = missing + need_partial - holder.partial
         if extra > self.free_blocks + len(inactive) - len(cached):
@@ -124,26 +128,23 @@ class BlockManager:
         if missing and missing == len(segment):
             runs.append((start, full))
         elif missing:
+            known = {*shared, *cached}
             for index in range(start, full):
-                if hashes[index] in shared or hashes[index] in cached:
+                if hashes[index] in known:
                     continue
                 if runs and runs[-1][1] == index:
                     runs[-1] = (runs[-1][0], index + 1)
                 else:
                     runs.append((index, index + 1))
-        for block_hash in shared:
-            active[block_hash] += 1
-        for block_hash in cached:
-            del inactive[block_hash]
-            active[block_hash] = 1
-        evicted: list[int] = []
+        if shared:
+            active.update(zip(shared, map((1).__add__, map(active.__getitem__, shared)), strict=True))
+        if cached:
+            _consume(map(inactive.__delitem__, cached))
+            active.update(dict.fromkeys(cached, 1))
         shortfall = extra - self.free_blocks
-        while shortfall > 0:
-            victim, _ = inactive.popitem(last=False)
-            del self.parents[victim]
-            del self.tokens_hashes[victim]
-            evicted.append(victim)
-            shortfall -= 1
+        evicted = list(islice(inactive, shortfall)) if shortfall > 0 else []
+        for cache in (inactive, self.parents, self.tokens_hashes):
+            _consume(map(cache.__delitem__, evicted))
         self.partial_blocks += need_partial - holder.partial
         holder.partial = need_partial
         holder.blocks.extend(segment)
@@ -183,13 +184,19 @@ class BlockManager:
         """Drop ``holder``'s references, last block first, so that suffixes are evicted before the
         prefixes other sequences may share."""
         active, inactive = self.active, self.inactive
-        for block_hash in reversed(holder.blocks):
-            count = active[block_hash] - 1
-            if count:
-                active[block_hash] = count
-            else:
-                del active[block_hash]
-                inactive[block_hash] = None
+        tail_first = holder.blocks[::-1]
+        if max(map(active.__getitem__, tail_first), default=0) == 1:
+            # the common case, no block shared: done in C
+            _consume(map(active.__delitem__, tail_first))
+            inactive.update(dict.fromkeys(tail_first))
+        else:
+            for block_hash in tail_first:
+                count = active[block_hash] - 1
+                if count:
+                    active[block_hash] = count
+                else:
+                    del active[block_hash]
+                    inactive[block_hash] = None
         holder.blocks = []
         self.partial_blocks -= holder.partial
         holder.partial = 0
