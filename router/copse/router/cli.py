@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from copse.router.config import ConfigError, parse_config
 from copse.router.core import Thresholds
+from copse.router.live import run_live
 from copse.router.policies import POLICIES
 from copse.router.replay import EngineConfigError, ReplayReport, ReplaySettings, load_engine_setup, replay
 from copse.router.server import serve
@@ -70,6 +71,11 @@ def _table(report: ReplayReport) -> str:
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="Router softmax temperature.")
 @click.option("--queue-size", type=int, default=Thresholds().queue_size, show_default=True)
 @click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option(
+    "--live",
+    is_flag=True,
+    help="Real router HTTP server and mocked-engine processes, in wall time (use --limit).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def replay_command(
     *,
@@ -84,9 +90,11 @@ def replay_command(
     temperature: float,
     queue_size: int,
     limit: int | None,
+    live: bool,
     as_json: bool,
 ) -> None:
-    """Replay a request trace through the router and mocked engines on a virtual clock."""
+    """Replay a request trace through the router and mocked engines: a discrete-event simulation on
+    a virtual clock, or with --live the real HTTP router and engine processes in wall time."""
     for name, value in (
         ("--workers", workers),
         ("--trace-block-size", trace_block_size),
@@ -117,7 +125,11 @@ def replay_command(
     )
     with tqdm(total=len(trace), unit="req", file=sys.stderr, disable=None, desc=policy) as bar:
         try:
-            report = replay(trace, settings, progress=bar.update)
+            report = (
+                run_live(trace, settings, progress=bar.update)
+                if live
+                else replay(trace, settings, progress=bar.update)
+            )
         except ValueError as exc:
             raise _fail(str(exc)) from exc
     click.echo(json.dumps(report.as_json()) if as_json else _table(report))

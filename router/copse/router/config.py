@@ -106,6 +106,8 @@ class RouterConfig(_Model):
     """Period of worker health probes: a dead worker is dropped within interval + timeout."""
     health_timeout_s: float = Field(default=0.5, gt=0)
     """Timeout of one health probe."""
+    health_failures: int = Field(default=3, ge=1)
+    """Slow or failed probes in a row before a worker that still accepts connections is dropped."""
     peer_timeout_s: float = Field(default=5.0, gt=0)
     """A peer router silent this long is considered gone and its load forgotten."""
     kv_transfer: DisaggSettings = Field(default_factory=DisaggSettings)

@@ -17,8 +17,10 @@ stream that ends early) is sent to another worker, at most ``max_retries`` times
 reached the client yet, so the client sees one clean answer. After the first token the client
 gets an SSE ``data: {"error": ...}`` event and the stream ends.
 
-Workers come from discovery; each is probed (``GET /health``) every ``health_interval_s`` and
-used only while it answers, so a dead worker is dropped within ``interval + timeout``. A worker
+Workers come from discovery; each is probed (``GET /health``) every ``health_interval_s``. A
+worker that refuses connections (its process is gone) is dropped at the first probe, so within
+``interval + timeout``; one that answers slowly or with errors after ``health_failures`` probes in
+a row (an engine busy with a long step is not dead). A worker
 is registered once its ``GET /worker_info`` (mocked engines) tells its id and block size; a
 ``trtllm-serve`` without that endpoint is registered under the id discovery knows (the pod name).
 """
@@ -148,6 +150,8 @@ class RouterService:
         self.app.on_cleanup.append(self._on_cleanup)
         self._endpoints: dict[str, Endpoint] = {}
         self._live: dict[str, _Live] = {}
+        self._failures: dict[str, int] = {}
+        """Consecutive failed health probes per endpoint."""
         self._urls: dict[str, str] = {}
         """Worker id -> base URL of the live workers."""
         self._waiting: dict[str, asyncio.Future[Route]] = {}

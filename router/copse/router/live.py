@@ -1,0 +1,246 @@
+"""Live replay: the real router HTTP server in front of real mocked-engine processes, in wall time.
+
+A throwaway ``nats-server`` carries the engines' KV events; ``copse worker mock`` serves the
+engines (one process, consecutive ports on 127.0.0.1); the router runs in this process with
+static discovery of those engines. Every trace request is sent at its (sped-up) arrival time as a
+streamed completion of synthesised token ids, and its TTFT, ITL, end-to-end latency and cached
+prompt tokens are read from the stream. The report has the same shape as the simulation's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import aiohttp
+import numpy as np
+
+from copse.router.config import parse_config
+from copse.router.replay import Distribution, ReplayReport, ReplaySettings
+from copse.router.server import start_router
+from copse.router.trace import TokenSynth, TraceRequest
+from copse.workers.testing import nats_server
+
+MODEL = "live-replay"
+DEPLOYMENT = "live-replay"
+
+
+def _free_port_range(count: int, *, attempts: int = 50) -> int:
+    """A port p such that p .. p+count-1 are free on 127.0.0.1 right now."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + count > 65535:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
+
+
+@contextlib.contextmanager
+def _nats() -> Iterator[str]:
+    with nats_server() as url:
+        yield url
+
+
+async def _engines(
+    settings: ReplaySettings, *, block_size: int, nats_url: str
+) -> tuple[asyncio.subprocess.Process, list[str]]:
+    config = settings.engines.config
+    base = _free_port_range(settings.workers)
+    args = [
+        sys.executable, "-m", "copse.cli", "worker", "mock",
+        "--engines", str(settings.workers),
+        "--port-base", str(base),
+        "--model", MODEL,
+        "--block-size", str(block_size),
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--max-model-len", str(config.max_model_len),
+        "--speedup-ratio", str(config.speedup_ratio),
+        "--decode-speedup-ratio", str(config.decode_speedup_ratio),
+        "--kv-capacity-tokens", str(settings.engines.perf.kv_capacity_tokens),
+        "--seed", str(settings.seed),
+        "--nats", nats_url,
+        "--deployment", DEPLOYMENT,
+    ]  # fmt: skip
+    if config.num_blocks is not None:
+        args += ["--num-blocks", str(config.num_blocks)]
+    process = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), timeout=60)
+    if not line:
+        raise RuntimeError(f"copse worker mock exited with {await process.wait()} before serving")
+    return process, [f"http://127.0.0.1:{base + i}" for i in range(settings.workers)]
+
+
+async def _send(
+    http: aiohttp.ClientSession,
+    url: str,
+    *,
+    tokens: list[int],
+    max_tokens: int,
+) -> tuple[float, float, float, int, int]:
+    """(ttft s, mean itl s, e2e s, cached tokens, output tokens); NaNs when it failed."""
+    body = {
+        "model": MODEL,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        return await _stream(http, url, body, time.monotonic())
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError):
+        return math.nan, math.nan, math.nan, 0, 0
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, body: dict[str, object], start: float
+) -> tuple[float, float, float, int, int]:
+    first = last = math.nan
+    count = cached = 0
+    async with http.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            return math.nan, math.nan, math.nan, 0, 0
+        async for line in response.content:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                return math.nan, math.nan, math.nan, 0, 0
+            if event.get("choices"):
+                now = time.monotonic()
+                if count == 0:
+                    first = now
+                last = now
+                count += 1
+            usage = event.get("usage")
+            if usage and usage.get("prompt_tokens_details"):
+                cached = int(usage["prompt_tokens_details"].get("cached_tokens", 0))
+    itl = (last - first) / (count - 1) if count > 1 else math.nan
+    return first - start, itl, last - start, cached, count
+
+
+async def live_replay(
+    trace: Sequence[TraceRequest],
+    settings: ReplaySettings,
+    *,
+    progress: Callable[[int], object] | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` in wall time through a real router and real mocked engines."""
+    started = time.perf_counter()
+    block_size = (
+        settings.engines.config.block_size if settings.engines.block_size_set else settings.trace_block_size
+    )
+    if settings.trace_block_size % block_size:
+        raise ValueError(
+            f"engine block_size {block_size} must divide the trace block size {settings.trace_block_size}"
+        )
+    synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
+    with _nats() as nats_url:
+        process, urls = await _engines(settings, block_size=block_size, nats_url=nats_url)
+        try:
+            config = parse_config(
+                {
+                    "model": MODEL,
+                    "port": 0,
+                    "policy": settings.policy,
+                    "temperature": settings.temperature,
+                    "decode_weight": settings.decode_weight,
+                    "block_size": block_size,
+                    "queue_size": settings.thresholds.queue_size,
+                    "nats_url": nats_url,
+                    "deployment": DEPLOYMENT,
+                    "max_num_batched_tokens": settings.engines.config.max_num_batched_tokens,
+                    "kv_capacity_tokens": settings.engines.perf.kv_capacity_tokens,
+                    "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
+                    "seed": settings.seed,
+                },
+                source="live replay",
+            )
+            router = await start_router(config, router_id="live-replay")
+            try:
+                deadline = time.monotonic() + 60
+                while len(router.service.router.workers) < settings.workers:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the mocked engines did not all become healthy within 60 s")
+                    await asyncio.sleep(0.05)
+                results = await _drive(router.url, trace, settings, synth, progress)
+            finally:
+                await router.close()
+        finally:
+            process.terminate()
+            await process.wait()
+    ttft, itl, e2e, cached, outputs = (
+        np.array(column, dtype=np.float64) for column in zip(*results, strict=True)
+    )
+    done = ~np.isnan(e2e)
+    prompts = np.array([r.input_length for r in trace], dtype=np.float64)
+    span = float(np.nanmax(e2e + np.array([r.timestamp_ms / 1000 / settings.speedup for r in trace])))
+    return ReplayReport(
+        policy=settings.policy,
+        workers=settings.workers,
+        requests=int(done.sum()),
+        ttft_ms=Distribution.of(ttft[done] * 1000),
+        itl_ms=Distribution.of(itl[done] * 1000),
+        e2e_ms=Distribution.of(e2e[done] * 1000),
+        cache_hit_rate=float(cached[done].sum() / prompts[done].sum()) if done.any() else 0.0,
+        throughput_tok_s=float(outputs[done].sum() / span) if done.any() and span > 0 else 0.0,
+        failed=int((~done).sum()),
+        preemptions=0,
+        simulated_s=span,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+async def _drive(
+    url: str,
+    trace: Sequence[TraceRequest],
+    settings: ReplaySettings,
+    synth: TokenSynth,
+    progress: Callable[[int], object] | None,
+) -> list[tuple[float, float, float, int, int]]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+        loop = asyncio.get_running_loop()
+        origin = loop.time()
+        tasks = []
+        for request in trace:
+            delay = origin + request.timestamp_ms / 1000 / settings.speedup - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tokens = synth.tokens(request.hash_ids, request.input_length).tolist()
+            tasks.append(
+                asyncio.create_task(_send(http, url, tokens=tokens, max_tokens=request.output_length))
+            )
+            if progress is not None:
+                progress(1)
+        return list(await asyncio.gather(*tasks))
+
+
+def run_live(
+    trace: Sequence[TraceRequest],
+    settings: ReplaySettings,
+    *,
+    progress: Callable[[int], object] | None = None,
+) -> ReplayReport:
+    """:func:`live_replay` from synchronous code."""
+    return asyncio.run(live_replay(trace, settings, progress=progress))
