@@ -27,6 +27,9 @@ def walk(node: Any, path: str = "") -> list[str]:
         for forbidden in ("$ref", "$defs", "title", "oneOf"):
             if forbidden in node:
                 problems.append(f"{path}: has {forbidden}")
+        for exclusive in ("exclusiveMinimum", "exclusiveMaximum"):
+            if exclusive in node and not isinstance(node[exclusive], bool):
+                problems.append(f"{path}: {exclusive} must be a boolean in OpenAPI v3.0")
         if "additionalProperties" in node and "properties" in node:
             problems.append(f"{path}: both properties and additionalProperties")
         untyped_ok = node.get("x-kubernetes-preserve-unknown-fields") or node.get(

@@ -27,7 +27,7 @@ def test_gang_pods_are_gated_pinned_and_ranked() -> None:
         term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [node]
         [container] = spec["containers"]
-        assert container["resources"]["limits"][children.GPU_RESOURCE] == 4
+        assert container["resources"]["limits"][children.GPU_RESOURCE] == "4"
         env = {item["name"]: item["value"] for item in container["env"]}
         assert env["COPSE_NODE_RANK"] == str(rank)
         assert env["COPSE_WORLD_SIZE"] == "8"

@@ -96,6 +96,7 @@ async def test_seed_deployment_lands_one_group_per_rack() -> None:
     assert all(not p["spec"].get("schedulingGates") and p["status"]["phase"] == "Running" for p in pods)
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
     assert conditions == {"Placed": "True", "Ready": "True", "PlacementInfeasible": "False"}
+    assert status["observedGeneration"] == 1
     assert Counter(reason for _, reason, _ in harness.kube.events)["Placed"] == 2
     assert ("ConfigMap", NAMESPACE, "llama-engine") in harness.kube.objects
     assert ("Deployment", NAMESPACE, "llama-router") in harness.kube.objects

@@ -24,12 +24,20 @@ def _structural(node: Any) -> Any:
     # A `default: null` would make the API server store explicit nulls; other defaults stay,
     # so CEL rules see the same values the pydantic models fill in.
     if isinstance(node, dict):
-        return {
+        converted = {
             key: _structural(value)
             for key, value in node.items()
             if not (key == "additionalProperties" and value is False)
             and not (key == "default" and value is None)
         }
+        # JSON Schema 2020 writes `exclusiveMinimum: 0`; OpenAPI v3.0 (CRDs) wants
+        # `minimum: 0, exclusiveMinimum: true`.
+        for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            value = converted.get(exclusive)
+            if not isinstance(value, bool) and isinstance(value, int | float):
+                converted[bound] = value
+                converted[exclusive] = True
+        return converted
     if isinstance(node, list):
         return [_structural(item) for item in node]
     return node

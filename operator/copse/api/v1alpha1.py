@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import pydantic
@@ -33,6 +34,7 @@ _T = TypeVar("_T")
 Nullable = Annotated[_T | None, schema.Nullable]
 #: A free-form object the API server must not prune.
 FreeForm = Annotated[dict[str, Any], schema.XKubernetesPreserveUnknownFields]
+
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Parallelism = Annotated[int, Field(ge=1, le=1024)]
@@ -104,6 +106,17 @@ class _Model(pydantic.BaseModel):
     )
 
 
+def _defaults_of(model: type[pydantic.BaseModel]) -> Callable[[dict[str, Any]], None]:
+    """Schema default of an optional sub-object: the object with every default filled in, so
+    the API server stores and CEL rules see the values the models use (the API server checks
+    defaults against CEL without applying nested defaults first, so ``{}`` would not do)."""
+
+    def add_default(schema: dict[str, Any]) -> None:
+        schema["default"] = model().model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    return add_default
+
+
 class _SpecModel(_Model):
     """Spec parts reject unknown keys: a typo must not be silently ignored."""
 
@@ -172,10 +185,14 @@ class ScalingSpec(_SpecModel):
         default=None, description="GPU budget shared by all pools of this deployment (planner bound)."
     )
     target_latency: TargetLatency = Field(
-        default_factory=TargetLatency, description="Latency targets the planner sizes pools for."
+        default_factory=TargetLatency,
+        json_schema_extra=_defaults_of(TargetLatency),
+        description="Latency targets the planner sizes pools for.",
     )
     scale_up_trigger: ScaleUpTrigger = Field(
-        default_factory=ScaleUpTrigger, description="Fast path when queues build faster than forecast."
+        default_factory=ScaleUpTrigger,
+        json_schema_extra=_defaults_of(ScaleUpTrigger),
+        description="Fast path when queues build faster than forecast.",
     )
     scale_down_delay: str = Field(
         default="300s",
@@ -345,12 +362,36 @@ class InferenceDeploymentSpec(_SpecModel):
     )
     prefill: Nullable[PoolSpec] = Field(default=None, description="Prefill pool (disaggregated).")
     decode: Nullable[PoolSpec] = Field(default=None, description="Decode pool (disaggregated).")
-    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Where TP groups may land.")
-    scaling: ScalingSpec = Field(default_factory=ScalingSpec, description="Bounds and SLA targets.")
-    cold_start: ColdStartSpec = Field(default_factory=ColdStartSpec, description="How new replicas load.")
-    engine: EngineSpec = Field(default_factory=EngineSpec, description="The inference engine in each pod.")
-    router: RouterSpec = Field(default_factory=RouterSpec, description="The KV-aware router of this model.")
-    pod: PodSpec = Field(default_factory=PodSpec, description="Pod-level settings of the worker pods.")
+    placement: PlacementSpec = Field(
+        default_factory=PlacementSpec,
+        json_schema_extra=_defaults_of(PlacementSpec),
+        description="Where TP groups may land.",
+    )
+    scaling: ScalingSpec = Field(
+        default_factory=ScalingSpec,
+        json_schema_extra=_defaults_of(ScalingSpec),
+        description="Bounds and SLA targets.",
+    )
+    cold_start: ColdStartSpec = Field(
+        default_factory=ColdStartSpec,
+        json_schema_extra=_defaults_of(ColdStartSpec),
+        description="How new replicas load.",
+    )
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec,
+        json_schema_extra=_defaults_of(EngineSpec),
+        description="The inference engine in each pod.",
+    )
+    router: RouterSpec = Field(
+        default_factory=RouterSpec,
+        json_schema_extra=_defaults_of(RouterSpec),
+        description="The KV-aware router of this model.",
+    )
+    pod: PodSpec = Field(
+        default_factory=PodSpec,
+        json_schema_extra=_defaults_of(PodSpec),
+        description="Pod-level settings of the worker pods.",
+    )
 
     @model_validator(mode="after")
     def _check_pools(self) -> InferenceDeploymentSpec:

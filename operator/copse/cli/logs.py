@@ -52,3 +52,6 @@ def configure(*, fmt: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # HTTP clients log every request at INFO: noise next to our decisions.
+    for chatty in ("httpx", "httpcore", "aiohttp.access"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))

@@ -206,9 +206,13 @@ def worker_pods(
             "COPSE_COLD_START_STRATEGY": spec.cold_start.strategy.value,
             "COPSE_COLD_START_SOURCE": cold_start_source or "",
         }
-        resources = {key: dict(value) for key, value in spec.pod.resources.items()}
-        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
-        resources.setdefault("requests", {})[GPU_RESOURCE] = gpus
+        # Quantities are strings in the API ("4", "500m"); the client validates them as such.
+        resources = {
+            section: {name: str(amount) for name, amount in dict(amounts).items()}
+            for section, amounts in spec.pod.resources.items()
+        }
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)
+        resources.setdefault("requests", {})[GPU_RESOURCE] = str(gpus)
         container: dict[str, Any] = {
             "name": "engine",
             "image": image,
@@ -389,7 +393,8 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
             "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}],
         },
     }
-    return [config_map, router_deployment, service, *router_rbac(deployment)]
+    # Identity first: the ReplicaSet cannot create pods before their ServiceAccount exists.
+    return [*router_rbac(deployment), config_map, router_deployment, service]
 
 
 def router_rbac(deployment: InferenceDeployment) -> list[dict[str, Any]]:

@@ -201,6 +201,7 @@ class Controller:
             nodes=list(self.cache.nodes.values()),
             pods=list(self.cache.pods.values()),
             now=datetime.now(UTC),
+            generation=body["metadata"].get("generation"),
             previous_status=body.get("status"),
             settings=self.settings,
         )

@@ -90,6 +90,7 @@ def reconcile(
     nodes: Sequence[Mapping[str, Any]],
     pods: Sequence[Mapping[str, Any]],
     now: datetime,
+    generation: int | None = None,
     previous_status: Mapping[str, Any] | None = None,
     settings: ReconcileSettings = ReconcileSettings(),
 ) -> Decision:
@@ -237,6 +238,7 @@ def reconcile(
         cold_start_source=decision.cold_start_source,
         placer=placer,
         now=now,
+        generation=generation,
         previous_conditions=previous.get("conditions", []),
     )
     in_flight = decision.restart or decision.remove or decision.place or decision.lift_gates
@@ -281,12 +283,10 @@ def _status(
     cold_start_source: str | None,
     placer: Placer,
     now: datetime,
+    generation: int | None,
     previous_conditions: Sequence[Mapping[str, Any]],
 ) -> dict[str, Any]:
     name = deployment.metadata.name
-    generation = (
-        deployment.metadata.model_extra.get("generation") if deployment.metadata.model_extra else None
-    )
     layouts = [g.layout for g in groups if g.layout is not None] + list(placed)
     ready_names = {g.name for g in groups if g.state is GroupState.READY}
     roles: dict[str, dict[str, int]] = {}

@@ -1,0 +1,334 @@
+"""The operator against a real control plane: placement, gangs, failures, scaling, restarts."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from copse.cluster import Kubectl, KubectlError, binaries_for
+from copse.operator import names
+from copse.topology.fake import gpu_nodes
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+OPERATOR_NAMESPACE = "copse-system"
+INVALID = sorted((REPO / "tests" / "api" / "invalid").glob("*.yaml"))
+
+
+class Operator:
+    """``copse operator run`` as its own process, the way a user starts it."""
+
+    def __init__(self, *, log: Path, kubeconfig: Path) -> None:
+        self.log = log
+        self.kubeconfig = kubeconfig
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as sink:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "copse.cli", "operator", "run", "--metrics-port", "0"],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+            )
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as when a node dies under the operator."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def operator_kubeconfig(kubectl: Kubectl, directory: Path) -> Path:
+    """A kubeconfig holding only the chart's operator ServiceAccount token: the operator runs
+    with exactly the RBAC the chart grants it, so a missing verb fails these tests."""
+    rendered = subprocess.run(
+        [
+            str(binaries_for().path("helm")),
+            "template",
+            "copse",
+            str(REPO / "charts" / "copse"),
+            f"--namespace={OPERATOR_NAMESPACE}",
+            "--show-only=templates/operator-rbac.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    kubectl.run("create", "namespace", OPERATOR_NAMESPACE, check=False)
+    kubectl.apply(list(yaml.safe_load_all(rendered)), namespace=OPERATOR_NAMESPACE)
+    token = kubectl.run(
+        "create", "token", "copse-copse-operator", f"--namespace={OPERATOR_NAMESPACE}", "--duration=4h"
+    ).stdout.strip()
+    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    admin["users"] = [{"name": "copse-operator", "user": {"token": token}}]
+    context["user"] = "copse-operator"
+    admin["contexts"] = [{"name": admin["current-context"], "context": context}]
+    path = directory / "operator.kubeconfig"
+    path.write_text(yaml.safe_dump(admin))
+    return path
+
+
+@pytest.fixture(scope="module")
+def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    directory = tmp_path_factory.mktemp("operator")
+    running = Operator(log=directory / "operator.log", kubeconfig=operator_kubeconfig(kubectl, directory))
+    running.start()
+    yield running
+    running.stop()
+
+
+def seed(name: str, **spec: Any) -> dict[str, Any]:
+    manifest = yaml.safe_load(SEED.read_text())
+    manifest["metadata"]["name"] = name
+    manifest["spec"].update(copy.deepcopy(spec))
+    return dict(manifest)
+
+
+def wait_until(what: str, check: Callable[[], bool], *, timeout: float = 90, operator: Operator) -> None:
+    """Poll ``check`` (reads of cluster state) until true; on timeout say what and show the operator log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}\n--- operator log ---\n{operator.tail()}")
+
+
+def status(kubectl: Kubectl, name: str, namespace: str) -> dict[str, Any]:
+    result: dict[str, Any] = kubectl.get("idep", name, namespace=namespace).get("status", {})
+    return result
+
+
+def worker_pods(kubectl: Kubectl, name: str, namespace: str) -> list[dict[str, Any]]:
+    selector = names.selector_string(names.worker_selector(name))
+    return kubectl.items("pods", "-l", selector, namespace=namespace)
+
+
+def wait_running(
+    kubectl: Kubectl, name: str, namespace: str, operator: Operator, *, timeout: float = 120
+) -> None:
+    try:
+        kubectl.wait(
+            "--for=jsonpath={.status.phase}=Running", f"idep/{name}", namespace=namespace, timeout=timeout
+        )
+    except KubectlError as error:
+        raise AssertionError(
+            f"{name} not Running: {status(kubectl, name, namespace)}\n{operator.tail()}"
+        ) from error
+
+
+def test_seed_becomes_two_tp8_groups_on_two_racks(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    kubectl.apply(seed("llama"), namespace=namespace)
+    wait_running(kubectl, "llama", namespace, operator)
+    current = status(kubectl, "llama", namespace)
+    assert current["ready"] == "worker 2/2"
+    groups = current["groups"]
+    assert len(groups) == 2
+    assert all(group["domain"] for group in groups), "each TP=8 group inside one NVLink domain"
+    assert len({group["rack"] for group in groups}) == 2, "spread across racks"
+    assert current["observedGeneration"] == 1
+    pods = worker_pods(kubectl, "llama", namespace)
+    assert len(pods) == 4
+    for pod in pods:
+        assert pod["status"]["phase"] == "Running"
+        assert not pod["spec"].get("schedulingGates")
+        planned = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert pod["spec"]["nodeName"] == planned["nodeSelectorTerms"][0]["matchFields"][0]["values"][0]
+    table = kubectl.run("get", "idep", "llama", f"--namespace={namespace}").stdout
+    assert table.split()[:5] == ["NAME", "PHASE", "READY", "SCORE", "AGE"]
+    assert "Running" in table
+    assert "worker 2/2" in table
+    events = kubectl.items("events", "--field-selector", "involvedObject.name=llama", namespace=namespace)
+    assert Counter(event["reason"] for event in events)["Placed"] == 2
+    for kind in (
+        "service/llama-worker-0",
+        "configmap/llama-engine",
+        "deployment/llama-router",
+        "service/llama-router",
+    ):
+        kubectl.get(kind, namespace=namespace)
+
+
+def test_disaggregated_pools_land_close(kubectl: Kubectl, namespace: str, operator: Operator) -> None:
+    manifest = seed("disagg", prefill={"replicas": 1, "tensorParallelism": 4}, decode={"replicas": 1})
+    kubectl.apply(manifest, namespace=namespace)
+    wait_running(kubectl, "disagg", namespace, operator)
+    current = status(kubectl, "disagg", namespace)
+    assert current["ready"] == "prefill 1/1, decode 1/1"
+    racks = {group["role"]: group["rack"] for group in current["groups"]}
+    assert racks["prefill"] == racks["decode"]
+
+
+def test_scale_subresource_and_pool_patches(kubectl: Kubectl, namespace: str, operator: Operator) -> None:
+    kubectl.apply(seed("scaled", replicas=1), namespace=namespace)
+    wait_running(kubectl, "scaled", namespace, operator)
+    kubectl.run("scale", "idep/scaled", "--replicas=3", f"--namespace={namespace}")
+    wait_until(
+        "3 ready groups",
+        lambda: status(kubectl, "scaled", namespace).get("ready") == "worker 3/3",
+        operator=operator,
+    )
+    assert len(worker_pods(kubectl, "scaled", namespace)) == 6
+    kubectl.run("scale", "idep/scaled", "--replicas=1", f"--namespace={namespace}")
+    wait_until(
+        "scale-down to 1 group and its pods gone",
+        lambda: (
+            status(kubectl, "scaled", namespace).get("ready") == "worker 1/1"
+            and len(worker_pods(kubectl, "scaled", namespace)) == 2
+        ),
+        operator=operator,
+    )
+    scale = kubectl.get("idep", "scaled", "--subresource=scale", namespace=namespace)
+    assert scale["status"]["replicas"] == 1
+
+
+def test_node_loss_moves_only_its_group(kubectl: Kubectl, namespace: str, operator: Operator) -> None:
+    kubectl.apply(seed("moving"), namespace=namespace)
+    wait_running(kubectl, "moving", namespace, operator)
+    before = {
+        pod["metadata"]["name"]: (pod["metadata"]["labels"][names.LABEL_GROUP], pod["spec"]["nodeName"])
+        for pod in worker_pods(kubectl, "moving", namespace)
+    }
+    lost_group, lost_node = before["moving-worker-0-0"]
+    node = kubectl.get("node", lost_node)
+    kubectl.run("delete", "node", lost_node)
+    try:
+        wait_until(
+            "the group to move off the deleted node and be Running again",
+            lambda: (
+                status(kubectl, "moving", namespace).get("phase") == "Running"
+                and all(
+                    pod["spec"].get("nodeName") not in (None, lost_node)
+                    and pod["status"].get("phase") == "Running"
+                    for pod in worker_pods(kubectl, "moving", namespace)
+                )
+                and len(worker_pods(kubectl, "moving", namespace)) == 4
+            ),
+            operator=operator,
+        )
+        after = {
+            pod["metadata"]["name"]: (pod["metadata"]["labels"][names.LABEL_GROUP], pod["spec"]["nodeName"])
+            for pod in worker_pods(kubectl, "moving", namespace)
+        }
+        untouched = {pod: where for pod, where in before.items() if where[0] != lost_group}
+        assert {pod: after[pod] for pod in untouched} == untouched, "the other group kept its pods"
+        events = kubectl.items("events", "--field-selector", "reason=GangRestart", namespace=namespace)
+        assert any(lost_node in event["message"] for event in events)
+    finally:
+        for field in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+            node["metadata"].pop(field, None)
+        kubectl.apply(node)
+
+
+def test_infeasible_reports_why_and_heals_when_nodes_arrive(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    pool = f"pool-{namespace[-6:]}"
+    manifest = seed("waiting", replicas=1, pod={"nodeSelector": {"copse.dev/test-pool": pool}})
+    kubectl.apply(manifest, namespace=namespace)
+    wait_until(
+        "PlacementInfeasible",
+        lambda: any(
+            c["type"] == "PlacementInfeasible" and c["status"] == "True"
+            for c in status(kubectl, "waiting", namespace).get("conditions", [])
+        ),
+        operator=operator,
+    )
+    current = status(kubectl, "waiting", namespace)
+    assert current["unplaced"][0]["role"] == "worker"
+    assert current["unplaced"][0]["reason"]
+    assert current["phase"] == "Failed"
+    nodes = gpu_nodes(racks=1, trays_per_rack=2, prefix=pool)
+    for node in nodes:
+        node["metadata"]["labels"]["copse.dev/test-pool"] = pool
+    try:
+        kubectl.apply(nodes)
+        wait_running(kubectl, "waiting", namespace, operator)
+        assert status(kubectl, "waiting", namespace)["unplaced"] == []
+    finally:
+        kubectl.run("delete", "nodes", *(node["metadata"]["name"] for node in nodes), "--wait=false")
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda path: path.stem)
+def test_api_server_rejects_invalid_manifests(kubectl: Kubectl, namespace: str, path: Path) -> None:
+    expected = next(
+        line.removeprefix("# apiserver: ")
+        for line in path.read_text().splitlines()
+        if line.startswith("# apiserver:")
+    )
+    result = kubectl.run("apply", "-f", str(path), f"--namespace={namespace}", check=False)
+    assert result.returncode != 0
+    assert expected in result.stderr
+
+
+def test_deleting_the_deployment_removes_everything(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    kubectl.apply(seed("doomed", replicas=1), namespace=namespace)
+    wait_running(kubectl, "doomed", namespace, operator)
+    kubectl.run("delete", "idep", "doomed", f"--namespace={namespace}")
+    selector = f"{names.LABEL_DEPLOYMENT}=doomed"
+    wait_until(
+        "garbage collection of every child",
+        lambda: (
+            not any(
+                kubectl.items(kind, "-l", selector, namespace=namespace)
+                for kind in ("pods", "services", "configmaps", "deployments")
+            )
+        ),
+        operator=operator,
+    )
+
+
+def test_operator_restart_mid_reconcile_converges_without_duplicates(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    operator.kill()
+    try:
+        kubectl.apply(seed("restarted", replicas=4), namespace=namespace)
+        operator.start()
+        wait_until(
+            "the first pods to exist",
+            lambda: len(worker_pods(kubectl, "restarted", namespace)) > 0,
+            operator=operator,
+            timeout=60,
+        )
+        operator.kill()
+    finally:
+        operator.start()
+    wait_running(kubectl, "restarted", namespace, operator)
+    pods = worker_pods(kubectl, "restarted", namespace)
+    assert sorted(pod["metadata"]["name"] for pod in pods) == sorted(
+        f"restarted-worker-{replica}-{rank}" for replica in range(4) for rank in range(2)
+    )
+    services = kubectl.items("services", "-l", names.LABEL_GROUP, namespace=namespace)
+    assert len(services) == 4
