@@ -151,10 +151,10 @@ def test_queue_depth_fast_path_scales_up_ahead_of_the_forecast(linear: CapacityM
     plan.observe(interval(0, 100.0), replicas={P: 2, D: 1})
     calm = plan.decide(now=INTERVAL, current={P: 2, D: 1})
     assert not any("fast path" in reason for reason in calm.reasons)
-    queued = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queue_depth=9000.0)
+    queued = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queues={P: 9000.0})
     assert queued.target[P] > calm.target[P]
     assert any("fast path" in reason for reason in queued.reasons)
-    below = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queue_depth=15.0)  # < 10 per replica
+    below = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queues={P: 15.0})  # < 10 per replica
     assert not any("fast path" in reason for reason in below.reasons)
 
 
@@ -173,7 +173,7 @@ def test_queued_prompts_keep_their_prefill_replicas(linear: CapacityModel) -> No
     plan = planner(linear, lim=limits(queue_depth=1000))
     plan.observe(interval(0, 1.0), replicas={P: 6, D: 1})
     # 100 queued prompts of 20 ms within the 200 ms TTFT need 10 engines; 6 are there.
-    decision = plan.decide(now=INTERVAL, current={P: 6, D: 1}, queue_depth=100.0)
+    decision = plan.decide(now=INTERVAL, current={P: 6, D: 1}, queues={P: 100.0})
     assert decision.target[P] == 6
 
 

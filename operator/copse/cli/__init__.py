@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "synth": "copse.router.cli:synth",
     "operator": "copse.operator.cli:operator",
     "placement": "copse.placement.cli:placement",
+    "planner": "copse.planner.cli:planner",
     "worker": "copse.workers.cli:worker",
 }
 

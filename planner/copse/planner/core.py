@@ -6,8 +6,8 @@ One decision, at the start of each interval:
    only after the start-up delay, so a rise predicted that far ahead is acted on now (lead time).
 2. Size each pool for each forecast interval at ``headroom`` x the targets (see
    :mod:`copse.planner.capacity`), with the correction factors learned so far; take the largest.
-3. Fast path: when the front pool's queue exceeds ``queue_depth`` per replica, size for the
-   forecast plus draining that queue within one interval, whatever the forecast said.
+3. Fast path: when a pool's queue exceeds ``queue_depth`` per replica, size that pool for the
+   forecast plus draining its queue within one interval, whatever the forecast said.
 4. Floors: never below what in-flight work needs -- the decoding sequences' KV, and the queued
    prompts within the TTFT target.
 5. Hysteresis: a pool shrinks only to a count that would still meet the targets at
@@ -183,13 +183,14 @@ class Planner:
         *,
         now: float,
         current: Mapping[Role, int],
-        queue_depth: float | None = None,
+        queues: Mapping[Role, float] | None = None,
         inflight: float | None = None,
     ) -> Decision:
         """Replica targets for the interval starting at ``now``.
 
-        ``queue_depth`` is the number of requests waiting for the front pool (prefill or
-        aggregated workers) and ``inflight`` the number of sequences decoding, both as of now.
+        ``queues`` holds, per pool, the requests waiting for it (prompts for prefill or aggregated
+        workers, prefilled requests for a decode slot); ``inflight`` is the number of sequences
+        decoding. Both are as of now.
         """
         current = {role: current.get(role, 0) for role in self.limits.roles}
         reasons: list[str] = []
@@ -216,18 +217,22 @@ class Planner:
         ):
             reasons.append(f"lead time: sized for the load {forecasts.index(peak)} interval(s) ahead")
         desired = {role: sizing.replicas for role, sizing in sized.items()}
-        front = self.limits.front
         # Fast path: a queue the forecast did not see.
-        if queue_depth is not None and queue_depth >= self.limits.queue_depth * max(current[front], 1):
-            drain = dataclasses.replace(forecasts[0], num_requests=forecasts[0].num_requests + queue_depth)
-            need = self.size(workload_of(drain))[front].replicas
-            if need > desired[front]:
-                desired[front] = need
+        queues = queues or {}
+        for role in self.limits.roles:
+            queued = queues.get(role, 0.0)
+            if queued < self.limits.queue_depth * max(current[role], 1):
+                continue
+            drain = dataclasses.replace(forecasts[0], num_requests=forecasts[0].num_requests + queued)
+            need = self.size(workload_of(drain, scale=margin))[role].replicas
+            if need > desired[role]:
+                desired[role] = need
+                trigger = self.limits.queue_depth
                 reasons.append(
-                    f"queue depth {queue_depth:.0f} >= {self.limits.queue_depth}/replica: fast path"
+                    f"{role.value}: queue of {queued:.0f} >= {trigger}/replica: fast path to {need}"
                 )
         # Floors: in-flight work keeps its capacity.
-        floors = self._floors(forecasts[0], queue_depth=queue_depth, inflight=inflight)
+        floors = self._floors(forecasts[0], queued=queues.get(self.limits.front, 0.0), inflight=inflight)
         for role, floor in floors.items():
             if desired[role] < floor and current[role] > desired[role]:
                 desired[role] = min(floor, current[role])
@@ -265,18 +270,18 @@ class Planner:
             margin=margin,
         )
 
-    def _floors(
-        self, forecast: LoadForecast, *, queue_depth: float | None, inflight: float | None
-    ) -> dict[Role, int]:
+    def _floors(self, forecast: LoadForecast, *, queued: float, inflight: float | None) -> dict[Role, int]:
+        """Replicas in-flight work needs: KV for the sequences decoding, and the prompts queued
+        for the front pool prefilled within the TTFT target."""
         floors: dict[Role, int] = {}
         load = workload_of(forecast)
         if inflight:
             floors[self.limits.back] = math.ceil(inflight / self.capacity.max_batch(load.context_length))
-        if queue_depth:
+        if queued:
             service_ms = self.capacity.prefill_service_ms(
                 load.isl, hit_rate=load.kv_hit_rate, scale=self.corrections.prefill
             )
-            floor = math.ceil(queue_depth * service_ms / self.limits.ttft_ms)
+            floor = math.ceil(queued * service_ms / self.limits.ttft_ms)
             floors[self.limits.front] = max(floors.get(self.limits.front, 0), floor)
         return floors
 

@@ -1,0 +1,255 @@
+"""``copse planner``: dry-run against recordings or traces, write profiles, run against a cluster."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from copse.api import ManifestError, load_deployment
+from copse.planner.capacity import CapacityModel
+from copse.planner.config import ConfigError, PlannerConfig, load_config
+from copse.planner.core import Planner
+from copse.planner.observations import Observation, resample
+from copse.planner.policy import AGGREGATED, DISAGGREGATED, Limits
+from copse.planner.predictors import PREDICTORS
+from copse.planner.recording import RecordingError, read_metrics, read_trace
+from copse.workers.perf import PerfModel, ProfileError, load_perf_model, load_profile, save_profile
+
+#: Bucket size for traces when --interval is not given.
+DEFAULT_TRACE_INTERVAL_S = 60.0
+
+
+def fail(message: str) -> NoReturn:
+    """Invalid input: say what and where, exit 2."""
+    click.echo(f"error: {message}", err=True)
+    raise SystemExit(2)
+
+
+def capacity_for(perf: PerfModel, *, config: PlannerConfig, limits: Limits) -> CapacityModel:
+    return CapacityModel(
+        perf, quantile=config.quantile, max_num_seqs=limits.max_num_seqs, isl_scv=config.isl_scv
+    )
+
+
+@click.group()
+def planner() -> None:
+    """The SLA planner: size prefill/decode pools to hold TTFT and ITL targets."""
+
+
+def _observations(metrics: Path | None, trace: Path | None, interval: float | None) -> list[Observation]:
+    if (metrics is None) == (trace is None):
+        fail("give exactly one of --metrics FILE or --trace FILE")
+    try:
+        if trace is not None:
+            return read_trace(trace, interval_s=interval or DEFAULT_TRACE_INTERVAL_S)
+        assert metrics is not None
+        observations = read_metrics(metrics, interval_s=interval)
+        if interval is not None:
+            observations = resample(observations, interval_s=interval, source=str(metrics))
+    except (RecordingError, ValueError) as exc:
+        fail(str(exc))
+    return observations
+
+
+def _limits(
+    *,
+    deployment: Path | None,
+    aggregated: bool,
+    ttft_ms: float | None,
+    itl_ms: float | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    gpu_budget: int | None,
+    gpus_per_replica: int,
+    scale_down_delay: float | None,
+) -> Limits:
+    overrides: dict[str, object] = {}
+    if deployment is not None:
+        try:
+            base = Limits.from_spec(load_deployment(deployment).spec)
+        except (ManifestError, ValueError) as exc:
+            fail(str(exc))
+        overrides = {
+            "roles": base.roles,
+            "gpus_per_replica": base.gpus_per_replica,
+            "ttft_ms": base.ttft_ms,
+            "itl_ms": base.itl_ms,
+            "min_replicas": base.min_replicas,
+            "max_replicas": base.max_replicas,
+            "gpu_budget": base.gpu_budget,
+            "scale_down_delay_s": base.scale_down_delay_s,
+            "queue_depth": base.queue_depth,
+            "max_num_seqs": base.max_num_seqs,
+        }
+    else:
+        if ttft_ms is None or itl_ms is None:
+            fail("--ttft-ms and --itl-ms are required (or take them from --deployment FILE)")
+        roles = AGGREGATED if aggregated else DISAGGREGATED
+        overrides = {"roles": roles, "gpus_per_replica": dict.fromkeys(roles, gpus_per_replica)}
+    for key, value in (
+        ("ttft_ms", ttft_ms),
+        ("itl_ms", itl_ms),
+        ("min_replicas", min_replicas),
+        ("max_replicas", max_replicas),
+        ("gpu_budget", gpu_budget),
+        ("scale_down_delay_s", scale_down_delay),
+    ):
+        if value is not None:
+            overrides[key] = value
+    try:
+        return Limits(**overrides)  # type: ignore[arg-type]
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@planner.command("dry-run")
+@click.option(
+    "--metrics", type=click.Path(path_type=Path), help="Recorded metrics: JSON Lines or a Prometheus export."
+)
+@click.option("--trace", type=click.Path(path_type=Path), help="A Mooncake JSONL or Azure CSV request trace.")
+@click.option("--profile", type=click.Path(path_type=Path), required=True, help="Perf profile (NPZ or JSON).")
+@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="p99 TTFT target, ms.")
+@click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="p99 ITL target, ms.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0, min_open=True),
+    help=f"Seconds per decision: trace bucket size (default {DEFAULT_TRACE_INTERVAL_S:g}) or a whole "
+    "multiple of the recording's interval.",
+)
+@click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default: arima).")
+@click.option("--gpu-budget", type=click.IntRange(min=1), help="Most GPUs both pools together may use.")
+@click.option("--min-replicas", type=click.IntRange(min=0), help="Fewest replicas per pool (default 1).")
+@click.option("--max-replicas", type=click.IntRange(min=1), help="Most replicas per pool (default 16).")
+@click.option(
+    "--gpus-per-replica", type=click.IntRange(min=1), help="GPUs of one replica (default: the profile's)."
+)
+@click.option(
+    "--aggregated", is_flag=True, help="One pool doing prefill and decode (default: disaggregated)."
+)
+@click.option(
+    "--deployment", type=click.Path(path_type=Path), help="Take targets and bounds from a manifest."
+)
+@click.option(
+    "--startup-delay", type=click.FloatRange(min=0), help="Seconds from adding a replica to it serving."
+)
+@click.option("--scale-down-delay", type=click.FloatRange(min=0), help="Seconds the need must stay lower.")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bar).")
+@click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of load, replicas and latency.")
+def dry_run_command(
+    *,
+    metrics: Path | None,
+    trace: Path | None,
+    profile: Path,
+    ttft_ms: float | None,
+    itl_ms: float | None,
+    interval: float | None,
+    predictor: str | None,
+    gpu_budget: int | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    gpus_per_replica: int | None,
+    aggregated: bool,
+    deployment: Path | None,
+    startup_delay: float | None,
+    scale_down_delay: float | None,
+    config_path: Path | None,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
+    """Replay recorded load through the planner and estimate what it would have done.
+
+    Each interval's replicas are decided before the interval is seen; new replicas serve only
+    after the start-up delay; the interval's actual load on those replicas gives the estimated
+    TTFT/ITL (with queueing), so a burst the forecast missed is a miss.
+    """
+    from copse.planner.dryrun import dry_run, write_json  # noqa: PLC0415
+    from copse.planner.report import format_summary, format_table  # noqa: PLC0415
+    from copse.planner.report import plot as write_plot  # noqa: PLC0415
+
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        fail(str(exc))
+    updates: dict[str, object] = {}
+    if predictor is not None:
+        updates["predictor"] = predictor
+    if startup_delay is not None:
+        updates["startup_delay_s"] = startup_delay
+    config = config.model_copy(update=updates)
+    try:
+        perf = load_profile(profile, gpus_per_engine=gpus_per_replica)
+    except ProfileError as exc:
+        fail(str(exc))
+    observations = _observations(metrics, trace, interval)
+    limits = _limits(
+        deployment=deployment,
+        aggregated=aggregated,
+        ttft_ms=ttft_ms,
+        itl_ms=itl_ms,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        gpu_budget=gpu_budget,
+        gpus_per_replica=perf.gpus_per_engine,
+        scale_down_delay=scale_down_delay,
+    )
+    step = observations[0].duration_s
+    plan = Planner(
+        config=config,
+        limits=limits,
+        capacity=capacity_for(perf, config=config, limits=limits),
+        interval_s=step,
+    )
+    result = dry_run(
+        observations,
+        planner=plan,
+        startup_delay_s=config.startup_delay_s,
+        progress=not as_json and sys.stderr.isatty(),
+    )
+    if plot is not None:
+        write_plot(result, plot)
+    if as_json:
+        write_json(result, sys.stdout)
+        return
+    click.echo(format_table(result))
+    click.echo()
+    click.echo(format_summary(result))
+    if plot is not None:
+        click.echo(f"plot: {plot}")
+
+
+@planner.command()
+@click.option(
+    "--engine", type=click.Choice(["mock"]), required=True, help="mock: copse's engine mocker model."
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("profile.npz"),
+    show_default=True,
+    help="Profile file to write (.json for JSON, NPZ otherwise).",
+)
+@click.option(
+    "--gpus-per-engine",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Tensor parallelism the profile stands for.",
+)
+@click.option(
+    "--points", type=click.IntRange(min=2), default=100, show_default=True, help="Grid points per axis."
+)
+def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> None:
+    """Write a perf profile from the shared perf model, so the planner runs without GPUs."""
+    del engine  # "mock" is the only engine that can be profiled without GPUs
+    model = load_perf_model(None, gpus_per_engine=gpus_per_engine)
+    save_profile(model, out, points=points)
+    loaded = load_profile(out)
+    click.echo(
+        f"wrote {out}: {len(loaded.prefill_isl)} prefill lengths up to {loaded.prefill_isl[-1]:,.0f} tokens, "
+        f"{len(loaded.decode_active_kv_tokens)}x{len(loaded.decode_context_length)} decode grid, "
+        f"{loaded.kv_capacity_tokens:,} KV tokens, {loaded.gpus_per_engine} GPU(s) per engine"
+    )

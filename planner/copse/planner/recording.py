@@ -1,0 +1,418 @@
+"""Reading recorded load: metrics JSON Lines, Prometheus ``query_range`` exports, request traces.
+
+Every reader returns :class:`~copse.planner.observations.Observation` lists in time order and
+raises :class:`RecordingError` naming the file and the line (or field) for anything unusable.
+Files ending in ``.gz`` are read through gzip.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import itertools
+import json
+import math
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from copse.planner.observations import Observation
+
+#: Keys of a metrics JSON Lines record: required ones, then optional ones.
+REQUIRED_FIELDS: tuple[str, ...] = ("timestamp", "num_requests", "isl", "osl")
+OPTIONAL_FIELDS: tuple[str, ...] = ("isl_p90", "kv_hit_rate", "ttft_ms", "itl_ms", "queue_depth", "inflight")
+#: Fields a Prometheus export must hold (the others are optional).
+EXPORT_REQUIRED: tuple[str, ...] = ("num_requests", "isl", "osl")
+#: Tokens per ``hash_ids`` entry in Mooncake traces.
+MOONCAKE_BLOCK_TOKENS = 512
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+#: Relative slack when checking that a recording's spacing is regular.
+_SPACING_TOLERANCE = 0.01
+
+
+class RecordingError(ValueError):
+    """A recording or trace that cannot be used; the message names the file and line or field."""
+
+
+def _open_text(path: Path) -> IO[str]:
+    try:
+        if path.suffix == ".gz":
+            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+        return path.open(encoding="utf-8")
+    except OSError as exc:
+        raise RecordingError(f"{path}: cannot read: {exc.strerror}") from exc
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Non-blank lines with their 1-based numbers."""
+    with _open_text(path) as handle:
+        try:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield number, line
+        except (OSError, EOFError, UnicodeDecodeError) as exc:
+            raise RecordingError(f"{path}: cannot read: {exc}") from exc
+
+
+def _number(where: str, key: str, value: Any, *, minimum: float = 0.0, maximum: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RecordingError(f"{where}: {key} must be a finite number, got {value!r}")
+    if not minimum <= value <= maximum:
+        bounds = f">= {minimum:g}" if maximum == math.inf else f"in [{minimum:g}, {maximum:g}]"
+        raise RecordingError(f"{where}: {key} must be {bounds}, got {value!r}")
+    return float(value)
+
+
+def _optional(where: str, record: dict[str, Any], key: str, *, maximum: float = math.inf) -> float | None:
+    value = record.get(key)
+    return None if value is None else _number(where, key, value, maximum=maximum)
+
+
+def _spacing(path: Path, timestamps: Sequence[float], where: Sequence[str]) -> float:
+    """The regular interval between timestamps; gaps of whole intervals are allowed."""
+    gaps = [b - a for a, b in itertools.pairwise(timestamps)]
+    interval = min(gaps)
+    for gap, place in zip(gaps, where[1:], strict=True):
+        ratio = gap / interval
+        if abs(ratio - round(ratio)) > _SPACING_TOLERANCE:
+            raise RecordingError(
+                f"{place}: timestamp is {gap:g}s after the previous one, not a whole multiple of the "
+                f"recording's interval ({interval:g}s)"
+            )
+    return interval
+
+
+def read_metrics_jsonl(path: Path, *, interval_s: float | None = None) -> list[Observation]:
+    """A metrics recording: one JSON object per line and interval (see the module's README section).
+
+    The interval is the spacing of the timestamps; ``interval_s`` is needed only for a single line.
+    """
+    records: list[tuple[str, dict[str, Any]]] = []
+    previous: float | None = None
+    for number, line in _lines(path):
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RecordingError(f"{where}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict):
+            raise RecordingError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        missing = [key for key in REQUIRED_FIELDS if key not in record]
+        if missing:
+            raise RecordingError(
+                f"{where}: missing {', '.join(missing)} (required: {', '.join(REQUIRED_FIELDS)})"
+            )
+        unknown = sorted(set(record) - set(REQUIRED_FIELDS) - set(OPTIONAL_FIELDS))
+        if unknown:
+            raise RecordingError(
+                f"{where}: unknown field {', '.join(unknown)} "
+                f"(known: {', '.join(REQUIRED_FIELDS + OPTIONAL_FIELDS)})"
+            )
+        timestamp = _number(where, "timestamp", record["timestamp"], minimum=-math.inf)
+        if previous is not None and timestamp <= previous:
+            raise RecordingError(
+                f"{where}: timestamp {timestamp:g} is not after the previous line's ({previous:g}); "
+                "timestamps must increase"
+            )
+        previous = timestamp
+        records.append((where, record))
+    if not records:
+        raise RecordingError(f"{path}: empty file: no metrics records")
+    timestamps = [float(record["timestamp"]) for _, record in records]
+    if len(records) == 1:
+        if interval_s is None:
+            raise RecordingError(f"{path}: a single record gives no interval; pass --interval")
+        duration = interval_s
+    else:
+        duration = _spacing(path, timestamps, [where for where, _ in records])
+    return [_observation(where, record, duration) for where, record in records]
+
+
+def _observation(where: str, record: dict[str, Any], duration: float) -> Observation:
+    num_requests = _number(where, "num_requests", record["num_requests"])
+    lengths: dict[str, float | None] = {}
+    for key in ("isl", "osl"):
+        value = record[key]
+        if value is None and num_requests == 0:
+            lengths[key] = None
+        elif value is None:
+            raise RecordingError(f"{where}: {key} is null but num_requests is {num_requests:g}")
+        else:
+            lengths[key] = _number(where, key, value)
+    return Observation(
+        timestamp=float(record["timestamp"]),
+        duration_s=duration,
+        num_requests=num_requests,
+        isl=lengths["isl"],
+        osl=lengths["osl"],
+        isl_p90=_optional(where, record, "isl_p90"),
+        kv_hit_rate=_optional(where, record, "kv_hit_rate", maximum=1.0),
+        ttft_ms=_optional(where, record, "ttft_ms"),
+        itl_ms=_optional(where, record, "itl_ms"),
+        queue_depth=_optional(where, record, "queue_depth"),
+        inflight=_optional(where, record, "inflight"),
+    )
+
+
+def write_metrics_jsonl(observations: Sequence[Observation], handle: IO[str]) -> None:
+    """Write observations in the format :func:`read_metrics_jsonl` reads (absent fields omitted)."""
+    for obs in observations:
+        record: dict[str, Any] = {
+            "timestamp": obs.timestamp,
+            "num_requests": obs.num_requests,
+            "isl": obs.isl,
+            "osl": obs.osl,
+        }
+        for key in OPTIONAL_FIELDS:
+            value = getattr(obs, key)
+            if value is not None:
+                record[key] = value
+        handle.write(json.dumps(record) + "\n")
+
+
+# --- Prometheus query_range exports -----------------------------------------------------------
+
+
+def read_prometheus_export(path: Path) -> list[Observation]:
+    """A JSON object mapping field names to Prometheus ``query_range`` responses.
+
+    Each response must hold at most one series (the queries aggregate with ``sum``); a sample at
+    time ``t`` covers the window ``[t - step, t)``, so the observation starts at ``t - step``.
+    ``NaN`` samples (a ratio over an interval without requests) become missing values.
+    """
+    try:
+        with _open_text(path) as handle:
+            document = json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise RecordingError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(document, dict) or not document:
+        raise RecordingError(f"{path}: empty export: expected an object of query_range responses by field")
+    unknown = sorted(set(document) - set(REQUIRED_FIELDS) - set(OPTIONAL_FIELDS))
+    if unknown:
+        raise RecordingError(
+            f"{path}: unknown field {', '.join(unknown)} "
+            f"(known: {', '.join(EXPORT_REQUIRED + OPTIONAL_FIELDS)})"
+        )
+    missing = [key for key in EXPORT_REQUIRED if key not in document]
+    if missing:
+        raise RecordingError(
+            f"{path}: missing field {', '.join(missing)} (required: {', '.join(EXPORT_REQUIRED)})"
+        )
+    series = {key: _matrix(path, key, response) for key, response in document.items()}
+    timestamps = sorted(series["num_requests"])
+    if not timestamps:
+        raise RecordingError(f"{path}: num_requests has no samples")
+    if len(timestamps) < 2:
+        raise RecordingError(f"{path}: num_requests has a single sample; the step cannot be inferred")
+    step = _spacing(path, timestamps, [f"{path}: num_requests sample at {t:g}" for t in timestamps])
+    observations = []
+    for t in timestamps:
+        values = {key: samples.get(t) for key, samples in series.items()}
+        num_requests = values["num_requests"] or 0.0
+        observations.append(
+            Observation(
+                timestamp=t - step,
+                duration_s=step,
+                num_requests=max(0.0, num_requests),
+                isl=values["isl"] if num_requests > 0 else None,
+                osl=values["osl"] if num_requests > 0 else None,
+                isl_p90=values.get("isl_p90"),
+                kv_hit_rate=values.get("kv_hit_rate"),
+                ttft_ms=values.get("ttft_ms"),
+                itl_ms=values.get("itl_ms"),
+                queue_depth=values.get("queue_depth"),
+                inflight=values.get("inflight"),
+            )
+        )
+    return observations
+
+
+def _matrix(path: Path, key: str, response: Any) -> dict[float, float | None]:
+    where = f"{path}: {key}"
+    if not isinstance(response, dict) or response.get("status") != "success":
+        raise RecordingError(
+            f"{where}: expected a successful query_range response, got {str(response)[:80]!r}"
+        )
+    data = response.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "matrix":
+        kind = data.get("resultType") if isinstance(data, dict) else None
+        raise RecordingError(f"{where}: expected resultType 'matrix' (a query_range result), got {kind!r}")
+    result = data.get("result")
+    if not isinstance(result, list):
+        raise RecordingError(f"{where}: data.result must be a list")
+    if len(result) > 1:
+        labels = [entry.get("metric") for entry in result[:3] if isinstance(entry, dict)]
+        raise RecordingError(
+            f"{where}: {len(result)} series (e.g. {labels}); aggregate the query with sum() to one series"
+        )
+    samples: dict[float, float | None] = {}
+    for entry in result:
+        values = entry.get("values") if isinstance(entry, dict) else None
+        if not isinstance(values, list):
+            raise RecordingError(f"{where}: series without 'values'")
+        for index, sample in enumerate(values):
+            try:
+                timestamp, text = float(sample[0]), float(sample[1])
+            except (TypeError, ValueError, IndexError) as exc:
+                raise RecordingError(f'{where}: values[{index}] is not [time, "number"]: {sample!r}') from exc
+            samples[timestamp] = text if math.isfinite(text) else None
+    return samples
+
+
+# --- request traces -------------------------------------------------------------------------
+
+
+class _Bucketer:
+    """Accumulates requests into fixed intervals starting at the first arrival."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.start: float | None = None
+        self.buckets: dict[int, list[tuple[int, int, int]]] = {}
+
+    def add(self, arrival_s: float, *, isl: int, osl: int, hit_tokens: int) -> None:
+        if self.start is None:
+            self.start = arrival_s
+        index = int((arrival_s - self.start) // self.interval_s)
+        self.buckets.setdefault(index, []).append((isl, osl, hit_tokens))
+
+    def observations(self, *, with_hits: bool) -> list[Observation]:
+        assert self.start is not None
+        out = []
+        for index in range(max(self.buckets) + 1):
+            requests = self.buckets.get(index, [])
+            count = len(requests)
+            isl = np.array([r[0] for r in requests], dtype=np.float64)
+            prompt = float(isl.sum())
+            out.append(
+                Observation(
+                    timestamp=self.start + index * self.interval_s,
+                    duration_s=self.interval_s,
+                    num_requests=float(count),
+                    isl=float(isl.mean()) if count else None,
+                    osl=float(np.mean([r[1] for r in requests])) if count else None,
+                    isl_p90=float(np.percentile(isl, 90, method="inverted_cdf")) if count else None,
+                    kv_hit_rate=sum(r[2] for r in requests) / prompt if with_hits and prompt > 0 else None,
+                )
+            )
+        return out
+
+
+def read_trace(path: Path, *, interval_s: float) -> list[Observation]:
+    """Bucket a Mooncake JSONL or Azure CSV trace (optionally gzipped) into ``interval_s`` intervals.
+
+    Mooncake traces also give the prefix-cache hit rate: the share of prompt tokens in leading
+    blocks whose (prefix-chained) hash id was seen before -- one shared cache of unbounded size,
+    so an upper bound on what KV-aware routing can hit.
+    """
+    if interval_s <= 0:
+        raise RecordingError(f"{path}: interval must be positive, got {interval_s:g}")
+    first = next(_lines(path), None)
+    if first is None:
+        raise RecordingError(f"{path}: empty file: no requests")
+    if first[1].lstrip().startswith("{"):
+        return _read_mooncake(path, interval_s)
+    return _read_azure(path, interval_s)
+
+
+def _int_field(where: str, record: dict[str, Any], key: str) -> int:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RecordingError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _read_mooncake(path: Path, interval_s: float) -> list[Observation]:
+    bucketer = _Bucketer(interval_s)
+    seen: set[int] = set()
+    previous = -math.inf
+    for number, line in _lines(path):
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RecordingError(f"{where}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict):
+            raise RecordingError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        for key in ("timestamp", "input_length", "output_length"):
+            if key not in record:
+                raise RecordingError(
+                    f"{where}: missing {key} (a Mooncake trace line has timestamp, "
+                    "input_length, output_length, hash_ids)"
+                )
+        timestamp_ms = _number(where, "timestamp", record["timestamp"])
+        if timestamp_ms < previous:
+            raise RecordingError(
+                f"{where}: timestamp {timestamp_ms:g} is before the previous line's ({previous:g})"
+            )
+        previous = timestamp_ms
+        isl = _int_field(where, record, "input_length")
+        osl = _int_field(where, record, "output_length")
+        hash_ids = record.get("hash_ids", [])
+        if not isinstance(hash_ids, list):
+            raise RecordingError(f"{where}: hash_ids must be a list, got {hash_ids!r}")
+        hit_tokens = 0
+        for position, block in enumerate(hash_ids):
+            if block not in seen:
+                break
+            hit_tokens += min(MOONCAKE_BLOCK_TOKENS, isl - position * MOONCAKE_BLOCK_TOKENS)
+        seen.update(hash_ids)
+        bucketer.add(timestamp_ms / 1000.0, isl=isl, osl=osl, hit_tokens=max(0, hit_tokens))
+    return bucketer.observations(with_hits=True)
+
+
+def _read_azure(path: Path, interval_s: float) -> list[Observation]:
+    bucketer = _Bucketer(interval_s)
+    lines = iter(_lines(path))
+    number, header_line = next(lines)
+    header = next(csv.reader([header_line]))
+    missing = [column for column in _AZURE_COLUMNS if column not in header]
+    if missing:
+        raise RecordingError(
+            f"{path}:{number}: not a trace: the first line is neither a Mooncake JSON object nor an "
+            f"Azure CSV header with {', '.join(_AZURE_COLUMNS)} (missing column {', '.join(missing)})"
+        )
+    index = {column: header.index(column) for column in _AZURE_COLUMNS}
+    previous: datetime | None = None
+    for number, line in lines:
+        where = f"{path}:{number}"
+        row = next(csv.reader([line]))
+        if len(row) != len(header):
+            raise RecordingError(f"{where}: {len(row)} columns, the header has {len(header)}")
+        try:
+            stamp = datetime.fromisoformat(row[index["TIMESTAMP"]])
+        except ValueError as exc:
+            raise RecordingError(
+                f"{where}: TIMESTAMP {row[index['TIMESTAMP']]!r} is not a date-time"
+            ) from exc
+        if previous is not None and stamp < previous:
+            raise RecordingError(f"{where}: TIMESTAMP {stamp} is before the previous row's ({previous})")
+        previous = stamp
+        tokens = {}
+        for column in ("ContextTokens", "GeneratedTokens"):
+            text = row[index[column]]
+            if not text.isdigit():
+                raise RecordingError(f"{where}: {column} must be a non-negative integer, got {text!r}")
+            tokens[column] = int(text)
+        bucketer.add(
+            stamp.timestamp(), isl=tokens["ContextTokens"], osl=tokens["GeneratedTokens"], hit_tokens=0
+        )
+    if previous is None:
+        raise RecordingError(f"{path}: no requests after the header")
+    return bucketer.observations(with_hits=False)
+
+
+def read_metrics(path: Path, *, interval_s: float | None = None) -> list[Observation]:
+    """A metrics recording by content: a Prometheus export (one JSON object keyed by field) or JSON Lines."""
+    try:
+        with _open_text(path) as handle:
+            document = json.load(handle)
+    except json.JSONDecodeError:
+        document = None  # several lines of JSON: the JSON Lines reader reports any bad line
+    if isinstance(document, dict) and "timestamp" not in document:
+        return read_prometheus_export(path)
+    return read_metrics_jsonl(path, interval_s=interval_s)
