@@ -73,12 +73,14 @@ class PerfTable:
         out: FloatArray = np.interp(tokens, self._curve_x, self._curve)
         return out
 
-    def itl_ms(self, active_kv_tokens: FloatArray, context_length: FloatArray) -> FloatArray:
-        """Decode step time for each pair of (active KV tokens, mean context length), ms."""
+    def itl_ms(self, active_kv_tokens: FloatArray, sequences: FloatArray) -> FloatArray:
+        """Decode step time of each worker holding ``active_kv_tokens`` of KV over ``sequences``
+        sequences (their mean context length is the ratio), ms."""
         active, context = self._active, self._context
         if self._itl_by_active is not None:
             flat: FloatArray = np.interp(active_kv_tokens, active, self._itl_by_active)
             return flat
+        context_length = active_kv_tokens / np.maximum(sequences, 1.0)
         a = np.minimum(np.maximum(active_kv_tokens, active[0]), active[-1])
         c = np.minimum(np.maximum(context_length, context[0]), context[-1])
         i = np.minimum(active.searchsorted(a, side="right"), len(active) - 1)

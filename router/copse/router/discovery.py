@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
@@ -192,13 +193,18 @@ class KubeAioPodApi:
         self._core = client.CoreV1Api(api_client)
 
     @classmethod
-    async def from_environment(cls) -> KubeAioPodApi:
-        """In a pod: the service account; elsewhere: ``$KUBECONFIG`` / ``~/.kube/config``."""
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            await config.load_kube_config()
-        return cls(client.ApiClient())
+    async def from_environment(cls, kubeconfig: str | os.PathLike[str] | None = None) -> KubeAioPodApi:
+        """In a pod: the service account; elsewhere: ``kubeconfig``, else ``$KUBECONFIG``, else
+        ``~/.kube/config``."""
+        if kubeconfig is None:
+            try:
+                config.load_incluster_config()
+                return cls(client.ApiClient())
+            except config.ConfigException:
+                kubeconfig = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+        configuration = client.Configuration()
+        await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+        return cls(client.ApiClient(configuration))
 
     async def list_pods(self, *, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
         try:

@@ -44,21 +44,6 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
-_SLOTS_OF: dict[int, npt.NDArray[np.intp]] = {}
-_SLOTS_OF_LIMIT = 4096
-
-
-def slots_of(mask: int) -> npt.NDArray[np.intp]:
-    """The slots set in ``mask``, as an index array (memoised: the same masks recur constantly)."""
-    found = _SLOTS_OF.get(mask)
-    if found is None:
-        if len(_SLOTS_OF) >= _SLOTS_OF_LIMIT:
-            _SLOTS_OF.clear()
-        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
-        found = _SLOTS_OF[mask] = np.flatnonzero(np.unpackbits(raw, bitorder="little"))
-    return found
-
-
 def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
     """Walk ``hashes`` from the root through ``masks`` (block -> bitmask of slots): for every slot
     holding at least the first block, how many leading blocks it holds."""
@@ -80,36 +65,40 @@ def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
     return out
 
 
-def _add_to_slots(out: npt.NDArray[np.float64], mask: int, amount: int) -> None:
-    if mask.bit_count() <= 8:
-        for slot in _bits(mask):
-            out[slot] += amount
-    else:
-        out[slots_of(mask)] += amount
-
-
 def leading_blocks_into(masks: dict[int, int], hashes: Sequence[int], out: npt.NDArray[np.float64]) -> None:
-    """:func:`leading_blocks` added into ``out[slot]`` (``out`` must cover every slot and be zero).
+    """:func:`leading_blocks` written into ``out[slot]`` (``out`` must cover every slot and be zero).
 
-    The walk sees a few runs of blocks with the same set of workers (nested, shrinking); each run
-    adds its length to its workers. The first run's set (who holds the first block, often a shared
-    system prompt) recurs from request to request, so its index array is memoised.
+    The walk sees a few runs of blocks with the same set of workers (nested, shrinking); every
+    slot's count is the sum of the lengths of the runs whose set holds it: one bit-unpacking of
+    all the runs' masks and one product, however many workers there are.
     """
     if not hashes:
         return
     active = masks.get(hashes[0], 0)
+    if not active:
+        return
+    runs: list[int] = []
+    lengths: list[int] = []
     start = 0
     depth = 1
     n = len(hashes)
-    while active and depth < n:
+    while depth < n:
         mask = active & masks.get(hashes[depth], 0)
         if mask != active:
-            _add_to_slots(out, active, depth - start)
+            runs.append(active)
+            lengths.append(depth - start)
             start = depth
             active = mask
+            if not active:
+                break
         depth += 1
     if active:
-        _add_to_slots(out, active, depth - start)
+        runs.append(active)
+        lengths.append(depth - start)
+    width = (len(out) + 7) // 8
+    raw = b"".join(mask.to_bytes(width, "little") for mask in runs)
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little").reshape(len(runs), width * 8)
+    out += np.asarray(lengths, dtype=np.float64) @ bits[:, : len(out)]
 
 
 class BlockIndex:

@@ -113,7 +113,7 @@ class Selection:
         steps = np.ceil((seq.prefill_tokens + (isl - cached)) / self.settings.max_num_batched_tokens)
         kv = seq.kv_tokens()
         decoding = seq.requests > seq.prefilling
-        step = perf.f0 + perf.itl_ms(kv, kv / np.maximum(seq.requests, 1.0)) * decoding
+        step = perf.f0 + perf.itl_ms(kv, seq.requests) * decoding
         out: FloatArray = seq.backlog_ms(self.now) + own + steps * step
         self._ttft = out
         return out
@@ -128,7 +128,7 @@ class Selection:
             + (request.prompt_tokens + osl)
             - self.shared_active_blocks() * self.settings.block_size
         )
-        out: FloatArray = osl * self.perf.itl_ms(kv_after, kv_after / (seq.requests + 1.0))
+        out: FloatArray = osl * self.perf.itl_ms(kv_after, seq.requests + 1.0)
         return out
 
     def latency_ms(self) -> FloatArray:
