@@ -155,9 +155,25 @@ async def test_node_loss_restarts_the_whole_gang_elsewhere() -> None:
     )
     assert harness.status["phase"] == "Running"
     restarts = [message for _, reason, message in harness.kube.events if reason == "GangRestart"]
-    assert restarts == [f"restarting group llama-worker-0: node {lost} was deleted"]
+    assert restarts == [f"restarting group llama-worker-0: node {lost} is gone"]
     # The broken gang's pods went at once (grace 0): a TP group missing a rank cannot serve.
     assert {grace for kind, _, grace in harness.kube.deletions if kind == "Pod"} == {0}
+
+
+@pytest.mark.parametrize("problem", ["cordoned", "NotReady"])
+async def test_cordoned_or_not_ready_node_moves_its_gang(problem: str) -> None:
+    harness = Harness(replicas=1)
+    await harness.settle()
+    node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
+    if problem == "cordoned":
+        harness.kube.nodes[node]["spec"]["unschedulable"] = True
+    else:
+        [ready] = [c for c in harness.kube.nodes[node]["status"]["conditions"] if c["type"] == "Ready"]
+        ready["status"] = "False"
+    await harness.settle()
+    assert node not in {node_of(pod) for pod in harness.pods()}
+    assert harness.status["phase"] == "Running"
+    assert any(f"node {node} is {problem}" in message for _, _, message in harness.kube.events)
 
 
 async def test_failed_pod_restarts_its_gang() -> None:
@@ -264,8 +280,7 @@ def test_restarted_gang_waits_out_its_backoff() -> None:
         },
     }
     nodes = gpu_nodes(racks=1)
-    nodes_by_name = {n["metadata"]["name"]: n for n in nodes}
-    groups = observe_groups(deployment="llama", services=[service], pods=[], nodes=nodes_by_name)
+    groups = observe_groups(deployment="llama", services=[service], pods=[])
     assert groups[0].state is GroupState.UNPLACED
     restart = datetime(2026, 1, 1, tzinfo=UTC)
     settings = ReconcileSettings(restart_backoff_base_s=2, restart_backoff_max_s=120)

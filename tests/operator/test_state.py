@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from copse.api import Role
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
@@ -14,17 +12,6 @@ from copse.operator.state import GroupState, observe_groups
 from .conftest import make_deployment
 
 LAYOUT = GroupLayout(role=Role.WORKER, replica=0, pods=(("n1", 4), ("n2", 4)), domain="d", rack="r", cost=0.1)
-
-
-def node(name: str, *, ready: bool = True, cordoned: bool = False) -> dict[str, Any]:
-    return {
-        "metadata": {"name": name},
-        "spec": {"unschedulable": cordoned},
-        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-    }
-
-
-NODES = {"n1": node("n1"), "n2": node("n2")}
 
 
 def pods(*, gated: bool, phase: str = "Pending", ready: bool = False) -> list[dict[str, Any]]:
@@ -36,8 +23,8 @@ def pods(*, gated: bool, phase: str = "Pending", ready: bool = False) -> list[di
     return built
 
 
-def observe(services: list[dict[str, Any]], pod_list: list[dict[str, Any]], nodes: Any = NODES) -> Any:
-    [group] = observe_groups(deployment="llama", services=services, pods=pod_list, nodes=nodes)
+def observe(services: list[dict[str, Any]], pod_list: list[dict[str, Any]]) -> Any:
+    [group] = observe_groups(deployment="llama", services=services, pods=pod_list)
     return group
 
 
@@ -75,19 +62,6 @@ def test_a_failed_rank_breaks_the_gang() -> None:
     assert "llama-worker-0-1 (rank 1) failed" in group.reason
 
 
-@pytest.mark.parametrize(
-    ("nodes", "reason"),
-    [
-        ({"n1": node("n1")}, "node n2 was deleted"),
-        ({"n1": node("n1"), "n2": node("n2", ready=False)}, "node n2 is NotReady"),
-        ({"n1": node("n1", cordoned=True), "n2": node("n2")}, "node n1 was cordoned"),
-    ],
-)
-def test_node_loss_breaks_the_gang(nodes: Any, reason: str) -> None:
-    group = observe([SERVICE], pods(gated=False, phase="Running", ready=True), nodes)
-    assert (group.state, group.reason) == (GroupState.BROKEN, reason)
-
-
 def test_cleared_placement_means_place_again_and_counts_restarts() -> None:
     service = {**SERVICE, "metadata": {**SERVICE["metadata"]}}
     service["metadata"]["annotations"] = {
@@ -106,4 +80,4 @@ def test_terminating_pods_are_waited_for() -> None:
 
 
 def test_other_deployments_are_ignored() -> None:
-    assert observe_groups(deployment="other", services=[SERVICE], pods=pods(gated=True), nodes=NODES) == []
+    assert observe_groups(deployment="other", services=[SERVICE], pods=pods(gated=True)) == []

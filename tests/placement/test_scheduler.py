@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -281,6 +282,26 @@ def test_invalid_groups_report_lost_nodes() -> None:
     assert "NotReady" in broken[running[0].key]
     gone = build_topology([n for n in nodes if n["metadata"]["name"] != running[1].pods[1].node])
     assert "is gone" in invalid_groups(gone, request, running)[running[1].key]
+
+
+def test_invalid_groups_move_off_cordoned_nodes_unless_tolerated() -> None:
+    nodes = fake.gpu_nodes(racks=1, trays_per_rack=4)
+    request = workers(1)
+    running = plan(build_topology(nodes), request).placements()
+    cordoned = running[0].pods[0].node
+    nodes[[n["metadata"]["name"] for n in nodes].index(cordoned)]["spec"]["unschedulable"] = True
+    assert invalid_groups(build_topology(nodes), request, running) == {
+        running[0].key: f"node {cordoned} is cordoned"
+    }
+    tolerant = PlacementRequest(
+        groups=tuple(
+            replace(
+                group, tolerations=(Toleration(key="node.kubernetes.io/unschedulable", operator="Exists"),)
+            )
+            for group in request.groups
+        )
+    )
+    assert invalid_groups(build_topology(nodes), tolerant, running) == {}
 
 
 def test_evaluate_rescoring_matches_the_plan() -> None:

@@ -194,7 +194,7 @@ class Controller:
             return None
         services = [s for (ns, _), s in self.cache.services.items() if ns == namespace]
         own_pods = [p for (ns, _), p in self.cache.pods.items() if ns == namespace]
-        groups = observe_groups(deployment=name, services=services, pods=own_pods, nodes=self.cache.nodes)
+        groups = observe_groups(deployment=name, services=services, pods=own_pods)
         decision = reconcile(
             deployment=deployment,
             groups=groups,

@@ -10,21 +10,21 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from copse.api import AffinityPolicy, AntiAffinityPolicy, InferenceDeployment, Role
+from copse.api import InferenceDeployment, Role
 from copse.operator import names
 from copse.operator.children import GroupLayout
 from copse.placement import (
     GroupPlacement,
-    GroupRequest,
     PlacementRequest,
     Plan,
     Pod,
     choose_victims,
     evaluate,
+    invalid_groups,
     plan,
 )
+from copse.placement.spec import request_from_spec
 from copse.topology import Topology, build_topology
-from copse.topology.kube import Toleration
 
 GroupKey = tuple[Role, int]
 
@@ -65,33 +65,12 @@ class Placer:
             )
         ]
         self.topology: Topology = build_topology(list(nodes), pods=foreign)
-        spec = deployment.spec
-        self._shapes = {pool.role: pool for pool in spec.pools()}
-        self._tolerations = tuple(
-            Toleration.from_dict(t.model_dump(mode="json", exclude_none=True)) for t in spec.pod.tolerations
-        )
-        self._node_selector = tuple(sorted(spec.pod.node_selector.items()))
 
     def _request(self, keys: Iterable[GroupKey]) -> PlacementRequest:
-        spec = self.deployment.spec
-        groups = []
-        for role, replica in sorted(set(keys), key=lambda key: (key[0].value, key[1])):
-            shape = self._shapes[role]
-            groups.append(
-                GroupRequest(
-                    role=role.value,
-                    replica=replica,
-                    tensor_parallelism=shape.tensor_parallelism,
-                    pipeline_parallelism=shape.pipeline_parallelism,
-                    tolerations=self._tolerations,
-                    node_selector=self._node_selector,
-                )
-            )
-        return PlacementRequest(
-            groups=tuple(groups),
-            same_domain=spec.placement.affinity_policy is AffinityPolicy.SAME_NVSWITCH_DOMAIN,
-            spread_racks=spec.placement.anti_affinity_policy is AntiAffinityPolicy.SPREAD_ACROSS_RACKS,
-        )
+        replicas: dict[Role, set[int]] = {}
+        for role, replica in keys:
+            replicas.setdefault(role, set()).add(replica)
+        return request_from_spec(self.deployment.spec, replicas=replicas)
 
     def place(self, *, requests: Sequence[GroupKey], existing: Sequence[GroupLayout]) -> Outcome:
         """Place ``requests`` next to the ``existing`` groups, which stay where they are."""
@@ -130,6 +109,15 @@ class Placer:
             count=count,
         )
         return [replica for _, replica in chosen]
+
+    def invalid(self, layouts: Sequence[GroupLayout]) -> dict[GroupKey, str]:
+        """Groups that can no longer run where they are (node gone, NotReady, cordoned, evicting
+        taint, GPUs taken), with the reason: their gangs restart whole."""
+        keys = [(layout.role, layout.replica) for layout in layouts]
+        broken = invalid_groups(
+            self.topology, self._request(keys), [_placement(layout) for layout in layouts]
+        )
+        return {(Role(role), replica): reason for (role, replica), reason in broken.items()}
 
     def evaluate(self, layouts: Sequence[GroupLayout], *, unplaced: Sequence[GroupKey] = ()) -> Plan:
         """Score and per-group cost of ``layouts``; ``unplaced`` groups count as placed nowhere."""

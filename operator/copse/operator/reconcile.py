@@ -59,6 +59,10 @@ class Decision:
     """Come back this soon even without a watch event (backoff expiry, a roll step)."""
 
 
+#: States in which a group holds (or is about to hold) its planned nodes.
+_HOLDING = frozenset({GroupState.PLANNED, GroupState.GATED, GroupState.STARTING, GroupState.READY})
+
+
 def _backoff_s(group: ObservedGroup, settings: ReconcileSettings) -> float:
     if group.restarts == 0:
         return 0.0
@@ -104,6 +108,13 @@ def reconcile(
         pods=pods,
         staying=[g.name for g in live if g.layout is not None and g.state is not GroupState.BROKEN],
     )
+    invalid = placer.invalid([g.layout for g in live if g.layout is not None and g.state in _HOLDING])
+    live = [
+        dataclasses.replace(g, state=GroupState.BROKEN, reason=invalid[(g.role, g.replica)])
+        if (g.role, g.replica) in invalid and g.state in _HOLDING
+        else g
+        for g in live
+    ]
     waits: list[float] = []
     to_place: list[tuple[Role, int]] = []
     staying: list[ObservedGroup] = []
@@ -228,7 +239,7 @@ def reconcile(
                 message="; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced),
             )
         )
-    decision.cold_start_source = _cold_start_source(deployment, groups)
+    decision.cold_start_source = _cold_start_source(deployment, live)
     decision.status = _status(
         deployment=deployment,
         groups=[g for g in staying if g.name not in restarting],

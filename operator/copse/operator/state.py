@@ -24,7 +24,7 @@ class GroupState(enum.Enum):
     GATED = "gated"  # every pod exists, some still gated: lift the gates
     STARTING = "starting"  # ungated, not every pod Ready yet
     READY = "ready"
-    BROKEN = "broken"  # a rank failed, vanished or lost its node: restart the whole gang
+    BROKEN = "broken"  # a rank failed or vanished, or its node can no longer hold it: restart the gang
     UNPLACED = "unplaced"  # the gang was torn down (or never placed): place it again
     TERMINATING = "terminating"  # its pods are going away; wait
 
@@ -49,19 +49,6 @@ class ObservedGroup:
     @property
     def nodes(self) -> list[str]:
         return [node for node, _ in self.layout.pods] if self.layout else []
-
-
-def node_problem(node: Mapping[str, Any] | None) -> str | None:
-    """Why a node can no longer host a gang, or None when it can."""
-    if node is None:
-        return "was deleted"
-    if node.get("spec", {}).get("unschedulable"):
-        return "was cordoned"
-    conditions = node.get("status", {}).get("conditions", [])
-    ready = next((c for c in conditions if c.get("type") == "Ready"), None)
-    if ready is None or ready.get("status") != "True":
-        return "is NotReady"
-    return None
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -96,7 +83,6 @@ def _classify(
     layout: GroupLayout | None,
     service: Mapping[str, Any] | None,
     pods: Mapping[int, Mapping[str, Any]],
-    nodes: Mapping[str, Mapping[str, Any]],
 ) -> tuple[GroupState, str]:
     if (service is not None and _terminating(service)) or any(_terminating(pod) for pod in pods.values()):
         return GroupState.TERMINATING, ""
@@ -106,10 +92,6 @@ def _classify(
         phase = pod.get("status", {}).get("phase")
         if phase in {"Failed", "Succeeded"}:
             return GroupState.BROKEN, f"pod {pod['metadata']['name']} (rank {rank}) {phase.lower()}"
-    for node, _ in layout.pods:
-        problem = node_problem(nodes.get(node))
-        if problem is not None:
-            return GroupState.BROKEN, f"node {node} {problem}"
     missing = [rank for rank in range(len(layout.pods)) if rank not in pods]
     gated = [rank for rank, pod in pods.items() if pod.get("spec", {}).get("schedulingGates")]
     if missing:
@@ -129,9 +111,10 @@ def observe_groups(
     deployment: str,
     services: Iterable[Mapping[str, Any]],
     pods: Iterable[Mapping[str, Any]],
-    nodes: Mapping[str, Mapping[str, Any]],
 ) -> list[ObservedGroup]:
-    """The TP groups of ``deployment`` as they stand, from its group Services and worker pods."""
+    """The TP groups of ``deployment`` as they stand, from its group Services and worker pods.
+
+    Whether their nodes still hold them is the placement engine's call (``Placer.invalid``)."""
     services_by_group: dict[str, Mapping[str, Any]] = {}
     pods_by_group: dict[str, dict[int, Mapping[str, Any]]] = {}
     identity: dict[str, tuple[Role, int]] = {}
@@ -152,7 +135,7 @@ def observe_groups(
         layout = _layout(service, role=role, replica=replica) if service else None
         annotations = (service or {}).get("metadata", {}).get("annotations", {})
         last_restart = annotations.get(names.ANNOTATION_LAST_RESTART)
-        state, reason = _classify(layout=layout, service=service, pods=group_pods, nodes=nodes)
+        state, reason = _classify(layout=layout, service=service, pods=group_pods)
         observed.append(
             ObservedGroup(
                 name=group,

@@ -30,7 +30,8 @@ from copse.placement.model import (
     Unplaced,
 )
 from copse.topology.graph import Topology
-from copse.topology.kube import tolerated
+from copse.topology.kube import Taint, tolerated
+from copse.topology.labels import UNSCHEDULABLE_TAINT
 from copse.topology.links import LinkTier
 
 Strategy = Callable[[Engine, GroupRequest], PodChoice | None]
@@ -555,6 +556,9 @@ def invalid_groups(
                 reason = f"node {pod.node} is gone"
             elif not node.ready:
                 reason = f"node {pod.node} is NotReady"
+            elif node.cordoned and not tolerated(Taint(key=UNSCHEDULABLE_TAINT), group.tolerations):
+                # A cordon announces maintenance: move the gang while it can still be moved whole.
+                reason = f"node {pod.node} is cordoned"
             elif evicting := [
                 t for t in node.taints if t.effect == "NoExecute" and not tolerated(t, group.tolerations)
             ]:

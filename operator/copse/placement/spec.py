@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from copse.api.v1alpha1 import AffinityPolicy, AntiAffinityPolicy, InferenceDeploymentSpec
-from copse.placement.model import GroupRequest, PlacementRequest, pool
+from collections.abc import Iterable, Mapping
+
+from copse.api.v1alpha1 import AffinityPolicy, AntiAffinityPolicy, InferenceDeploymentSpec, Role
+from copse.placement.model import GroupRequest, PlacementRequest
 from copse.topology.kube import Toleration
 
 
-def request_from_spec(spec: InferenceDeploymentSpec) -> PlacementRequest:
-    """Groups ``<role>-0 .. <role>-(replicas-1)`` of every pool, with the pods' tolerations and
-    node selector, and the placement policies."""
-    tolerations = [
+def request_from_spec(
+    spec: InferenceDeploymentSpec, *, replicas: Mapping[Role, Iterable[int]] | None = None
+) -> PlacementRequest:
+    """The groups of every pool, with the pods' tolerations and node selector, and the
+    placement policies.
+
+    ``replicas`` names the replica indices per role (a running deployment's groups need not be
+    numbered ``0 .. n-1``: a rolling update adds one at a free index); by default every pool's
+    groups are ``<role>-0 .. <role>-(replicas-1)``.
+    """
+    tolerations = tuple(
         Toleration(
             key=toleration.key or "",
             operator=toleration.operator,
@@ -18,19 +27,24 @@ def request_from_spec(spec: InferenceDeploymentSpec) -> PlacementRequest:
             effect=toleration.effect or "",
         )
         for toleration in spec.pod.tolerations
-    ]
-    groups: tuple[GroupRequest, ...] = ()
+    )
+    node_selector = tuple(sorted(spec.pod.node_selector.items()))
+    groups: list[GroupRequest] = []
     for group_pool in spec.pools():
-        groups += pool(
-            role=group_pool.role.value,
-            replicas=group_pool.replicas,
-            tensor_parallelism=group_pool.tensor_parallelism,
-            pipeline_parallelism=group_pool.pipeline_parallelism,
-            tolerations=tolerations,
-            node_selector=spec.pod.node_selector,
-        )
+        indices = range(group_pool.replicas) if replicas is None else replicas.get(group_pool.role, ())
+        groups += [
+            GroupRequest(
+                role=group_pool.role.value,
+                replica=index,
+                tensor_parallelism=group_pool.tensor_parallelism,
+                pipeline_parallelism=group_pool.pipeline_parallelism,
+                tolerations=tolerations,
+                node_selector=node_selector,
+            )
+            for index in sorted(indices)
+        ]
     return PlacementRequest(
-        groups=groups,
+        groups=tuple(groups),
         same_domain=spec.placement.affinity_policy == AffinityPolicy.SAME_NVSWITCH_DOMAIN,
         spread_racks=spec.placement.anti_affinity_policy == AntiAffinityPolicy.SPREAD_ACROSS_RACKS,
     )
