@@ -48,6 +48,7 @@ def test_save_profile_writes_a_loadable_profile(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.timeout(120)
 def test_mock_serves_several_engines_until_sigterm() -> None:
     command = [sys.executable, "-c", "from copse.cli import main; main()", "worker", "mock"]
     process = subprocess.Popen(
