@@ -13,6 +13,7 @@ from aiohttp import web
 
 from copse.router.config import RouterConfig, parse_config
 from copse.router.server import RunningRouter, start_router
+from copse.workers.mocker import EngineConfig
 from copse.workers.testing import mock_fleet
 
 from .conftest import eventually
@@ -245,3 +246,27 @@ async def test_requests_wait_in_the_queue_until_a_worker_frees(
                 assert (await _sse(response))[-1] == "[DONE]"
     finally:
         await running.close()
+
+
+async def test_disaggregated_requests_prefill_on_one_worker_and_decode_on_another() -> None:
+    async with (
+        mock_fleet(engines=1, config=EngineConfig(role="prefill")) as prefill,
+        mock_fleet(engines=1, config=EngineConfig(role="decode")) as decode,
+    ):
+        workers = [{"url": prefill.urls[0], "role": "prefill"}, {"url": decode.urls[0], "role": "decode"}]
+        config = _config([], discovery={"kind": "static", "workers": workers})
+        running = await _started(config, 2)
+        try:
+            async with aiohttp.ClientSession() as http:
+                long_prompt = list(range(5000, 5000 + 2048))
+                body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 6, "stream": True}
+                async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                    assert response.status == 200
+                    events = await _sse(response)
+                assert events[-1] == "[DONE]"
+                assert len([e for e in events[:-1] if e["choices"]]) == 6
+                assert prefill.servers[0].engine.prompt_tokens_total == 2048  # the context phase ran there
+                assert decode.servers[0].engine.prompt_tokens_total == 2048  # and the generation phase here
+            assert running.service.router.sequences.requests.sum() == 0
+        finally:
+            await running.close()

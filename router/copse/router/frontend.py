@@ -194,6 +194,10 @@ class RouterService:
         """The clock the core's backlog decays with (seconds)."""
         return time.monotonic()
 
+    def _role(self, worker_id: str) -> Role | None:
+        info = self.router.workers.get(worker_id)
+        return None if info is None else info.role
+
     def worker_url(self, worker_id: str) -> str | None:
         """Base URL of a usable worker."""
         return self._urls.get(worker_id)
@@ -462,6 +466,10 @@ class RouterService:
             raise _EarlyFailure(f"worker {route.worker_id} is gone")
         if route.prefill_worker_id is not None:
             payload = {**payload, "disaggregated_params": await self._prefill_remotely(route, payload, path)}
+        elif self._role(route.worker_id) is Role.DECODE:
+            # A whole request on a decode worker (short prompt, or no prefill worker): trtllm-serve's
+            # conditional disaggregation marks it so.
+            payload = {**payload, "disaggregated_params": {"request_type": "context_and_generation"}}
         upstream = None
         try:
             upstream = await self.session.post(f"{url}{path}", json=payload)
