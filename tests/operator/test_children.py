@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import click
 import yaml
 
 from copse.api import Role
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
+from copse.router.config import RouterConfig
+from copse.workers.cli import mock, worker
 
 from .conftest import make_deployment
 
@@ -112,3 +115,31 @@ def test_long_names_stay_valid() -> None:
     name = names.group_name("x" * 70, Role.DECODE, 12)
     assert len(name) <= 63
     assert name != names.group_name("x" * 70, Role.DECODE, 13)
+
+
+def test_mock_backend_command_is_what_the_mocker_accepts() -> None:
+    deployment = make_deployment(
+        prefill={"replicas": 1},
+        decode={"replicas": 1},
+        engine={"backend": "mock"},
+        router={"natsUrl": "nats://n:4222"},
+    )
+    layout = GroupLayout(role=Role.PREFILL, replica=0, pods=(("n", 8),), domain=None, rack=None, cost=0)
+    [pod] = children.worker_pods(deployment, layout, cold_start_source=None)
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:3] == ["copse", "worker", "mock"]
+    assert worker.get_command(click.Context(worker), "mock") is mock
+    mock_context = mock.make_context("mock", command[3:])
+    assert mock_context.params["role"] == "prefill"
+    assert mock_context.params["gpus_per_engine"] == 8
+    assert mock_context.params["nats_url"] == "nats://n:4222"
+    assert mock_context.params["deployment"] == "llama"
+
+
+def test_router_command_and_config_are_what_the_router_accepts() -> None:
+    deployment = make_deployment(replicas=1)
+    objects = {obj["kind"]: obj for obj in children.router_objects(deployment)}
+    container = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:3] == ["copse", "router", "run"]
+    config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
+    assert config.model == "meta-llama/Llama-3-70B"

@@ -126,6 +126,10 @@ def group_service(deployment: InferenceDeployment, layout: GroupLayout) -> dict[
     }
 
 
+#: The mocker calls an engine serving both phases "aggregated".
+_MOCK_ROLES = {Role.WORKER: "aggregated", Role.PREFILL: "prefill", Role.DECODE: "decode"}
+
+
 def _engine_command(
     deployment: InferenceDeployment, layout: GroupLayout, *, rank: int, hosts: Sequence[str]
 ) -> list[str]:
@@ -138,17 +142,21 @@ def _engine_command(
         if rank > 0:
             # The mocker runs the whole group in the leader; followers only hold the GPUs.
             return ["sleep", "infinity"]
+        nats = ["--nats", spec.router.nats_url] if spec.router.nats_url else []
         return [
             "copse", "worker", "mock",
             "--engines", "1",
             "--port-base", str(ENGINE_PORT),
             "--host", "0.0.0.0",
             "--model", spec.model.name,
-            "--role", layout.role.value,
+            "--role", _MOCK_ROLES[layout.role],
             "--block-size", str(engine.block_size),
-            "--max-batch-tokens", str(engine.max_batch_tokens),
+            "--max-num-batched-tokens", str(engine.max_batch_tokens),
             "--max-num-seqs", str(engine.max_num_sequences),
-            "--tensor-parallelism", str(pool.tensor_parallelism),
+            "--gpus-per-engine", str(pool.tensor_parallelism * pool.pipeline_parallelism),
+            "--namespace", str(deployment.metadata.namespace),
+            "--deployment", deployment.metadata.name,
+            *nats,
             *engine.args,
         ]  # fmt: skip
     serve = [

@@ -102,15 +102,20 @@ class Kube:
         return self.to_dict(patched)
 
     async def patch_status(self, *, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        await self.custom.patch_namespaced_custom_object_status(
-            group=GROUP,
-            version=VERSION,
-            namespace=namespace,
-            plural=PLURAL,
-            name=name,
-            body={"status": dict(status)},
-            _content_type="application/merge-patch+json",
-        )
+        try:
+            await self.custom.patch_namespaced_custom_object_status(
+                group=GROUP,
+                version=VERSION,
+                namespace=namespace,
+                plural=PLURAL,
+                name=name,
+                body={"status": dict(status)},
+                _content_type="application/merge-patch+json",
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            # Deleted while we reconciled it: its children go with it, nothing to report.
 
     async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None:
         meta = owner["metadata"]

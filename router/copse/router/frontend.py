@@ -222,17 +222,23 @@ class RouterService:
 
     async def _probe(self, endpoint: Endpoint) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        dead = False
         try:
             async with self.session.get(f"{endpoint.url}/health", timeout=timeout) as response:
                 healthy = response.status == 200
+        except aiohttp.ClientConnectorError:
+            healthy, dead = False, True  # nothing listens: the worker is gone
         except (TimeoutError, aiohttp.ClientError):
-            healthy = False
+            healthy = False  # slow or broken: maybe only busy
         if self._endpoints.get(endpoint.key) != endpoint:
             return  # discovery changed while probing
+        failures = 0 if healthy else self._failures.get(endpoint.key, 0) + 1
+        self._failures[endpoint.key] = failures
         if healthy and endpoint.key not in self._live:
             await self._register(endpoint)
-        elif not healthy and endpoint.key in self._live:
-            self._drop(endpoint.key, reason="health probe failed")
+        elif endpoint.key in self._live and (dead or failures >= self.config.health_failures):
+            reason = "it refuses connections" if dead else f"{failures} health probes failed in a row"
+            self._drop(endpoint.key, reason=reason)
 
     async def _register(self, endpoint: Endpoint) -> None:
         info: dict[str, Any] = {}
