@@ -165,14 +165,15 @@ def test_gpu_hours_count_replicas_that_are_still_starting(linear: CapacityModel)
 
 
 def test_static_peak_is_sized_for_the_busiest_interval(linear: CapacityModel) -> None:
-    result = replay(linear, [20.0, 300.0, 20.0, 20.0])
+    result = replay(linear, [20.0, 300.0] + [20.0] * 10)
     load = Workload(rate=300.0, isl=1000.0, osl=100.0)
     expected = {
         P: linear.prefill_replicas(load, ttft_ms=200.0).replicas,
         D: linear.decode_replicas(load, itl_ms=20.0).replicas,
     }
     assert result.summary.static_peak_replicas == expected
-    assert result.summary.static_peak_gpu_hours == pytest.approx(sum(expected.values()) * 4 * INTERVAL / 3600)
+    hours = 12 * INTERVAL / 3600
+    assert result.summary.static_peak_gpu_hours == pytest.approx(sum(expected.values()) * hours)
     assert result.summary.static_slo_attainment == 1.0
     assert result.summary.gpu_hours < result.summary.static_peak_gpu_hours
 

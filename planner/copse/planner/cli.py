@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -253,3 +254,223 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
         f"{len(loaded.decode_active_kv_tokens)}x{len(loaded.decode_context_length)} decode grid, "
         f"{loaded.kv_capacity_tokens:,} KV tokens, {loaded.gpus_per_engine} GPU(s) per engine"
     )
+
+
+@planner.command()
+@click.argument("name")
+@click.option("--namespace", "-n", default="default", show_default=True, help="Namespace of the deployment.")
+@click.option("--prometheus", help="Prometheus base URL (default: the config's prometheus.url).")
+@click.option(
+    "--metrics",
+    type=click.Path(path_type=Path),
+    help="Replay a recording instead of reading Prometheus: one decision per interval, as fast as possible.",
+)
+@click.option(
+    "--profile", type=click.Path(path_type=Path), help="Perf profile (default: the mocker's model)."
+)
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
+@click.option("--interval", type=click.FloatRange(min=1), help="Seconds between decisions (default: config).")
+@click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default: arima).")
+@click.option("--observe-only", is_flag=True, help="Log and post Events with the decisions; patch nothing.")
+@click.option(
+    "--kubeconfig",
+    type=click.Path(path_type=Path),
+    help="Kubeconfig (default: in-cluster, then $KUBECONFIG).",
+)
+@click.option("--context", help="Kubeconfig context.")
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535), help="Port of /metrics (0: off).")
+@click.option("--max-intervals", type=click.IntRange(min=1), help="Stop after this many decisions.")
+def run(
+    *,
+    name: str,
+    namespace: str,
+    prometheus: str | None,
+    metrics: Path | None,
+    profile: Path | None,
+    config_path: Path | None,
+    interval: float | None,
+    predictor: str | None,
+    observe_only: bool,
+    kubeconfig: Path | None,
+    context: str | None,
+    metrics_port: int | None,
+    max_intervals: int | None,
+) -> None:
+    """Plan InferenceDeployment NAME: forecast, size and patch its pools every interval."""
+    import asyncio  # noqa: PLC0415
+
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        fail(str(exc))
+    updates: dict[str, object] = {}
+    if predictor is not None:
+        updates["predictor"] = predictor
+    if interval is not None:
+        updates["interval_s"] = interval
+    if metrics_port is not None:
+        updates["metrics_port"] = metrics_port
+    if prometheus is not None:
+        updates["prometheus"] = config.prometheus.model_copy(update={"url": prometheus})
+    config = config.model_copy(update=updates)
+    try:
+        perf = load_perf_model(profile)
+    except ProfileError as exc:
+        fail(str(exc))
+    recording: list[Observation] | None = None
+    if metrics is not None:
+        recording = _observations(metrics, None, interval)
+    try:
+        steps = asyncio.run(
+            _run(
+                config=config,
+                perf=perf,
+                name=name,
+                namespace=namespace,
+                recording=recording,
+                observe_only=observe_only,
+                kubeconfig=kubeconfig,
+                context=context,
+                max_intervals=max_intervals,
+            )
+        )
+    except KeyboardInterrupt:
+        return
+    click.echo(f"planner stopped after {steps} decision(s)", err=True)
+
+
+async def _run(
+    *,
+    config: PlannerConfig,
+    perf: PerfModel,
+    name: str,
+    namespace: str,
+    recording: list[Observation] | None,
+    observe_only: bool,
+    kubeconfig: Path | None,
+    context: str | None,
+    max_intervals: int | None,
+) -> int:
+    from prometheus_client import start_http_server  # noqa: PLC0415
+
+    from copse.planner.actuator import Actuator, ActuatorError, KubernetesApi  # noqa: PLC0415
+    from copse.planner.metrics import PlannerMetrics  # noqa: PLC0415
+    from copse.planner.prometheus import PrometheusClient, PrometheusSource, Queries  # noqa: PLC0415
+    from copse.planner.runner import Runner, run_prometheus, run_recording  # noqa: PLC0415
+
+    metrics = PlannerMetrics()
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
+    api = await KubernetesApi.connect(kubeconfig=kubeconfig, context=context)
+    try:
+        actuator = Actuator(api=api, namespace=namespace, name=name, observe_only=observe_only)
+        step = recording[0].duration_s if recording else config.interval_s
+        runner = Runner(config=config, actuator=actuator, perf=perf, metrics=metrics, interval_s=step)
+        try:
+            if recording is not None:
+                return await run_recording(runner, recording, max_intervals=max_intervals)
+            queries = Queries(
+                config.prometheus, namespace=namespace, name=name, interval_s=step, quantile=config.quantile
+            )
+            client = PrometheusClient(url=config.prometheus.url, timeout_s=config.prometheus.timeout_s)
+            try:
+                source = PrometheusSource(client=client, queries=queries, interval_s=step)
+                return await run_prometheus(
+                    runner, source, poll_s=config.fast_path_poll_s, max_intervals=max_intervals
+                )
+            finally:
+                await client.aclose()
+        except ActuatorError as exc:
+            fail(str(exc))
+        except ValueError as exc:
+            fail(str(exc))
+    finally:
+        await api.close()
+
+
+@planner.command()
+@click.option("--trace", type=click.Path(path_type=Path), help="Bucket a Mooncake JSONL or Azure CSV trace.")
+@click.option("--prometheus", help="Export a deployment's series from this Prometheus (with --name).")
+@click.option("--name", help="InferenceDeployment whose series to export.")
+@click.option("--namespace", "-n", default="default", show_default=True)
+@click.option(
+    "--since", default="24h", show_default=True, help="How far back the export starts (Go duration)."
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds per interval (trace bucket, or query_range step).",
+)
+@click.option(
+    "--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML (queries)."
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="File to write.")
+def record(
+    *,
+    trace: Path | None,
+    prometheus: str | None,
+    name: str | None,
+    namespace: str,
+    since: str,
+    interval: float,
+    config_path: Path | None,
+    out: Path,
+) -> None:
+    """Write a recording the dry run reads: a trace bucketed into metrics JSON Lines, or a
+    deployment's series exported from Prometheus (query_range JSON)."""
+    import asyncio  # noqa: PLC0415
+
+    from copse.api import parse_duration  # noqa: PLC0415
+    from copse.planner.recording import write_metrics_jsonl  # noqa: PLC0415
+
+    if (trace is None) == (prometheus is None):
+        fail("give exactly one of --trace FILE or --prometheus URL")
+    if trace is not None:
+        observations = _observations(None, trace, interval)
+        with out.open("w") as handle:
+            write_metrics_jsonl(observations, handle)
+        click.echo(f"wrote {out}: {len(observations)} intervals of {interval:g}s")
+        return
+    assert prometheus is not None
+    if name is None:
+        fail("--prometheus needs --name (the InferenceDeployment whose series to export)")
+    try:
+        config = load_config(config_path)
+        span = parse_duration(since)
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+    export = asyncio.run(
+        _export(
+            config=config, url=prometheus, name=name, namespace=namespace, span_s=span, interval_s=interval
+        )
+    )
+    out.write_text(json.dumps(export))
+    samples = (
+        len(export["num_requests"]["data"]["result"][0]["values"])
+        if export["num_requests"]["data"]["result"]
+        else 0
+    )
+    click.echo(f"wrote {out}: {len(export)} series, {samples} intervals of {interval:g}s")
+
+
+async def _export(
+    *, config: PlannerConfig, url: str, name: str, namespace: str, span_s: float, interval_s: float
+) -> dict[str, Any]:
+    import time  # noqa: PLC0415
+
+    from copse.planner.prometheus import PrometheusClient, PrometheusError, PrometheusSource, Queries  # noqa: PLC0415
+
+    queries = Queries(
+        config.prometheus, namespace=namespace, name=name, interval_s=interval_s, quantile=config.quantile
+    )
+    client = PrometheusClient(url=url, timeout_s=config.prometheus.timeout_s)
+    end = time.time()
+    try:
+        source = PrometheusSource(client=client, queries=queries, interval_s=interval_s)
+        return await source.export(start=end - span_s, end=end)
+    except PrometheusError as exc:
+        fail(str(exc))
+    finally:
+        await client.aclose()

@@ -73,6 +73,8 @@ class PlannerConfig(pydantic.BaseModel):
     """Input length assumed until the first requests are seen."""
     default_osl: float = Field(default=150.0, gt=0)
     """Output length assumed until the first requests are seen."""
+    queue_drain_s: float = Field(default=60.0, gt=0)
+    """The fast path sizes a pool to serve its forecast plus its queue within this many seconds."""
     fast_path_poll_s: float = Field(default=10.0, gt=0)
     """How often ``copse planner run`` checks queue depth between decisions (the fast path)."""
     metrics_port: int = Field(default=9464, ge=0, le=65535)

@@ -7,7 +7,7 @@ One decision, at the start of each interval:
 2. Size each pool for each forecast interval at ``headroom`` x the targets (see
    :mod:`copse.planner.capacity`), with the correction factors learned so far; take the largest.
 3. Fast path: when a pool's queue exceeds ``queue_depth`` per replica, size that pool for the
-   forecast plus draining its queue within one interval, whatever the forecast said.
+   forecast plus draining its queue within ``queue_drain_s``, whatever the forecast said.
 4. Floors: never below what in-flight work needs -- the decoding sequences' KV, and the queued
    prompts within the TTFT target.
 5. Hysteresis: a pool shrinks only to a count that would still meet the targets at
@@ -223,7 +223,8 @@ class Planner:
             queued = queues.get(role, 0.0)
             if queued < self.limits.queue_depth * max(current[role], 1):
                 continue
-            drain = dataclasses.replace(forecasts[0], num_requests=forecasts[0].num_requests + queued)
+            backlog = queued * forecasts[0].duration_s / self.config.queue_drain_s
+            drain = dataclasses.replace(forecasts[0], num_requests=forecasts[0].num_requests + backlog)
             need = self.size(workload_of(drain, scale=margin))[role].replicas
             if need > desired[role]:
                 desired[role] = need

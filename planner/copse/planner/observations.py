@@ -34,7 +34,9 @@ class Observation:
     itl_ms: float | None = None
     """Observed p99 inter-token latency, ms (drives the decode correction factor)."""
     queue_depth: float | None = None
-    """Requests waiting for a prefill slot at the end of the interval (the fast path)."""
+    """Requests waiting for prefill (or an aggregated worker) at the end of the interval (the fast path)."""
+    decode_queue_depth: float | None = None
+    """Prefilled requests waiting for a decode slot at the end of the interval (disaggregated)."""
     inflight: float | None = None
     """Requests decoding at the end of the interval (scale-down never drops their KV)."""
 
@@ -80,6 +82,7 @@ def merge(group: Sequence[Observation]) -> Observation:
         ttft_ms=_largest([obs.ttft_ms for obs in group]),
         itl_ms=_largest([obs.itl_ms for obs in group]),
         queue_depth=group[-1].queue_depth,
+        decode_queue_depth=group[-1].decode_queue_depth,
         inflight=group[-1].inflight,
     )
 

@@ -24,7 +24,15 @@ from copse.planner.observations import Observation
 
 #: Keys of a metrics JSON Lines record: required ones, then optional ones.
 REQUIRED_FIELDS: tuple[str, ...] = ("timestamp", "num_requests", "isl", "osl")
-OPTIONAL_FIELDS: tuple[str, ...] = ("isl_p90", "kv_hit_rate", "ttft_ms", "itl_ms", "queue_depth", "inflight")
+OPTIONAL_FIELDS: tuple[str, ...] = (
+    "isl_p90",
+    "kv_hit_rate",
+    "ttft_ms",
+    "itl_ms",
+    "queue_depth",
+    "decode_queue_depth",
+    "inflight",
+)
 #: Fields a Prometheus export must hold (the others are optional).
 EXPORT_REQUIRED: tuple[str, ...] = ("num_requests", "isl", "osl")
 #: Tokens per ``hash_ids`` entry in Mooncake traces.
@@ -154,6 +162,7 @@ def _observation(where: str, record: dict[str, Any], duration: float) -> Observa
         ttft_ms=_optional(where, record, "ttft_ms"),
         itl_ms=_optional(where, record, "itl_ms"),
         queue_depth=_optional(where, record, "queue_depth"),
+        decode_queue_depth=_optional(where, record, "decode_queue_depth"),
         inflight=_optional(where, record, "inflight"),
     )
 
@@ -225,6 +234,7 @@ def read_prometheus_export(path: Path) -> list[Observation]:
                 ttft_ms=values.get("ttft_ms"),
                 itl_ms=values.get("itl_ms"),
                 queue_depth=values.get("queue_depth"),
+                decode_queue_depth=values.get("decode_queue_depth"),
                 inflight=values.get("inflight"),
             )
         )

@@ -1,0 +1,186 @@
+"""Reading the load from Prometheus over its HTTP API (``/api/v1/query`` and ``query_range``).
+
+httpx rather than prometheus-api-client: the planner needs two endpoints, asynchronously, and
+prometheus-api-client is synchronous (requests) and, before 0.7, pulled pandas and matplotlib
+into every install. Forty lines of ``httpx.AsyncClient`` do it and test with respx.
+
+The default queries read the router's request-level series (``copse_router_*``: every request of
+a deployment passes its router) and the engines' queue/batch gauges (``trtllm_*``, which the
+mocker exports under the same names). ``{selector}`` picks one deployment's series (the chart's
+PodMonitor labels them ``namespace``, ``deployment``, ``role``), ``{window}`` is the decision
+interval and ``{quantile}`` the SLO quantile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+
+from copse.api import Role
+from copse.planner.config import PrometheusConfig
+from copse.planner.observations import Observation
+from copse.planner.policy import Limits
+
+#: PromQL per observation field. Ratios of increases are window means; NaN (0/0) means no traffic.
+DEFAULT_QUERIES: dict[str, str] = {
+    "num_requests": "sum(increase(copse_router_requests_total{{{selector}}}[{window}]))",
+    "isl": (
+        "sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}]))"
+        " / sum(increase(copse_router_requests_total{{{selector}}}[{window}]))"
+    ),
+    # Output tokens come from the engines that decode (a prefill engine's one token is not output).
+    "osl": (
+        'sum(increase(trtllm_generation_tokens_total{{{selector},role=~"decode|worker"}}[{window}]))'
+        " / sum(increase(copse_router_requests_total{{{selector}}}[{window}]))"
+    ),
+    "kv_hit_rate": (
+        "sum(increase(copse_router_predicted_cached_tokens_total{{{selector}}}[{window}]))"
+        " / sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}]))"
+    ),
+    "ttft_ms": (
+        "1000 * histogram_quantile({quantile}, "
+        "sum by (le) (rate(copse_router_time_to_first_token_seconds_bucket{{{selector}}}[{window}])))"
+    ),
+    "itl_ms": (
+        "1000 * histogram_quantile({quantile}, "
+        "sum by (le) (rate(copse_router_inter_token_latency_seconds_bucket{{{selector}}}[{window}])))"
+    ),
+    "queue_depth": (
+        "(sum(copse_router_queue_depth{{{selector}}}) or vector(0))"
+        ' + (sum(trtllm_num_requests_waiting{{{selector},role=~"prefill|worker"}}) or vector(0))'
+    ),
+    "decode_queue_depth": 'sum(trtllm_num_requests_waiting{{{selector},role="decode"}})',
+    "inflight": 'sum(trtllm_num_requests_running{{{selector},role=~"decode|worker"}})',
+}
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus could not be asked, or answered with an error; the message says which query."""
+
+
+def _window(seconds: float) -> str:
+    """A PromQL duration for ``seconds`` (whole milliseconds)."""
+    return f"{round(seconds * 1000)}ms"
+
+
+class Queries:
+    """The PromQL of each field for one deployment."""
+
+    def __init__(
+        self, config: PrometheusConfig, *, namespace: str, name: str, interval_s: float, quantile: float
+    ) -> None:
+        unknown = sorted(set(config.queries) - set(DEFAULT_QUERIES))
+        if unknown:
+            known = ", ".join(DEFAULT_QUERIES)
+            raise ValueError(f"prometheus.queries: unknown field {', '.join(unknown)} (known: {known})")
+        selector = config.selector.format(namespace=namespace, name=name)
+        self.text = {
+            field: template.format(selector=selector, window=_window(interval_s), quantile=quantile)
+            for field, template in {**DEFAULT_QUERIES, **config.queries}.items()
+        }
+
+
+class PrometheusClient:
+    """The two Prometheus HTTP API calls the planner makes."""
+
+    def __init__(self, *, url: str, timeout_s: float, client: httpx.AsyncClient | None = None) -> None:
+        self.url = url.rstrip("/")
+        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _get(self, path: str, params: dict[str, str]) -> dict[str, Any]:
+        url = f"{self.url}{path}"
+        try:
+            response = await self._client.get(url, params=params)
+        except httpx.HTTPError as exc:
+            raise PrometheusError(f"{url} ({params['query']}): {type(exc).__name__}: {exc}") from exc
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
+            detail = body.get("error") if isinstance(body, dict) else response.text[:200]
+            raise PrometheusError(f"{url} answered {response.status_code} for {params['query']!r}: {detail}")
+        return body
+
+    async def query(self, promql: str, *, at: float) -> float | None:
+        """The single value of an instant query at ``at`` (unix seconds); ``None`` when it has no
+        series or its value is NaN (a ratio over an interval without traffic)."""
+        body = await self._get("/api/v1/query", {"query": promql, "time": f"{at:.3f}"})
+        result = body["data"]["result"]
+        if not result:
+            return None
+        if len(result) > 1:
+            raise PrometheusError(f"{promql!r} returned {len(result)} series; aggregate it to one with sum()")
+        value = float(result[0]["value"][1])
+        return value if math.isfinite(value) else None
+
+    async def query_range(self, promql: str, *, start: float, end: float, step_s: float) -> dict[str, Any]:
+        """The raw ``query_range`` response (what ``copse planner record`` stores)."""
+        return await self._get(
+            "/api/v1/query_range",
+            {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": _window(step_s)},
+        )
+
+
+class PrometheusSource:
+    """Observations of one deployment, one per interval, read at the interval's end."""
+
+    def __init__(self, *, client: PrometheusClient, queries: Queries, interval_s: float) -> None:
+        self.client = client
+        self.queries = queries
+        self.interval_s = interval_s
+
+    async def observe(self, *, end: float) -> Observation:
+        """The interval ``[end - interval, end)``."""
+        values = {
+            field: await self.client.query(promql, at=end) for field, promql in self.queries.text.items()
+        }
+        num_requests = max(0.0, values["num_requests"] or 0.0)
+        busy = num_requests > 0
+        return Observation(
+            timestamp=end - self.interval_s,
+            duration_s=self.interval_s,
+            num_requests=num_requests,
+            isl=values["isl"] if busy else None,
+            osl=values["osl"] if busy else None,
+            kv_hit_rate=_fraction(values["kv_hit_rate"]),
+            ttft_ms=values["ttft_ms"] if busy else None,
+            itl_ms=values["itl_ms"] if busy else None,
+            queue_depth=values["queue_depth"],
+            decode_queue_depth=values["decode_queue_depth"],
+            inflight=values["inflight"],
+        )
+
+    async def queues(self, *, at: float, limits: Limits) -> dict[Role, float]:
+        """Requests waiting per pool, from the queue gauges alone (the fast path polls these)."""
+        queues = {limits.front: await self.client.query(self.queries.text["queue_depth"], at=at) or 0.0}
+        if limits.disaggregated:
+            queues[Role.DECODE] = (
+                await self.client.query(self.queries.text["decode_queue_depth"], at=at) or 0.0
+            )
+        return queues
+
+    async def export(self, *, start: float, end: float) -> dict[str, Any]:
+        """Every field's ``query_range`` response over ``[start, end]`` at the interval as step:
+        the Prometheus export :func:`copse.planner.recording.read_prometheus_export` reads."""
+        return {
+            field: await self.client.query_range(promql, start=start, end=end, step_s=self.interval_s)
+            for field, promql in self.queries.text.items()
+        }
+
+
+def queues_of(obs: Observation, limits: Limits) -> dict[Role, float]:
+    """Requests waiting per pool in an observation (absent gauges count as empty queues)."""
+    queues = {limits.front: obs.queue_depth or 0.0}
+    if limits.disaggregated:
+        queues[Role.DECODE] = obs.decode_queue_depth or 0.0
+    return queues
+
+
+def _fraction(value: float | None) -> float | None:
+    return None if value is None else min(max(value, 0.0), 1.0)
