@@ -15,21 +15,24 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 
 from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, parse_deployment
 from copse.operator import children, metrics, names
+from copse.operator.children import GroupLayout
 from copse.operator.kube import Kube
 from copse.operator.reconcile import Decision, ReconcileSettings, reconcile
-from copse.operator.state import observe_groups
+from copse.operator.state import ObservedGroup, observe_groups
 
 logger = logging.getLogger("copse.operator")
 
 Key = tuple[str, str]  # (namespace, name)
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 def _key(obj: Mapping[str, Any]) -> Key:
@@ -89,8 +92,11 @@ class Cache:
 
 
 class Controller:
-    def __init__(self, *, kube: Kube, settings: ReconcileSettings | None = None) -> None:
+    def __init__(
+        self, *, kube: Kube, settings: ReconcileSettings | None = None, api_concurrency: int = 16
+    ) -> None:
         self.kube = kube
+        self.api_concurrency = api_concurrency
         self.settings = settings or ReconcileSettings()
         self.cache = Cache()
         self._dirty: dict[Key, float] = {}
@@ -214,98 +220,25 @@ class Controller:
         name = deployment.metadata.name
         for obj in [children.engine_configmap(deployment), *children.router_objects(deployment)]:
             await self.kube.apply(obj)
-        for group, reason in decision.restart:
-            logger.info(
-                "gang restart of %s (%s)",
-                group.name,
-                reason,
-                extra=_context(namespace, name, role=group.role.value, group=group.name),
-            )
-            await self._delete_pods(namespace, group.pods.values(), grace_period_s=0)
-            if group.service is not None:
-                patched = await self.kube.patch_service(
-                    namespace=namespace,
-                    name=group.name,
-                    json_patch=_annotate(
-                        group.service,
-                        {
-                            names.ANNOTATION_PLACEMENT: "",
-                            names.ANNOTATION_RESTARTS: str(group.restarts + 1),
-                            names.ANNOTATION_LAST_RESTART: datetime.now(UTC).isoformat(),
-                        },
-                    ),
-                )
-                self.cache.services[(namespace, group.name)] = patched
-            metrics.GANG_RESTARTS.inc()
-        for group, reason in decision.remove:
-            logger.info(
-                "removing group %s (%s)",
-                group.name,
-                reason,
-                extra=_context(namespace, name, role=group.role.value, group=group.name),
-            )
-            await self._delete_pods(namespace, group.pods.values(), grace_period_s=None)
-            await self.kube.delete("Service", namespace=namespace, name=group.name)
-            self.cache.services.pop((namespace, group.name), None)
-        for layout in decision.place:
-            service = children.group_service(deployment, layout)
-            existing = self.cache.services.get((namespace, service["metadata"]["name"]))
-            if existing is None:
-                created = await self.kube.create(service)
-                if created is None:
-                    continue  # someone (an earlier us) recorded a placement already: use that
-                self.cache.services[_key(created)] = created
-            else:
-                # Record the new placement only over the cleared one this operator left.
-                patched = await self.kube.patch_service(
-                    namespace=namespace,
-                    name=existing["metadata"]["name"],
-                    json_patch=[
-                        {"op": "test", "path": "/metadata/resourceVersion",
-                         "value": existing["metadata"]["resourceVersion"]},
-                        *_annotate(existing, service["metadata"]["annotations"]),
-                    ],
-                )  # fmt: skip
-                self.cache.services[_key(patched)] = patched
-            logger.info(
-                "placed %s on %s (%s), cost %.3f",
-                service["metadata"]["name"],
-                layout.domain or "several domains",
-                ", ".join(f"{node}×{gpus}" for node, gpus in layout.pods),
-                layout.cost,
-                extra=_context(namespace, name, role=layout.role.value, group=service["metadata"]["name"]),
-            )
-        for layout in decision.create_pods:
-            group_name = names.group_name(name, layout.role, layout.replica)
-            for pod in children.worker_pods(deployment, layout, cold_start_source=decision.cold_start_source):
-                if _key(pod) in self.cache.pods:
-                    continue
-                created = await self.kube.create(pod)
-                if created is not None:
-                    self.cache.pods[_key(created)] = created
-            logger.info(
-                "created gated pods of %s",
-                group_name,
-                extra=_context(namespace, name, role=layout.role.value, group=group_name),
-            )
-        for group in decision.lift_gates:
-            for member in group.pods.values():
-                if member.get("spec", {}).get("schedulingGates"):
-                    lifted = await self.kube.patch_pod(
-                        namespace=namespace,
-                        name=member["metadata"]["name"],
-                        json_patch=[{"op": "remove", "path": "/spec/schedulingGates"}],
-                    )
-                    self.cache.pods[_key(lifted)] = lifted
-            logger.info(
-                "gang %s complete; released its scheduling gates",
-                group.name,
-                extra=_context(namespace, name, role=group.role.value, group=group.name),
-            )
-        for event in decision.events:
-            await self.kube.post_event(
+        await self._each(decision.restart, lambda item: self._restart(namespace, name, *item))
+        await self._each(decision.remove, lambda item: self._remove(namespace, name, *item))
+        recorded = await self._each(decision.place, lambda layout: self._record(deployment, layout))
+        lost = {
+            (layout.role, layout.replica)
+            for layout, ok in zip(decision.place, recorded, strict=True)
+            if not ok
+        }
+        await self._each(
+            [layout for layout in decision.create_pods if (layout.role, layout.replica) not in lost],
+            lambda layout: self._create_pods(deployment, layout, decision.cold_start_source),
+        )
+        await self._each(decision.lift_gates, lambda group: self._lift_gates(namespace, name, group))
+        await self._each(
+            decision.events,
+            lambda event: self.kube.post_event(
                 owner=body, type=event.type, reason=event.reason, message=event.message
-            )
+            ),
+        )
         status = decision.status
         if status.get("score") is not None:
             metrics.PLACEMENT_SCORE.labels(namespace=namespace, deployment=name).set(status["score"])
@@ -318,6 +251,102 @@ class Controller:
                 extra=_context(namespace, name),
             )
             await self.kube.patch_status(namespace=namespace, name=name, status=status)
+
+    async def _each(self, items: Iterable[_T], action: Callable[[_T], Awaitable[_R]]) -> list[_R]:
+        """Run ``action`` on every item concurrently, at most ``api_concurrency`` calls in flight:
+        a 64-group deployment is hundreds of independent API calls."""
+        limit = asyncio.Semaphore(self.api_concurrency)
+
+        async def bounded(item: _T) -> _R:
+            async with limit:
+                return await action(item)
+
+        return list(await asyncio.gather(*(bounded(item) for item in items)))
+
+    async def _restart(self, namespace: str, name: str, group: ObservedGroup, reason: str) -> None:
+        context = _context(namespace, name, role=group.role.value, group=group.name)
+        logger.info("gang restart of %s (%s)", group.name, reason, extra=context)
+        await self._delete_pods(namespace, group.pods.values(), grace_period_s=0)
+        if group.service is not None:
+            patched = await self.kube.patch_service(
+                namespace=namespace,
+                name=group.name,
+                json_patch=_annotate(
+                    group.service,
+                    {
+                        names.ANNOTATION_PLACEMENT: "",
+                        names.ANNOTATION_RESTARTS: str(group.restarts + 1),
+                        names.ANNOTATION_LAST_RESTART: datetime.now(UTC).isoformat(),
+                    },
+                ),
+            )
+            self.cache.services[(namespace, group.name)] = patched
+        metrics.GANG_RESTARTS.inc()
+
+    async def _remove(self, namespace: str, name: str, group: ObservedGroup, reason: str) -> None:
+        context = _context(namespace, name, role=group.role.value, group=group.name)
+        logger.info("removing group %s (%s)", group.name, reason, extra=context)
+        await self._delete_pods(namespace, group.pods.values(), grace_period_s=None)
+        await self.kube.delete("Service", namespace=namespace, name=group.name)
+        self.cache.services.pop((namespace, group.name), None)
+
+    async def _record(self, deployment: InferenceDeployment, layout: GroupLayout) -> bool:
+        """Write a new placement on the group's Service; False when another placement is there."""
+        service = children.group_service(deployment, layout)
+        key = _key(service)
+        existing = self.cache.services.get(key)
+        if existing is None:
+            created = await self.kube.create(service)
+            if created is None:
+                return False  # an earlier run recorded a placement already: the next pass uses it
+            self.cache.services[key] = created
+        else:
+            # Record the new placement only over the cleared one this operator left.
+            patched = await self.kube.patch_service(
+                namespace=key[0],
+                name=key[1],
+                json_patch=[
+                    {"op": "test", "path": "/metadata/resourceVersion",
+                     "value": existing["metadata"]["resourceVersion"]},
+                    *_annotate(existing, service["metadata"]["annotations"]),
+                ],
+            )  # fmt: skip
+            self.cache.services[key] = patched
+        logger.info(
+            "placed %s on %s (%s), cost %.3f",
+            key[1],
+            layout.domain or "several domains",
+            ", ".join(f"{node}×{gpus}" for node, gpus in layout.pods),
+            layout.cost,
+            extra=_context(key[0], deployment.metadata.name, role=layout.role.value, group=key[1]),
+        )
+        return True
+
+    async def _create_pods(
+        self, deployment: InferenceDeployment, layout: GroupLayout, cold_start_source: str | None
+    ) -> None:
+        pods = children.worker_pods(deployment, layout, cold_start_source=cold_start_source)
+        for pod in pods:
+            if _key(pod) not in self.cache.pods:
+                created = await self.kube.create(pod)
+                if created is not None:
+                    self.cache.pods[_key(created)] = created
+        group = pods[0]["metadata"]["labels"][names.LABEL_GROUP]
+        namespace = str(deployment.metadata.namespace)
+        context = _context(namespace, deployment.metadata.name, role=layout.role.value, group=group)
+        logger.info("created gated pods of %s", group, extra=context)
+
+    async def _lift_gates(self, namespace: str, name: str, group: ObservedGroup) -> None:
+        for member in group.pods.values():
+            if member.get("spec", {}).get("schedulingGates"):
+                lifted = await self.kube.patch_pod(
+                    namespace=namespace,
+                    name=member["metadata"]["name"],
+                    json_patch=[{"op": "remove", "path": "/spec/schedulingGates"}],
+                )
+                self.cache.pods[_key(lifted)] = lifted
+        context = _context(namespace, name, role=group.role.value, group=group.name)
+        logger.info("gang %s complete; released its scheduling gates", group.name, extra=context)
 
     async def _delete_pods(
         self, namespace: str, pods: Iterable[Mapping[str, Any]], *, grace_period_s: int | None
