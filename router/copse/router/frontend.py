@@ -21,8 +21,9 @@ Workers come from discovery; each is probed (``GET /health``) every ``health_int
 worker that refuses connections (its process is gone) is dropped at the first probe, so within
 ``interval + timeout``; one that answers slowly or with errors after ``health_failures`` probes in
 a row (an engine busy with a long step is not dead). A worker
-is registered once its ``GET /worker_info`` (mocked engines) tells its id and block size; a
-``trtllm-serve`` without that endpoint is registered under the id discovery knows (the pod name).
+is registered under the id its ``GET /worker_info`` reports (mocked engines; the id their KV
+events carry), else under the id discovery knows (the pod name, which the KV relay next to a
+``trtllm-serve`` publishes under).
 """
 
 from __future__ import annotations
@@ -249,7 +250,8 @@ class RouterService:
                     info = await response.json()
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             log.info("worker %s: no /worker_info (%s)", endpoint.url, exc)
-        worker_id = endpoint.worker_id or info.get("worker_id") or endpoint.key
+        # The engine's own id is what its KV events carry; discovery's (the pod name) otherwise.
+        worker_id = str(info.get("worker_id") or endpoint.worker_id or endpoint.key)
         block_size = info.get("block_size")
         if block_size is not None and block_size != self.config.block_size:
             log.error(
