@@ -22,7 +22,7 @@ from copse.planner.observations import Observation
 from copse.planner.policy import Limits
 from copse.planner.prometheus import PrometheusClient, PrometheusError, PrometheusSource, Queries
 from copse.planner.recording import read_prometheus_export
-from copse.planner.runner import Runner, run_prometheus, run_recording
+from copse.planner.runner import Fleet, Planned, Runner, run_prometheus, run_recording
 from copse.workers.perf import PolynomialPerfModel
 
 P, D, W = Role.PREFILL, Role.DECODE, Role.WORKER
@@ -71,6 +71,11 @@ class FakeApi:
         self.patches: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.fail_patch = False
+
+    async def names(self, *, namespace: str | None) -> list[tuple[str, str]]:
+        if self.obj is None or namespace not in (None, "serving"):
+            return []
+        return [("serving", "llama")]
 
     async def get(self, *, namespace: str, name: str) -> dict[str, Any]:
         if self.obj is None or (namespace, name) != ("serving", "llama"):
@@ -345,12 +350,25 @@ async def test_prometheus_source_builds_an_observation() -> None:
 
 
 @respx.mock
-async def test_no_traffic_gives_no_lengths() -> None:
-    respx.get(f"{PROM}/api/v1/query").mock(return_value=httpx.Response(200, json=vector("NaN")))
+async def test_no_traffic_gives_no_lengths_but_no_series_is_no_data() -> None:
+    text = queries().text
+    scraped = [True]
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        query = dict(request.url.params)["query"]
+        if not scraped[0]:
+            return httpx.Response(200, json=vector(None))
+        return httpx.Response(200, json=vector("0" if query == text["num_requests"] else "NaN"))
+
+    respx.get(f"{PROM}/api/v1/query").mock(side_effect=reply)
     client = PrometheusClient(url=PROM, timeout_s=5)
-    obs = await PrometheusSource(client=client, queries=queries(), interval_s=60.0).observe(end=1000.0)
-    await client.aclose()
+    source = PrometheusSource(client=client, queries=queries(), interval_s=60.0)
+    obs = await source.observe(end=1000.0)
     assert (obs.num_requests, obs.isl, obs.osl, obs.ttft_ms) == (0.0, None, None, None)
+    scraped[0] = False
+    with pytest.raises(PrometheusError, match="no series for num_requests"):
+        await source.observe(end=1000.0)
+    await client.aclose()
 
 
 @respx.mock
@@ -417,10 +435,18 @@ async def test_run_prometheus_decides_at_boundaries_and_polls_queues_between() -
         answers["queue_depth"] = "4000" if 1090.0 <= now[0] < 1110.0 else "0"
 
     api = FakeApi(manifest())
-    loop = runner(api, clock=lambda: now[0])
     client = PrometheusClient(url=PROM, timeout_s=5)
-    source = PrometheusSource(client=client, queries=queries(), interval_s=60.0)
-    steps = await run_prometheus(loop, source, poll_s=15.0, max_intervals=3, sleep=sleep)
+
+    def build(namespace: str, name: str) -> Planned:
+        return Planned(
+            runner=runner(api, clock=lambda: now[0]),
+            source=PrometheusSource(client=client, queries=queries(), interval_s=60.0),
+        )
+
+    fleet = Fleet(discover=lambda: api.names(namespace=None), build=build)
+    steps = await run_prometheus(
+        fleet, interval_s=60.0, poll_s=15.0, max_intervals=3, clock=lambda: now[0], sleep=sleep
+    )
     await client.aclose()
     assert steps == 3
     # Boundaries aligned to multiples of the interval: 1020, 1080, 1140.
@@ -435,3 +461,41 @@ def test_action_names() -> None:
     assert action_of(decision({P: 1, D: 1}, {P: 2, D: 1})) == "scale_down"
     assert action_of(decision({P: 2, D: 1}, {P: 1, D: 2})) == "rebalance"
     assert action_of(decision({P: 1, D: 1}, {P: 1, D: 1})) == "hold"
+
+
+async def test_fleet_follows_deployments_as_they_come_and_go() -> None:
+    apis = {"a": FakeApi(manifest()), "b": FakeApi(manifest())}
+    present = ["a", "b"]
+    built: list[str] = []
+
+    async def discover() -> list[tuple[str, str]]:
+        return [("serving", name) for name in present]
+
+    def build(namespace: str, name: str) -> Planned:
+        built.append(name)
+        actuator = Actuator(api=apis[name], namespace=namespace, name="llama", observe_only=False)
+        loop = Runner(
+            config=PlannerConfig(predictor="constant"),
+            actuator=actuator,
+            perf=PolynomialPerfModel(),
+            metrics=PlannerMetrics(),
+            interval_s=60.0,
+        )
+        client = PrometheusClient(url=PROM, timeout_s=5)
+        return Planned(
+            runner=loop, source=PrometheusSource(client=client, queries=queries(), interval_s=60.0)
+        )
+
+    fleet = Fleet(discover=discover, build=build)
+    await fleet.refresh()
+    assert sorted(name for _, name in fleet.members) == ["a", "b"]
+    first = fleet.members[("serving", "a")]
+    present.remove("b")
+    await fleet.refresh()
+    assert list(fleet.members) == [("serving", "a")]
+    assert fleet.members[("serving", "a")] is first  # kept with its forecasts
+    present.append("c")
+    apis["c"] = FakeApi(None)  # listed but unreadable: not planned, no crash
+    await fleet.refresh()
+    assert list(fleet.members) == [("serving", "a")]
+    assert built == ["a", "b", "c"]

@@ -44,7 +44,10 @@ class ActuatorError(RuntimeError):
 
 
 class DeploymentApi(Protocol):
-    """The three API calls the actuator makes (the real one wraps ``kubernetes.aio``)."""
+    """The API calls the planner makes (the real one wraps ``kubernetes.aio``)."""
+
+    async def names(self, *, namespace: str | None) -> list[tuple[str, str]]:
+        """(namespace, name) of every InferenceDeployment in ``namespace`` (``None``: all)."""
 
     async def get(self, *, namespace: str, name: str) -> dict[str, Any]:
         """The InferenceDeployment as the API server has it; :class:`LookupError` if absent,
@@ -89,6 +92,23 @@ class KubernetesApi:
 
     async def close(self) -> None:
         await self._api_client.close()
+
+    async def names(self, *, namespace: str | None) -> list[tuple[str, str]]:
+        from kubernetes.aio.client.exceptions import ApiException  # noqa: PLC0415
+
+        try:
+            if namespace is None:
+                listed = await self._custom.list_cluster_custom_object(
+                    group=GROUP, version=VERSION, plural=PLURAL
+                )
+            else:
+                listed = await self._custom.list_namespaced_custom_object(
+                    group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL
+                )
+        except ApiException as exc:
+            where = namespace or "all namespaces"
+            raise ActuatorError(f"listing {PLURAL} in {where}: {exc.status} {exc.reason}") from exc
+        return [(item["metadata"]["namespace"], item["metadata"]["name"]) for item in listed["items"]]
 
     async def get(self, *, namespace: str, name: str) -> dict[str, Any]:
         from kubernetes.aio.client.exceptions import ApiException  # noqa: PLC0415

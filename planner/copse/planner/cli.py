@@ -257,13 +257,19 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
 
 
 @planner.command()
-@click.argument("name")
-@click.option("--namespace", "-n", default="default", show_default=True, help="Namespace of the deployment.")
+@click.argument("name", required=False)
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    help="Namespace(s) to plan in (repeatable). Default: all namespaces, or 'default' with NAME.",
+)
 @click.option("--prometheus", help="Prometheus base URL (default: the config's prometheus.url).")
 @click.option(
     "--metrics",
     type=click.Path(path_type=Path),
-    help="Replay a recording instead of reading Prometheus: one decision per interval, as fast as possible.",
+    help="Replay a recording for NAME instead of reading Prometheus: one decision per interval, at once.",
 )
 @click.option(
     "--profile", type=click.Path(path_type=Path), help="Perf profile (default: the mocker's model)."
@@ -271,7 +277,13 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
 @click.option("--interval", type=click.FloatRange(min=1), help="Seconds between decisions (default: config).")
 @click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default: arima).")
-@click.option("--observe-only", is_flag=True, help="Log and post Events with the decisions; patch nothing.")
+@click.option(
+    "--observe-only",
+    "--dry-run",
+    "observe_only",
+    is_flag=True,
+    help="Log the decisions and post them as Events; patch nothing.",
+)
 @click.option(
     "--kubeconfig",
     type=click.Path(path_type=Path),
@@ -279,11 +291,11 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
 )
 @click.option("--context", help="Kubeconfig context.")
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), help="Port of /metrics (0: off).")
-@click.option("--max-intervals", type=click.IntRange(min=1), help="Stop after this many decisions.")
+@click.option("--max-intervals", type=click.IntRange(min=1), help="Stop after this many intervals.")
 def run(
     *,
-    name: str,
-    namespace: str,
+    name: str | None,
+    namespaces: tuple[str, ...],
     prometheus: str | None,
     metrics: Path | None,
     profile: Path | None,
@@ -296,7 +308,8 @@ def run(
     metrics_port: int | None,
     max_intervals: int | None,
 ) -> None:
-    """Plan InferenceDeployment NAME: forecast, size and patch its pools every interval."""
+    """Plan InferenceDeployment NAME, or every one in the namespaces: forecast, size and patch their
+    pools every interval."""
     import asyncio  # noqa: PLC0415
 
     try:
@@ -313,20 +326,23 @@ def run(
     if prometheus is not None:
         updates["prometheus"] = config.prometheus.model_copy(update={"url": prometheus})
     config = config.model_copy(update=updates)
+    if name is not None and len(namespaces) > 1:
+        fail("NAME takes one --namespace")
+    if metrics is not None and name is None:
+        fail("--metrics replays a recording for one deployment: give its NAME")
     try:
         perf = load_perf_model(profile)
     except ProfileError as exc:
         fail(str(exc))
-    recording: list[Observation] | None = None
-    if metrics is not None:
-        recording = _observations(metrics, None, interval)
+    recording = _observations(metrics, None, interval) if metrics is not None else None
+    scope = list(namespaces) or (["default"] if name is not None else [])
     try:
         steps = asyncio.run(
             _run(
                 config=config,
                 perf=perf,
                 name=name,
-                namespace=namespace,
+                namespaces=scope,
                 recording=recording,
                 observe_only=observe_only,
                 kubeconfig=kubeconfig,
@@ -336,15 +352,15 @@ def run(
         )
     except KeyboardInterrupt:
         return
-    click.echo(f"planner stopped after {steps} decision(s)", err=True)
+    click.echo(f"planner stopped after {steps} interval(s)", err=True)
 
 
 async def _run(
     *,
     config: PlannerConfig,
     perf: PerfModel,
-    name: str,
-    namespace: str,
+    name: str | None,
+    namespaces: list[str],
     recording: list[Observation] | None,
     observe_only: bool,
     kubeconfig: Path | None,
@@ -356,34 +372,61 @@ async def _run(
     from copse.planner.actuator import Actuator, ActuatorError, KubernetesApi  # noqa: PLC0415
     from copse.planner.metrics import PlannerMetrics  # noqa: PLC0415
     from copse.planner.prometheus import PrometheusClient, PrometheusSource, Queries  # noqa: PLC0415
-    from copse.planner.runner import Runner, run_prometheus, run_recording  # noqa: PLC0415
+    from copse.planner.runner import Fleet, Planned, Runner, run_prometheus, run_recording  # noqa: PLC0415
 
     metrics = PlannerMetrics()
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
     api = await KubernetesApi.connect(kubeconfig=kubeconfig, context=context)
+    step = recording[0].duration_s if recording else config.interval_s
+
+    def runner_for(namespace: str, deployment: str) -> Runner:
+        actuator = Actuator(api=api, namespace=namespace, name=deployment, observe_only=observe_only)
+        return Runner(config=config, actuator=actuator, perf=perf, metrics=metrics, interval_s=step)
+
     try:
-        actuator = Actuator(api=api, namespace=namespace, name=name, observe_only=observe_only)
-        step = recording[0].duration_s if recording else config.interval_s
-        runner = Runner(config=config, actuator=actuator, perf=perf, metrics=metrics, interval_s=step)
-        try:
-            if recording is not None:
-                return await run_recording(runner, recording, max_intervals=max_intervals)
-            queries = Queries(
-                config.prometheus, namespace=namespace, name=name, interval_s=step, quantile=config.quantile
+        if recording is not None:
+            assert name is not None
+            return await run_recording(
+                runner_for(namespaces[0], name), recording, max_intervals=max_intervals
             )
-            client = PrometheusClient(url=config.prometheus.url, timeout_s=config.prometheus.timeout_s)
-            try:
-                source = PrometheusSource(client=client, queries=queries, interval_s=step)
-                return await run_prometheus(
-                    runner, source, poll_s=config.fast_path_poll_s, max_intervals=max_intervals
-                )
-            finally:
-                await client.aclose()
-        except ActuatorError as exc:
-            fail(str(exc))
-        except ValueError as exc:
-            fail(str(exc))
+        client = PrometheusClient(url=config.prometheus.url, timeout_s=config.prometheus.timeout_s)
+
+        def build(namespace: str, deployment: str) -> Planned:
+            queries = Queries(
+                config.prometheus,
+                namespace=namespace,
+                name=deployment,
+                interval_s=step,
+                quantile=config.quantile,
+            )
+            return Planned(
+                runner=runner_for(namespace, deployment),
+                source=PrometheusSource(client=client, queries=queries, interval_s=step),
+            )
+
+        async def discover() -> list[tuple[str, str]]:
+            if name is not None:
+                return [(namespaces[0], name)]
+            found: list[tuple[str, str]] = []
+            scopes: list[str | None] = list(namespaces) or [None]
+            for namespace in scopes:
+                found.extend(await api.names(namespace=namespace))
+            return found
+
+        try:
+            return await run_prometheus(
+                Fleet(discover=discover, build=build),
+                interval_s=step,
+                poll_s=config.fast_path_poll_s,
+                max_intervals=max_intervals,
+            )
+        finally:
+            await client.aclose()
+    except ActuatorError as exc:
+        fail(str(exc))
+    except ValueError as exc:
+        fail(str(exc))
     finally:
         await api.close()
 

@@ -140,7 +140,12 @@ class PrometheusSource:
         values = {
             field: await self.client.query(promql, at=end) for field, promql in self.queries.text.items()
         }
-        num_requests = max(0.0, values["num_requests"] or 0.0)
+        if values["num_requests"] is None:
+            # No series at all is not "no traffic": scaling to the minimum on it would be wrong.
+            raise PrometheusError(
+                f"no series for num_requests ({self.queries.text['num_requests']}): is the router scraped?"
+            )
+        num_requests = max(0.0, values["num_requests"])
         busy = num_requests > 0
         return Observation(
             timestamp=end - self.interval_s,

@@ -153,36 +153,90 @@ async def run_recording(
     return steps
 
 
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """One deployment under a live planner: its runner and its metrics source."""
+
+    runner: Runner
+    source: PrometheusSource
+
+
+class Fleet:
+    """The deployments a live planner manages, found again at every interval: new ones get a
+    planner, deleted ones are dropped (their forecasts with them)."""
+
+    def __init__(
+        self,
+        *,
+        discover: Callable[[], Awaitable[list[tuple[str, str]]]],
+        build: Callable[[str, str], Planned],
+    ) -> None:
+        self._discover = discover
+        self._build = build
+        self.members: dict[tuple[str, str], Planned] = {}
+
+    async def refresh(self) -> None:
+        found = set(await self._discover())
+        for key in sorted(set(self.members) - found):
+            logger.info("no longer planning %s/%s: deployment gone", *key)
+            del self.members[key]
+        for key in sorted(found - set(self.members)):
+            planned = self._build(*key)
+            try:
+                await planned.runner.prime()
+            except ActuatorError as exc:
+                logger.error("cannot plan %s/%s: %s", *key, exc)
+                continue
+            logger.info("planning %s/%s", *key)
+            self.members[key] = planned
+
+
 async def run_prometheus(
-    runner: Runner,
-    source: PrometheusSource,
+    fleet: Fleet,
     *,
+    interval_s: float,
     poll_s: float,
     max_intervals: int | None,
+    clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> int:
-    """Decide at every interval boundary (wall clock, aligned to multiples of the interval) and
-    poll the queues in between."""
-    await runner.prime()
-    clock, interval = runner.clock, runner.interval_s
-    boundary = math.floor(clock() / interval) * interval + interval
+    """Decide for every deployment at each interval boundary (wall clock, aligned to multiples of
+    the interval) and poll their queues in between."""
+    await fleet.refresh()
+    boundary = math.floor(clock() / interval_s) * interval_s + interval_s
     steps = 0
     while max_intervals is None or steps < max_intervals:
         while (now := clock()) < boundary:
             await sleep(min(poll_s, boundary - now))
             if clock() >= boundary:
                 break
-            try:
-                queues = await source.queues(at=clock(), limits=runner.limits)
-                await runner.fast_path(queues, now=clock())
-            except (PrometheusError, ActuatorError) as exc:
-                logger.warning("fast path skipped: %s", exc, extra=runner.log_context)
+            for planned in list(fleet.members.values()):
+                await _poll(planned, now=clock())
         try:
-            obs = await source.observe(end=boundary)
-            await runner.step(obs)
-        except (PrometheusError, ActuatorError) as exc:
-            runner.metrics.skipped.labels(runner.actuator.namespace, runner.actuator.name).inc()
-            logger.error("interval ending %.0f skipped: %s", boundary, exc, extra=runner.log_context)
+            await fleet.refresh()
+        except ActuatorError as exc:
+            logger.error("keeping the deployments known so far: %s", exc)
+        for planned in list(fleet.members.values()):
+            await _decide(planned, boundary=boundary)
         steps += 1
-        boundary += interval
+        boundary += interval_s
     return steps
+
+
+async def _poll(planned: Planned, *, now: float) -> None:
+    runner = planned.runner
+    try:
+        queues = await planned.source.queues(at=now, limits=runner.limits)
+        await runner.fast_path(queues, now=now)
+    except (PrometheusError, ActuatorError) as exc:
+        logger.warning("fast path skipped: %s", exc, extra=runner.log_context)
+
+
+async def _decide(planned: Planned, *, boundary: float) -> None:
+    runner = planned.runner
+    try:
+        obs = await planned.source.observe(end=boundary)
+        await runner.step(obs)
+    except (PrometheusError, ActuatorError) as exc:
+        runner.metrics.skipped.labels(runner.actuator.namespace, runner.actuator.name).inc()
+        logger.error("interval ending %.0f skipped: %s", boundary, exc, extra=runner.log_context)
