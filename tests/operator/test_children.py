@@ -40,6 +40,7 @@ def test_gang_pods_are_gated_pinned_and_ranked() -> None:
         assert pod["metadata"]["labels"][names.LABEL_LEADER] == str(rank == 0).lower()
         assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert spec["subdomain"] == "llama-worker-1"
+        assert pod["metadata"]["labels"][names.LABEL_DOMAIN] == "rack1.0"
     leader, follower = (pod["spec"]["containers"][0]["command"] for pod in pods)
     # Multi-node TP is one MPI world launched by the leader across both pods.
     assert leader[0] == "mpirun"
@@ -134,6 +135,7 @@ def test_mock_backend_command_is_what_the_mocker_accepts() -> None:
     assert mock_context.params["gpus_per_engine"] == 8
     assert mock_context.params["nats_url"] == "nats://n:4222"
     assert mock_context.params["deployment"] == "llama"
+    assert mock_context.params["worker_prefix"] == "llama-prefill-0-0"
 
 
 def test_router_command_and_config_are_what_the_router_accepts() -> None:

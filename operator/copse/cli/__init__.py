@@ -18,6 +18,7 @@ from copse.cli import logs
 SUBCOMMANDS: dict[str, str] = {
     "api": "copse.api.cli:api",
     "cluster": "copse.cluster.cli:cluster",
+    "demo": "copse.cli.demo:demo",
     "bench": "copse.router.cli:bench",
     "router": "copse.router.cli:router",
     "synth": "copse.router.cli:synth",

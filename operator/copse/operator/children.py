@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ SSH_PORT = 2222
 ENGINE_CONFIG_DIR = "/etc/copse/engine"
 ROUTER_CONFIG_DIR = "/etc/copse/router"
 GPU_RESOURCE = "nvidia.com/gpu"
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,6 +145,7 @@ def _engine_command(
             # The mocker runs the whole group in the leader; followers only hold the GPUs.
             return ["sleep", "infinity"]
         nats = ["--nats", spec.router.nats_url] if spec.router.nats_url else []
+        leader = names.pod_name(names.group_name(deployment.metadata.name, layout.role, layout.replica), 0)
         return [
             "copse", "worker", "mock",
             "--engines", "1",
@@ -156,6 +159,8 @@ def _engine_command(
             "--gpus-per-engine", str(pool.tensor_parallelism * pool.pipeline_parallelism),
             "--namespace", str(deployment.metadata.namespace),
             "--deployment", deployment.metadata.name,
+            # Worker ids (what KV events carry) must be unique across pods: prefix them with the pod.
+            "--worker-prefix", leader,
             *nats,
             *engine.args,
         ]  # fmt: skip
@@ -241,6 +246,9 @@ def worker_pods(
             names.LABEL_RANK: str(rank),
             names.LABEL_LEADER: str(rank == 0).lower(),
         }
+        if layout.domain is not None and _LABEL_VALUE.match(layout.domain):
+            # The router prefers a decode worker in the prefill worker's NVLink domain.
+            pod_labels[names.LABEL_DOMAIN] = layout.domain
         annotations = {**spec.pod.annotations, names.ANNOTATION_TEMPLATE_HASH: digest}
         pod_spec: dict[str, Any] = {
             "hostname": pod,

@@ -17,6 +17,7 @@ LABEL_GROUP = f"{DOMAIN}/group"
 LABEL_REPLICA = f"{DOMAIN}/replica"
 LABEL_RANK = f"{DOMAIN}/rank"
 LABEL_LEADER = f"{DOMAIN}/leader"
+LABEL_DOMAIN = f"{DOMAIN}/domain"  # the group's NVLink domain, when it has one
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "copse-operator"

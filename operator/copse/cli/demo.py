@@ -1,0 +1,189 @@
+"""``copse demo``: the whole system on this machine, end to end, in a few minutes.
+
+Every step runs a real ``copse``/``kubectl`` command as its own process, so the demo
+exercises exactly what a user would type and imports none of the components itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+REPO = Path(__file__).resolve().parents[3]
+NAMESPACE = "copse-demo"
+TRACE = REPO.parent / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
+SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+DISAGGREGATED = REPO / "examples" / "deployment-disaggregated.yaml"
+PLANNER = REPO / "examples" / "planner"
+
+
+class DemoError(click.ClickException):
+    pass
+
+
+def _copse(*args: str) -> list[str]:
+    return [sys.executable, "-m", "copse.cli", *args]
+
+
+def _step(title: str) -> None:
+    click.secho(f"\n==> {title}", bold=True, err=True)
+
+
+def _run(argv: Sequence[str], *, env: dict[str, str], capture: bool = False) -> str:
+    completed = subprocess.run(argv, env=env, text=True, capture_output=capture, check=False)
+    if completed.returncode != 0:
+        detail = (completed.stderr or "").strip()[-2000:] if capture else "(see the output above)"
+        raise DemoError(f"`{' '.join(argv)}` exited {completed.returncode}: {detail}")
+    return completed.stdout if capture else ""
+
+
+def _cluster_env() -> tuple[dict[str, str], str]:
+    """Bring the local control plane up (building it once) and return its env and kubectl."""
+    env = dict(os.environ)
+    printed = _run(_copse("cluster", "up"), env=env, capture=True)
+    for line in printed.splitlines():
+        if line.startswith("export KUBECONFIG="):
+            env["KUBECONFIG"] = line.removeprefix("export KUBECONFIG=")
+        elif line.startswith("export PATH="):
+            env["PATH"] = line.removeprefix("export PATH=").split(":", 1)[0] + os.pathsep + env["PATH"]
+    kubectl = shutil.which("kubectl", path=env["PATH"])
+    if "KUBECONFIG" not in env or kubectl is None:
+        raise DemoError(f"`copse cluster up` did not say where its kubeconfig and kubectl are:\n{printed}")
+    return env, kubectl
+
+
+def _replay(
+    policy: str, *, requests: int, workers: int, speedup: float, env: dict[str, str]
+) -> dict[str, Any]:
+    printed = _run(
+        _copse(
+            "bench", "replay",
+            "--trace", str(TRACE),
+            "--workers", str(workers),
+            "--policy", policy,
+            "--limit", str(requests),
+            "--speedup", str(speedup),
+            "--live",
+            "--json",
+        ),
+        env=env,
+        capture=True,
+    )  # fmt: skip
+    report: dict[str, Any] = json.loads(printed)
+    return report
+
+
+@click.command()
+@click.option("--requests", default=300, show_default=True, help="Mooncake requests replayed per policy.")
+@click.option("--workers", default=4, show_default=True, help="Mocked engines behind the router.")
+@click.option(
+    "--speedup", default=8.0, show_default=True, help="Replay the trace this much faster than real time."
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("out/demo"),
+    show_default=True,
+    help="Where the operator log and the planner plot go.",
+)
+def demo(requests: int, workers: int, speedup: float, out: Path) -> None:
+    """Local cluster with fake NVL72 racks, the operator, placement, KV-aware routing, the planner."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    _step("local Kubernetes control plane with fake GB200 NVL72 racks (first run builds it from Go)")
+    env, kubectl = _cluster_env()
+    _run([kubectl, "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds")], env=env)
+    _run([kubectl, "wait", "--for=condition=Established", "-f", str(REPO / "crds"), "--timeout=60s"], env=env)
+
+    _step("the operator, placing the design documents' deployment and a disaggregated one")
+    log_path = out / "operator.log"
+    with log_path.open("w") as log:
+        operator = subprocess.Popen(
+            _copse("operator", "run", "--metrics-port", "0"), env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        namespace = subprocess.run(
+            [kubectl, "create", "namespace", NAMESPACE], env=env, capture_output=True, text=True, check=False
+        )
+        if namespace.returncode != 0 and "AlreadyExists" not in namespace.stderr:
+            raise DemoError(f"cannot create namespace {NAMESPACE}: {namespace.stderr.strip()}")
+        for manifest in (SEED, DISAGGREGATED):
+            _run([kubectl, "apply", "-n", NAMESPACE, "-f", str(manifest)], env=env)
+        for name in ("llama-70b-serving", "llama-70b-disagg"):
+            try:
+                _run(
+                    [kubectl, "wait", "-n", NAMESPACE, "--for=jsonpath={.status.phase}=Running",
+                     f"idep/{name}", "--timeout=180s"],
+                    env=env,
+                )  # fmt: skip
+            except DemoError as error:
+                raise DemoError(f"{error}\n--- operator log: {log_path}") from error
+        click.echo(_run([kubectl, "get", "idep", "-n", NAMESPACE, "-o", "wide"], env=env, capture=True))
+        columns = (
+            "POD:.metadata.name,ROLE:.metadata.labels.copse\\.dev/role,NODE:.spec.nodeName,"
+            "GPUS:.spec.containers[0].resources.limits.nvidia\\.com/gpu,PHASE:.status.phase"
+        )
+        selector = "app.kubernetes.io/component=worker"
+        pods = [kubectl, "get", "pods", "-n", NAMESPACE, "-l", selector, "-o", f"custom-columns={columns}"]
+        click.echo(_run(pods, env=env, capture=True))
+        groups = json.loads(
+            _run([kubectl, "get", "idep", "-n", NAMESPACE, "-o", "json"], env=env, capture=True)
+        )["items"]
+        for item in groups:
+            for group in item["status"]["groups"]:
+                click.echo(
+                    f"  {group['name']:<28} domain {group['domain'] or '(several)'}  rack {group['rack']}"
+                    f"  cost {group['cost']} us"
+                )
+    finally:
+        operator.terminate()
+        operator.wait(timeout=30)
+
+    _step(
+        f"router + {workers} mocked engines + NATS: {requests} Mooncake requests at {speedup:g}x, "
+        "KV-aware vs round-robin"
+    )
+    reports = {policy: _replay(policy, requests=requests, workers=workers, speedup=speedup, env=env)
+               for policy in ("kv", "round_robin")}  # fmt: skip
+    click.echo(f"{'':<22}{'kv':>12}{'round_robin':>14}")
+    for label, key, pick in (
+        ("TTFT p50 (ms)", "ttft_ms", "p50"),
+        ("TTFT p99 (ms)", "ttft_ms", "p99"),
+        ("ITL p50 (ms)", "itl_ms", "p50"),
+        ("end-to-end p50 (ms)", "e2e_ms", "p50"),
+    ):
+        kv, rr = (reports[policy][key][pick] for policy in ("kv", "round_robin"))
+        click.echo(f"{label:<22}{kv:>12.1f}{rr:>14.1f}")
+    kv_hit, rr_hit = (reports[policy]["cache_hit_rate"] for policy in ("kv", "round_robin"))
+    click.echo(f"{'KV cache hit rate':<22}{kv_hit:>12.1%}{rr_hit:>14.1%}")
+
+    _step("the SLA planner, dry-run on the example metrics recording")
+    plot = out / "planner.png"
+    _run(
+        _copse(
+            "planner", "dry-run",
+            "--metrics", str(PLANNER / "metrics.jsonl"),
+            "--profile", str(PLANNER / "mock-profile.npz"),
+            "--ttft-ms", "500",
+            "--itl-ms", "50",
+            "--plot", str(plot),
+        ),
+        env=env,
+    )  # fmt: skip
+
+    _step(f"done in {time.monotonic() - started:.0f}s")
+    click.echo(
+        f"The cluster keeps running: KUBECONFIG={env['KUBECONFIG']} kubectl get idep -n {NAMESPACE}\n"
+        f"Operator log: {log_path}   Planner plot: {plot}\n"
+        "Tear down with `make cluster-down` (stops the control plane started by `copse cluster up`)."
+    )
