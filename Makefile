@@ -48,14 +48,25 @@ lint: venv
 	$(BIN)/mypy -p copse
 	$(BIN)/mypy tests e2e benchmarks
 
+# helm lint --strict and helm template of charts/copse, with its default values and with every optional
+# part on (ci/all-optional-values.yaml). helm is the one the cluster build caches (built if missing).
+.PHONY: lint-chart
+lint-chart: venv
+	@set -e; \
+	helm="$$($(BIN)/python -c 'from copse.cluster import binaries_for; print(binaries_for().helm)')"; \
+	test -x "$$helm" || $(BIN)/copse cluster build >/dev/null; \
+	for values in charts/copse/values.yaml charts/copse/ci/all-optional-values.yaml; do \
+		echo "== $$values"; \
+		"$$helm" lint --strict charts/copse -f "$$values"; \
+		"$$helm" template copse charts/copse -f "$$values" >/dev/null; \
+	done
+
 crds: venv
 	$(BIN)/copse api crds --out crds
 	rm -rf charts/copse/crds && cp -r crds charts/copse/crds
 
-# The main job: local cluster with fake NVL72 racks, operator, placement, router + mocked
-# engines replaying Mooncake (KV-aware vs round-robin), planner dry-run. See `copse demo --help`.
 demo: venv
-	$(BIN)/copse demo
+	$(BIN)/copse placement plan --nodes examples/nodes-2-racks.yaml --deployment ../shared/examples/seed-inferencedeployment.yaml
 
 clean:
 	rm -rf $(VENV)
