@@ -65,8 +65,10 @@ crds: venv
 	$(BIN)/copse api crds --out crds
 	rm -rf charts/copse/crds && cp -r crds charts/copse/crds
 
+# The main job: local cluster with fake NVL72 racks, operator, placement, router + mocked
+# engines replaying Mooncake (KV-aware vs round-robin), planner dry-run. See `copse demo --help`.
 demo: venv
-	$(BIN)/copse placement plan --nodes examples/nodes-2-racks.yaml --deployment ../shared/examples/seed-inferencedeployment.yaml
+	$(BIN)/copse demo
 
 clean:
 	rm -rf $(VENV)
