@@ -230,3 +230,12 @@ async def test_disaggregated_context_then_generation() -> None:
             },
         )
         assert missing.json()["param"] == "disaggregated_params.first_gen_tokens"
+        # A short prompt the router keeps on the decode engine is prefilled there.
+        whole = await http.post(f"{decode.urls[0]}/v1/completions", json={"model": "m", "prompt": prompt})
+        assert whole.status_code == 200
+        assert len(whole.json()["choices"][0]["token_ids"]) == 32  # the default max_tokens
+        context_here = await http.post(
+            f"{decode.urls[0]}/v1/completions",
+            json={"model": "m", "prompt": prompt, "disaggregated_params": {"request_type": "context_only"}},
+        )
+        assert context_here.status_code == 400

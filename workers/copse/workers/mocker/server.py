@@ -219,10 +219,12 @@ class EngineServer:
                 "this is a context (prefill) engine: send disaggregated_params.request_type='context_only'",
                 param="disaggregated_params",
             )
-        if role == "decode" and kind != "generation_only":
+        if role == "decode" and kind == "context_only":
+            # A generation engine also serves whole requests (TensorRT-LLM's conditional
+            # disaggregation: short prompts are cheaper to prefill here than to transfer).
             raise RequestError(
-                "this is a generation (decode) engine:"
-                " send disaggregated_params.request_type='generation_only'",
+                "this is a generation (decode) engine: send disaggregated_params.request_type="
+                "'generation_only', or no disaggregated_params for a whole request",
                 param="disaggregated_params",
             )
         first_token: int | None = None
