@@ -3,8 +3,9 @@
 # different commands (`copse operator run`, `copse planner run`, `copse router run`,
 # `copse worker mock`). GPU workers run NVIDIA's TensorRT-LLM image instead (README, Images).
 #
-#   docker build -t ghcr.io/copse-dev/copse:0.1.0 .
-#   docker push ghcr.io/copse-dev/copse:0.1.0
+#   docker build -t ghcr.io/copse-dev/copse:0.1.0 . && docker push ghcr.io/copse-dev/copse:0.1.0
+#   # GB200 trays are arm64 (Grace): build both architectures where mock workers may land there
+#   docker buildx build --platform linux/amd64,linux/arm64 -t ghcr.io/copse-dev/copse:0.1.0 --push .
 
 FROM python:3.11-slim AS build
 WORKDIR /src
