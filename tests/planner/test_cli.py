@@ -6,11 +6,14 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import respx
 from click.testing import CliRunner
 
 from copse.cli import main
+from copse.planner.recording import read_metrics
 from copse.workers.perf import load_profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,3 +231,70 @@ def test_interval_must_be_a_multiple_of_the_recording(tmp_path: Path, profile: P
     )
     assert code == 2
     assert "--interval 90s is not a whole multiple of the recording's interval (60s)" in err
+
+
+def test_record_buckets_a_trace_into_the_metrics_format(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 20, "hash_ids": [0, i]})
+            + "\n"
+            for i in range(120)
+        )
+    )
+    out = tmp_path / "m.jsonl"
+    result = CliRunner().invoke(
+        main, ["planner", "record", "--trace", str(trace), "--interval", "30", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"wrote {out}: 4 intervals of 30s\n"
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [record["num_requests"] for record in records] == [30, 30, 30, 30]
+    assert records[1]["kv_hit_rate"] == pytest.approx(512 / 600)  # block 0 is shared by all
+
+
+@respx.mock
+def test_record_exports_from_prometheus(tmp_path: Path) -> None:
+    def reply(request: httpx.Request) -> httpx.Response:
+        values = [[1000.0 + 60 * i, "120"] for i in range(1, 4)]
+        body = {
+            "status": "success",
+            "data": {"resultType": "matrix", "result": [{"metric": {}, "values": values}]},
+        }
+        return httpx.Response(200, json=body)
+
+    route = respx.get("http://127.0.0.1:9090/api/v1/query_range").mock(side_effect=reply)
+    out = tmp_path / "export.json"
+    result = CliRunner().invoke(
+        main,
+        [
+            "planner", "record", "--prometheus", "http://127.0.0.1:9090", "--name", "llama", "-n", "serving",
+            "--since", "3m", "--interval", "60", "--out", str(out),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert 'deployment="llama"' in route.calls[0].request.url.params["query"]
+    assert [obs.num_requests for obs in read_metrics(out)] == [120.0, 120.0, 120.0]
+
+
+def test_record_needs_one_source(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["planner", "record", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert "exactly one of --trace FILE or --prometheus URL" in result.stderr
+
+
+def test_run_argument_errors_exit_2(tmp_path: Path) -> None:
+    metrics = metrics_file(tmp_path / "m.jsonl", [1.0, 1.0])
+    both = CliRunner().invoke(main, ["planner", "run", "llama", "-n", "a", "-n", "b"])
+    assert both.exit_code == 2
+    assert "NAME takes one --namespace" in both.stderr
+    nameless = CliRunner().invoke(main, ["planner", "run", "--metrics", str(metrics)])
+    assert nameless.exit_code == 2
+    assert "--metrics replays a recording for one deployment: give its NAME" in nameless.stderr
+    config = tmp_path / "planner.yaml"
+    config.write_text("predictor: prophet\n")
+    bad = CliRunner().invoke(main, ["planner", "run", "llama", "--config", str(config)])
+    assert bad.exit_code == 2
+    assert (
+        f"{config}: invalid planner config: predictor: Value error, unknown predictor 'prophet'" in bad.stderr
+    )
