@@ -44,6 +44,10 @@ class FakeKube:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[str, str, str]] = []
         self.deletions: list[tuple[str, str, int | None]] = []
+        self.calls: list[tuple[str, str]] = []
+        """(verb and kind, name) of every create and patch, in order."""
+        self.created_pods: list[dict[str, Any]] = []
+        """Pod bodies as the operator sent them to create."""
 
     def _store(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(obj))
@@ -69,6 +73,9 @@ class FakeKube:
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         meta = obj["metadata"]
+        self.calls.append((f"create {obj['kind']}", meta["name"]))
+        if obj["kind"] == "Pod":
+            self.created_pods.append(copy.deepcopy(dict(obj)))
         if (obj["kind"], meta["namespace"], meta["name"]) in self.objects:
             return None
         return self._store(obj)
@@ -80,6 +87,7 @@ class FakeKube:
             self.deletions.append((kind, name, grace_period_s))
 
     async def _patch(self, kind: str, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        self.calls.append((f"patch {kind}", name))
         obj = copy.deepcopy(self.objects[(kind, namespace, name)])
         json_patch(obj, ops)
         return self._store(obj)

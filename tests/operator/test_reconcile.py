@@ -106,11 +106,36 @@ async def test_gates_lift_only_after_the_whole_gang_exists() -> None:
     harness = Harness(replicas=1)
     harness.kube.sync(harness.controller)
     await harness.controller.reconcile_once(KEY)
-    pods = harness.pods()
-    assert len(pods) == 2
-    assert all(p["spec"]["schedulingGates"] == [{"name": names.GANG_GATE}] for p in pods)
+    calls = [(verb, name) for verb, name in harness.kube.calls if verb in {"create Pod", "patch Pod"}]
+    assert calls == [
+        ("create Pod", "llama-worker-0-0"),
+        ("create Pod", "llama-worker-0-1"),
+        ("patch Pod", "llama-worker-0-0"),
+        ("patch Pod", "llama-worker-0-1"),
+    ]
+    assert all(
+        body["spec"]["schedulingGates"] == [{"name": names.GANG_GATE}] for body in harness.kube.created_pods
+    )
+    assert all("schedulingGates" not in p["spec"] for p in harness.pods())
+
+
+async def test_a_gang_whose_pods_exist_unseen_waits_for_the_watch() -> None:
+    harness = Harness(replicas=1)
     harness.kube.sync(harness.controller)
     await harness.controller.reconcile_once(KEY)
+    service = harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")]
+    # A restarted operator whose watch has the Service but not yet the (gated) pods.
+    harness.controller = Controller(kube=harness.kube)  # type: ignore[arg-type]
+    for pod in harness.pods():
+        pod["spec"]["schedulingGates"] = [{"name": names.GANG_GATE}]
+    harness.kube.sync(harness.controller)
+    harness.controller.cache.pods.clear()
+    harness.kube.calls.clear()
+    await harness.controller.reconcile_once(KEY)
+    assert [verb for verb, _ in harness.kube.calls if verb.endswith("Pod")] == ["create Pod", "create Pod"]
+    assert all(p["spec"]["schedulingGates"] for p in harness.pods()), "409s prove nothing about gates"
+    assert harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")] == service
+    await harness.settle()
     assert all("schedulingGates" not in p["spec"] for p in harness.pods())
 
 

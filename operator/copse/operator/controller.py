@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
-from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, parse_deployment
+from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, parse_deployment
 from copse.operator import children, metrics, names
 from copse.operator.children import GroupLayout
 from copse.operator.kube import Kube
@@ -232,7 +232,10 @@ class Controller:
             [layout for layout in decision.create_pods if (layout.role, layout.replica) not in lost],
             lambda layout: self._create_pods(deployment, layout, decision.cold_start_source),
         )
-        await self._each(decision.lift_gates, lambda group: self._lift_gates(namespace, name, group))
+        await self._each(
+            decision.lift_gates,
+            lambda group: self._lift_gates(namespace, name, group.role, group.name, group.pods.values()),
+        )
         await self._each(
             decision.events,
             lambda event: self.kube.post_event(
@@ -325,19 +328,29 @@ class Controller:
     async def _create_pods(
         self, deployment: InferenceDeployment, layout: GroupLayout, cold_start_source: str | None
     ) -> None:
+        """Create the gang's missing pods, gated; once every one of them is known to exist
+        (created now, or already in the cache), release the gates in the same pass."""
+        namespace, name = str(deployment.metadata.namespace), deployment.metadata.name
         pods = children.worker_pods(deployment, layout, cold_start_source=cold_start_source)
+        members: list[Mapping[str, Any]] = []
         for pod in pods:
-            if _key(pod) not in self.cache.pods:
-                created = await self.kube.create(pod)
-                if created is not None:
-                    self.cache.pods[_key(created)] = created
+            known = self.cache.pods.get(_key(pod))
+            if known is None:
+                known = await self.kube.create(pod)
+                if known is None:
+                    continue  # it exists but we have not seen it yet: the next pass releases the gang
+                self.cache.pods[_key(known)] = known
+            members.append(known)
         group = pods[0]["metadata"]["labels"][names.LABEL_GROUP]
-        namespace = str(deployment.metadata.namespace)
-        context = _context(namespace, deployment.metadata.name, role=layout.role.value, group=group)
+        context = _context(namespace, name, role=layout.role.value, group=group)
         logger.info("created gated pods of %s", group, extra=context)
+        if len(members) == len(pods):
+            await self._lift_gates(namespace, name, layout.role, group, members)
 
-    async def _lift_gates(self, namespace: str, name: str, group: ObservedGroup) -> None:
-        for member in group.pods.values():
+    async def _lift_gates(
+        self, namespace: str, name: str, role: Role, group: str, members: Iterable[Mapping[str, Any]]
+    ) -> None:
+        for member in members:
             if member.get("spec", {}).get("schedulingGates"):
                 lifted = await self.kube.patch_pod(
                     namespace=namespace,
@@ -345,8 +358,8 @@ class Controller:
                     json_patch=[{"op": "remove", "path": "/spec/schedulingGates"}],
                 )
                 self.cache.pods[_key(lifted)] = lifted
-        context = _context(namespace, name, role=group.role.value, group=group.name)
-        logger.info("gang %s complete; released its scheduling gates", group.name, extra=context)
+        context = _context(namespace, name, role=role.value, group=group)
+        logger.info("gang %s complete; released its scheduling gates", group, extra=context)
 
     async def _delete_pods(
         self, namespace: str, pods: Iterable[Mapping[str, Any]], *, grace_period_s: int | None
