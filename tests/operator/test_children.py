@@ -11,7 +11,7 @@ from copse.api import Role
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
 from copse.router.config import RouterConfig
-from copse.workers.cli import mock, worker
+from copse.workers.cli import kv_relay, mock, worker
 
 from .conftest import make_deployment
 
@@ -145,3 +145,21 @@ def test_router_command_and_config_are_what_the_router_accepts() -> None:
     assert container["command"][:3] == ["copse", "router", "run"]
     config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
     assert config.model == "meta-llama/Llama-3-70B"
+
+
+def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:
+    deployment = make_deployment(replicas=1, router={"natsUrl": "nats://nats:4222"}, engine={"blockSize": 64})
+    leader, follower = children.worker_pods(deployment, TWO_NODES, cold_start_source=None)
+    _, relay = leader["spec"]["containers"]
+    assert relay["name"] == "kv-relay"
+    assert relay["command"][:3] == ["copse", "worker", "kv-relay"]
+    params = kv_relay.make_context("kv-relay", relay["command"][3:]).params
+    assert (params["engine"], params["nats"], params["block_size"]) == (
+        "http://127.0.0.1:8000",
+        "nats://nats:4222",
+        64,
+    )
+    assert params["worker_id"] == "llama-worker-1-0"
+    assert [c["name"] for c in follower["spec"]["containers"]] == ["engine"]
+    without_bus = children.worker_pods(make_deployment(replicas=1), TWO_NODES, cold_start_source=None)
+    assert [c["name"] for c in without_bus[0]["spec"]["containers"]] == ["engine"]

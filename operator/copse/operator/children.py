@@ -192,6 +192,24 @@ def _engine_command(
     ]  # fmt: skip
 
 
+def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[dict[str, Any]]:
+    """The sidecar that drains trtllm-serve's ``/kv_cache_events`` into copse KV events on NATS,
+    on the rank that serves HTTP; the mocker publishes its own events."""
+    spec = deployment.spec
+    if rank > 0 or spec.engine.backend is not EngineBackend.TRTLLM or not spec.router.nats_url:
+        return []
+    command = [
+        "copse", "worker", "kv-relay",
+        "--engine", f"http://127.0.0.1:{ENGINE_PORT}",
+        "--nats", spec.router.nats_url,
+        "--namespace", str(deployment.metadata.namespace),
+        "--deployment", deployment.metadata.name,
+        "--worker-id", pod,
+        "--block-size", str(spec.engine.block_size),
+    ]  # fmt: skip
+    return [{"name": "kv-relay", "image": spec.router.image or COPSE_IMAGE, "command": command}]
+
+
 def worker_pods(
     deployment: InferenceDeployment, layout: GroupLayout, *, cold_start_source: str | None
 ) -> list[dict[str, Any]]:
@@ -264,7 +282,7 @@ def worker_pods(
                 }
             },
             "tolerations": [t.model_dump(mode="json", exclude_none=True) for t in spec.pod.tolerations],
-            "containers": [container],
+            "containers": [container, *_kv_relay(deployment, pod=pod, rank=rank)],
             "volumes": [
                 {
                     "name": "engine-config",
