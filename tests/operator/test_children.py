@@ -154,7 +154,7 @@ def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:
     assert relay["name"] == "kv-relay"
     assert relay["command"][:3] == ["copse", "worker", "kv-relay"]
     params = kv_relay.make_context("kv-relay", relay["command"][3:]).params
-    assert (params["engine"], params["nats"], params["block_size"]) == (
+    assert (params["engine_url"], params["nats_url"], params["block_size"]) == (
         "http://127.0.0.1:8000",
         "nats://nats:4222",
         64,
