@@ -109,6 +109,17 @@ class FakeKube:
     async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None:
         self.events.append((type, reason, message))
 
+    async def list_all(self, resource: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        kinds = {
+            "nodes": "Node",
+            "pods": "Pod",
+            "services": "Service",
+            "inferencedeployments": "InferenceDeployment",
+        }
+        if resource == "nodes":
+            return [copy.deepcopy(node) for node in self.nodes.values()]
+        return [copy.deepcopy(obj) for obj in self.of_kind(kinds[resource])]
+
     # -- what the rest of Kubernetes would do --------------------------------------------------
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:

@@ -45,7 +45,7 @@ class Harness:
         for node in gpu_nodes(racks=racks):
             self.kube.nodes[node["metadata"]["name"]] = node
         self.kube.objects[("InferenceDeployment", NAMESPACE, "llama")] = manifest(**spec)
-        self.controller = Controller(kube=self.kube, settings=ReconcileSettings(restart_backoff_base_s=0))  # type: ignore[arg-type]
+        self.controller = Controller(kube=self.kube, settings=ReconcileSettings(restart_backoff_base_s=0))
 
     def snapshot(self) -> str:
         return json.dumps({"/".join(key): obj for key, obj in self.kube.objects.items()}, sort_keys=True)
@@ -125,7 +125,7 @@ async def test_a_gang_whose_pods_exist_unseen_waits_for_the_watch() -> None:
     await harness.controller.reconcile_once(KEY)
     service = harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")]
     # A restarted operator whose watch has the Service but not yet the (gated) pods.
-    harness.controller = Controller(kube=harness.kube)  # type: ignore[arg-type]
+    harness.controller = Controller(kube=harness.kube)
     for pod in harness.pods():
         pod["spec"]["schedulingGates"] = [{"name": names.GANG_GATE}]
     harness.kube.sync(harness.controller)
@@ -150,11 +150,15 @@ async def test_restarted_operator_finishes_a_half_created_gang_without_duplicate
     harness.kube.sync(harness.controller)
     await harness.controller.reconcile_once(KEY)
     [first, _] = sorted(p["metadata"]["name"] for p in harness.pods())
-    # The operator died after creating the Service and one pod.
+    # The operator died after creating the Service and one (still gated) pod.
     del harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-1")]
+    harness.kube.objects[("Pod", NAMESPACE, first)]["spec"]["schedulingGates"] = [{"name": names.GANG_GATE}]
     planned = copy.deepcopy(harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")])
-    harness.controller = Controller(kube=harness.kube, settings=ReconcileSettings(restart_backoff_base_s=0))  # type: ignore[arg-type]
+    harness.controller = Controller(kube=harness.kube, settings=ReconcileSettings(restart_backoff_base_s=0))
+    await harness.controller.prime()
+    assert set(harness.controller.cache.pods) == {(NAMESPACE, first)}
     await harness.settle()
+    assert "GangRestart" not in [reason for _, reason, _ in harness.kube.events]
     pods = harness.pods()
     assert sorted(p["metadata"]["name"] for p in pods) == [first, "llama-worker-0-1"]
     recorded = json.loads(planned["metadata"]["annotations"][names.ANNOTATION_PLACEMENT])

@@ -24,7 +24,7 @@ import pydantic
 from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, parse_deployment
 from copse.operator import children, metrics, names
 from copse.operator.children import GroupLayout
-from copse.operator.kube import Kube
+from copse.operator.kube import KubeApi
 from copse.operator.reconcile import Decision, ReconcileSettings, reconcile
 from copse.operator.state import ObservedGroup, observe_groups
 
@@ -93,7 +93,7 @@ class Cache:
 
 class Controller:
     def __init__(
-        self, *, kube: Kube, settings: ReconcileSettings | None = None, api_concurrency: int = 16
+        self, *, kube: KubeApi, settings: ReconcileSettings | None = None, api_concurrency: int = 16
     ) -> None:
         self.kube = kube
         self.api_concurrency = api_concurrency

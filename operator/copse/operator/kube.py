@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes.aio import client
 from kubernetes.aio.client.exceptions import ApiException
@@ -31,6 +31,25 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Role": ("RbacAuthorizationV1Api", "role"),
     "RoleBinding": ("RbacAuthorizationV1Api", "role_binding"),
 }
+
+
+class KubeApi(Protocol):
+    """The calls the controller makes; :class:`Kube` is the real one (tests use a fake)."""
+
+    async def apply(self, obj: Mapping[str, Any]) -> None: ...
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None: ...
+    async def delete(
+        self, kind: str, *, namespace: str, name: str, grace_period_s: int | None = None
+    ) -> None: ...
+    async def patch_pod(
+        self, *, namespace: str, name: str, json_patch: list[dict[str, Any]]
+    ) -> dict[str, Any]: ...
+    async def patch_service(
+        self, *, namespace: str, name: str, json_patch: list[dict[str, Any]]
+    ) -> dict[str, Any]: ...
+    async def patch_status(self, *, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
+    async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
+    async def list_all(self, resource: str, *, label_selector: str | None = None) -> list[dict[str, Any]]: ...
 
 
 class Kube:
