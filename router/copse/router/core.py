@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from copse.router.approx import ApproximateIndexer
-from copse.router.cost import FloatArray, PerfTable
+from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.indexer import Indexer, RadixIndexer
 from copse.router.policies import (
     KvPolicy,
@@ -181,11 +181,20 @@ class Router:
                 default_capacity_blocks=max(1, perf.kv_capacity_tokens // settings.block_size)
             )
         self.sequences = ActiveSequences(block_size=settings.block_size)
-        self._busy_kv_tokens = self.thresholds.busy_kv_fraction * self.perf.kv_capacity_tokens
+        self.costs = WorkerCosts(
+            self.sequences,
+            self.perf,
+            busy_prefill_tokens=self.thresholds.busy_prefill_tokens,
+            busy_kv_tokens=self.thresholds.busy_kv_fraction * self.perf.kv_capacity_tokens,
+        )
         self.rng = random.Random(seed)
         self.workers: dict[str, WorkerInfo] = {}
         self._roles = {role: np.zeros(0, dtype=bool) for role in Role}
         self._role_count = dict.fromkeys(Role, 0)
+        self._roles_version = 0
+        # Role -> (versions it was built at, its free workers or None): valid until a worker joins,
+        # leaves or crosses a busy threshold.
+        self._free_cache: dict[Role, tuple[tuple[int, int], BoolArray | None]] = {}
         self._queue: deque[tuple[RouteRequest, frozenset[str]]] = deque()
         self._queued: set[str] = set()
         self._routes: dict[str, Route] = {}
@@ -209,6 +218,7 @@ class Router:
         self._role_count[info.role] += 1
         for role, mask in self._roles.items():
             mask[slot] = role is info.role
+        self._roles_version += 1
         return self._drain(now=now)
 
     def remove_worker(self, worker_id: str) -> list[str]:
@@ -223,6 +233,7 @@ class Router:
             return []
         for mask in self._roles.values():
             mask[slot] = False
+        self._roles_version += 1
         lost = {key.removesuffix("\x00prefill") for key in self.sequences.drop_worker(slot)}
         for request_id in lost:
             self._routes.pop(request_id, None)
@@ -241,6 +252,7 @@ class Router:
                 grown = np.zeros(size, dtype=bool)
                 grown[: len(mask)] = mask
                 self._roles[role] = grown
+                self._roles_version += 1
 
     # -- routing ------------------------------------------------------------------------------
 
@@ -305,6 +317,8 @@ class Router:
             self.outbox.append(change)
 
     def _servable(self, exclude: frozenset[str]) -> bool:
+        if not exclude:
+            return bool(self.workers)
         return any(worker_id not in exclude for worker_id in self.workers)
 
     def _drain(self, *, now: float) -> list[Route]:
@@ -319,24 +333,28 @@ class Router:
             routed.append(route)
         return routed
 
-    def _eligible(self, role: Role, exclude: frozenset[str]) -> tuple[BoolArray, BoolArray]:
-        """(workers of ``role`` not excluded, those of them not busy), over every slot."""
-        present = self._roles[role]
+    def _free(self, role: Role, exclude: frozenset[str]) -> BoolArray | None:
+        """Workers of ``role``, not excluded and not busy, over every slot; ``None`` when there are
+        none. Needs :meth:`WorkerCosts.refresh` first."""
         if not self._role_count[role]:
-            return present, present
+            return None
+        versions = (self.costs.version, self._roles_version)
+        if not exclude:
+            cached = self._free_cache.get(role)
+            if cached is not None and cached[0] == versions:
+                return cached[1]
+        present = self._roles[role]
         if exclude:
             present = present.copy()
             for worker_id in exclude:
                 slot = self.slots.get(worker_id)
                 if slot is not None:
                     present[slot] = False
-        if not present.any():
-            return present, present
-        seq, thresholds = self.sequences, self.thresholds
-        busy = (seq.prefill_tokens > thresholds.busy_prefill_tokens) | (
-            seq.kv_tokens() > self._busy_kv_tokens
-        )
-        return present, present & ~busy
+        free = present & self.costs.free
+        found = free if free.any() else None
+        if not exclude:
+            self._free_cache[role] = (versions, found)
+        return found
 
     def _selection(self, request: RouteRequest, eligible: BoolArray, *, now: float) -> Selection:
         return Selection(
@@ -344,6 +362,7 @@ class Router:
             eligible=eligible,
             overlaps=self.indexer.overlap_array(request.hashes, self.sequences.size),
             sequences=self.sequences,
+            costs=self.costs,
             indexer=self.indexer,
             perf=self.perf,
             settings=self.settings,
@@ -352,15 +371,16 @@ class Router:
         )
 
     def _try_route(self, request: RouteRequest, *, now: float, exclude: frozenset[str]) -> Route | None:
-        _, worker_free = self._eligible(Role.WORKER, exclude)
-        _, decode_free = self._eligible(Role.DECODE, exclude)
-        if decode_free.any():
-            _, prefill_free = self._eligible(Role.PREFILL, exclude)
-            if prefill_free.any():
+        self.costs.refresh()
+        worker_free = self._free(Role.WORKER, exclude)
+        decode_free = self._free(Role.DECODE, exclude)
+        if decode_free is not None:
+            prefill_free = self._free(Role.PREFILL, exclude)
+            if prefill_free is not None:
                 return self._route_disaggregated(request, prefill_free, decode_free, now=now)
             # No prefill worker available: decode workers serve whole requests.
-            worker_free = worker_free | decode_free
-        if not worker_free.any():
+            worker_free = decode_free if worker_free is None else worker_free | decode_free
+        if worker_free is None:
             return None
         selection = self._selection(request, worker_free, now=now)
         return self._commit_aggregated(selection, self.policy.choose(selection), now=now)

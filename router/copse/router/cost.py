@@ -5,6 +5,10 @@ point per call. :class:`PerfTable` samples the model's ITL once on a grid (activ
 context length) and interpolates bilinearly with numpy, clamping outside the grid (the model's
 own extrapolation is not needed for ranking workers). Prefill times are few distinct values per
 decision (one per distinct cached-prefix length), so they come from the model itself.
+
+:class:`WorkerCosts` holds the per-worker terms of the routing cost that depend on that worker's
+in-flight load alone (its decode step time, whether it is saturated): they are recomputed when
+some worker's load changed, not on every decision.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from copse.router.sequences import ActiveSequences
 from copse.workers.perf import PerfModel
 
 FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 class PerfTable:
@@ -97,3 +103,69 @@ class PerfTable:
         high = g10 + t * (grid[i, j] - g10)
         out: FloatArray = low + s * (high - low)
         return out
+
+
+class WorkerCosts:
+    """Load-dependent cost terms per worker slot, brought up to date by :meth:`refresh` from the
+    slots :class:`ActiveSequences` reports as changed (this object empties that set)."""
+
+    __slots__ = (
+        "_busy_kv_tokens",
+        "_busy_prefill_tokens",
+        "_decoding",
+        "_perf",
+        "_seq",
+        "free",
+        "step_ms",
+        "version",
+    )
+
+    def __init__(
+        self,
+        sequences: ActiveSequences,
+        perf: PerfTable,
+        *,
+        busy_prefill_tokens: float,
+        busy_kv_tokens: float,
+    ) -> None:
+        self._seq = sequences
+        self._perf = perf
+        self._busy_prefill_tokens = busy_prefill_tokens
+        self._busy_kv_tokens = busy_kv_tokens
+        self.step_ms: FloatArray = np.zeros(0)
+        """Time each prefill step of the worker takes beyond its prefill compute: the fixed step
+        cost plus, while the worker has sequences decoding, their decode step, ms."""
+        self.free: BoolArray = np.zeros(0, dtype=bool)
+        """Workers below both busy thresholds (uncached prompt tokens to prefill, KV in use)."""
+        self.version = 0
+        """Incremented whenever an entry of :attr:`free` changes (callers cache masks built on it)."""
+        self._decoding: BoolArray = np.zeros(0, dtype=bool)
+
+    def refresh(self) -> None:
+        """Bring every term up to date with the in-flight load."""
+        seq = self._seq
+        changed = seq.changed
+        if not changed:
+            return
+        if len(self.step_ms) != seq.size:
+            self.step_ms = np.zeros(seq.size)
+            self.free = np.zeros(seq.size, dtype=bool)
+            self._decoding = np.zeros(seq.size, dtype=bool)
+            changed.update(range(seq.size))
+            self.version += 1
+        kv = seq.kv_tokens()
+        prefill_tokens = seq.prefill_tokens
+        free = self.free
+        for slot in changed:
+            now_free = not (
+                prefill_tokens[slot] > self._busy_prefill_tokens or kv[slot] > self._busy_kv_tokens
+            )
+            if now_free != free[slot]:
+                free[slot] = now_free
+                self.version += 1
+        changed.clear()
+        perf = self._perf
+        step = perf.itl_ms(kv, seq.requests)
+        np.greater(seq.requests, seq.prefilling, out=self._decoding)
+        np.multiply(step, self._decoding, out=self.step_ms)
+        np.add(self.step_ms, perf.f0, out=self.step_ms)

@@ -4,7 +4,8 @@ A prompt is a sequence of chained block hashes (:mod:`copse.workers.protocol.has
 of block *i* names the whole prefix up to and including block *i*, so it *is* the path from the
 root of the prefix tree to that node. The tree is therefore stored as one map from node (block
 hash) to the set of workers holding it, with no child maps to walk: matching a prompt is one map
-look-up per block and an intersection of worker sets, here bitmasks over worker slots.
+look-up per block and an intersection of worker sets, here bitmasks over worker slots, up to the
+first block no worker holds.
 
 For a prompt, :meth:`BlockIndex.overlaps` answers how many leading blocks each worker holds: a
 worker counts up to the first block it does not hold, even if it holds later ones (it cannot
@@ -44,61 +45,59 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
-def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
-    """Walk ``hashes`` from the root through ``masks`` (block -> bitmask of slots): for every slot
-    holding at least the first block, how many leading blocks it holds."""
-    if not hashes:
-        return {}
-    active = masks.get(hashes[0], 0)
-    out: Overlaps = {}
-    depth = 1
-    n = len(hashes)
-    while active and depth < n:
-        mask = active & masks.get(hashes[depth], 0)
+def held_runs(masks: dict[int, int], hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Walk ``hashes`` from the root through ``masks`` (block -> bitmask of slots): the set of slots
+    holding every block so far, each time it shrinks, and the number of consecutive blocks it held,
+    in walk order (the sets are nested). The walk stops at the first block no slot holds: one
+    look-up and one bitwise and per matched block."""
+    runs: list[int] = []
+    lengths: list[int] = []
+    get = masks.get
+    active = -1
+    start = 0
+    for depth, block in enumerate(hashes):
+        mask = active & get(block, 0)
         if mask != active:
-            for slot in _bits(active & ~mask):
-                out[slot] = depth
+            if depth:
+                runs.append(active)
+                lengths.append(depth - start)
+            if not mask:
+                return runs, lengths
             active = mask
-        depth += 1
-    for slot in _bits(active):
-        out[slot] = depth
+            start = depth
+    if hashes:
+        runs.append(active)
+        lengths.append(len(hashes) - start)
+    return runs, lengths
+
+
+def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
+    """For every slot holding at least the first block of ``hashes`` (see :func:`held_runs`), how
+    many leading blocks it holds."""
+    out: Overlaps = {}
+    runs, lengths = held_runs(masks, hashes)
+    depth = 0
+    for position, mask in enumerate(runs):
+        depth += lengths[position]
+        later = runs[position + 1] if position + 1 < len(runs) else 0
+        for slot in _bits(mask & ~later):
+            out[slot] = depth
     return out
 
 
 def leading_blocks_into(masks: dict[int, int], hashes: Sequence[int], out: npt.NDArray[np.float64]) -> None:
     """:func:`leading_blocks` written into ``out[slot]`` (``out`` must cover every slot and be zero).
 
-    The walk sees a few runs of blocks with the same set of workers (nested, shrinking); every
-    slot's count is the sum of the lengths of the runs whose set holds it: one bit-unpacking of
-    all the runs' masks and one product, however many workers there are.
+    Every slot's count is the sum of the lengths of the runs (:func:`held_runs`) whose set holds
+    it: one bit-unpacking of all the runs' masks and one product, however many workers there are.
     """
-    if not hashes:
+    runs, lengths = held_runs(masks, hashes)
+    if not runs:
         return
-    active = masks.get(hashes[0], 0)
-    if not active:
-        return
-    runs: list[int] = []
-    lengths: list[int] = []
-    start = 0
-    depth = 1
-    n = len(hashes)
-    while depth < n:
-        mask = active & masks.get(hashes[depth], 0)
-        if mask != active:
-            runs.append(active)
-            lengths.append(depth - start)
-            start = depth
-            active = mask
-            if not active:
-                break
-        depth += 1
-    if active:
-        runs.append(active)
-        lengths.append(depth - start)
     width = (len(out) + 7) // 8
     raw = b"".join(mask.to_bytes(width, "little") for mask in runs)
     bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little").reshape(len(runs), width * 8)
-    out += np.asarray(lengths, dtype=np.float64) @ bits[:, : len(out)]
+    out += np.array(lengths, dtype=np.float64) @ bits[:, : len(out)]
 
 
 class BlockIndex:

@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from copse.router.cost import FloatArray, PerfTable
+from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.indexer import Indexer
 from copse.router.sequences import ActiveSequences
 
@@ -77,21 +77,24 @@ class Selection:
     overlaps: FloatArray
     """Leading prompt blocks each worker holds."""
     sequences: ActiveSequences
+    costs: WorkerCosts
+    """Load-dependent cost terms, up to date with ``sequences``."""
     indexer: Indexer
     perf: PerfTable
     settings: SelectionSettings
     rng: random.Random
     now: float
     """Seconds on the caller's clock (the backlog of a worker decays with it)."""
+    _cached: FloatArray | None = None
     _ttft: FloatArray | None = None
     _shared: FloatArray | None = None
 
     def cached_tokens(self) -> FloatArray:
         """Prompt tokens each worker would not have to compute (at least one token always is)."""
-        out: FloatArray = np.minimum(
-            self.overlaps * self.settings.block_size, max(self.request.prompt_tokens - 1, 0)
-        )
-        return out
+        if self._cached is None:
+            cached = np.multiply(self.overlaps, self.settings.block_size)
+            self._cached = np.minimum(cached, max(self.request.prompt_tokens - 1, 0), out=cached)
+        return self._cached
 
     def shared_active_blocks(self) -> FloatArray:
         """Leading prompt blocks already in use by in-flight requests on each worker."""
@@ -106,15 +109,19 @@ class Selection:
         while it has sequences decoding."""
         if self._ttft is not None:
             return self._ttft
-        request, seq, perf = self.request, self.sequences, self.perf
-        isl = float(request.prompt_tokens)
+        seq, perf = self.sequences, self.perf
+        isl = float(self.request.prompt_tokens)
         cached = self.cached_tokens()
-        own = perf.model.prefill_curve_ms(isl) - perf.prefill_curve_ms(cached)
-        steps = np.ceil((seq.prefill_tokens + (isl - cached)) / self.settings.max_num_batched_tokens)
-        kv = seq.kv_tokens()
-        decoding = seq.requests > seq.prefilling
-        step = perf.f0 + perf.itl_ms(kv, seq.requests) * decoding
-        out: FloatArray = seq.backlog_ms(self.now) + own + steps * step
+        own = perf.prefill_curve_ms(cached)
+        np.subtract(perf.model.prefill_curve_ms(isl), own, out=own)
+        steps = np.subtract(isl, cached)
+        np.add(seq.prefill_tokens, steps, out=steps)
+        steps /= self.settings.max_num_batched_tokens
+        np.ceil(steps, out=steps)
+        steps *= self.costs.step_ms
+        out = seq.backlog_ms(self.now)
+        out += own
+        out += steps
         self._ttft = out
         return out
 
@@ -157,14 +164,16 @@ def pick_lowest(costs: FloatArray, eligible: BoolArray, *, temperature: float, r
     a sample with probability proportional to ``exp(-(cost - min) / ((max - min) * temperature))``
     over eligible slots."""
     masked = np.where(eligible, costs, np.inf)
-    low = float(masked.min())
+    lowest = int(masked.argmin())
+    low = float(masked[lowest])
     if temperature > 0.0:
         span = float(costs[eligible].max()) - low
         if span > 0.0:
             weights = np.exp(-(masked - low) / (span * temperature))
             cumulative = np.cumsum(weights)
             return int(np.searchsorted(cumulative, rng.random() * float(cumulative[-1]), side="right"))
-    return _random_of(np.flatnonzero(masked <= low + 1e-9 * max(1.0, abs(low))), rng)
+    ties = (masked <= low + 1e-9 * max(1.0, abs(low))).nonzero()[0]
+    return lowest if len(ties) == 1 else _random_of(ties, rng)
 
 
 class KvPolicy:

@@ -11,19 +11,21 @@ at its prediction): a worker that has been busy on a long prompt for a while is 
 than its raw backlog says.
 
 Per-worker figures live in numpy arrays indexed by worker slot, so a policy reads all workers
-at once.
+at once; every change touches only the entries of the worker it concerns, and records that
+worker's slot in :attr:`ActiveSequences.changed` for figures derived from these (the router's
+cost terms, :class:`copse.router.cost.WorkerCosts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from copse.router.indexer import Overlaps, leading_blocks, leading_blocks_into
+from copse.router.indexer import Overlaps
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -50,13 +52,13 @@ class ActiveSequences:
     """Per-worker in-flight requests and the load figures derived from them."""
 
     __slots__ = (
-        "_active",
         "_blocks",
         "_flights",
         "_kv",
         "_pending",
         "active_blocks",
         "block_size",
+        "changed",
         "head_ms",
         "head_start",
         "kv_extra",
@@ -70,10 +72,12 @@ class ActiveSequences:
         self.block_size = block_size
         """Tokens per block, to turn active blocks into KV tokens."""
         self._flights: dict[str, Flight] = {}
-        self._blocks: list[dict[int, int]] = []
-        self._active: dict[int, int] = {}
-        self._kv: FloatArray | None = None
+        # Per slot: block -> in-flight requests using it (a Counter: adding a prompt is one C call).
+        self._blocks: list[Counter[int]] = []
+        self._kv: FloatArray = np.zeros(0)
         self._pending: list[OrderedDict[str, None]] = []
+        self.changed: set[int] = set()
+        """Slots whose figures changed since a consumer of derived figures last emptied the set."""
         self.requests: FloatArray = np.zeros(0)
         """In-flight requests per worker."""
         self.prefilling: FloatArray = np.zeros(0)
@@ -107,13 +111,14 @@ class ActiveSequences:
             "kv_extra",
             "head_start",
             "head_ms",
+            "_kv",
         ):
             grown = np.zeros(size)
             grown[:old] = getattr(self, name)
             setattr(self, name, grown)
-        self._blocks.extend({} for _ in range(size - old))
-        self._kv = None
+        self._blocks.extend(Counter() for _ in range(size - old))
         self._pending.extend(OrderedDict() for _ in range(size - old))
+        self.changed.update(range(old, size))
 
     @property
     def size(self) -> int:
@@ -122,15 +127,21 @@ class ActiveSequences:
 
     def kv_tokens(self) -> FloatArray:
         """KV tokens in use per worker (deduplicated prompt blocks, partial blocks, outputs)."""
-        if self._kv is None:
-            self._kv = self.active_blocks * self.block_size + self.kv_extra
         return self._kv
 
-    def backlog_ms(self, now: float) -> FloatArray:
-        """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds)."""
-        progress = np.minimum(np.maximum((now - self.head_start) * 1000.0, 0.0), self.head_ms)
-        out: FloatArray = np.maximum(self.prefill_ms - progress, 0.0)
-        return out
+    def _update_kv(self, slot: int) -> None:
+        self._kv[slot] = self.active_blocks[slot] * self.block_size + self.kv_extra[slot]
+        self.changed.add(slot)
+
+    def backlog_ms(self, now: float, *, out: FloatArray | None = None) -> FloatArray:
+        """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds),
+        written into ``out`` when given."""
+        progress = np.subtract(now, self.head_start, out=out)
+        progress *= 1000.0
+        np.maximum(progress, 0.0, out=progress)
+        np.minimum(progress, self.head_ms, out=progress)
+        backlog = np.subtract(self.prefill_ms, progress, out=progress)
+        return np.maximum(backlog, 0.0, out=backlog)
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -166,18 +177,10 @@ class ActiveSequences:
             started=now,
         )
         self._flights[request_id] = flight
-        self._kv = None
         blocks = self._blocks[slot]
-        active = self._active
-        bit = 1 << slot
-        new = 0
-        for block in hashes:
-            count = blocks.get(block, 0)
-            blocks[block] = count + 1
-            if not count:
-                new += 1
-                active[block] = active.get(block, 0) | bit
-        self.active_blocks[slot] += new
+        distinct = len(blocks)
+        blocks.update(hashes)
+        self.active_blocks[slot] += len(blocks) - distinct
         self.kv_extra[slot] += kv_tokens
         self.requests[slot] += 1
         self.prefilling[slot] += 1
@@ -188,6 +191,7 @@ class ActiveSequences:
         if len(pending) == 1:
             self.head_start[slot] = now
             self.head_ms[slot] = prefill_ms
+        self._update_kv(slot)
 
     def prefill_done(self, request_id: str, *, now: float) -> int | None:
         """The request's first token arrived; returns its worker slot (``None`` if not tracked)."""
@@ -203,25 +207,17 @@ class ActiveSequences:
         if flight is None:
             return None
         slot = flight.slot
-        self._kv = None
         if flight.prefilling:
             self._end_prefill(request_id, flight, now=flight.started if now is None else now)
         blocks = self._blocks[slot]
-        active = self._active
-        keep = ~(1 << slot)
         gone = 0
         for block in flight.hashes:
             count = blocks[block] - 1
             if count:
                 blocks[block] = count
             else:
-                del blocks[block]
+                blocks.pop(block)  # dict's own removal: Counter's ``del`` is Python code
                 gone += 1
-                mask = active[block] & keep
-                if mask:
-                    active[block] = mask
-                else:
-                    del active[block]
         self.active_blocks[slot] -= gone
         self.kv_extra[slot] -= flight.kv_tokens
         self.requests[slot] -= 1
@@ -229,6 +225,7 @@ class ActiveSequences:
             # Exact zero, not an accumulated float residue.
             self.kv_extra[slot] = 0.0
             self.prefill_ms[slot] = 0.0
+        self._update_kv(slot)
         return slot
 
     def _end_prefill(self, request_id: str, flight: Flight, *, now: float) -> None:
@@ -237,6 +234,7 @@ class ActiveSequences:
         self.prefilling[slot] -= 1
         self.prefill_tokens[slot] -= flight.prefill_tokens
         self.prefill_ms[slot] -= flight.prefill_ms
+        self.changed.add(slot)
         pending = self._pending[slot]
         was_head = next(iter(pending)) == request_id
         del pending[request_id]
@@ -251,12 +249,25 @@ class ActiveSequences:
     def active_prefix(self, hashes: Sequence[int]) -> Overlaps:
         """For every worker using at least the first block of ``hashes`` for an in-flight request:
         how many leading blocks it uses."""
-        return leading_blocks(self._active, hashes)
+        if not hashes:
+            return {}
+        first = hashes[0]
+        out: Overlaps = {}
+        for slot, blocks in enumerate(self._blocks):
+            if first in blocks:
+                depth = 1
+                for block in hashes[1:]:
+                    if block not in blocks:
+                        break
+                    depth += 1
+                out[slot] = depth
+        return out
 
     def active_prefix_array(self, hashes: Sequence[int]) -> FloatArray:
         """:meth:`active_prefix` as an array over every slot."""
         out = np.zeros(self.size)
-        leading_blocks_into(self._active, hashes, out)
+        for slot, depth in self.active_prefix(hashes).items():
+            out[slot] = depth
         return out
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
