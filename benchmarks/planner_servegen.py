@@ -88,8 +88,10 @@ def limits() -> Limits:
     )
 
 
-def replay(observations: list[Observation], predictor: str) -> tuple[DryRunResult, float]:
-    config = PlannerConfig(predictor=predictor)
+def replay(
+    observations: list[Observation], predictor: str, *, forecast_quantile: float
+) -> tuple[DryRunResult, float]:
+    config = PlannerConfig(predictor=predictor, forecast_quantile=forecast_quantile)
     bounds = limits()
     capacity = CapacityModel(
         PolynomialPerfModel(), quantile=config.quantile, max_num_seqs=bounds.max_num_seqs
@@ -129,12 +131,19 @@ def main() -> None:
     )
     parser.add_argument("--models", nargs="+", default=["m-large", "m-mid", "m-small"])
     parser.add_argument("--peak", type=float, default=100.0, help="Busiest window after scaling, req/s.")
+    parser.add_argument(
+        "--forecast-quantile",
+        type=float,
+        default=PlannerConfig().forecast_quantile,
+        help="Quantile of recent forecast errors the planner sizes for.",
+    )
     args = parser.parse_args()
     isl, isl_p90, osl = request_shape()
     print(
         f"14 days x 600-s intervals, peak scaled to {args.peak:g} req/s; "
         f"ISL mean {isl:.0f} (p90 {isl_p90:.0f}), OSL mean {osl:.0f}; "
-        f"targets TTFT p99 {TTFT_MS:g} ms, ITL p99 {ITL_MS:g} ms; 1-GPU mocked engines\n"
+        f"targets TTFT p99 {TTFT_MS:g} ms, ITL p99 {ITL_MS:g} ms; 1-GPU mocked engines; "
+        f"sizing for the p{args.forecast_quantile * 100:g} of recent forecast errors\n"
     )
     for model in args.models:
         observations = servegen(model, peak=args.peak)
@@ -146,7 +155,7 @@ def main() -> None:
         print(header)
         static_line = ""
         for predictor in sorted(PREDICTORS):
-            result, seconds = replay(observations, predictor)
+            result, seconds = replay(observations, predictor, forecast_quantile=args.forecast_quantile)
             summary = result.summary
             if not static_line:
                 replicas = "+".join(

@@ -243,7 +243,7 @@ def test_decision_log_line_has_the_numbers(linear: CapacityModel) -> None:
     assert "corrections prefill 1.00 decode 1.00" in line
 
 
-def test_forecast_error_margin_adds_capacity(linear: CapacityModel) -> None:
+def test_forecast_error_margin_adds_capacity_up_to_a_cap(linear: CapacityModel) -> None:
     # A predictor that keeps under-forecasting by ~30 %: sizing for its p90 error adds replicas.
     rates = [100.0 * 1.3**k for k in range(8)]
     point = planner(linear)
@@ -255,3 +255,7 @@ def test_forecast_error_margin_adds_capacity(linear: CapacityModel) -> None:
     b = margin.decide(now=8 * INTERVAL, current={P: 1, D: 1})
     assert b.margin == pytest.approx(1.3)
     assert b.target[P] > a.target[P]
+    capped = planner(linear, cfg=config(forecast_quantile=0.9, max_forecast_margin=0.1))
+    for step, rate in enumerate(rates):
+        capped.observe(interval(step, rate), replicas={P: 1, D: 1})
+    assert capped.decide(now=8 * INTERVAL, current={P: 1, D: 1}).margin == pytest.approx(1.1)

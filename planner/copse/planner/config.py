@@ -53,10 +53,12 @@ class PlannerConfig(pydantic.BaseModel):
     """Quantile of TTFT/ITL the estimates are taken at, matching the deployment's p99 targets."""
     headroom: float = Field(default=0.9, gt=0, le=1)
     """Size pools for this fraction of each target: margin for engines a little slower than profiled."""
-    forecast_quantile: float | None = Field(default=0.9, gt=0, lt=1)
+    forecast_quantile: float | None = Field(default=0.99, gt=0, lt=1)
     """Size for this quantile of the predictor's recent errors, not its point forecast (None: the point)."""
     error_window: int = Field(default=144, ge=1)
     """Recent one-step forecast errors the quantile is taken over (a day of 10-minute intervals)."""
+    max_forecast_margin: float = Field(default=0.5, ge=0)
+    """Cap on that margin (0.5: +50 %), so one missed burst does not inflate the fleet for a day."""
     startup_delay_s: float = Field(default=120.0, ge=0)
     """Time from adding a replica to it serving (pod start, weight load); scale-ups start this early."""
     hysteresis: float = Field(default=0.1, ge=0)

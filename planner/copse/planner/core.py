@@ -209,7 +209,8 @@ class Planner:
             )
         forecasts = self.forecaster.forecast(self.horizon)
         quantile = self.config.forecast_quantile
-        margin = 1.0 + (self.forecaster.margin(quantile) if quantile is not None else 0.0)
+        error = self.forecaster.margin(quantile) if quantile is not None else 0.0
+        margin = 1.0 + min(error, self.config.max_forecast_margin)
         sized = self._size_horizon(forecasts, scale=margin)
         peak = max(forecasts, key=lambda f: f.num_requests)
         if peak is not forecasts[0] and any(
