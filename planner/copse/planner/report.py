@@ -74,14 +74,14 @@ def format_table(result: DryRunResult) -> str:
 def format_summary(result: DryRunResult) -> str:
     summary, limits = result.summary, result.limits
     static = ", ".join(f"{count} {role.value}" for role, count in summary.static_peak_replicas.items())
-    saved = 1 - summary.gpu_hours / summary.static_peak_gpu_hours if summary.static_peak_gpu_hours else 0.0
+    ratio = summary.gpu_hours / summary.static_peak_gpu_hours if summary.static_peak_gpu_hours else 0.0
     return "\n".join(
         [
             f"targets: TTFT p99 <= {limits.ttft_ms:g} ms, ITL p99 <= {limits.itl_ms:g} ms",
             f"SLO attainment: {summary.slo_attainment:.1%} of {len(result.intervals)} intervals "
             f"(static peak deployment: {summary.static_slo_attainment:.1%})",
             f"GPU-hours: {summary.gpu_hours:,.1f} planned vs {summary.static_peak_gpu_hours:,.1f} "
-            f"static peak ({static}): {saved:.1%} saved",
+            f"static peak ({static}): {ratio:.2f}x",
             f"scaling events: {summary.scaling_events}",
         ]
     )
