@@ -349,9 +349,11 @@ class _Starter:
             code = popen.poll()
             if code is not None:
                 self._raise_exited(component.name, code, ports)
-            if component.health_url is None or _http_ok(
-                component.health_url, layout=self.layout, auth=component.name == "kube-apiserver"
-            ):
+            if component.health_url is None:
+                # kwok serves no health endpoint; it is ready once it has made the nodes Ready.
+                self.report(f"{component.name} started (log: {log_path})")
+                return
+            if _http_ok(component.health_url, layout=self.layout, auth=component.name == "kube-apiserver"):
                 self.report(f"{component.name} ready in {time.monotonic() - started:.1f}s (log: {log_path})")
                 return
             if time.monotonic() > deadline:
@@ -447,8 +449,9 @@ def start_cluster(
         started = time.monotonic()
         try:
             cluster = starter.start()
-            report(f"creating {len(nodes)} fake nodes")
+            nodes_started = time.monotonic()
             cluster.add_nodes(nodes)
+            report(f"{len(nodes)} fake nodes Ready in {time.monotonic() - nodes_started:.1f}s")
         except BaseException:
             _stop_records(starter.records, popens=starter.popens)
             layout.state.unlink(missing_ok=True)
