@@ -15,10 +15,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
-
-from copse.router.indexer import BlockIndex, Overlaps
+from copse.router.indexer import BlockIndex, Overlaps, PrefixMatch
 
 
 class ApproximateIndexer:
@@ -50,8 +47,8 @@ class ApproximateIndexer:
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
 
-    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
-        return self.index.overlap_array(hashes, size)
+    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
+        return self.index.match(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)

@@ -21,7 +21,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,17 @@ from copse.router.slots import WorkerSlots
 from copse.workers.perf import PerfModel
 
 BoolArray = npt.NDArray[np.bool_]
+
+
+class _Eligible(NamedTuple):
+    """Workers that may take a request, as a mask and as the matching ``Selection.exclusion``."""
+
+    mask: BoolArray
+    exclusion: FloatArray
+
+    @classmethod
+    def of(cls, mask: BoolArray) -> _Eligible:
+        return cls(mask, np.where(mask, 0.0, np.inf))
 
 
 class Role(enum.StrEnum):
@@ -194,7 +205,7 @@ class Router:
         self._roles_version = 0
         # Role -> (versions it was built at, its free workers or None): valid until a worker joins,
         # leaves or crosses a busy threshold.
-        self._free_cache: dict[Role, tuple[tuple[int, int], BoolArray | None]] = {}
+        self._free_cache: dict[Role, tuple[tuple[int, int], _Eligible | None]] = {}
         self._queue: deque[tuple[RouteRequest, frozenset[str]]] = deque()
         self._queued: set[str] = set()
         self._routes: dict[str, Route] = {}
@@ -333,7 +344,7 @@ class Router:
             routed.append(route)
         return routed
 
-    def _free(self, role: Role, exclude: frozenset[str]) -> BoolArray | None:
+    def _free(self, role: Role, exclude: frozenset[str]) -> _Eligible | None:
         """Workers of ``role``, not excluded and not busy, over every slot; ``None`` when there are
         none. Needs :meth:`WorkerCosts.refresh` first."""
         if not self._role_count[role]:
@@ -351,16 +362,17 @@ class Router:
                 if slot is not None:
                     present[slot] = False
         free = present & self.costs.free
-        found = free if free.any() else None
+        found = _Eligible.of(free) if free.any() else None
         if not exclude:
             self._free_cache[role] = (versions, found)
         return found
 
-    def _selection(self, request: RouteRequest, eligible: BoolArray, *, now: float) -> Selection:
+    def _selection(self, request: RouteRequest, eligible: _Eligible, *, now: float) -> Selection:
         return Selection(
             request=request,
-            eligible=eligible,
-            overlaps=self.indexer.overlap_array(request.hashes, self.sequences.size),
+            eligible=eligible.mask,
+            exclusion=eligible.exclusion,
+            match=self.indexer.match(request.hashes, self.sequences.size),
             sequences=self.sequences,
             costs=self.costs,
             indexer=self.indexer,
@@ -379,7 +391,9 @@ class Router:
             if prefill_free is not None:
                 return self._route_disaggregated(request, prefill_free, decode_free, now=now)
             # No prefill worker available: decode workers serve whole requests.
-            worker_free = decode_free if worker_free is None else worker_free | decode_free
+            worker_free = (
+                decode_free if worker_free is None else _Eligible.of(worker_free.mask | decode_free.mask)
+            )
         if worker_free is None:
             return None
         selection = self._selection(request, worker_free, now=now)
@@ -404,16 +418,16 @@ class Router:
         return route
 
     def _route_disaggregated(
-        self, request: RouteRequest, prefill_free: BoolArray, decode_free: BoolArray, *, now: float
+        self, request: RouteRequest, prefill_free: _Eligible, decode_free: _Eligible, *, now: float
     ) -> Route:
         prefill = self._selection(request, prefill_free, now=now)
         p_slot = self.policy.choose(prefill)
         p_locality = self.workers[self.slots.worker_id(p_slot)].locality
 
-        decode = dataclasses.replace(prefill, eligible=decode_free)
-        near = np.zeros(len(decode_free), dtype=bool)
+        decode = dataclasses.replace(prefill, eligible=decode_free.mask, exclusion=decode_free.exclusion)
+        near = np.zeros(len(decode_free.mask), dtype=bool)
         if p_locality is not None:
-            for slot in np.flatnonzero(decode_free).tolist():
+            for slot in np.flatnonzero(decode_free.mask).tolist():
                 near[slot] = self.workers[self.slots.worker_id(slot)].locality == p_locality
         transfer: FloatArray = np.where(
             near,
@@ -421,7 +435,9 @@ class Router:
             self.disagg.transfer_ms(request.prompt_tokens, near=False),
         )
         if self.policy_name == "kv":
-            d_slot = pick_lowest(decode.decode_ms() + transfer, decode_free, temperature=0.0, rng=self.rng)
+            d_slot = pick_lowest(
+                decode.decode_ms() + transfer, decode_free.exclusion, temperature=0.0, rng=self.rng
+            )
         else:
             d_slot = self.policy.choose(decode)
         local_cached = int(decode.cached_tokens()[d_slot])

@@ -1,10 +1,11 @@
-"""The shared perf model in the vectorised form a routing decision needs.
+"""The shared perf model in the form a routing decision needs.
 
-A decision evaluates decode step times for every worker at once; the perf model answers one
-point per call. :class:`PerfTable` samples the model's ITL once on a grid (active KV tokens x
-context length) and interpolates bilinearly with numpy, clamping outside the grid (the model's
-own extrapolation is not needed for ranking workers). Prefill times are few distinct values per
-decision (one per distinct cached-prefix length), so they come from the model itself.
+The perf model answers one point per call. :class:`PerfTable` samples the model's ITL once on a
+grid (active KV tokens x context length) and interpolates bilinearly with numpy, clamping outside
+the grid (the model's own extrapolation is not needed for ranking workers), and samples the
+prefill curve at every multiple of 16 tokens. A decision needs these at a few points each (one per
+changed worker, one per distinct cached-prefix length), where :class:`Interpolant` answers
+without numpy's per-call overhead; the decode cost of a request evaluates all workers at once.
 
 :class:`WorkerCosts` holds the per-worker terms of the routing cost that depend on that worker's
 in-flight load alone (its decode step time, whether it is saturated): they are recomputed when
@@ -12,6 +13,8 @@ some worker's load changed, not on every decision.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
 
 import numpy as np
 import numpy.typing as npt
@@ -23,14 +26,44 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
 
+class Interpolant:
+    """The piecewise-linear function through ``(xs[i], ys[i])`` (``xs`` increasing), constant
+    beyond the ends: ``np.interp`` for many points, and for one point the same arithmetic (the
+    same result to the bit) in plain floats, without numpy's per-call overhead."""
+
+    __slots__ = ("_slopes", "_x_array", "_xs", "_y_array", "_ys")
+
+    def __init__(self, xs: FloatArray, ys: FloatArray) -> None:
+        self._x_array = xs
+        self._y_array = ys
+        self._xs: list[float] = xs.tolist()
+        self._ys: list[float] = ys.tolist()
+        self._slopes: list[float] = ((ys[1:] - ys[:-1]) / (xs[1:] - xs[:-1])).tolist()
+
+    def many(self, x: FloatArray) -> FloatArray:
+        """The function at every point of ``x``."""
+        out: FloatArray = np.interp(x, self._x_array, self._y_array)
+        return out
+
+    def __call__(self, x: float) -> float:
+        xs = self._xs
+        if x >= xs[-1]:
+            return self._ys[-1]
+        if x <= xs[0]:
+            return self._ys[0]
+        i = bisect_right(xs, x) - 1
+        if xs[i] == x:
+            return self._ys[i]
+        return self._slopes[i] * (x - xs[i]) + self._ys[i]
+
+
 class PerfTable:
-    """Vectorised ITL and exact prefill times of one :class:`PerfModel`."""
+    """Interpolated ITL and prefill times of one :class:`PerfModel`."""
 
     __slots__ = (
         "_active",
         "_context",
         "_curve",
-        "_curve_x",
         "_itl",
         "_itl_by_active",
         "f0",
@@ -48,8 +81,8 @@ class PerfTable:
         curve_step: int = 16,
     ) -> None:
         self.model = model
-        self._curve_x = np.arange(0.0, max_context + 1.0, float(curve_step))
-        self._curve = np.array([model.prefill_curve_ms(float(x)) for x in self._curve_x])
+        curve_x = np.arange(0.0, max_context + 1.0, float(curve_step))
+        self._curve = Interpolant(curve_x, np.array([model.prefill_curve_ms(float(x)) for x in curve_x]))
         self.kv_capacity_tokens = float(model.kv_capacity_tokens)
         """KV cache size of one worker, tokens."""
         self.f0 = model.prefill_curve_ms(0.0)
@@ -65,7 +98,7 @@ class PerfTable:
         )
         # Models whose ITL ignores the context length (the polynomial default) need one axis only.
         flat = bool(np.all(self._itl == self._itl[:, :1]))
-        self._itl_by_active = self._itl[:, 0].copy() if flat else None
+        self._itl_by_active = Interpolant(self._active, self._itl[:, 0]) if flat else None
 
     def compute_ms(self, *, new_tokens: int, cached_tokens: int) -> float:
         """Compute time of prefilling ``new_tokens`` after ``cached_tokens``, without the fixed
@@ -73,19 +106,23 @@ class PerfTable:
         curve = self.model.prefill_curve_ms
         return curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
 
-    def prefill_curve_ms(self, tokens: FloatArray) -> FloatArray:
-        """``F`` (:meth:`PerfModel.prefill_curve_ms`) for many token counts: exact at multiples of
-        the sampling step (block sizes are), linear in between, clamped beyond the longest context."""
-        out: FloatArray = np.interp(tokens, self._curve_x, self._curve)
-        return out
+    def prefill_curve_ms(self, tokens: float) -> float:
+        """``F`` (:meth:`PerfModel.prefill_curve_ms`) at ``tokens``: exact at multiples of the
+        sampling step (block sizes are), linear in between, clamped beyond the longest context."""
+        return self._curve(tokens)
+
+    def itl_ms_at(self, active_kv_tokens: float, sequences: float) -> float:
+        """:meth:`itl_ms` of one worker."""
+        if self._itl_by_active is not None:
+            return self._itl_by_active(active_kv_tokens)
+        return float(self.itl_ms(np.array([active_kv_tokens]), np.array([sequences]))[0])
 
     def itl_ms(self, active_kv_tokens: FloatArray, sequences: FloatArray) -> FloatArray:
         """Decode step time of each worker holding ``active_kv_tokens`` of KV over ``sequences``
         sequences (their mean context length is the ratio), ms."""
         active, context = self._active, self._context
         if self._itl_by_active is not None:
-            flat: FloatArray = np.interp(active_kv_tokens, active, self._itl_by_active)
-            return flat
+            return self._itl_by_active.many(active_kv_tokens)
         context_length = active_kv_tokens / np.maximum(sequences, 1.0)
         a = np.minimum(np.maximum(active_kv_tokens, active[0]), active[-1])
         c = np.minimum(np.maximum(context_length, context[0]), context[-1])
@@ -112,7 +149,6 @@ class WorkerCosts:
     __slots__ = (
         "_busy_kv_tokens",
         "_busy_prefill_tokens",
-        "_decoding",
         "_perf",
         "_seq",
         "free",
@@ -139,7 +175,6 @@ class WorkerCosts:
         """Workers below both busy thresholds (uncached prompt tokens to prefill, KV in use)."""
         self.version = 0
         """Incremented whenever an entry of :attr:`free` changes (callers cache masks built on it)."""
-        self._decoding: BoolArray = np.zeros(0, dtype=bool)
 
     def refresh(self) -> None:
         """Bring every term up to date with the in-flight load."""
@@ -150,22 +185,19 @@ class WorkerCosts:
         if len(self.step_ms) != seq.size:
             self.step_ms = np.zeros(seq.size)
             self.free = np.zeros(seq.size, dtype=bool)
-            self._decoding = np.zeros(seq.size, dtype=bool)
             changed.update(range(seq.size))
             self.version += 1
-        kv = seq.kv_tokens()
+        kv, requests, prefilling = seq.kv_tokens(), seq.requests, seq.prefilling
         prefill_tokens = seq.prefill_tokens
-        free = self.free
+        step, free = self.step_ms, self.free
+        itl, f0 = self._perf.itl_ms_at, self._perf.f0
+        busy_prefill, busy_kv = self._busy_prefill_tokens, self._busy_kv_tokens
         for slot in changed:
-            now_free = not (
-                prefill_tokens[slot] > self._busy_prefill_tokens or kv[slot] > self._busy_kv_tokens
-            )
-            if now_free != free[slot]:
+            active_kv, sequences = kv.item(slot), requests.item(slot)
+            # The decode step joins every prefill step while some sequence decodes.
+            step[slot] = f0 + itl(active_kv, sequences) if sequences > prefilling.item(slot) else f0
+            now_free = not (prefill_tokens.item(slot) > busy_prefill or active_kv > busy_kv)
+            if now_free is not free.item(slot):
                 free[slot] = now_free
                 self.version += 1
         changed.clear()
-        perf = self._perf
-        step = perf.itl_ms(kv, seq.requests)
-        np.greater(seq.requests, seq.prefilling, out=self._decoding)
-        np.multiply(step, self._decoding, out=self.step_ms)
-        np.add(self.step_ms, perf.f0, out=self.step_ms)

@@ -45,59 +45,83 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
-def held_runs(masks: dict[int, int], hashes: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Walk ``hashes`` from the root through ``masks`` (block -> bitmask of slots): the set of slots
-    holding every block so far, each time it shrinks, and the number of consecutive blocks it held,
-    in walk order (the sets are nested). The walk stops at the first block no slot holds: one
-    look-up and one bitwise and per matched block."""
-    runs: list[int] = []
-    lengths: list[int] = []
+def prefix_groups(masks: dict[int, int], hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Walk ``hashes`` from the root through ``masks`` (block -> bitmask of slots) and group the
+    slots by how many leading blocks they hold: ``(depths, groups)``, the slots of bitmask
+    ``groups[i]`` holding exactly ``depths[i]`` blocks (depths increase; slots holding none are in
+    no group). The walk keeps the set of slots holding every block so far and stops at the first
+    block none of them holds: one look-up per matched block, and a bitwise and where the holders
+    change."""
+    depths: list[int] = []
+    groups: list[int] = []
     get = masks.get
     active = -1
-    start = 0
     for depth, block in enumerate(hashes):
-        mask = active & get(block, 0)
+        held = get(block, 0)
+        if held == active:
+            continue
+        mask = active & held
         if mask != active:
             if depth:
-                runs.append(active)
-                lengths.append(depth - start)
+                depths.append(depth)
+                groups.append(active & ~mask)
             if not mask:
-                return runs, lengths
+                return depths, groups
             active = mask
-            start = depth
     if hashes:
-        runs.append(active)
-        lengths.append(len(hashes) - start)
-    return runs, lengths
+        depths.append(len(hashes))
+        groups.append(active)
+    return depths, groups
 
 
 def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
-    """For every slot holding at least the first block of ``hashes`` (see :func:`held_runs`), how
-    many leading blocks it holds."""
-    out: Overlaps = {}
-    runs, lengths = held_runs(masks, hashes)
-    depth = 0
-    for position, mask in enumerate(runs):
-        depth += lengths[position]
-        later = runs[position + 1] if position + 1 < len(runs) else 0
-        for slot in _bits(mask & ~later):
-            out[slot] = depth
-    return out
+    """For every slot holding at least the first block of ``hashes`` (see :func:`prefix_groups`),
+    how many leading blocks it holds."""
+    depths, groups = prefix_groups(masks, hashes)
+    return {slot: depth for depth, group in zip(depths, groups, strict=True) for slot in _bits(group)}
 
 
-def leading_blocks_into(masks: dict[int, int], hashes: Sequence[int], out: npt.NDArray[np.float64]) -> None:
-    """:func:`leading_blocks` written into ``out[slot]`` (``out`` must cover every slot and be zero).
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How many leading blocks of one prompt each worker slot ``0 .. size-1`` holds, as groups of
+    slots: the slots of ``masks[i]`` (a bitmask) hold exactly ``depths[i]`` blocks, the others none."""
 
-    Every slot's count is the sum of the lengths of the runs (:func:`held_runs`) whose set holds
-    it: one bit-unpacking of all the runs' masks and one product, however many workers there are.
-    """
-    runs, lengths = held_runs(masks, hashes)
-    if not runs:
-        return
-    width = (len(out) + 7) // 8
-    raw = b"".join(mask.to_bytes(width, "little") for mask in runs)
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little").reshape(len(runs), width * 8)
-    out += np.array(lengths, dtype=np.float64) @ bits[:, : len(out)]
+    depths: list[int]
+    masks: list[int]
+    size: int
+
+    @classmethod
+    def walk(cls, masks: dict[int, int], hashes: Sequence[int], *, size: int) -> PrefixMatch:
+        """Match ``hashes`` against ``masks`` (block -> bitmask of slots), see :func:`prefix_groups`."""
+        depths, groups = prefix_groups(masks, hashes)
+        if groups and max(groups) >> size:
+            # Slots from ``size`` on (workers the caller does not route to) are left out.
+            everyone = (1 << size) - 1
+            kept = [(depth, group & everyone) for depth, group in zip(depths, groups, strict=True)]
+            depths = [depth for depth, group in kept if group]
+            groups = [group for _, group in kept if group]
+        return cls(depths, groups, size)
+
+    def spread(self, values: list[list[float]]) -> npt.NDArray[np.float64]:
+        """Per-slot rows from per-group values: ``values[k][i]`` for the slots of group ``i`` and
+        ``values[k][-1]`` for the slots holding no block; a ``len(values) x size`` array. Every slot
+        belongs to one group, so each entry is its group's value exactly."""
+        size = self.size
+        rest = (1 << size) - 1
+        for mask in self.masks:
+            rest &= ~mask
+        width = (size + 7) // 8
+        raw = b"".join(mask.to_bytes(width, "little") for mask in (*self.masks, rest))
+        packed = np.frombuffer(raw, dtype=np.uint8).reshape(len(self.masks) + 1, width)
+        out: npt.NDArray[np.float64] = np.array(values) @ np.unpackbits(
+            packed, axis=1, count=size, bitorder="little"
+        )
+        return out
+
+    def array(self) -> npt.NDArray[np.float64]:
+        """Leading blocks held by each slot."""
+        out: npt.NDArray[np.float64] = self.spread([[*map(float, self.depths), 0.0]])[0]
+        return out
 
 
 class BlockIndex:
@@ -173,11 +197,13 @@ class BlockIndex:
         """For every worker holding at least the first block: how many leading blocks it holds."""
         return leading_blocks(self._masks, hashes)
 
+    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
+        """:meth:`overlaps` for slots ``0 .. size-1``, grouped by count."""
+        return PrefixMatch.walk(self._masks, hashes, size=size)
+
     def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
-        """:meth:`overlaps` as an array over slots ``0 .. size-1`` (every slot must be below ``size``)."""
-        out = np.zeros(size)
-        leading_blocks_into(self._masks, hashes, out)
-        return out
+        """:meth:`overlaps` as an array over slots ``0 .. size-1``."""
+        return self.match(hashes, size).array()
 
 
 class Indexer(Protocol):
@@ -187,8 +213,8 @@ class Indexer(Protocol):
         """Leading blocks of ``hashes`` each worker holds."""
         ...
 
-    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
-        """:meth:`overlaps` as an array over slots ``0 .. size-1``."""
+    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
+        """:meth:`overlaps` for slots ``0 .. size-1``, grouped by count."""
         ...
 
     def blocks_held(self, slot: int) -> int:
@@ -239,8 +265,8 @@ class RadixIndexer:
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
 
-    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
-        return self.index.overlap_array(hashes, size)
+    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
+        return self.index.match(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)

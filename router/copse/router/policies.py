@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
-from copse.router.indexer import Indexer
+from copse.router.indexer import Indexer, PrefixMatch
 from copse.router.sequences import ActiveSequences
 
 BoolArray = npt.NDArray[np.bool_]
@@ -74,7 +74,9 @@ class Selection:
     request: RouteRequest
     eligible: BoolArray
     """Workers that may take the request."""
-    overlaps: FloatArray
+    exclusion: FloatArray
+    """0 for the eligible workers, +inf for the others (added to a cost, it rules them out)."""
+    match: PrefixMatch
     """Leading prompt blocks each worker holds."""
     sequences: ActiveSequences
     costs: WorkerCosts
@@ -85,16 +87,37 @@ class Selection:
     rng: random.Random
     now: float
     """Seconds on the caller's clock (the backlog of a worker decays with it)."""
-    _cached: FloatArray | None = None
+    _overlaps: FloatArray | None = None
+    _prompt: FloatArray | None = None
     _ttft: FloatArray | None = None
     _shared: FloatArray | None = None
 
+    def overlaps(self) -> FloatArray:
+        """Leading prompt blocks each worker holds."""
+        if self._overlaps is None:
+            self._overlaps = self.match.array()
+        return self._overlaps
+
+    def _prompt_terms(self) -> FloatArray:
+        """Rows over workers: cached prompt tokens, compute of the uncached ones (ms), uncached
+        tokens. They depend on the cached prefix only, so they are evaluated once per distinct
+        prefix length and spread over the workers."""
+        if self._prompt is None:
+            isl = self.request.prompt_tokens
+            bs = self.settings.block_size
+            limit = max(isl - 1, 0)
+            cached = [float(min(depth * bs, limit)) for depth in self.match.depths]
+            cached.append(0.0)
+            full = self.perf.model.prefill_curve_ms(float(isl))
+            curve = self.perf.prefill_curve_ms
+            own = [full - curve(done) for done in cached]
+            self._prompt = self.match.spread([cached, own, [isl - done for done in cached]])
+        return self._prompt
+
     def cached_tokens(self) -> FloatArray:
         """Prompt tokens each worker would not have to compute (at least one token always is)."""
-        if self._cached is None:
-            cached = np.multiply(self.overlaps, self.settings.block_size)
-            self._cached = np.minimum(cached, max(self.request.prompt_tokens - 1, 0), out=cached)
-        return self._cached
+        cached: FloatArray = self._prompt_terms()[0]
+        return cached
 
     def shared_active_blocks(self) -> FloatArray:
         """Leading prompt blocks already in use by in-flight requests on each worker."""
@@ -109,13 +132,9 @@ class Selection:
         while it has sequences decoding."""
         if self._ttft is not None:
             return self._ttft
-        seq, perf = self.sequences, self.perf
-        isl = float(self.request.prompt_tokens)
-        cached = self.cached_tokens()
-        own = perf.prefill_curve_ms(cached)
-        np.subtract(perf.model.prefill_curve_ms(isl), own, out=own)
-        steps = np.subtract(isl, cached)
-        np.add(seq.prefill_tokens, steps, out=steps)
+        seq = self.sequences
+        _, own, uncached = self._prompt_terms()
+        steps = np.add(seq.prefill_tokens, uncached)
         steps /= self.settings.max_num_batched_tokens
         np.ceil(steps, out=steps)
         steps *= self.costs.step_ms
@@ -159,15 +178,15 @@ def _random_of(candidates: npt.NDArray[np.intp], rng: random.Random) -> int:
     return int(candidates[0]) if len(candidates) == 1 else int(candidates[rng.randrange(len(candidates))])
 
 
-def pick_lowest(costs: FloatArray, eligible: BoolArray, *, temperature: float, rng: random.Random) -> int:
-    """The eligible slot of lowest cost (a random one among exact ties) at temperature 0; otherwise
-    a sample with probability proportional to ``exp(-(cost - min) / ((max - min) * temperature))``
-    over eligible slots."""
-    masked = np.where(eligible, costs, np.inf)
+def pick_lowest(costs: FloatArray, exclusion: FloatArray, *, temperature: float, rng: random.Random) -> int:
+    """The eligible slot (``exclusion`` 0, see :attr:`Selection.exclusion`) of lowest cost (a
+    random one among exact ties) at temperature 0; otherwise a sample with probability proportional
+    to ``exp(-(cost - min) / ((max - min) * temperature))`` over eligible slots."""
+    masked = costs + exclusion
     lowest = int(masked.argmin())
     low = float(masked[lowest])
     if temperature > 0.0:
-        span = float(costs[eligible].max()) - low
+        span = float(costs[exclusion == 0.0].max()) - low
         if span > 0.0:
             weights = np.exp(-(masked - low) / (span * temperature))
             cumulative = np.cumsum(weights)
@@ -182,7 +201,7 @@ class KvPolicy:
     def choose(self, selection: Selection) -> int:
         return pick_lowest(
             selection.latency_ms(),
-            selection.eligible,
+            selection.exclusion,
             temperature=selection.settings.temperature,
             rng=selection.rng,
         )
@@ -196,8 +215,8 @@ class DynamoPolicy:
         logits = self.logits(selection)
         temperature = selection.settings.temperature
         if temperature > 0.0:
-            return pick_lowest(logits, selection.eligible, temperature=temperature, rng=selection.rng)
-        masked = np.where(selection.eligible, logits, np.inf)
+            return pick_lowest(logits, selection.exclusion, temperature=temperature, rng=selection.rng)
+        masked = logits + selection.exclusion
         ties = np.flatnonzero(masked == masked.min())
         if len(ties) > 1:
             sizes = np.array([selection.indexer.blocks_held(int(slot)) for slot in ties])
@@ -210,7 +229,7 @@ class DynamoPolicy:
         request, seq, settings = selection.request, selection.sequences, selection.settings
         bs = settings.block_size
         prompt_blocks = math.ceil(request.prompt_tokens / bs)
-        prefill_tokens = seq.prefill_tokens + request.prompt_tokens - selection.overlaps * bs
+        prefill_tokens = seq.prefill_tokens + request.prompt_tokens - selection.overlaps() * bs
         decode_blocks = seq.active_blocks + prompt_blocks - selection.shared_active_blocks()
         out: FloatArray = settings.overlap_weight * prefill_tokens / bs + decode_blocks
         return out
@@ -220,7 +239,7 @@ class PrefixOnlyPolicy:
     """The longest cached prefix; ties at random."""
 
     def choose(self, selection: Selection) -> int:
-        return pick_lowest(-selection.overlaps, selection.eligible, temperature=0.0, rng=selection.rng)
+        return pick_lowest(-selection.overlaps(), selection.exclusion, temperature=0.0, rng=selection.rng)
 
 
 class LeastLoadedPolicy:
@@ -228,7 +247,7 @@ class LeastLoadedPolicy:
 
     def choose(self, selection: Selection) -> int:
         return pick_lowest(
-            selection.sequences.requests, selection.eligible, temperature=0.0, rng=selection.rng
+            selection.sequences.requests, selection.exclusion, temperature=0.0, rng=selection.rng
         )
 
 
