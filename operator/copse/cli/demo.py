@@ -167,19 +167,28 @@ def demo(requests: int, workers: int, speedup: float, out: Path) -> None:
     kv_hit, rr_hit = (reports[policy]["cache_hit_rate"] for policy in ("kv", "round_robin"))
     click.echo(f"{'KV cache hit rate':<22}{kv_hit:>12.1%}{rr_hit:>14.1%}")
 
-    _step("the SLA planner, dry-run on the example metrics recording")
+    _step("the SLA planner, dry-run on three days of ServeGen's m-large load (examples/planner)")
     plot = out / "planner.png"
-    _run(
+    printed = _run(
         _copse(
             "planner", "dry-run",
-            "--metrics", str(PLANNER / "metrics.jsonl"),
+            "--metrics", str(PLANNER / "servegen-m-large-3d.jsonl"),
             "--profile", str(PLANNER / "mock-profile.npz"),
             "--ttft-ms", "500",
             "--itl-ms", "50",
+            "--max-replicas", "64",
             "--plot", str(plot),
+            "--json",
         ),
         env=env,
+        capture=True,
     )  # fmt: skip
+    summary = json.loads(printed)["summary"]
+    click.echo(
+        f"SLO attainment {summary['slo_attainment']:.1%} of intervals; "
+        f"{summary['gpu_hours']:.1f} GPU-hours planned vs {summary['static_peak_gpu_hours']:.1f} "
+        f"for a static deployment sized for the peak; {summary['scaling_events']} scaling events; plot {plot}"
+    )
 
     _step(f"done in {time.monotonic() - started:.0f}s")
     click.echo(
