@@ -15,6 +15,7 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from e2e.operator_harness import Operator, operator_kubeconfig
 
 from copse.cluster import Kubectl, KubeTarget, LocalCluster, resolve_target
 
@@ -82,3 +83,13 @@ def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]
     kubectl.wait("--for=create", "serviceaccount/default", namespace=name, timeout=60)
     yield name
     kubectl.run("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture(scope="session")
+def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    """``copse operator run`` as its own process, with only the chart's operator RBAC."""
+    directory = tmp_path_factory.mktemp("operator")
+    running = Operator(log=directory / "operator.log", kubeconfig=operator_kubeconfig(kubectl, directory))
+    running.start()
+    yield running
+    running.stop()

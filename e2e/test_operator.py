@@ -2,146 +2,19 @@
 
 from __future__ import annotations
 
-import copy
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
+from e2e.operator_harness import REPO, Operator, seed, status, wait_running, wait_until, worker_pods
 
-from copse.cluster import Kubectl, KubectlError, binaries_for
+from copse.cluster import Kubectl
 from copse.operator import names
 from copse.topology.fake import gpu_nodes
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[1]
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
-OPERATOR_NAMESPACE = "copse-system"
 INVALID = sorted((REPO / "tests" / "api" / "invalid").glob("*.yaml"))
-
-
-class Operator:
-    """``copse operator run`` as its own process, the way a user starts it."""
-
-    def __init__(self, *, log: Path, kubeconfig: Path) -> None:
-        self.log = log
-        self.kubeconfig = kubeconfig
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as sink:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "copse.cli", "operator", "run", "--metrics-port", "0"],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
-            )
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, as when a node dies under the operator."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def operator_kubeconfig(kubectl: Kubectl, directory: Path) -> Path:
-    """A kubeconfig holding only the chart's operator ServiceAccount token: the operator runs
-    with exactly the RBAC the chart grants it, so a missing verb fails these tests."""
-    rendered = subprocess.run(
-        [
-            str(binaries_for().path("helm")),
-            "template",
-            "copse",
-            str(REPO / "charts" / "copse"),
-            f"--namespace={OPERATOR_NAMESPACE}",
-            "--show-only=templates/operator-rbac.yaml",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    kubectl.run("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    kubectl.apply(list(yaml.safe_load_all(rendered)), namespace=OPERATOR_NAMESPACE)
-    token = kubectl.run(
-        "create", "token", "copse-copse-operator", f"--namespace={OPERATOR_NAMESPACE}", "--duration=4h"
-    ).stdout.strip()
-    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
-    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    admin["users"] = [{"name": "copse-operator", "user": {"token": token}}]
-    context["user"] = "copse-operator"
-    admin["contexts"] = [{"name": admin["current-context"], "context": context}]
-    path = directory / "operator.kubeconfig"
-    path.write_text(yaml.safe_dump(admin))
-    return path
-
-
-@pytest.fixture(scope="module")
-def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    directory = tmp_path_factory.mktemp("operator")
-    running = Operator(log=directory / "operator.log", kubeconfig=operator_kubeconfig(kubectl, directory))
-    running.start()
-    yield running
-    running.stop()
-
-
-def seed(name: str, **spec: Any) -> dict[str, Any]:
-    manifest = yaml.safe_load(SEED.read_text())
-    manifest["metadata"]["name"] = name
-    manifest["spec"].update(copy.deepcopy(spec))
-    return dict(manifest)
-
-
-def wait_until(what: str, check: Callable[[], bool], *, timeout: float = 90, operator: Operator) -> None:
-    """Poll ``check`` (reads of cluster state) until true; on timeout say what and show the operator log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}\n--- operator log ---\n{operator.tail()}")
-
-
-def status(kubectl: Kubectl, name: str, namespace: str) -> dict[str, Any]:
-    result: dict[str, Any] = kubectl.get("idep", name, namespace=namespace).get("status", {})
-    return result
-
-
-def worker_pods(kubectl: Kubectl, name: str, namespace: str) -> list[dict[str, Any]]:
-    selector = names.selector_string(names.worker_selector(name))
-    return kubectl.items("pods", "-l", selector, namespace=namespace)
-
-
-def wait_running(
-    kubectl: Kubectl, name: str, namespace: str, operator: Operator, *, timeout: float = 120
-) -> None:
-    try:
-        kubectl.wait(
-            "--for=jsonpath={.status.phase}=Running", f"idep/{name}", namespace=namespace, timeout=timeout
-        )
-    except KubectlError as error:
-        raise AssertionError(
-            f"{name} not Running: {status(kubectl, name, namespace)}\n{operator.tail()}"
-        ) from error
 
 
 def test_seed_becomes_two_tp8_groups_on_two_racks(

@@ -7,12 +7,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e.test_operator import Operator, operator_kubeconfig, seed, status, wait_running, wait_until
+from e2e.operator_harness import Operator, seed, status, wait_running, wait_until
 
 from copse.cluster import Kubectl
 
@@ -22,15 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "examples" / "planner" / "mock-profile.npz"
 #: 20 req/s of 3000-token prompts and 150-token answers: three mocked engines at 500 ms / 50 ms.
 BUSY = {"num_requests": 1200, "isl": 3000.0, "osl": 150.0}
-
-
-@pytest.fixture(scope="module")
-def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    directory = tmp_path_factory.mktemp("operator")
-    running = Operator(log=directory / "operator.log", kubeconfig=operator_kubeconfig(kubectl, directory))
-    running.start()
-    yield running
-    running.stop()
 
 
 def recording(path: Path, intervals: int) -> Path:
