@@ -7,6 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST := $(BIN)/pytest
+# Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
+COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers))))
 
 .PHONY: venv test unit e2e lint crds cluster-up cluster-down demo bench clean
 
@@ -45,7 +47,7 @@ cluster-down: venv
 lint: venv
 	$(BIN)/ruff check operator planner router workers tests e2e benchmarks
 	$(BIN)/ruff format --check operator planner router workers tests e2e benchmarks
-	$(BIN)/mypy -p copse
+	$(BIN)/mypy $(addprefix -p copse.,$(COPSE_PACKAGES))
 	$(BIN)/mypy tests e2e benchmarks
 
 # helm lint --strict and helm template of charts/copse, with its default values and with every optional

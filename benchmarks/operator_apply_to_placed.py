@@ -120,9 +120,9 @@ def main() -> None:
     print(
         f"{GROUPS} groups x TP{TP}; baseline: a Deployment of {GROUPS} pods x {TP} GPUs, kube-scheduler only"
     )
-    print(
-        f"{'racks':>5} {'GPUs':>6} {'apply->placed s':>16} {'apply->Running s':>17} {'baseline s':>11} {'ratio':>6}"
-    )
+    header = ("racks", "GPUs", "apply->placed s", "apply->Running s", "baseline s", "ratio")
+    widths = (5, 6, 16, 17, 11, 6)
+    print(" ".join(f"{title:>{width}}" for title, width in zip(header, widths, strict=True)))
     with tempfile.TemporaryDirectory(prefix="copse-bench-") as scratch:
         for racks in args.racks:
             result = measure(racks, Path(scratch))
