@@ -337,40 +337,26 @@ def _status(
                 "ready": group in ready_names,
             }
         )
+    all_placed, all_ready = placed_total >= desired_total, ready_total >= desired_total
     infeasible = "; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced)
+    checks = (
+        ("Placed", all_placed, "AllGroupsPlaced" if all_placed else "GroupsUnplaced",
+         f"{placed_total}/{desired_total} groups placed"),
+        ("Ready", all_ready, "AllGroupsReady" if all_ready else "GroupsNotReady",
+         f"{ready_total}/{desired_total} groups ready"),
+        ("PlacementInfeasible", bool(unplaced), "NotEnoughCapacity" if unplaced else "Feasible",
+         infeasible or "every group fits"),
+    )  # fmt: skip
+    conditions = [
+        _condition(kind, ok, reason=reason, message=message, generation=generation, now=now,
+                   previous=previous_conditions)
+        for kind, ok, reason, message in checks
+    ]  # fmt: skip
     worker_pool = [pool for pool in deployment.spec.pools() if pool.role is Role.WORKER]
     return {
         "phase": phase.value,
         "observedGeneration": generation,
-        "conditions": [
-            _condition(
-                "Placed",
-                placed_total >= desired_total,
-                reason="AllGroupsPlaced" if placed_total >= desired_total else "GroupsUnplaced",
-                message=f"{placed_total}/{desired_total} groups placed",
-                generation=generation,
-                now=now,
-                previous=previous_conditions,
-            ),
-            _condition(
-                "Ready",
-                ready_total >= desired_total,
-                reason="AllGroupsReady" if ready_total >= desired_total else "GroupsNotReady",
-                message=f"{ready_total}/{desired_total} groups ready",
-                generation=generation,
-                now=now,
-                previous=previous_conditions,
-            ),
-            _condition(
-                "PlacementInfeasible",
-                bool(unplaced),
-                reason="NotEnoughCapacity" if unplaced else "Feasible",
-                message=infeasible or "every group fits",
-                generation=generation,
-                now=now,
-                previous=previous_conditions,
-            ),
-        ],
+        "conditions": conditions,
         "roles": roles,
         "ready": ", ".join(f"{role} {r['ready']}/{r['desired']}" for role, r in roles.items()),
         "replicas": roles[Role.WORKER.value]["placed"] if worker_pool else 0,
