@@ -223,24 +223,33 @@ def test_azure_trace(tmp_path: Path) -> None:
     assert observations[0].kv_hit_rate is None
 
 
-def test_trace_errors(tmp_path: Path) -> None:
+def test_trace_errors_are_recording_errors_naming_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("time,tokens\n1,2\n")
     with pytest.raises(RecordingError, match=rf"^{path}:1: not a trace.*missing column TIMESTAMP"):
         read_trace(path, interval_s=60)
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,x\n")
-    with pytest.raises(RecordingError, match=rf"^{path}:2: GeneratedTokens must be a non-negative integer"):
-        read_trace(path, interval_s=60)
     moon = jsonl(
         tmp_path / "t.jsonl",
-        [{"timestamp": 5, "input_length": 1, "output_length": 1}, {"timestamp": 1, "input_length": 1}],
+        [
+            {"timestamp": 5, "input_length": 1, "output_length": 1, "hash_ids": [0]},
+            {"timestamp": 1, "input_length": 1},
+        ],
     )
     with pytest.raises(RecordingError, match=rf"^{moon}:2: missing output_length"):
         read_trace(moon, interval_s=60)
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    with pytest.raises(RecordingError, match=rf"^{empty}: empty file"):
-        read_trace(empty, interval_s=60)
+    with pytest.raises(RecordingError, match=rf"^{moon}: interval must be positive"):
+        read_trace(moon, interval_s=0)
+
+
+def test_trace_lines_out_of_order_are_bucketed_by_arrival(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 70_000, "input_length": 512, "output_length": 2, "hash_ids": [1]},
+        {"timestamp": 1_000, "input_length": 512, "output_length": 4, "hash_ids": [1]},
+    ]
+    observations = read_trace(jsonl(tmp_path / "t.jsonl", rows), interval_s=60.0)
+    assert [(obs.timestamp, obs.osl) for obs in observations] == [(1.0, 4.0), (61.0, 2.0)]
+    # The earlier request is the first to see block 1; the later one hits it.
+    assert [obs.kv_hit_rate for obs in observations] == [0.0, 1.0]
 
 
 def test_shipped_traces_read(tmp_path: Path) -> None:

@@ -7,20 +7,18 @@ Files ending in ``.gz`` are read through gzip.
 
 from __future__ import annotations
 
-import csv
-import gzip
-import io
 import itertools
 import json
 import math
 from collections.abc import Iterator, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from copse.planner.observations import Observation
+from copse.workers.traces import MOONCAKE_BLOCK_TOKENS, TraceError, open_text, text_lines
+from copse.workers.traces import read_trace as read_requests
 
 #: Keys of a metrics JSON Lines record: required ones, then optional ones.
 REQUIRED_FIELDS: tuple[str, ...] = ("timestamp", "num_requests", "isl", "osl")
@@ -35,9 +33,6 @@ OPTIONAL_FIELDS: tuple[str, ...] = (
 )
 #: Fields a Prometheus export must hold (the others are optional).
 EXPORT_REQUIRED: tuple[str, ...] = ("num_requests", "isl", "osl")
-#: Tokens per ``hash_ids`` entry in Mooncake traces.
-MOONCAKE_BLOCK_TOKENS = 512
-_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 #: Relative slack when checking that a recording's spacing is regular.
 _SPACING_TOLERANCE = 0.01
 
@@ -46,24 +41,22 @@ class RecordingError(ValueError):
     """A recording or trace that cannot be used; the message names the file and line or field."""
 
 
-def _open_text(path: Path) -> IO[str]:
+def _read_text(path: Path) -> str:
     try:
-        if path.suffix == ".gz":
-            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-        return path.open(encoding="utf-8")
-    except OSError as exc:
-        raise RecordingError(f"{path}: cannot read: {exc.strerror}") from exc
+        with open_text(path, kind="metrics") as handle:
+            return handle.read()
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise RecordingError(f"{path}: cannot read: {exc}") from exc
+    except TraceError as exc:
+        raise RecordingError(str(exc)) from exc
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """Non-blank lines with their 1-based numbers."""
-    with _open_text(path) as handle:
-        try:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    yield number, line
-        except (OSError, EOFError, UnicodeDecodeError) as exc:
-            raise RecordingError(f"{path}: cannot read: {exc}") from exc
+    try:
+        yield from text_lines(path, kind="metrics")
+    except TraceError as exc:
+        raise RecordingError(str(exc)) from exc
 
 
 def _number(where: str, key: str, value: Any, *, minimum: float = 0.0, maximum: float = math.inf) -> float:
@@ -194,8 +187,7 @@ def read_prometheus_export(path: Path) -> list[Observation]:
     ``NaN`` samples (a ratio over an interval without requests) become missing values.
     """
     try:
-        with _open_text(path) as handle:
-            document = json.load(handle)
+        document = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise RecordingError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(document, dict) or not document:
@@ -277,10 +269,14 @@ def _matrix(path: Path, key: str, response: Any) -> dict[float, float | None]:
 
 
 class _Bucketer:
-    """Accumulates requests into fixed intervals starting at the first arrival."""
+    """Accumulates requests into fixed intervals starting at the first arrival.
 
-    def __init__(self, interval_s: float) -> None:
+    Arrivals are seconds after ``origin_s``; observations are stamped ``origin_s`` plus that.
+    """
+
+    def __init__(self, interval_s: float, *, origin_s: float) -> None:
         self.interval_s = interval_s
+        self.origin_s = origin_s
         self.start: float | None = None
         self.buckets: dict[int, list[tuple[int, int, int]]] = {}
 
@@ -300,7 +296,7 @@ class _Bucketer:
             prompt = float(isl.sum())
             out.append(
                 Observation(
-                    timestamp=self.start + index * self.interval_s,
+                    timestamp=self.origin_s + self.start + index * self.interval_s,
                     duration_s=self.interval_s,
                     num_requests=float(count),
                     isl=float(isl.mean()) if count else None,
@@ -321,106 +317,32 @@ def read_trace(path: Path, *, interval_s: float) -> list[Observation]:
     """
     if interval_s <= 0:
         raise RecordingError(f"{path}: interval must be positive, got {interval_s:g}")
-    first = next(_lines(path), None)
-    if first is None:
-        raise RecordingError(f"{path}: empty file: no requests")
-    if first[1].lstrip().startswith("{"):
-        return _read_mooncake(path, interval_s)
-    return _read_azure(path, interval_s)
-
-
-def _int_field(where: str, record: dict[str, Any], key: str) -> int:
-    value = record.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RecordingError(f"{where}: {key} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _read_mooncake(path: Path, interval_s: float) -> list[Observation]:
-    bucketer = _Bucketer(interval_s)
+    try:
+        trace = read_requests(path)
+    except TraceError as exc:
+        raise RecordingError(str(exc)) from exc
+    bucketer = _Bucketer(interval_s, origin_s=trace.start_unix_s)
     seen: set[int] = set()
-    previous = -math.inf
-    for number, line in _lines(path):
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RecordingError(f"{where}: not valid JSON ({exc.msg})") from exc
-        if not isinstance(record, dict):
-            raise RecordingError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        for key in ("timestamp", "input_length", "output_length"):
-            if key not in record:
-                raise RecordingError(
-                    f"{where}: missing {key} (a Mooncake trace line has timestamp, "
-                    "input_length, output_length, hash_ids)"
-                )
-        timestamp_ms = _number(where, "timestamp", record["timestamp"])
-        if timestamp_ms < previous:
-            raise RecordingError(
-                f"{where}: timestamp {timestamp_ms:g} is before the previous line's ({previous:g})"
-            )
-        previous = timestamp_ms
-        isl = _int_field(where, record, "input_length")
-        osl = _int_field(where, record, "output_length")
-        hash_ids = record.get("hash_ids", [])
-        if not isinstance(hash_ids, list):
-            raise RecordingError(f"{where}: hash_ids must be a list, got {hash_ids!r}")
+    for record in trace.records:
         hit_tokens = 0
-        for position, block in enumerate(hash_ids):
+        for position, block in enumerate(record.hash_ids or ()):
             if block not in seen:
                 break
-            hit_tokens += min(MOONCAKE_BLOCK_TOKENS, isl - position * MOONCAKE_BLOCK_TOKENS)
-        seen.update(hash_ids)
-        bucketer.add(timestamp_ms / 1000.0, isl=isl, osl=osl, hit_tokens=max(0, hit_tokens))
-    return bucketer.observations(with_hits=True)
-
-
-def _read_azure(path: Path, interval_s: float) -> list[Observation]:
-    bucketer = _Bucketer(interval_s)
-    lines = iter(_lines(path))
-    number, header_line = next(lines)
-    header = next(csv.reader([header_line]))
-    missing = [column for column in _AZURE_COLUMNS if column not in header]
-    if missing:
-        raise RecordingError(
-            f"{path}:{number}: not a trace: the first line is neither a Mooncake JSON object nor an "
-            f"Azure CSV header with {', '.join(_AZURE_COLUMNS)} (missing column {', '.join(missing)})"
-        )
-    index = {column: header.index(column) for column in _AZURE_COLUMNS}
-    previous: datetime | None = None
-    for number, line in lines:
-        where = f"{path}:{number}"
-        row = next(csv.reader([line]))
-        if len(row) != len(header):
-            raise RecordingError(f"{where}: {len(row)} columns, the header has {len(header)}")
-        try:
-            stamp = datetime.fromisoformat(row[index["TIMESTAMP"]])
-        except ValueError as exc:
-            raise RecordingError(
-                f"{where}: TIMESTAMP {row[index['TIMESTAMP']]!r} is not a date-time"
-            ) from exc
-        if previous is not None and stamp < previous:
-            raise RecordingError(f"{where}: TIMESTAMP {stamp} is before the previous row's ({previous})")
-        previous = stamp
-        tokens = {}
-        for column in ("ContextTokens", "GeneratedTokens"):
-            text = row[index[column]]
-            if not text.isdigit():
-                raise RecordingError(f"{where}: {column} must be a non-negative integer, got {text!r}")
-            tokens[column] = int(text)
+            hit_tokens += min(MOONCAKE_BLOCK_TOKENS, record.input_length - position * MOONCAKE_BLOCK_TOKENS)
+        seen.update(record.hash_ids or ())
         bucketer.add(
-            stamp.timestamp(), isl=tokens["ContextTokens"], osl=tokens["GeneratedTokens"], hit_tokens=0
+            record.timestamp_ms / 1000.0,
+            isl=record.input_length,
+            osl=record.output_length,
+            hit_tokens=hit_tokens,
         )
-    if previous is None:
-        raise RecordingError(f"{path}: no requests after the header")
-    return bucketer.observations(with_hits=False)
+    return bucketer.observations(with_hits=trace.format == "mooncake")
 
 
 def read_metrics(path: Path, *, interval_s: float | None = None) -> list[Observation]:
     """A metrics recording by content: a Prometheus export (one JSON object keyed by field) or JSON Lines."""
     try:
-        with _open_text(path) as handle:
-            document = json.load(handle)
+        document = json.loads(_read_text(path))
     except json.JSONDecodeError:
         document = None  # several lines of JSON: the JSON Lines reader reports any bad line
     if isinstance(document, dict) and "timestamp" not in document:
