@@ -16,12 +16,12 @@ import logging
 import aiohttp
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from pydantic import ValidationError
 
 from copse.router.frontend import RouterService
 from copse.router.indexer import RadixIndexer
+from copse.router.subscriber import Subscriber
 from copse.workers.nats_io import request_dump
 from copse.workers.protocol.kv_events import KvDump, KvEventBatch
 from copse.workers.protocol.subjects import kv_events_subject
@@ -29,7 +29,7 @@ from copse.workers.protocol.subjects import kv_events_subject
 log = logging.getLogger(__name__)
 
 
-class KvEventSync:
+class KvEventSync(Subscriber):
     """Subscribes to a deployment's KV events and keeps the indexer exact."""
 
     def __init__(
@@ -45,31 +45,28 @@ class KvEventSync:
         radix = service.router.radix
         if radix is None:
             raise ValueError("KV event sync needs a router built with use_kv_events=True")
+        super().__init__(nc, subject=kv_events_subject(namespace=namespace, deployment=deployment))
         self.radix: RadixIndexer = radix
         self.service = service
-        self._nc = nc
         self.namespace = namespace
         self.deployment = deployment
         self._dump_timeout_s = dump_timeout_s
         self._retry_s = retry_s
         self._pending: dict[str, asyncio.Task[None]] = {}
-        self._subscription: Subscription | None = None
 
     async def start(self) -> None:
         """Subscribe, and ask each newly usable worker for its cache."""
-        subject = kv_events_subject(namespace=self.namespace, deployment=self.deployment)
-        self._subscription = await self._nc.subscribe(subject, cb=self._on_message)
+        await super().start()
         self.service.on_worker_added.append(
             lambda worker_id, _url: self.resync(worker_id, reason="discovered")
         )
 
     async def stop(self) -> None:
-        if self._subscription is not None:
-            await self._subscription.unsubscribe()
+        await super().stop()
         for task in self._pending.values():
             task.cancel()
 
-    async def _on_message(self, msg: Msg) -> None:
+    async def on_message(self, msg: Msg) -> None:
         try:
             batch = KvEventBatch.model_validate_json(msg.data)
         except ValidationError as exc:

@@ -15,11 +15,11 @@ import logging
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.core import FlightRecord, PeerChange
 from copse.router.frontend import RouterService
+from copse.router.subscriber import Subscriber
 from copse.workers.protocol.subjects import subject_token
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def decode_changes(data: bytes) -> tuple[str, list[PeerChange]]:
     return message.router, changes
 
 
-class ReplicaSync:
+class ReplicaSync(Subscriber):
     """Publishes this replica's load changes and mirrors its peers'."""
 
     def __init__(
@@ -120,26 +120,20 @@ class ReplicaSync:
     ) -> None:
         if service.router.outbox is None:
             raise ValueError("replica sync needs a router built with share_load=True")
+        super().__init__(nc, subject=load_subject(namespace=namespace, deployment=deployment))
         self.service = service
         self.router_id = router_id
-        self.subject = load_subject(namespace=namespace, deployment=deployment)
-        self._nc = nc
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
         self.peers: dict[str, float] = {}
         """Peer id -> when it was last heard (service clock)."""
-        self._subscription: Subscription | None = None
         self._sending: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     async def start(self) -> None:
-        self._subscription = await self._nc.subscribe(self.subject, cb=self._on_message)
+        await super().start()
         self.service.on_changes.append(self._wake.set)
         self.service.add_task(asyncio.create_task(self._run(), name="replica-sync"))
-
-    async def stop(self) -> None:
-        if self._subscription is not None:
-            await self._subscription.unsubscribe()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -172,7 +166,7 @@ class ReplicaSync:
                 self.service.released(self.service.router.forget_peer(peer, now=now))
         self.service.metrics.peers.set(len(self.peers))
 
-    async def _on_message(self, msg: Msg) -> None:
+    async def on_message(self, msg: Msg) -> None:
         try:
             peer, changes = decode_changes(msg.data)
         except (ValidationError, ValueError) as exc:
