@@ -24,6 +24,7 @@ TRACE = REPO.parent / "shared" / "traces" / "mooncake_fast25_conversation_trace.
 SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
 DISAGGREGATED = REPO / "examples" / "deployment-disaggregated.yaml"
 PLANNER = REPO / "examples" / "planner"
+ENGINE = REPO / "examples" / "demo-engine.yaml"
 
 
 class DemoError(click.ClickException):
@@ -72,6 +73,7 @@ def _replay(
             "--policy", policy,
             "--limit", str(requests),
             "--speedup", str(speedup),
+            "--engine-config", str(ENGINE),
             "--live",
             "--json",
         ),
@@ -83,10 +85,10 @@ def _replay(
 
 
 @click.command()
-@click.option("--requests", default=300, show_default=True, help="Mooncake requests replayed per policy.")
-@click.option("--workers", default=4, show_default=True, help="Mocked engines behind the router.")
+@click.option("--requests", default=400, show_default=True, help="Mooncake requests replayed per policy.")
+@click.option("--workers", default=8, show_default=True, help="Mocked engines behind the router.")
 @click.option(
-    "--speedup", default=8.0, show_default=True, help="Replay the trace this much faster than real time."
+    "--speedup", default=5.0, show_default=True, help="Replay the trace this much faster than real time."
 )
 @click.option(
     "--out",
@@ -150,8 +152,8 @@ def demo(requests: int, workers: int, speedup: float, out: Path) -> None:
         operator.wait(timeout=30)
 
     _step(
-        f"router + {workers} mocked engines + NATS: {requests} Mooncake requests at {speedup:g}x, "
-        "KV-aware vs round-robin"
+        f"router + {workers} mocked engines (10x fast) + NATS: {requests} Mooncake requests at "
+        f"{speedup:g}x their rate, KV-aware vs round-robin"
     )
     reports = {policy: _replay(policy, requests=requests, workers=workers, speedup=speedup, env=env)
                for policy in ("kv", "round_robin")}  # fmt: skip
