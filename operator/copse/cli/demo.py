@@ -62,26 +62,30 @@ def _cluster_env() -> tuple[dict[str, str], str]:
     return env, kubectl
 
 
-def _replay(
-    policy: str, *, requests: int, workers: int, speedup: float, env: dict[str, str]
-) -> dict[str, Any]:
-    printed = _run(
-        _copse(
-            "bench", "replay",
-            "--trace", str(TRACE),
-            "--workers", str(workers),
-            "--policy", policy,
-            "--limit", str(requests),
-            "--speedup", str(speedup),
-            "--engine-config", str(ENGINE),
-            "--live",
-            "--json",
-        ),
-        env=env,
-        capture=True,
-    )  # fmt: skip
-    report: dict[str, Any] = json.loads(printed)
-    return report
+POLICIES = ("kv", "round_robin")
+
+
+def _compare(*options: str, env: dict[str, str]) -> None:
+    """Replay the same slice with each policy and print TTFT/ITL/hit rate side by side."""
+    reports: dict[str, dict[str, Any]] = {}
+    for policy in POLICIES:
+        printed = _run(
+            _copse("bench", "replay", "--trace", str(TRACE), "--policy", policy, "--json", *options),
+            env=env,
+            capture=True,
+        )
+        reports[policy] = json.loads(printed)
+    click.echo(f"{'':<22}" + "".join(f"{policy:>14}" for policy in POLICIES))
+    for label, key, pick in (
+        ("TTFT p50 (ms)", "ttft_ms", "p50"),
+        ("TTFT p99 (ms)", "ttft_ms", "p99"),
+        ("ITL p50 (ms)", "itl_ms", "p50"),
+        ("end-to-end p50 (ms)", "e2e_ms", "p50"),
+    ):
+        click.echo(f"{label:<22}" + "".join(f"{reports[policy][key][pick]:>14.1f}" for policy in POLICIES))
+    click.echo(
+        f"{'KV cache hit rate':<22}" + "".join(f"{reports[p]['cache_hit_rate']:>14.1%}" for p in POLICIES)
+    )
 
 
 @click.command()
@@ -155,19 +159,19 @@ def demo(requests: int, workers: int, speedup: float, out: Path) -> None:
         f"router + {workers} mocked engines (10x fast) + NATS: {requests} Mooncake requests at "
         f"{speedup:g}x their rate, KV-aware vs round-robin"
     )
-    reports = {policy: _replay(policy, requests=requests, workers=workers, speedup=speedup, env=env)
-               for policy in ("kv", "round_robin")}  # fmt: skip
-    click.echo(f"{'':<22}{'kv':>12}{'round_robin':>14}")
-    for label, key, pick in (
-        ("TTFT p50 (ms)", "ttft_ms", "p50"),
-        ("TTFT p99 (ms)", "ttft_ms", "p99"),
-        ("ITL p50 (ms)", "itl_ms", "p50"),
-        ("end-to-end p50 (ms)", "e2e_ms", "p50"),
-    ):
-        kv, rr = (reports[policy][key][pick] for policy in ("kv", "round_robin"))
-        click.echo(f"{label:<22}{kv:>12.1f}{rr:>14.1f}")
-    kv_hit, rr_hit = (reports[policy]["cache_hit_rate"] for policy in ("kv", "round_robin"))
-    click.echo(f"{'KV cache hit rate':<22}{kv_hit:>12.1%}{rr_hit:>14.1%}")
+    _compare(
+        "--workers", str(workers),
+        "--limit", str(requests),
+        "--speedup", str(speedup),
+        "--engine-config", str(ENGINE),
+        "--live",
+        env=env,
+    )  # fmt: skip
+    _step(
+        "the same comparison on the virtual clock (deterministic): 3,000 requests, 16 engines, "
+        "6x the trace's rate"
+    )
+    _compare("--workers", "16", "--limit", "3000", "--speedup", "6", env=env)
 
     _step("the SLA planner, dry-run on three days of ServeGen's m-large load (examples/planner)")
     plot = out / "planner.png"
