@@ -23,6 +23,15 @@ from copse.workers.perf import PerfModel, ProfileError, load_perf_model, load_pr
 DEFAULT_TRACE_INTERVAL_S = 60.0
 
 
+def _config(path: Path | None, **overrides: object) -> PlannerConfig:
+    """The planner config file (or the defaults) with the options given on the command line."""
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        fail(str(exc))
+    return config.model_copy(update={key: value for key, value in overrides.items() if value is not None})
+
+
 def fail(message: str) -> NoReturn:
     """Invalid input: say what and where, exit 2."""
     click.echo(f"error: {message}", err=True)
@@ -171,16 +180,7 @@ def dry_run_command(
     from copse.planner.report import format_summary, format_table  # noqa: PLC0415
     from copse.planner.report import plot as write_plot  # noqa: PLC0415
 
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        fail(str(exc))
-    updates: dict[str, object] = {}
-    if predictor is not None:
-        updates["predictor"] = predictor
-    if startup_delay is not None:
-        updates["startup_delay_s"] = startup_delay
-    config = config.model_copy(update=updates)
+    config = _config(config_path, predictor=predictor, startup_delay_s=startup_delay)
     try:
         perf = load_profile(profile, gpus_per_engine=gpus_per_replica)
     except ProfileError as exc:
@@ -312,20 +312,11 @@ def run(
     pools every interval."""
     import asyncio  # noqa: PLC0415
 
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        fail(str(exc))
-    updates: dict[str, object] = {}
-    if predictor is not None:
-        updates["predictor"] = predictor
-    if interval is not None:
-        updates["interval_s"] = interval
-    if metrics_port is not None:
-        updates["metrics_port"] = metrics_port
+    config = _config(config_path, predictor=predictor, interval_s=interval, metrics_port=metrics_port)
     if prometheus is not None:
-        updates["prometheus"] = config.prometheus.model_copy(update={"url": prometheus})
-    config = config.model_copy(update=updates)
+        config = config.model_copy(
+            update={"prometheus": config.prometheus.model_copy(update={"url": prometheus})}
+        )
     if name is not None and len(namespaces) > 1:
         fail("NAME takes one --namespace")
     if metrics is not None and name is None:
