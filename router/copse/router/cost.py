@@ -63,12 +63,12 @@ class PerfTable:
     __slots__ = (
         "_active",
         "_context",
-        "_curve",
         "_itl",
         "_itl_by_active",
         "f0",
         "kv_capacity_tokens",
         "model",
+        "prefill_curve_ms",
     )
 
     def __init__(
@@ -82,7 +82,11 @@ class PerfTable:
     ) -> None:
         self.model = model
         curve_x = np.arange(0.0, max_context + 1.0, float(curve_step))
-        self._curve = Interpolant(curve_x, np.array([model.prefill_curve_ms(float(x)) for x in curve_x]))
+        self.prefill_curve_ms = Interpolant(
+            curve_x, np.array([model.prefill_curve_ms(float(x)) for x in curve_x])
+        )
+        """``F`` (:meth:`PerfModel.prefill_curve_ms`) by token count: exact at multiples of the
+        sampling step (block sizes are), linear in between, constant beyond the longest context."""
         self.kv_capacity_tokens = float(model.kv_capacity_tokens)
         """KV cache size of one worker, tokens."""
         self.f0 = model.prefill_curve_ms(0.0)
@@ -105,11 +109,6 @@ class PerfTable:
         per-step cost ``f0`` (a prefill spanning several steps pays ``f0`` in each), ms."""
         curve = self.model.prefill_curve_ms
         return curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
-
-    def prefill_curve_ms(self, tokens: float) -> float:
-        """``F`` (:meth:`PerfModel.prefill_curve_ms`) at ``tokens``: exact at multiples of the
-        sampling step (block sizes are), linear in between, clamped beyond the longest context."""
-        return self._curve(tokens)
 
     def itl_ms_at(self, active_kv_tokens: float, sequences: float) -> float:
         """:meth:`itl_ms` of one worker."""

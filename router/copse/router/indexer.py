@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,12 @@ Overlaps = dict[int, int]
 #: Events kept per worker while a dump is awaited; older ones are dropped, which the id check
 #: after the dump turns into a new resync rather than a silent divergence.
 MAX_BUFFERED_EVENTS = 65536
+
+
+#: Byte value -> its 8 bits (least significant first) as floats.
+_BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(
+    np.float64
+)
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -81,26 +87,14 @@ def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
     return {slot: depth for depth, group in zip(depths, groups, strict=True) for slot in _bits(group)}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefixMatch:
+class PrefixMatch(NamedTuple):
     """How many leading blocks of one prompt each worker slot ``0 .. size-1`` holds, as groups of
-    slots: the slots of ``masks[i]`` (a bitmask) hold exactly ``depths[i]`` blocks, the others none."""
+    slots: the slots of ``masks[i]`` (a bitmask) hold exactly ``depths[i]`` blocks, the others none.
+    (A tuple: one is made per routing decision.)"""
 
     depths: list[int]
     masks: list[int]
     size: int
-
-    @classmethod
-    def walk(cls, masks: dict[int, int], hashes: Sequence[int], *, size: int) -> PrefixMatch:
-        """Match ``hashes`` against ``masks`` (block -> bitmask of slots), see :func:`prefix_groups`."""
-        depths, groups = prefix_groups(masks, hashes)
-        if groups and max(groups) >> size:
-            # Slots from ``size`` on (workers the caller does not route to) are left out.
-            everyone = (1 << size) - 1
-            kept = [(depth, group & everyone) for depth, group in zip(depths, groups, strict=True)]
-            depths = [depth for depth, group in kept if group]
-            groups = [group for _, group in kept if group]
-        return cls(depths, groups, size)
 
     def spread(self, values: list[list[float]]) -> npt.NDArray[np.float64]:
         """Per-slot rows from per-group values: ``values[k][i]`` for the slots of group ``i`` and
@@ -111,10 +105,11 @@ class PrefixMatch:
         for mask in self.masks:
             rest &= ~mask
         width = (size + 7) // 8
-        raw = b"".join(mask.to_bytes(width, "little") for mask in (*self.masks, rest))
-        packed = np.frombuffer(raw, dtype=np.uint8).reshape(len(self.masks) + 1, width)
-        out: npt.NDArray[np.float64] = np.array(values) @ np.unpackbits(
-            packed, axis=1, count=size, bitorder="little"
+        raw = b"".join([mask.to_bytes(width, "little") for mask in (*self.masks, rest)])
+        # One row of 0/1 per group: each byte of a mask looked up as its 8 bits.
+        bits = _BYTE_BITS.take(np.frombuffer(raw, dtype=np.uint8), axis=0)
+        out: npt.NDArray[np.float64] = (
+            np.array(values) @ bits.reshape(len(self.masks) + 1, width * 8)[:, :size]
         )
         return out
 
@@ -199,7 +194,14 @@ class BlockIndex:
 
     def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
         """:meth:`overlaps` for slots ``0 .. size-1``, grouped by count."""
-        return PrefixMatch.walk(self._masks, hashes, size=size)
+        depths, groups = prefix_groups(self._masks, hashes)
+        if groups and max(groups) >> size:
+            # Slots from ``size`` on (workers the caller does not route to) are left out.
+            everyone = (1 << size) - 1
+            kept = [(depth, group & everyone) for depth, group in zip(depths, groups, strict=True)]
+            depths = [depth for depth, group in kept if group]
+            groups = [group for _, group in kept if group]
+        return PrefixMatch(depths, groups, size)
 
     def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
         """:meth:`overlaps` as an array over slots ``0 .. size-1``."""

@@ -99,25 +99,29 @@ class Selection:
         return self._overlaps
 
     def _prompt_terms(self) -> FloatArray:
-        """Rows over workers: cached prompt tokens, compute of the uncached ones (ms), uncached
-        tokens. They depend on the cached prefix only, so they are evaluated once per distinct
-        prefix length and spread over the workers."""
+        """Rows over workers: the compute of the prompt tokens each worker does not hold (ms) and
+        their number. They depend on the cached prefix only, so they are evaluated once per
+        distinct prefix length and spread over the workers."""
         if self._prompt is None:
             isl = self.request.prompt_tokens
             bs = self.settings.block_size
-            limit = max(isl - 1, 0)
-            cached = [float(min(depth * bs, limit)) for depth in self.match.depths]
-            cached.append(0.0)
+            limit = max(isl - 1, 0)  # at least one token is always computed
             full = self.perf.model.prefill_curve_ms(float(isl))
             curve = self.perf.prefill_curve_ms
-            own = [full - curve(done) for done in cached]
-            self._prompt = self.match.spread([cached, own, [isl - done for done in cached]])
+            own: list[float] = []
+            uncached: list[float] = []
+            for depth in self.match.depths:
+                cached = min(depth * bs, limit)
+                own.append(full - curve(cached))
+                uncached.append(float(isl - cached))
+            own.append(full - self.perf.f0)
+            uncached.append(float(isl))
+            self._prompt = self.match.spread([own, uncached])
         return self._prompt
 
-    def cached_tokens(self) -> FloatArray:
-        """Prompt tokens each worker would not have to compute (at least one token always is)."""
-        cached: FloatArray = self._prompt_terms()[0]
-        return cached
+    def cached_tokens(self, slot: int) -> int:
+        """Prompt tokens worker ``slot`` would not have to compute."""
+        return self.request.prompt_tokens - int(self._prompt_terms()[1].item(slot))
 
     def shared_active_blocks(self) -> FloatArray:
         """Leading prompt blocks already in use by in-flight requests on each worker."""
@@ -133,7 +137,7 @@ class Selection:
         if self._ttft is not None:
             return self._ttft
         seq = self.sequences
-        _, own, uncached = self._prompt_terms()
+        own, uncached = self._prompt_terms()
         steps = np.add(seq.prefill_tokens, uncached)
         steps /= self.settings.max_num_batched_tokens
         np.ceil(steps, out=steps)

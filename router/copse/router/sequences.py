@@ -130,7 +130,7 @@ class ActiveSequences:
         return self._kv
 
     def _update_kv(self, slot: int) -> None:
-        self._kv[slot] = self.active_blocks[slot] * self.block_size + self.kv_extra[slot]
+        self._kv[slot] = self.active_blocks.item(slot) * self.block_size + self.kv_extra.item(slot)
         self.changed.add(slot)
 
     def backlog_ms(self, now: float, *, out: FloatArray | None = None) -> FloatArray:
