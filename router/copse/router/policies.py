@@ -103,19 +103,19 @@ class Selection:
         their number. They depend on the cached prefix only, so they are evaluated once per
         distinct prefix length and spread over the workers."""
         if self._prompt is None:
-            isl = self.request.prompt_tokens
-            bs = self.settings.block_size
-            limit = max(isl - 1, 0)  # at least one token is always computed
-            full = self.perf.model.prefill_curve_ms(float(isl))
+            isl = float(self.request.prompt_tokens)
+            bs = float(self.settings.block_size)
+            limit = max(isl - 1.0, 0.0)  # at least one token is always computed
+            full = self.perf.model.prefill_curve_ms(isl)
             curve = self.perf.prefill_curve_ms
             own: list[float] = []
             uncached: list[float] = []
             for depth in self.match.depths:
                 cached = min(depth * bs, limit)
                 own.append(full - curve(cached))
-                uncached.append(float(isl - cached))
+                uncached.append(isl - cached)
             own.append(full - self.perf.f0)
-            uncached.append(float(isl))
+            uncached.append(isl)
             self._prompt = self.match.spread([own, uncached])
         return self._prompt
 
