@@ -332,6 +332,9 @@ class Router:
         return any(worker_id not in exclude for worker_id in self.workers)
 
     def _drain(self, *, now: float) -> list[Route]:
+        # Whatever changed the load (a first token, an end, a peer) updates the cost terms now,
+        # so that a decision only pays for its own change.
+        self.costs.refresh()
         routed: list[Route] = []
         while self._queue:
             request, exclude = self._queue[0]
@@ -495,6 +498,7 @@ class Router:
             kv_tokens=kv_extra,
             now=now,
         )
+        self.costs.refresh()
         total_blocks = math.ceil((request.prompt_tokens + (request.max_tokens if output else 0)) / bs)
         self.indexer.on_routed(slot, request.hashes, total_blocks=total_blocks)
         if self.outbox is not None:

@@ -101,9 +101,7 @@ class PrefixMatch(NamedTuple):
         ``values[k][-1]`` for the slots holding no block; a ``len(values) x size`` array. Every slot
         belongs to one group, so each entry is its group's value exactly."""
         size = self.size
-        rest = (1 << size) - 1
-        for mask in self.masks:
-            rest &= ~mask
+        rest = ((1 << size) - 1) & ~sum(self.masks)  # the groups are disjoint
         width = (size + 7) // 8
         raw = b"".join([mask.to_bytes(width, "little") for mask in (*self.masks, rest)])
         # One row of 0/1 per group: each byte of a mask looked up as its 8 bits.

@@ -137,13 +137,13 @@ class Selection:
         if self._ttft is not None:
             return self._ttft
         seq = self.sequences
-        own, uncached = self._prompt_terms()
-        steps = np.add(seq.prefill_tokens, uncached)
+        terms = self._prompt_terms()
+        steps = np.add(seq.prefill_tokens, terms[1])
         steps /= self.settings.max_num_batched_tokens
         np.ceil(steps, out=steps)
         steps *= self.costs.step_ms
         out = seq.backlog_ms(self.now)
-        out += own
+        out += terms[0]
         out += steps
         self._ttft = out
         return out
@@ -188,7 +188,7 @@ def pick_lowest(costs: FloatArray, exclusion: FloatArray, *, temperature: float,
     to ``exp(-(cost - min) / ((max - min) * temperature))`` over eligible slots."""
     masked = costs + exclusion
     lowest = int(masked.argmin())
-    low = float(masked[lowest])
+    low = masked.item(lowest)
     if temperature > 0.0:
         span = float(costs[exclusion == 0.0].max()) - low
         if span > 0.0:
