@@ -49,11 +49,11 @@ class _Eligible(NamedTuple):
     """Workers that may take a request, as a mask and as the matching ``Selection.exclusion``."""
 
     mask: BoolArray
-    exclusion: FloatArray
+    exclusion: FloatArray | None
 
     @classmethod
     def of(cls, mask: BoolArray) -> _Eligible:
-        return cls(mask, np.where(mask, 0.0, np.inf))
+        return cls(mask, None if mask.all() else np.where(mask, 0.0, np.inf))
 
 
 class Role(enum.StrEnum):

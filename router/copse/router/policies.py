@@ -74,8 +74,9 @@ class Selection:
     request: RouteRequest
     eligible: BoolArray
     """Workers that may take the request."""
-    exclusion: FloatArray
-    """0 for the eligible workers, +inf for the others (added to a cost, it rules them out)."""
+    exclusion: FloatArray | None
+    """0 for the eligible workers, +inf for the others (added to a cost, it rules them out);
+    ``None`` when every slot is eligible."""
     match: PrefixMatch
     """Leading prompt blocks each worker holds."""
     sequences: ActiveSequences
@@ -182,15 +183,23 @@ def _random_of(candidates: npt.NDArray[np.intp], rng: random.Random) -> int:
     return int(candidates[0]) if len(candidates) == 1 else int(candidates[rng.randrange(len(candidates))])
 
 
-def pick_lowest(costs: FloatArray, exclusion: FloatArray, *, temperature: float, rng: random.Random) -> int:
-    """The eligible slot (``exclusion`` 0, see :attr:`Selection.exclusion`) of lowest cost (a
-    random one among exact ties) at temperature 0; otherwise a sample with probability proportional
-    to ``exp(-(cost - min) / ((max - min) * temperature))`` over eligible slots."""
-    masked = costs + exclusion
+def excluded(costs: FloatArray, exclusion: FloatArray | None) -> FloatArray:
+    """``costs`` with the slots that may not take the request at +inf (see
+    :attr:`Selection.exclusion`)."""
+    return costs if exclusion is None else costs + exclusion
+
+
+def pick_lowest(
+    costs: FloatArray, exclusion: FloatArray | None, *, temperature: float, rng: random.Random
+) -> int:
+    """The eligible slot (see :attr:`Selection.exclusion`) of lowest cost (a random one among
+    exact ties) at temperature 0; otherwise a sample with probability proportional to
+    ``exp(-(cost - min) / ((max - min) * temperature))`` over eligible slots."""
+    masked = excluded(costs, exclusion)
     lowest = int(masked.argmin())
     low = masked.item(lowest)
     if temperature > 0.0:
-        span = float(costs[exclusion == 0.0].max()) - low
+        span = float((costs if exclusion is None else costs[exclusion == 0.0]).max()) - low
         if span > 0.0:
             weights = np.exp(-(masked - low) / (span * temperature))
             cumulative = np.cumsum(weights)
@@ -220,7 +229,7 @@ class DynamoPolicy:
         temperature = selection.settings.temperature
         if temperature > 0.0:
             return pick_lowest(logits, selection.exclusion, temperature=temperature, rng=selection.rng)
-        masked = logits + selection.exclusion
+        masked = excluded(logits, selection.exclusion)
         ties = np.flatnonzero(masked == masked.min())
         if len(ties) > 1:
             sizes = np.array([selection.indexer.blocks_held(int(slot)) for slot in ties])

@@ -29,6 +29,10 @@ from copse.router.indexer import Overlaps
 
 FloatArray = npt.NDArray[np.float64]
 
+# Constant operands as 0-d arrays: numpy would convert a Python float anew on every call.
+_ZERO = np.zeros(())
+_MS_PER_S = np.full((), 1000.0)
+
 
 @dataclasses.dataclass(slots=True)
 class Flight:
@@ -137,11 +141,11 @@ class ActiveSequences:
         """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds),
         written into ``out`` when given."""
         progress = np.subtract(now, self.head_start, out=out)
-        progress *= 1000.0
-        np.maximum(progress, 0.0, out=progress)
+        progress *= _MS_PER_S
+        np.maximum(progress, _ZERO, out=progress)
         np.minimum(progress, self.head_ms, out=progress)
         backlog = np.subtract(self.prefill_ms, progress, out=progress)
-        return np.maximum(backlog, 0.0, out=backlog)
+        return np.maximum(backlog, _ZERO, out=backlog)
 
     def __len__(self) -> int:
         return len(self._flights)
