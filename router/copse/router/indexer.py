@@ -9,7 +9,9 @@ first block no worker holds.
 
 For a prompt, :meth:`BlockIndex.overlaps` answers how many leading blocks each worker holds: a
 worker counts up to the first block it does not hold, even if it holds later ones (it cannot
-reuse KV after a gap).
+reuse KV after a gap). :meth:`BlockIndex.match` answers the same as groups of workers holding
+equally many (a :class:`PrefixMatch`: a prompt meets few distinct counts), so a routing decision
+evaluates what depends on the cached prefix once per group and spreads it over all workers.
 
 :class:`RadixIndexer` keeps the index in step with each worker's event stream: events are
 applied in ``event_id`` order per engine incarnation (``epoch``); a gap, a new incarnation that

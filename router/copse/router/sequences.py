@@ -137,10 +137,9 @@ class ActiveSequences:
         self._kv[slot] = self.active_blocks.item(slot) * self.block_size + self.kv_extra.item(slot)
         self.changed.add(slot)
 
-    def backlog_ms(self, now: float, *, out: FloatArray | None = None) -> FloatArray:
-        """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds),
-        written into ``out`` when given."""
-        progress = np.subtract(now, self.head_start, out=out)
+    def backlog_ms(self, now: float) -> FloatArray:
+        """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds)."""
+        progress = np.subtract(now, self.head_start)
         progress *= _MS_PER_S
         np.maximum(progress, _ZERO, out=progress)
         np.minimum(progress, self.head_ms, out=progress)
