@@ -7,10 +7,12 @@
 #   # GB200 trays are arm64 (Grace): build both architectures where mock workers may land there
 #   docker buildx build --platform linux/amd64,linux/arm64 -t ghcr.io/copse-dev/copse:0.1.0 --push .
 
-FROM python:3.11-slim AS build
+# The full image has the C compiler the router's compiled loops (copse.router._native) need; the
+# runtime image below gets only the built wheels.
+FROM python:3.11 AS build
 WORKDIR /src
 # Only what the wheel is built from, so edits elsewhere (tests, docs) keep the layer cached.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY operator operator
 COPY planner planner
 COPY router router

@@ -5,7 +5,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# The install also compiles the router's C loops, so their source is part of the stamp.
+NATIVE_SOURCES := setup.py router/copse/router/_native.c
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(NATIVE_SOURCES) | sha1sum | cut -c1-12)
 PYTEST := $(BIN)/pytest
 # Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
 COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers))))
@@ -14,7 +16,7 @@ COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /co
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -45,8 +47,8 @@ cluster-down: venv
 	$(BIN)/copse cluster down
 
 lint: venv
-	$(BIN)/ruff check operator planner router workers tests e2e benchmarks
-	$(BIN)/ruff format --check operator planner router workers tests e2e benchmarks
+	$(BIN)/ruff check operator planner router workers tests e2e benchmarks setup.py
+	$(BIN)/ruff format --check operator planner router workers tests e2e benchmarks setup.py
 	$(BIN)/mypy $(addprefix -p copse.,$(COPSE_PACKAGES))
 	$(BIN)/mypy tests e2e benchmarks
 

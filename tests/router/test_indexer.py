@@ -42,7 +42,6 @@ _op = st.one_of(
     st.tuples(st.just("store"), st.integers(0, 5), st.sampled_from(_PATHS), st.integers(0, 4)),
     st.tuples(st.just("remove"), st.integers(0, 5), st.lists(st.sampled_from(_BLOCKS), max_size=4)),
     st.tuples(st.just("clear"), st.integers(0, 5)),
-    st.tuples(st.just("drop"), st.integers(0, 5)),
 )
 
 
@@ -61,7 +60,7 @@ def test_block_index_matches_brute_force_reference(ops: list[tuple[Any, ...]], q
             index.remove(slot, op[2])
             held.setdefault(slot, set()).difference_update(op[2])
         else:
-            (index.clear if kind == "clear" else index.drop)(slot)
+            index.clear(slot)
             held[slot] = set()
     assert index.overlaps(query) == _reference(held, query)
     for slot, blocks in held.items():

@@ -15,7 +15,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from copse.router.indexer import BlockIndex, Overlaps, PrefixMatch
+from copse.router.indexer import BlockIndex, FloatArray, Overlaps
 
 
 class ApproximateIndexer:
@@ -47,8 +47,8 @@ class ApproximateIndexer:
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
 
-    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
-        return self.index.match(hashes, size)
+    def overlap_array(self, hashes: Sequence[int], size: int) -> FloatArray:
+        return self.index.overlap_array(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)
@@ -73,7 +73,7 @@ class ApproximateIndexer:
     def drop_worker(self, slot: int) -> None:
         self._lru.pop(slot, None)
         self._capacity.pop(slot, None)
-        self.index.drop(slot)
+        self.index.clear(slot)
 
     def _evict(self, slot: int) -> None:
         lru = self._lru.get(slot)

@@ -374,7 +374,6 @@ class Router:
             request=request,
             eligible=eligible.mask,
             exclusion=eligible.exclusion,
-            match=self.indexer.match(request.hashes, self.sequences.size),
             sequences=self.sequences,
             costs=self.costs,
             indexer=self.indexer,

@@ -31,30 +31,32 @@ class Interpolant:
     beyond the ends: ``np.interp`` for many points, and for one point the same arithmetic (the
     same result to the bit) in plain floats, without numpy's per-call overhead."""
 
-    __slots__ = ("_slopes", "_x_array", "_xs", "_y_array", "_ys")
+    __slots__ = ("_slope_list", "_x_list", "_y_list", "slopes", "xs", "ys")
 
     def __init__(self, xs: FloatArray, ys: FloatArray) -> None:
-        self._x_array = xs
-        self._y_array = ys
-        self._xs: list[float] = xs.tolist()
-        self._ys: list[float] = ys.tolist()
-        self._slopes: list[float] = ((ys[1:] - ys[:-1]) / (xs[1:] - xs[:-1])).tolist()
+        self.xs = np.ascontiguousarray(xs, dtype=np.float64)
+        self.ys = np.ascontiguousarray(ys, dtype=np.float64)
+        self.slopes: FloatArray = (self.ys[1:] - self.ys[:-1]) / (self.xs[1:] - self.xs[:-1])
+        """Slope of each piece (what compiled callers evaluate the function with)."""
+        self._x_list: list[float] = self.xs.tolist()
+        self._y_list: list[float] = self.ys.tolist()
+        self._slope_list: list[float] = self.slopes.tolist()
 
     def many(self, x: FloatArray) -> FloatArray:
         """The function at every point of ``x``."""
-        out: FloatArray = np.interp(x, self._x_array, self._y_array)
+        out: FloatArray = np.interp(x, self.xs, self.ys)
         return out
 
     def __call__(self, x: float) -> float:
-        xs = self._xs
+        xs, ys = self._x_list, self._y_list
         if x >= xs[-1]:
-            return self._ys[-1]
+            return ys[-1]
         if x <= xs[0]:
-            return self._ys[0]
+            return ys[0]
         i = bisect_right(xs, x) - 1
         if xs[i] == x:
-            return self._ys[i]
-        return self._slopes[i] * (x - xs[i]) + self._ys[i]
+            return ys[i]
+        return self._slope_list[i] * (x - xs[i]) + ys[i]
 
 
 class PerfTable:

@@ -5,13 +5,13 @@ of block *i* names the whole prefix up to and including block *i*, so it *is* th
 root of the prefix tree to that node. The tree is therefore stored as one map from node (block
 hash) to the set of workers holding it, with no child maps to walk: matching a prompt is one map
 look-up per block and an intersection of worker sets, here bitmasks over worker slots, up to the
-first block no worker holds.
+first block no worker holds. The map and the walk are compiled (``_native.c``): a decision walks
+a million-block index in a few microseconds.
 
 For a prompt, :meth:`BlockIndex.overlaps` answers how many leading blocks each worker holds: a
 worker counts up to the first block it does not hold, even if it holds later ones (it cannot
-reuse KV after a gap). :meth:`BlockIndex.match` answers the same as groups of workers holding
-equally many (a :class:`PrefixMatch`: a prompt meets few distinct counts), so a routing decision
-evaluates what depends on the cached prefix once per group and spreads it over all workers.
+reuse KV after a gap); :meth:`BlockIndex.overlap_array` answers the same as an array over worker
+slots, which is what a routing decision uses.
 
 :class:`RadixIndexer` keeps the index in step with each worker's event stream: events are
 applied in ``event_id`` order per engine incarnation (``epoch``); a gap, a new incarnation that
@@ -23,15 +23,17 @@ arrive meanwhile are buffered and replayed after the dump.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from copse.router import _native
 from copse.router.slots import WorkerSlots
 from copse.workers.protocol import KvCleared, KvDump, KvEvent, KvEventBatch, KvRemoved, KvStored
 
+FloatArray = npt.NDArray[np.float64]
 Overlaps = dict[int, int]
 """Worker slot -> number of leading prompt blocks that worker holds (only workers with at least one)."""
 
@@ -40,172 +42,29 @@ Overlaps = dict[int, int]
 MAX_BUFFERED_EVENTS = 65536
 
 
-#: Byte value -> its 8 bits (least significant first) as floats.
-_BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(
-    np.float64
-)
+class BlockIndex(_native.BlockIndex):
+    """The prefix tree: block hash -> the worker slots holding that block (compiled: a hash table
+    of bitmasks over slots, see ``_native.c``).
 
+    ``store(slot, hashes)``, ``remove(slot, hashes)`` (unknown blocks are ignored), ``clear(slot)``,
+    ``holds(slot, block)``, ``blocks_held(slot)`` and ``len()`` (distinct blocks held by at least one
+    worker) come from the compiled base; hashes are unsigned 64-bit integers (``ValueError``
+    otherwise) and slots ``0 .. 65535``."""
 
-def _bits(mask: int) -> Iterable[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-def prefix_groups(masks: dict[int, int], hashes: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Walk ``hashes`` from the root through ``masks`` (block -> bitmask of slots) and group the
-    slots by how many leading blocks they hold: ``(depths, groups)``, the slots of bitmask
-    ``groups[i]`` holding exactly ``depths[i]`` blocks (depths increase; slots holding none are in
-    no group). The walk keeps the set of slots holding every block so far and stops at the first
-    block none of them holds: one look-up per matched block, and a bitwise and where the holders
-    change."""
-    depths: list[int] = []
-    groups: list[int] = []
-    get = masks.get
-    active = -1
-    for depth, block in enumerate(hashes):
-        held = get(block, 0)
-        if held == active:
-            continue
-        mask = active & held
-        if mask != active:
-            if depth:
-                depths.append(depth)
-                groups.append(active & ~mask)
-            if not mask:
-                return depths, groups
-            active = mask
-    if hashes:
-        depths.append(len(hashes))
-        groups.append(active)
-    return depths, groups
-
-
-def leading_blocks(masks: dict[int, int], hashes: Sequence[int]) -> Overlaps:
-    """For every slot holding at least the first block of ``hashes`` (see :func:`prefix_groups`),
-    how many leading blocks it holds."""
-    depths, groups = prefix_groups(masks, hashes)
-    return {slot: depth for depth, group in zip(depths, groups, strict=True) for slot in _bits(group)}
-
-
-class PrefixMatch(NamedTuple):
-    """How many leading blocks of one prompt each worker slot ``0 .. size-1`` holds, as groups of
-    slots: the slots of ``masks[i]`` (a bitmask) hold exactly ``depths[i]`` blocks, the others none.
-    (A tuple: one is made per routing decision.)"""
-
-    depths: list[int]
-    masks: list[int]
-    size: int
-
-    def spread(self, values: list[list[float]]) -> npt.NDArray[np.float64]:
-        """Per-slot rows from per-group values: ``values[k][i]`` for the slots of group ``i`` and
-        ``values[k][-1]`` for the slots holding no block; a ``len(values) x size`` array. Every slot
-        belongs to one group, so each entry is its group's value exactly."""
-        size = self.size
-        rest = ((1 << size) - 1) & ~sum(self.masks)  # the groups are disjoint
-        width = (size + 7) // 8
-        raw = b"".join([mask.to_bytes(width, "little") for mask in (*self.masks, rest)])
-        # One row of 0/1 per group: each byte of a mask looked up as its 8 bits.
-        bits = _BYTE_BITS.take(np.frombuffer(raw, dtype=np.uint8), axis=0)
-        out: npt.NDArray[np.float64] = (
-            np.array(values) @ bits.reshape(len(self.masks) + 1, width * 8)[:, :size]
-        )
-        return out
-
-    def array(self) -> npt.NDArray[np.float64]:
-        """Leading blocks held by each slot."""
-        out: npt.NDArray[np.float64] = self.spread([[*map(float, self.depths), 0.0]])[0]
-        return out
-
-
-class BlockIndex:
-    """The prefix tree: block hash -> bitmask of the worker slots holding that block."""
-
-    __slots__ = ("_held", "_masks")
-
-    def __init__(self) -> None:
-        self._masks: dict[int, int] = {}
-        self._held: dict[int, set[int]] = {}
-
-    def store(self, slot: int, hashes: Iterable[int]) -> None:
-        """``slot`` now holds every block in ``hashes``."""
-        bit = 1 << slot
-        masks = self._masks
-        held = self._held.get(slot)
-        if held is None:
-            held = self._held[slot] = set()
-        for block in hashes:
-            masks[block] = masks.get(block, 0) | bit
-            held.add(block)
-
-    def remove(self, slot: int, hashes: Iterable[int]) -> None:
-        """``slot`` no longer holds the blocks in ``hashes`` (unknown ones are ignored)."""
-        held = self._held.get(slot)
-        if not held:
-            return
-        keep = ~(1 << slot)
-        masks = self._masks
-        for block in hashes:
-            if block in held:
-                held.discard(block)
-                mask = masks[block] & keep
-                if mask:
-                    masks[block] = mask
-                else:
-                    del masks[block]
-
-    def clear(self, slot: int) -> None:
-        """Forget every block of ``slot``."""
-        held = self._held.get(slot)
-        if not held:
-            return
-        keep = ~(1 << slot)
-        masks = self._masks
-        for block in held:
-            mask = masks[block] & keep
-            if mask:
-                masks[block] = mask
-            else:
-                del masks[block]
-        held.clear()
-
-    def drop(self, slot: int) -> None:
-        """Forget ``slot`` entirely (its worker is gone and the slot may be reused)."""
-        self.clear(slot)
-        self._held.pop(slot, None)
-
-    def holds(self, slot: int, block: int) -> bool:
-        """Whether ``slot`` holds ``block``."""
-        return bool(self._masks.get(block, 0) >> slot & 1)
-
-    def blocks_held(self, slot: int) -> int:
-        """Number of blocks ``slot`` holds."""
-        held = self._held.get(slot)
-        return len(held) if held else 0
-
-    def __len__(self) -> int:
-        """Number of distinct blocks held by at least one worker (tree nodes)."""
-        return len(self._masks)
+    __slots__ = ()
 
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         """For every worker holding at least the first block: how many leading blocks it holds."""
-        return leading_blocks(self._masks, hashes)
+        depths = self.overlap_array(hashes, self.slot_limit)
+        return {int(slot): int(depths.item(slot)) for slot in np.flatnonzero(depths)}
 
-    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
-        """:meth:`overlaps` for slots ``0 .. size-1``, grouped by count."""
-        depths, groups = prefix_groups(self._masks, hashes)
-        if groups and max(groups) >> size:
-            # Slots from ``size`` on (workers the caller does not route to) are left out.
-            everyone = (1 << size) - 1
-            kept = [(depth, group & everyone) for depth, group in zip(depths, groups, strict=True)]
-            depths = [depth for depth, group in kept if group]
-            groups = [group for _, group in kept if group]
-        return PrefixMatch(depths, groups, size)
-
-    def overlap_array(self, hashes: Sequence[int], size: int) -> npt.NDArray[np.float64]:
-        """:meth:`overlaps` as an array over slots ``0 .. size-1``."""
-        return self.match(hashes, size).array()
+    def overlap_array(self, hashes: Sequence[int], size: int) -> FloatArray:
+        """:meth:`overlaps` as an array over slots ``0 .. size-1`` (0 for the others): one look-up
+        per block up to the first block no worker holds, a worker counting up to the first block it
+        does not hold even if it holds later ones (it cannot reuse KV after a gap)."""
+        out = np.empty(size)
+        self.leading_blocks(hashes, out)
+        return out
 
 
 class Indexer(Protocol):
@@ -215,8 +74,8 @@ class Indexer(Protocol):
         """Leading blocks of ``hashes`` each worker holds."""
         ...
 
-    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
-        """:meth:`overlaps` for slots ``0 .. size-1``, grouped by count."""
+    def overlap_array(self, hashes: Sequence[int], size: int) -> FloatArray:
+        """:meth:`overlaps` as an array over slots ``0 .. size-1``."""
         ...
 
     def blocks_held(self, slot: int) -> int:
@@ -267,8 +126,8 @@ class RadixIndexer:
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
 
-    def match(self, hashes: Sequence[int], size: int) -> PrefixMatch:
-        return self.index.match(hashes, size)
+    def overlap_array(self, hashes: Sequence[int], size: int) -> FloatArray:
+        return self.index.overlap_array(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)
@@ -289,14 +148,14 @@ class RadixIndexer:
     # -- updates ----------------------------------------------------------------------------
 
     def drop_worker(self, slot: int) -> None:
-        self.index.drop(slot)
+        self.index.clear(slot)
 
     def forget(self, worker_id: str) -> None:
         """Forget a worker that left: its blocks and its event stream position."""
         self._streams.pop(worker_id, None)
         slot = self.slots.get(worker_id)
         if slot is not None:
-            self.index.drop(slot)
+            self.index.clear(slot)
 
     def apply(self, batch: KvEventBatch) -> ResyncNeeded | None:
         """Apply one batch; returns a :class:`ResyncNeeded` when a dump must now be requested."""

@@ -29,8 +29,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from copse.router import _native
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
-from copse.router.indexer import Indexer, PrefixMatch
+from copse.router.indexer import Indexer
 from copse.router.sequences import ActiveSequences
 
 BoolArray = npt.NDArray[np.bool_]
@@ -77,8 +78,6 @@ class Selection:
     exclusion: FloatArray | None
     """0 for the eligible workers, +inf for the others (added to a cost, it rules them out);
     ``None`` when every slot is eligible."""
-    match: PrefixMatch
-    """Leading prompt blocks each worker holds."""
     sequences: ActiveSequences
     costs: WorkerCosts
     """Load-dependent cost terms, up to date with ``sequences``."""
@@ -89,40 +88,21 @@ class Selection:
     now: float
     """Seconds on the caller's clock (the backlog of a worker decays with it)."""
     _overlaps: FloatArray | None = None
-    _prompt: FloatArray | None = None
     _ttft: FloatArray | None = None
+    _uncached: FloatArray | None = None
     _shared: FloatArray | None = None
 
     def overlaps(self) -> FloatArray:
         """Leading prompt blocks each worker holds."""
         if self._overlaps is None:
-            self._overlaps = self.match.array()
+            self._overlaps = self.indexer.overlap_array(self.request.hashes, self.sequences.size)
         return self._overlaps
-
-    def _prompt_terms(self) -> FloatArray:
-        """Rows over workers: the compute of the prompt tokens each worker does not hold (ms) and
-        their number. They depend on the cached prefix only, so they are evaluated once per
-        distinct prefix length and spread over the workers."""
-        if self._prompt is None:
-            isl = float(self.request.prompt_tokens)
-            bs = float(self.settings.block_size)
-            limit = max(isl - 1.0, 0.0)  # at least one token is always computed
-            full = self.perf.model.prefill_curve_ms(isl)
-            curve = self.perf.prefill_curve_ms
-            own: list[float] = []
-            uncached: list[float] = []
-            for depth in self.match.depths:
-                cached = min(depth * bs, limit)
-                own.append(full - curve(cached))
-                uncached.append(isl - cached)
-            own.append(full - self.perf.f0)
-            uncached.append(isl)
-            self._prompt = self.match.spread([own, uncached])
-        return self._prompt
 
     def cached_tokens(self, slot: int) -> int:
         """Prompt tokens worker ``slot`` would not have to compute."""
-        return self.request.prompt_tokens - int(self._prompt_terms()[1].item(slot))
+        self.ttft_ms()
+        assert self._uncached is not None
+        return self.request.prompt_tokens - int(self._uncached.item(slot))
 
     def shared_active_blocks(self) -> FloatArray:
         """Leading prompt blocks already in use by in-flight requests on each worker."""
@@ -132,22 +112,35 @@ class Selection:
 
     def ttft_ms(self) -> FloatArray:
         """Predicted time to first token on each worker, ms: the compute of the worker's prefill
-        backlog and of this prompt's uncached tokens, plus, for every step that takes (the step
-        budget bounds the tokens per step), the fixed step cost and the worker's decode step
-        while it has sequences decoding."""
+        backlog and of this prompt's uncached tokens (all but the cached prefix, and at least one
+        token), plus, for every step that takes (the step budget bounds the tokens per step), the
+        fixed step cost and the worker's decode step while it has sequences decoding. One compiled
+        pass over the workers (``_native.ttft_ms``)."""
         if self._ttft is not None:
             return self._ttft
-        seq = self.sequences
-        terms = self._prompt_terms()
-        steps = np.add(seq.prefill_tokens, terms[1])
-        steps /= self.settings.max_num_batched_tokens
-        np.ceil(steps, out=steps)
-        steps *= self.costs.step_ms
-        out = seq.backlog_ms(self.now)
-        out += terms[0]
-        out += steps
-        self._ttft = out
-        return out
+        seq, perf, request = self.sequences, self.perf, self.request
+        size = seq.size
+        self._ttft, self._uncached = np.empty(size), np.empty(size)
+        curve = perf.prefill_curve_ms
+        _native.ttft_ms(
+            self.overlaps(),
+            seq.prefill_tokens,
+            self.costs.step_ms,
+            seq.prefill_ms,
+            seq.head_start,
+            seq.head_ms,
+            curve.xs,
+            curve.ys,
+            curve.slopes,
+            self._ttft,
+            self._uncached,
+            request.prompt_tokens,
+            self.settings.block_size,
+            self.settings.max_num_batched_tokens,
+            self.now,
+            perf.model.prefill_curve_ms(float(request.prompt_tokens)),
+        )
+        return self._ttft
 
     def decode_ms(self) -> FloatArray:
         """Predicted decode time of the request on each worker: its output tokens times the decode
@@ -195,17 +188,16 @@ def pick_lowest(
     """The eligible slot (see :attr:`Selection.exclusion`) of lowest cost (a random one among
     exact ties) at temperature 0; otherwise a sample with probability proportional to
     ``exp(-(cost - min) / ((max - min) * temperature))`` over eligible slots."""
-    masked = excluded(costs, exclusion)
-    lowest = int(masked.argmin())
-    low = masked.item(lowest)
     if temperature > 0.0:
+        masked = excluded(costs, exclusion)
+        low = float(masked.min())
         span = float((costs if exclusion is None else costs[exclusion == 0.0]).max()) - low
         if span > 0.0:
             weights = np.exp(-(masked - low) / (span * temperature))
             cumulative = np.cumsum(weights)
             return int(np.searchsorted(cumulative, rng.random() * float(cumulative[-1]), side="right"))
-    ties = (masked <= low + 1e-9 * max(1.0, abs(low))).nonzero()[0]
-    return lowest if len(ties) == 1 else _random_of(ties, rng)
+    found = _native.lowest(costs, exclusion)
+    return found if isinstance(found, int) else found[rng.randrange(len(found))]
 
 
 class KvPolicy:

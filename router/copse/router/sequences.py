@@ -13,18 +13,20 @@ than its raw backlog says.
 Per-worker figures live in numpy arrays indexed by worker slot, so a policy reads all workers
 at once; every change touches only the entries of the worker it concerns, and records that
 worker's slot in :attr:`ActiveSequences.changed` for figures derived from these (the router's
-cost terms, :class:`copse.router.cost.WorkerCosts`).
+cost terms, :class:`copse.router.cost.WorkerCosts`). The blocks in use are reference-counted per
+(worker, block) in a compiled table (``_native.BlockRefs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from copse.router import _native
 from copse.router.indexer import Overlaps
 
 FloatArray = npt.NDArray[np.float64]
@@ -56,10 +58,10 @@ class ActiveSequences:
     """Per-worker in-flight requests and the load figures derived from them."""
 
     __slots__ = (
-        "_blocks",
         "_flights",
         "_kv",
         "_pending",
+        "_refs",
         "active_blocks",
         "block_size",
         "changed",
@@ -76,8 +78,7 @@ class ActiveSequences:
         self.block_size = block_size
         """Tokens per block, to turn active blocks into KV tokens."""
         self._flights: dict[str, Flight] = {}
-        # Per slot: block -> in-flight requests using it (a Counter: adding a prompt is one C call).
-        self._blocks: list[Counter[int]] = []
+        self._refs = _native.BlockRefs()
         self._kv: FloatArray = np.zeros(0)
         self._pending: list[OrderedDict[str, None]] = []
         self.changed: set[int] = set()
@@ -102,7 +103,7 @@ class ActiveSequences:
 
     def ensure(self, size: int) -> None:
         """Make room for worker slots ``0 .. size-1``."""
-        old = len(self._blocks)
+        old = len(self._pending)
         if size <= old:
             return
         size = max(size, 2 * old)
@@ -120,14 +121,13 @@ class ActiveSequences:
             grown = np.zeros(size)
             grown[:old] = getattr(self, name)
             setattr(self, name, grown)
-        self._blocks.extend(Counter() for _ in range(size - old))
         self._pending.extend(OrderedDict() for _ in range(size - old))
         self.changed.update(range(old, size))
 
     @property
     def size(self) -> int:
         """Length of the per-worker arrays."""
-        return len(self._blocks)
+        return len(self._pending)
 
     def kv_tokens(self) -> FloatArray:
         """KV tokens in use per worker (deduplicated prompt blocks, partial blocks, outputs)."""
@@ -180,10 +180,7 @@ class ActiveSequences:
             started=now,
         )
         self._flights[request_id] = flight
-        blocks = self._blocks[slot]
-        distinct = len(blocks)
-        blocks.update(hashes)
-        self.active_blocks[slot] += len(blocks) - distinct
+        self.active_blocks[slot] += self._refs.acquire(slot, hashes)
         self.kv_extra[slot] += kv_tokens
         self.requests[slot] += 1
         self.prefilling[slot] += 1
@@ -212,16 +209,7 @@ class ActiveSequences:
         slot = flight.slot
         if flight.prefilling:
             self._end_prefill(request_id, flight, now=flight.started if now is None else now)
-        blocks = self._blocks[slot]
-        gone = 0
-        for block in flight.hashes:
-            count = blocks[block] - 1
-            if count:
-                blocks[block] = count
-            else:
-                blocks.pop(block)  # dict's own removal: Counter's ``del`` is Python code
-                gone += 1
-        self.active_blocks[slot] -= gone
+        self.active_blocks[slot] -= self._refs.release(slot, flight.hashes)
         self.kv_extra[slot] -= flight.kv_tokens
         self.requests[slot] -= 1
         if not self.requests[slot]:
@@ -252,25 +240,13 @@ class ActiveSequences:
     def active_prefix(self, hashes: Sequence[int]) -> Overlaps:
         """For every worker using at least the first block of ``hashes`` for an in-flight request:
         how many leading blocks it uses."""
-        if not hashes:
-            return {}
-        first = hashes[0]
-        out: Overlaps = {}
-        for slot, blocks in enumerate(self._blocks):
-            if first in blocks:
-                depth = 1
-                for block in hashes[1:]:
-                    if block not in blocks:
-                        break
-                    depth += 1
-                out[slot] = depth
-        return out
+        depths = self.active_prefix_array(hashes)
+        return {int(slot): int(depths.item(slot)) for slot in np.flatnonzero(depths)}
 
     def active_prefix_array(self, hashes: Sequence[int]) -> FloatArray:
         """:meth:`active_prefix` as an array over every slot."""
-        out = np.zeros(self.size)
-        for slot, depth in self.active_prefix(hashes).items():
-            out[slot] = depth
+        out = np.empty(self.size)
+        self._refs.leading_blocks(hashes, out)
         return out
 
     def keys_with_prefix(self, prefix: str) -> list[str]:

@@ -1,0 +1,46 @@
+"""Types of the compiled routing loops (``_native.c``)."""
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+_Floats = npt.NDArray[np.float64]
+
+class BlockIndex:
+    @property
+    def slot_limit(self) -> int: ...
+    def store(self, slot: int, hashes: Iterable[int], /) -> int: ...
+    def remove(self, slot: int, hashes: Iterable[int], /) -> int: ...
+    def clear(self, slot: int, /) -> None: ...
+    def holds(self, slot: int, block: int, /) -> bool: ...
+    def blocks_held(self, slot: int, /) -> int: ...
+    def leading_blocks(self, hashes: Sequence[int], out: _Floats, /) -> None: ...
+    def __len__(self) -> int: ...
+
+class BlockRefs:
+    def acquire(self, slot: int, hashes: Iterable[int], /) -> int: ...
+    def release(self, slot: int, hashes: Iterable[int], /) -> int: ...
+    def leading_blocks(self, hashes: Sequence[int], out: _Floats, /) -> None: ...
+    def __len__(self) -> int: ...
+
+def ttft_ms(
+    depths: _Floats,
+    prefill_tokens: _Floats,
+    step_ms: _Floats,
+    prefill_ms: _Floats,
+    head_start: _Floats,
+    head_ms: _Floats,
+    curve_xs: _Floats,
+    curve_ys: _Floats,
+    curve_slopes: _Floats,
+    out_ttft: _Floats,
+    out_uncached: _Floats,
+    prompt_tokens: float,
+    block_size: float,
+    step_budget: float,
+    now: float,
+    full_ms: float,
+    /,
+) -> None: ...
+def lowest(costs: _Floats, exclusion: _Floats | None, /) -> int | list[int]: ...

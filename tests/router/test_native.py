@@ -1,0 +1,247 @@
+"""The compiled routing loops (``copse.router._native``) against plain-Python references: the
+block table under churn, the prefix walk, per-worker block references, the TTFT arithmetic (to
+the bit) and the pick."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from copse.router import _native
+from copse.router.cost import Interpolant
+from copse.router.indexer import BlockIndex
+from copse.workers.protocol import chain_hashes
+
+_PATH = chain_hashes([1, 2, 3, 4])
+
+
+def test_a_worker_counts_up_to_its_first_missing_block() -> None:
+    index = BlockIndex()
+    # slot 0 holds the whole path, slot 1 its first two blocks, slot 2 the first and third (a
+    # gap), slot 3 all but the first (nothing usable), slot 9 the whole path but is not asked about
+    index.store(0, _PATH)
+    index.store(1, _PATH[:2])
+    index.store(2, [_PATH[0], _PATH[2]])
+    index.store(3, _PATH[1:])
+    index.store(9, _PATH)
+    assert index.overlap_array(_PATH, 4).tolist() == [4.0, 2.0, 1.0, 0.0]
+    assert index.overlap_array(chain_hashes([9]), 4).tolist() == [0.0] * 4
+    assert index.overlap_array([], 4).tolist() == [0.0] * 4
+    assert index.overlap_array(_PATH, 0).tolist() == []
+    assert index.overlaps(_PATH) == {0: 4, 1: 2, 2: 1, 9: 4}
+
+
+# Keys: many small integers (their table positions collide often) and a few extremes.
+_keys = st.one_of(st.integers(0, 3000), st.sampled_from([0, 2**63, 2**64 - 1]))
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), st.integers(0, 200), st.lists(_keys, max_size=40)),
+        st.tuples(st.just("remove"), st.integers(0, 200), st.lists(_keys, max_size=40)),
+        st.tuples(st.just("clear"), st.integers(0, 200), st.just([])),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_ops, query=st.lists(_keys, max_size=12))
+def test_block_table_under_churn_matches_sets(
+    ops: list[tuple[str, int, list[int]]], query: list[int]
+) -> None:
+    index = BlockIndex()
+    held: dict[int, set[int]] = {}
+    for kind, slot, keys in ops:
+        blocks = held.setdefault(slot, set())
+        if kind == "store":
+            index.store(slot, keys)
+            blocks.update(keys)
+        elif kind == "remove":
+            index.remove(slot, keys)
+            blocks.difference_update(keys)
+        else:
+            index.clear(slot)
+            blocks.clear()
+    everything = set().union(*held.values())
+    assert len(index) == len(everything)
+    for slot, blocks in held.items():
+        assert index.blocks_held(slot) == len(blocks)
+        for key in list(blocks)[:20]:
+            assert index.holds(slot, key)
+    for key in query:
+        assert {slot for slot in held if index.holds(slot, key)} == {s for s, b in held.items() if key in b}
+    expected = {}
+    for slot, blocks in held.items():
+        depth = 0
+        while depth < len(query) and query[depth] in blocks:
+            depth += 1
+        if depth:
+            expected[slot] = depth
+    assert index.overlaps(query) == expected
+
+
+def test_growing_past_64_slots_keeps_what_is_stored() -> None:
+    index = BlockIndex()
+    index.store(3, range(5000))
+    index.store(130, range(100))
+    assert index.slot_limit == 192
+    assert index.overlaps([0, 1, 2, 5000]) == {3: 3, 130: 3}
+    assert index.blocks_held(3) == 5000
+    assert index.blocks_held(130) == 100
+    assert index.remove(3, range(5000)) == 5000
+    assert len(index) == 100
+    assert index.overlaps([0, 1]) == {130: 2}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 70), st.lists(_keys, max_size=30)), max_size=60),
+    query=st.lists(_keys, max_size=12),
+)
+def test_block_refs_count_uses_per_worker(ops: list[tuple[bool, int, list[int]]], query: list[int]) -> None:
+    refs = _native.BlockRefs()
+    counts: dict[tuple[int, int], int] = {}
+    for acquire, slot, keys in ops:
+        if acquire:
+            fresh = {key for key in keys if not counts.get((slot, key))}
+            assert refs.acquire(slot, keys) == len(fresh)
+            for key in keys:
+                counts[slot, key] = counts.get((slot, key), 0) + 1
+        else:
+            gone = set()
+            for key in keys:
+                if counts.get((slot, key)):
+                    counts[slot, key] -= 1
+                    if not counts[slot, key]:
+                        gone.add(key)
+            assert refs.release(slot, keys) == len(gone)
+    assert len(refs) == sum(1 for count in counts.values() if count)
+    depths = np.empty(71)
+    refs.leading_blocks(query, depths)
+    for slot in range(71):
+        depth = 0
+        while depth < len(query) and counts.get((slot, query[depth])):
+            depth += 1
+        assert depths[slot] == depth
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda index: index.store(0, [-1]), "block hash -1 is not an unsigned 64-bit integer"),
+        (lambda index: index.store(0, [2**64]), "is not an unsigned 64-bit integer"),
+        (lambda index: index.store(-1, [1]), "worker slot -1 is outside 0 .. 65535"),
+        (lambda index: index.store(70000, [1]), "worker slot 70000 is outside"),
+    ],
+)
+def test_bad_input_is_refused_by_name(call: Any, message: str) -> None:
+    index = BlockIndex()
+    index.store(0, [7])
+    with pytest.raises(ValueError, match=message):
+        call(index)
+    assert index.overlaps([7]) == {0: 1}  # nothing already stored is lost
+
+
+def test_arrays_must_be_float64_vectors() -> None:
+    with pytest.raises(TypeError, match="out must be a contiguous 1-d float64 array"):
+        BlockIndex().leading_blocks([1], np.zeros(4, dtype=np.int64))
+    with pytest.raises(TypeError, match="costs must be a contiguous 1-d float64 array"):
+        _native.lowest(np.zeros((2, 2)), None)
+
+
+def _reference_ttft(args: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy formulation the compiled loop replaced (policies.Selection.ttft_ms)."""
+    curve: Interpolant = args["curve"]
+    isl, bs = float(args["prompt_tokens"]), float(args["block_size"])
+    limit = max(isl - 1.0, 0.0)
+    cached = np.array([min(d * bs, limit) for d in args["depths"]])
+    own = np.array([args["full"] - curve(c) for c in cached])
+    uncached = isl - cached
+    steps = np.add(args["prefill_tokens"], uncached)
+    steps /= args["budget"]
+    np.ceil(steps, out=steps)
+    steps *= args["step_ms"]
+    progress = np.subtract(args["now"], args["head_start"])
+    progress *= 1000.0
+    np.maximum(progress, 0.0, out=progress)
+    np.minimum(progress, args["head_ms"], out=progress)
+    backlog = np.maximum(np.subtract(args["prefill_ms"], progress), 0.0)
+    backlog += own
+    backlog += steps
+    return backlog, uncached
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(1, 70),
+    seed=st.integers(0, 2**32 - 1),
+    prompt_tokens=st.integers(0, 200_000),
+    block_size=st.sampled_from([16, 32, 512]),
+)
+def test_ttft_is_the_numpy_formulation_to_the_bit(
+    size: int, seed: int, prompt_tokens: int, block_size: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    xs = np.arange(0.0, 131073.0, 16.0)
+    curve = Interpolant(xs, 3.0 + 0.01 * xs + 1e-8 * xs**2)
+    args: dict[str, Any] = {
+        "depths": rng.integers(0, 300, size).astype(np.float64) * (rng.random(size) < 0.5),
+        "prefill_tokens": rng.integers(0, 50_000, size).astype(np.float64),
+        "step_ms": rng.random(size) * 40.0,
+        "prefill_ms": rng.random(size) * 3000.0,
+        "head_start": rng.random(size) * 10.0,
+        "head_ms": rng.random(size) * 500.0,
+        "curve": curve,
+        "prompt_tokens": prompt_tokens,
+        "block_size": block_size,
+        "budget": 8192,
+        "now": float(rng.random() * 12.0),
+        "full": float(curve(float(prompt_tokens)) + 0.125),
+    }
+    ttft, uncached = np.empty(size), np.empty(size)
+    _native.ttft_ms(
+        args["depths"],
+        args["prefill_tokens"],
+        args["step_ms"],
+        args["prefill_ms"],
+        args["head_start"],
+        args["head_ms"],
+        curve.xs,
+        curve.ys,
+        curve.slopes,
+        ttft,
+        uncached,
+        prompt_tokens,
+        block_size,
+        8192,
+        args["now"],
+        args["full"],
+    )
+    want_ttft, want_uncached = _reference_ttft(args)
+    assert ttft.tobytes() == want_ttft.tobytes()
+    assert uncached.tobytes() == want_uncached.tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(
+        st.sampled_from([0.0, 1.0, 1.0 + 1e-12, 2.5, -3.0, 1e12, 1e12 + 1.0]), min_size=1, max_size=70
+    ),
+    data=st.data(),
+)
+def test_lowest_is_the_first_minimum_or_all_near_ties(costs: list[float], data: st.DataObject) -> None:
+    cost = np.array(costs)
+    eligible = data.draw(st.lists(st.booleans(), min_size=len(costs), max_size=len(costs)))
+    if not any(eligible):
+        eligible[0] = True
+    exclusion = np.where(eligible, 0.0, np.inf)
+    for excl in (None, exclusion):
+        masked = cost if excl is None else cost + excl
+        low = float(masked.min())
+        ties = np.flatnonzero(masked <= low + 1e-9 * max(1.0, math.fabs(low))).tolist()
+        found = _native.lowest(cost, excl)
+        assert found == (ties if len(ties) > 1 else int(masked.argmin()))
