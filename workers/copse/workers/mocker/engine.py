@@ -52,6 +52,16 @@ def _sample_table(seed: int) -> tuple[int, ...]:
     return tuple(np.random.default_rng(seed).integers(RESERVED_IDS, VOCAB_SIZE, _SAMPLE_TABLE).tolist())
 
 
+def _extend_cyclic(out: list[int], table: tuple[int, ...], *, start: int, stride: int, count: int) -> None:
+    """Append ``table[(start + stride * k) & _SAMPLE_MASK]`` for ``k`` in ``range(count)``."""
+    position = start & _SAMPLE_MASK
+    while count > 0:
+        take = min(count, (_SAMPLE_TABLE - position + stride - 1) // stride)
+        out.extend(table[position : position + stride * take : stride])
+        count -= take
+        position = (position + stride * take) & _SAMPLE_MASK
+
+
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (HTTP 503)."""
 
@@ -535,17 +545,19 @@ class Engine:
         finished: list[Request] = []
         samples = self._samples
         sample = self._sample_index
-        # fused decode steps: all but the last sample one token per request, in step order
-        for _ in range(self._steps - 1):
-            for request, _n in self._scheduled:
-                if request.state != "running":
-                    continue
-                request.output.append(samples[sample & _SAMPLE_MASK])
-                sample += 1
-                request.num_computed = request.num_tokens
-                request.num_tokens += 1
-                request.num_output += 1
-                self.generation_tokens_total += 1
+        extra = self._steps - 1
+        if extra:
+            # fused decode steps: all but the last sample one token per request, in step order, so
+            # request j of m takes samples j, j + m, j + 2m, ... (strided slices, not a loop per token)
+            live = [request for request, _n in self._scheduled if request.state == "running"]
+            stride = len(live)
+            for j, request in enumerate(live):
+                _extend_cyclic(request.output, samples, start=sample + j, stride=stride, count=extra)
+                request.num_tokens += extra
+                request.num_computed = request.num_tokens - 1
+                request.num_output += extra
+            sample += stride * extra
+            self.generation_tokens_total += stride * extra
         for request, n in self._scheduled:
             if request.state != "running":
                 continue  # aborted during the step
