@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -234,3 +235,53 @@ def test_fused_decode_steps_give_exactly_the_step_by_step_result() -> None:
     assert any(o[-1] for o in stepwise[0])  # the workload preempts
     assert stepwise[2] == 0
     assert fused[2] > 0  # and fusion did fuse
+
+
+def test_fusing_until_the_next_submit_gives_exactly_the_step_by_step_result() -> None:
+    def run(*, fuse: bool, until_submit: bool) -> tuple[list[object], list[object], list[list[int]], int]:
+        config = EngineConfig(block_size=16, num_blocks=150, max_num_batched_tokens=512, seed=5)
+        engines = [Engine(worker_id=f"w{i}", config=config, perf=PERF) for i in range(3)]
+        outputs: list[int] = []
+        tokens: dict[str, list[int]] = {}
+
+        def on_step(_: int, out: StepOutput) -> None:
+            outputs.append(out.steps)
+            tokens.update((r.request_id, list(r.output)) for r in out.finished)
+
+        sim = Simulator(engines, fuse_decode=fuse, fuse_until_submit=until_submit, on_step=on_step)
+        rng = np.random.default_rng(17)
+        for i in range(90):
+            sim.run_until(float(i * 25))
+            prompt = rng.integers(256, 400, int(rng.integers(20, 500))).tolist()
+            engine = int(rng.integers(0, 3))
+            sim.submit(engine, request_id=f"r{i}", tokens=prompt, max_tokens=int(rng.integers(1, 150)))
+        sim.run()
+        events = [(e.event_id, e.data) for engine in engines for e in engine.drain_kv_events()]
+        outcomes = [dataclasses.astuple(o) for o in sorted(sim.outcomes, key=lambda o: o.request_id)]
+        return outcomes, events, [tokens[k] for k in sorted(tokens)], len(outputs)
+
+    stepwise = run(fuse=False, until_submit=False)
+    fused = run(fuse=True, until_submit=False)
+    until_submit = run(fuse=True, until_submit=True)
+    assert until_submit[:3] == stepwise[:3]
+    assert fused[:3] == stepwise[:3]
+    assert any(o[-1] for o in stepwise[0])  # the workload preempts
+    assert stepwise[3] > fused[3] > until_submit[3]  # each mode fuses more steps into one output
+
+
+def test_a_submit_cuts_fused_decode_steps_at_the_next_step_end() -> None:
+    engine = _engine(block_size=64, seed=1)
+    engine.add_request(request_id="a", tokens=_prompt(100), max_tokens=40, now_ms=0.0)
+    first = engine.begin_step(0.0)
+    assert first is not None
+    engine.end_step()
+    end = engine.begin_step(first, horizon_ms=math.inf)
+    assert end is not None
+    assert engine.cut_steps(end) is None  # nothing left to cut after the last step
+    one = first + PERF.decode_itl_ms(active_kv_tokens=101, context_length=101)
+    two = one + PERF.decode_itl_ms(active_kv_tokens=102, context_length=102)
+    assert engine.cut_steps(one) == two  # a request arriving as step 1 ends is seen after step 2
+    assert engine.cut_steps(one) is None
+    out = engine.end_step()
+    assert (out.steps, out.decode_tokens, out.end_ms) == (2, 2, two)
+    assert engine.requests["a"].num_output == 3

@@ -281,7 +281,7 @@ def replay(
             sync_events()
             dispatch(released)
 
-    simulator = Simulator(engines, on_step=on_step)
+    simulator = Simulator(engines, on_step=on_step, fuse_until_submit=True)
     synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
     for index, request in enumerate(trace):
         simulator.run_until(float(arrival[index]))

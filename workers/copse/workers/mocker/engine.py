@@ -23,6 +23,7 @@ Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -266,6 +267,9 @@ class Engine:
         self._step_start = 0.0
         self._scheduled: list[tuple[Request, int]] = []
         self._steps = 1
+        self._step_ends: list[float] = []
+        """End of each fused decode step in progress (empty for a single step)."""
+        self._decodes = 0
         self._preempted: list[Request] = []
         self._prefill_tokens = 0
         self._decode_tokens = 0
@@ -413,10 +417,11 @@ class Engine:
     def begin_step(self, now_ms: float, *, horizon_ms: float | None = None) -> float | None:
         """Plan a step starting at ``now_ms`` and return its end time; ``None`` if there is nothing to run.
 
-        With ``horizon_ms`` (a promise that no request arrives or is aborted before then), a step
-        that only decodes is fused with the identical steps that follow it, up to the horizon,
-        the first block boundary, the first request finishing or a KV transfer completing: the
-        outcome is exactly that of stepping one by one, without the per-step overhead.
+        With ``horizon_ms``, a step that only decodes is fused with the identical steps that follow
+        it, up to the horizon, the first block boundary, the first request finishing or a KV
+        transfer completing: the outcome is exactly that of stepping one by one, without the
+        per-step overhead, provided that no request arrives or is aborted before the horizon, or
+        that :meth:`cut_steps` is called when one does.
         """
         if self._busy_until is not None:
             raise RuntimeError(f"engine {self.worker_id} is busy until {self._busy_until} ms")
@@ -503,9 +508,11 @@ class Engine:
             )
         end = now_ms + duration
         steps = 1
+        self._step_ends = []
         if horizon_ms is not None and decodes == len(scheduled) and not preempted and end < horizon_ms:
             steps, end = self._fuse_decodes(end, horizon_ms=horizon_ms, decode_kv=decode_kv, decodes=decodes)
         self._steps = steps
+        self._decodes = decodes
         self._prefill_tokens = sum(n for n, _ in chunks)
         self._decode_tokens = decodes * steps
         self._step_start = now_ms
@@ -526,6 +533,7 @@ class Engine:
             horizon_ms = min(horizon_ms, *(r.ready_ms for r in self._transfers))
         itl = self.perf.decode_itl_ms
         speed = self._decode_speed
+        ends = [end]
         steps = 1
         while steps < limit:
             active = decode_kv + steps * decodes
@@ -533,8 +541,27 @@ class Engine:
             if step_end > horizon_ms:
                 break
             end = step_end
+            ends.append(end)
             steps += 1
+        if steps > 1:
+            self._step_ends = ends
         return steps, end
+
+    def cut_steps(self, now_ms: float) -> float | None:
+        """A request arrived (or was aborted) at ``now_ms`` during fused decode steps: end them
+        where stepping one by one would first see it, at the first step end after ``now_ms``.
+        Returns the new end of the step in progress, or ``None`` if it is unchanged."""
+        ends = self._step_ends
+        if self._busy_until is None or not ends:
+            return None
+        steps = bisect.bisect_right(ends, now_ms) + 1
+        if steps >= self._steps:
+            return None
+        self._step_ends = ends[:steps]
+        self._steps = steps
+        self._decode_tokens = self._decodes * steps
+        self._busy_until = ends[steps - 1]
+        return self._busy_until
 
     def end_step(self) -> StepOutput:
         """Finish the step in progress: emit tokens, complete requests, free their blocks."""
@@ -601,6 +628,7 @@ class Engine:
         )
         self._scheduled = []
         self._preempted = []
+        self._step_ends = []
         self._busy_until = None
         return output
 

@@ -15,6 +15,11 @@ A trace replay with a router in the loop looks like::
 
 Engines start a step as soon as they are idle and have work; the step's outputs appear when the
 clock reaches its end. The same arrivals in the same order give the same result.
+
+Decode fusion runs identical decode-only steps of an engine as one, up to its next block
+boundary, finish or KV transfer, and up to the time given to :meth:`Simulator.run_until` (or,
+with ``fuse_until_submit``, past it); a request submitted to the engine meanwhile cuts them
+short at the step end where stepping one by one would first see the request.
 """
 
 from __future__ import annotations
@@ -41,11 +46,15 @@ class Simulator:
         start_ms: float = 0.0,
         on_step: StepCallback | None = None,
         fuse_decode: bool = True,
+        fuse_until_submit: bool = False,
     ) -> None:
         """``on_step`` sees every step output; with ``fuse_decode`` (exact, and much faster) runs of
-        decode-only steps between two :meth:`submit` calls arrive as one output covering several steps."""
+        decode-only steps between two :meth:`run_until` times arrive as one output covering several
+        steps; with ``fuse_until_submit`` too, runs between two :meth:`submit` calls to their engine
+        (fewer outputs; requests must then not be aborted on an engine directly)."""
         self.engines = list(engines)
         self._fuse = fuse_decode
+        self._fuse_until_submit = fuse_until_submit
         self._horizon = start_ms
         self.now_ms = start_ms
         """The virtual time; never decreases."""
@@ -55,6 +64,8 @@ class Simulator:
         self._heap: list[tuple[float, int, int, bool]] = []
         self._order = itertools.count()
         self._wake = [math.inf] * len(self.engines)
+        self._step_entry: list[tuple[float, int, int, bool] | None] = [None] * len(self.engines)
+        """Each engine's heap entry for the end of its step in progress."""
 
     def submit(
         self,
@@ -67,7 +78,8 @@ class Simulator:
         transferred_first_token: int | None = None,
     ) -> Request:
         """Add a request to an engine at the current time (see :meth:`Engine.add_request`)."""
-        request = self.engines[engine_index].add_request(
+        engine = self.engines[engine_index]
+        request = engine.add_request(
             request_id=request_id,
             tokens=tokens,
             max_tokens=max_tokens,
@@ -75,6 +87,12 @@ class Simulator:
             block_hashes=block_hashes,
             transferred_first_token=transferred_first_token,
         )
+        end = engine.cut_steps(self.now_ms)
+        if end is not None:
+            heap = self._heap
+            heap.remove(self._step_entry[engine_index])
+            heapq.heapify(heap)
+            self._push_step_end(end, engine_index)
         self._kick(engine_index)
         return request
 
@@ -113,11 +131,17 @@ class Simulator:
         engine = self.engines[index]
         if engine.busy_until is not None:
             return
-        end = engine.begin_step(self.now_ms, horizon_ms=self._horizon if self._fuse else None)
+        horizon = (math.inf if self._fuse_until_submit else self._horizon) if self._fuse else None
+        end = engine.begin_step(self.now_ms, horizon_ms=horizon)
         if end is not None:
-            heapq.heappush(self._heap, (end, next(self._order), index, True))
+            self._push_step_end(end, index)
             return
         wake = engine.next_wake_ms()
         if wake is not None and wake < self._wake[index]:
             self._wake[index] = wake
             heapq.heappush(self._heap, (max(wake, self.now_ms), next(self._order), index, False))
+
+    def _push_step_end(self, end: float, index: int) -> None:
+        entry = (end, next(self._order), index, True)
+        self._step_entry[index] = entry
+        heapq.heappush(self._heap, entry)
