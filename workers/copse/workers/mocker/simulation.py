@@ -88,9 +88,10 @@ class Simulator:
             transferred_first_token=transferred_first_token,
         )
         end = engine.cut_steps(self.now_ms)
-        if end is not None:
+        entry = self._step_entry[engine_index]
+        if end is not None and entry is not None:
             heap = self._heap
-            heap.remove(self._step_entry[engine_index])
+            heap.remove(entry)
             heapq.heapify(heap)
             self._push_step_end(end, engine_index)
         self._kick(engine_index)
