@@ -1,29 +1,60 @@
-"""Cost terms: the scalar interpolation and the per-worker terms kept up to date incrementally."""
+"""Cost terms: the compiled interpolants against numpy, and the per-worker terms kept up to date
+incrementally."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copse.router.cost import Interpolant, PerfTable, WorkerCosts
+from copse.router import _native
+from copse.router.cost import PerfTable, WorkerCosts
 from copse.router.sequences import ActiveSequences
-from copse.workers.perf import PolynomialPerfModel
+from copse.workers.perf import InterpolatedPerfModel, PolynomialPerfModel
 
 _XS = np.array([0.0, 16.0, 32.0, 100.0, 1000.0, 4096.5])
 _YS = np.array([3.0, 3.5, 4.25, 9.0, 70.0, 400.0])
 
+# ITL that grows with the context length too: PerfTable evaluates it on a grid.
+_CONTEXT_MODEL = InterpolatedPerfModel(
+    prefill_isl=(1.0, 1024.0, 131072.0),
+    prefill_ttft_ms=(5.0, 60.0, 9000.0),
+    decode_active_kv_tokens=(0.0, 65536.0, 1048576.0),
+    decode_context_length=(1.0, 4096.0, 131072.0),
+    decode_itl=((6.0, 7.0, 9.5), (8.0, 10.0, 13.0), (20.0, 26.0, 40.0)),
+    kv_capacity_tokens=1048576,
+)
+
 
 @settings(max_examples=300, deadline=None)
 @given(x=st.one_of(st.floats(-100.0, 5000.0, allow_nan=False), st.sampled_from(_XS.tolist())))
-def test_interpolant_is_np_interp_to_the_bit(x: float) -> None:
-    curve = Interpolant(_XS, _YS)
-    assert curve(x) == float(np.interp(x, _XS, _YS))
-    assert curve.many(np.array([x])).tolist() == [curve(x)]
+def test_curve_is_np_interp_to_the_bit(x: float) -> None:
+    assert _native.Curve(_XS, _YS)(x) == float(np.interp(x, _XS, _YS))
 
 
-def test_worker_terms_follow_each_change_of_load() -> None:
-    perf = PerfTable(PolynomialPerfModel())
+@settings(max_examples=300, deadline=None)
+@given(
+    active=st.one_of(st.floats(-10.0, 2e6, allow_nan=False), st.just(65536.0)),
+    sequences=st.floats(0.0, 600.0, allow_nan=False),
+)
+def test_grid_is_the_numpy_bilinear_to_the_bit(active: float, sequences: float) -> None:
+    perf = PerfTable(_CONTEXT_MODEL)
+    assert isinstance(perf.itl, _native.Grid)
+    want = float(perf.itl_ms(np.array([active]), np.array([sequences]))[0])
+    assert perf.itl(active, sequences) == want
+
+
+def test_bad_curves_are_refused() -> None:
+    with pytest.raises(ValueError, match="as many ys as xs"):
+        _native.Curve(_XS, _YS[:-1])
+    with pytest.raises(ValueError, match=r"curve xs must increase, but xs\[2\] <= xs\[1\]"):
+        _native.Curve(np.array([0.0, 16.0, 16.0]), np.zeros(3))
+
+
+@pytest.mark.parametrize("model", [PolynomialPerfModel(), _CONTEXT_MODEL], ids=["flat", "context"])
+def test_worker_terms_follow_each_change_of_load(model: PolynomialPerfModel | InterpolatedPerfModel) -> None:
+    perf = PerfTable(model)
     seq = ActiveSequences(block_size=16, slots=2)
     costs = WorkerCosts(seq, perf, busy_prefill_tokens=1000, busy_kv_tokens=1e9)
     costs.refresh()

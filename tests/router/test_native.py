@@ -1,6 +1,6 @@
 """The compiled routing loops (``copse.router._native``) against plain-Python references: the
-block table under churn, the prefix walk, per-worker block references, the TTFT arithmetic (to
-the bit) and the pick."""
+block table under churn, the prefix walk, the load table's per-worker figures and block
+references, the TTFT arithmetic (to the bit) and the pick."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from copse.router import _native
-from copse.router.cost import Interpolant
 from copse.router.indexer import BlockIndex
 from copse.workers.protocol import chain_hashes
 
@@ -102,26 +101,35 @@ def test_growing_past_64_slots_keeps_what_is_stored() -> None:
     ops=st.lists(st.tuples(st.booleans(), st.integers(0, 70), st.lists(_keys, max_size=30)), max_size=60),
     query=st.lists(_keys, max_size=12),
 )
-def test_block_refs_count_uses_per_worker(ops: list[tuple[bool, int, list[int]]], query: list[int]) -> None:
-    refs = _native.BlockRefs()
+def test_load_table_counts_blocks_in_use_per_worker(
+    ops: list[tuple[bool, int, list[int]]], query: list[int]
+) -> None:
+    load = _native.LoadTable(block_size=16)
+    columns = np.zeros((len(_native.LOAD_ROWS), 71))
+    load.bind(columns)
+    rows = dict(zip(_native.LOAD_ROWS, columns, strict=True))
     counts: dict[tuple[int, int], int] = {}
+    flights: list[tuple[int, list[int]]] = []
     for acquire, slot, keys in ops:
-        if acquire:
-            fresh = {key for key in keys if not counts.get((slot, key))}
-            assert refs.acquire(slot, keys) == len(fresh)
+        if acquire or not flights:
+            load.add(slot, keys, 100, 5.0, 7.0)
+            flights.append((slot, keys))
             for key in keys:
                 counts[slot, key] = counts.get((slot, key), 0) + 1
         else:
-            gone = set()
-            for key in keys:
-                if counts.get((slot, key)):
-                    counts[slot, key] -= 1
-                    if not counts[slot, key]:
-                        gone.add(key)
-            assert refs.release(slot, keys) == len(gone)
-    assert len(refs) == sum(1 for count in counts.values() if count)
+            done_slot, done_keys = flights.pop(0)
+            load.free(done_slot, done_keys, 7.0)
+            for key in done_keys:
+                counts[done_slot, key] -= 1
+    assert len(load) == sum(1 for count in counts.values() if count)
+    for slot in range(71):
+        in_use = sum(1 for (s, _), count in counts.items() if s == slot and count)
+        requests = sum(1 for s, _ in flights if s == slot)
+        assert rows["active_blocks"][slot] == in_use
+        assert rows["requests"][slot] == requests
+        assert rows["kv"][slot] == in_use * 16 + 7.0 * requests
     depths = np.empty(71)
-    refs.leading_blocks(query, depths)
+    load.leading_blocks(query, depths)
     for slot in range(71):
         depth = 0
         while depth < len(query) and counts.get((slot, query[depth])):
@@ -146,20 +154,29 @@ def test_bad_input_is_refused_by_name(call: Any, message: str) -> None:
     assert index.overlaps([7]) == {0: 1}  # nothing already stored is lost
 
 
-def test_arrays_must_be_float64_vectors() -> None:
+def test_arrays_must_be_float64_of_the_right_shape() -> None:
     with pytest.raises(TypeError, match="out must be a contiguous 1-d float64 array"):
         BlockIndex().leading_blocks([1], np.zeros(4, dtype=np.int64))
     with pytest.raises(TypeError, match="costs must be a contiguous 1-d float64 array"):
         _native.lowest(np.zeros((2, 2)), None)
+    load = _native.LoadTable(block_size=16)
+    with pytest.raises(ValueError, match="no columns are bound"):
+        load.add(0, [1], 1, 1.0, 1.0)
+    with pytest.raises(TypeError, match="columns must be a writable C-contiguous float64 array of 11 rows"):
+        load.bind(np.zeros((3, 4)))
+    load.bind(np.zeros((len(_native.LOAD_ROWS), 4)))
+    with pytest.raises(IndexError, match="worker slot 4 is beyond the 4 bound columns"):
+        load.add(4, [1], 1, 1.0, 1.0)
+    assert len(load) == 0  # nothing was charged by the refused calls
 
 
 def _reference_ttft(args: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """The numpy formulation the compiled loop replaced (policies.Selection.ttft_ms)."""
-    curve: Interpolant = args["curve"]
+    xs, ys = args["curve_points"]
     isl, bs = float(args["prompt_tokens"]), float(args["block_size"])
     limit = max(isl - 1.0, 0.0)
     cached = np.array([min(d * bs, limit) for d in args["depths"]])
-    own = np.array([args["full"] - curve(c) for c in cached])
+    own = np.array([args["full"] - float(np.interp(c, xs, ys)) for c in cached])
     uncached = isl - cached
     steps = np.add(args["prefill_tokens"], uncached)
     steps /= args["budget"]
@@ -175,6 +192,9 @@ def _reference_ttft(args: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return backlog, uncached
 
 
+_PROMPT = list(range(1, 301))
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     size=st.integers(1, 70),
@@ -186,44 +206,41 @@ def test_ttft_is_the_numpy_formulation_to_the_bit(
     size: int, seed: int, prompt_tokens: int, block_size: int
 ) -> None:
     rng = np.random.default_rng(seed)
+    index = BlockIndex()
+    for slot in range(size):
+        if rng.random() < 0.5:
+            index.store(slot, _PROMPT[: int(rng.integers(1, 300))])
+    load = _native.LoadTable(block_size=block_size)
+    columns = np.zeros((len(_native.LOAD_ROWS), size))
+    load.bind(columns)
+    rows = dict(zip(_native.LOAD_ROWS, columns, strict=True))
+    rows["prefill_tokens"][:] = rng.integers(0, 50_000, size)
+    rows["step_ms"][:] = rng.random(size) * 40.0
+    rows["prefill_ms"][:] = rng.random(size) * 3000.0
+    rows["head_start"][:] = rng.random(size) * 10.0
+    rows["head_ms"][:] = rng.random(size) * 500.0
     xs = np.arange(0.0, 131073.0, 16.0)
-    curve = Interpolant(xs, 3.0 + 0.01 * xs + 1e-8 * xs**2)
-    args: dict[str, Any] = {
-        "depths": rng.integers(0, 300, size).astype(np.float64) * (rng.random(size) < 0.5),
-        "prefill_tokens": rng.integers(0, 50_000, size).astype(np.float64),
-        "step_ms": rng.random(size) * 40.0,
-        "prefill_ms": rng.random(size) * 3000.0,
-        "head_start": rng.random(size) * 10.0,
-        "head_ms": rng.random(size) * 500.0,
-        "curve": curve,
-        "prompt_tokens": prompt_tokens,
-        "block_size": block_size,
-        "budget": 8192,
-        "now": float(rng.random() * 12.0),
-        "full": float(curve(float(prompt_tokens)) + 0.125),
-    }
-    ttft, uncached = np.empty(size), np.empty(size)
-    _native.ttft_ms(
-        args["depths"],
-        args["prefill_tokens"],
-        args["step_ms"],
-        args["prefill_ms"],
-        args["head_start"],
-        args["head_ms"],
-        curve.xs,
-        curve.ys,
-        curve.slopes,
-        ttft,
-        uncached,
-        prompt_tokens,
-        block_size,
-        8192,
-        args["now"],
-        args["full"],
+    ys = 3.0 + 0.01 * xs + 1e-8 * xs**2
+    curve = _native.Curve(xs, ys)
+    now = float(rng.random() * 12.0)
+    full = float(np.interp(prompt_tokens, xs, ys)) + 0.125
+    out = np.empty((3, size))
+    load.ttft(index, _PROMPT, out, curve, prompt_tokens, block_size, 8192, now, full)
+    want_ttft, want_uncached = _reference_ttft(
+        {
+            **rows,
+            "depths": index.overlap_array(_PROMPT, size),
+            "curve_points": (xs, ys),
+            "prompt_tokens": prompt_tokens,
+            "block_size": block_size,
+            "budget": 8192,
+            "now": now,
+            "full": full,
+        }
     )
-    want_ttft, want_uncached = _reference_ttft(args)
-    assert ttft.tobytes() == want_ttft.tobytes()
-    assert uncached.tobytes() == want_uncached.tobytes()
+    assert out[0].tolist() == index.overlap_array(_PROMPT, size).tolist()
+    assert out[1].tobytes() == want_ttft.tobytes()
+    assert out[2].tobytes() == want_uncached.tobytes()
 
 
 @settings(max_examples=300, deadline=None)

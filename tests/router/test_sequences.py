@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from copse.router.core import Role, Router, WorkerInfo
+from copse.router.policies import RouteRequest, SelectionSettings
 from copse.router.sequences import ActiveSequences
+from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import chain_hashes
 
 
@@ -43,15 +46,30 @@ def test_prefill_load_moves_to_decode_at_the_first_token() -> None:
 
 
 def test_backlog_decays_with_the_oldest_prefill_and_passes_to_the_next() -> None:
-    seq = ActiveSequences(block_size=16)
-    _add(seq, "a", slot=0, blocks=[1], now=10.0, ms=100.0)
-    _add(seq, "b", slot=0, blocks=[2], now=10.02, ms=50.0)
-    assert seq.backlog_ms(10.0)[0] == pytest.approx(150.0)
-    assert seq.backlog_ms(10.06)[0] == pytest.approx(90.0)
-    assert seq.backlog_ms(11.0)[0] == pytest.approx(50.0)  # the head's progress is capped at its prediction
-    seq.prefill_done("a", now=10.08)
-    assert seq.backlog_ms(10.08)[0] == pytest.approx(50.0)
-    assert seq.backlog_ms(10.1)[0] == pytest.approx(30.0)
+    router = Router(perf=PolynomialPerfModel(), settings=SelectionSettings(block_size=16), seed=0)
+    for worker_id in ("busy", "idle"):
+        router.add_worker(WorkerInfo(worker_id=worker_id, role=Role.WORKER), now=0.0)
+    busy, idle = router.slots.slot("busy"), router.slots.slot("idle")
+    _add(router.sequences, "a", slot=busy, blocks=[1], now=10.0, ms=100.0)
+    _add(router.sequences, "b", slot=busy, blocks=[2], now=10.02, ms=50.0)
+
+    def backlog(now: float) -> float:
+        # What the busy worker's predicted TTFT has on the idle one's beyond its slower step (the
+        # prompt is the same and takes one step on either).
+        router.costs.refresh()
+        eligible = router._free(Role.WORKER, frozenset())
+        assert eligible is not None
+        request = RouteRequest(request_id="q", hashes=[], prompt_tokens=16, max_tokens=1)
+        ttft = router._selection(request, eligible, now=now).ttft_ms()
+        step = router.costs.step_ms
+        return float(ttft[busy] - ttft[idle] - (step[busy] - step[idle]))
+
+    assert backlog(10.0) == pytest.approx(150.0)
+    assert backlog(10.06) == pytest.approx(90.0)
+    assert backlog(11.0) == pytest.approx(50.0)  # the head's progress is capped at its prediction
+    router.sequences.prefill_done("a", now=10.08)
+    assert backlog(10.08) == pytest.approx(50.0)
+    assert backlog(10.1) == pytest.approx(30.0)
 
 
 def test_active_prefix_finds_the_leading_blocks_in_use() -> None:

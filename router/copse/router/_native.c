@@ -6,13 +6,18 @@
  * line to look a block up) and is empty when its value is zero: nothing zero is stored.
  *
  * BlockIndex: block hash -> bitmask of the worker slots holding that block (the value is as many
- * words as the highest slot seen needs). BlockRefs: (worker slot, block hash) -> the number of
- * in-flight requests using that block there, keyed by the hash mixed with the slot (a bijection
- * per slot; across slots two pairs collide as rarely as two 64-bit block hashes do).
+ * words as the highest slot seen needs).
  *
- * ttft_ms and lowest: the arithmetic of copse.router.policies over every worker slot, operation
- * for operation as the numpy formulation it replaces (same IEEE double results; built with
- * -ffp-contract=off so that no multiply-add is fused).
+ * LoadTable: the router's in-flight load per worker slot, in rows of a float64 array the Python
+ * side owns and binds (LOAD_ROWS), and the blocks each worker's in-flight requests use, as
+ * (worker slot, block hash) -> reference count keyed by the hash mixed with the slot (a bijection
+ * per slot; across slots two pairs collide as rarely as two 64-bit block hashes do). It also
+ * computes the load-dependent cost terms (refresh) and every worker's predicted time to first
+ * token (ttft), from Curve and Grid interpolants of the perf model.
+ *
+ * The arithmetic is that of copse.router.cost and copse.router.policies, operation for operation
+ * as the numpy formulation it replaced (same IEEE double results; built with -ffp-contract=off so
+ * that no multiply-add is fused).
  *
  * Everything here runs under the GIL and keeps no Python references, so it needs no GC support.
  */
@@ -157,20 +162,19 @@ static void table_delete_at(Table *t, size_t i)
 
 static int read_u64(PyObject *item, uint64_t *out)
 {
-    if (PyLong_CheckExact(item)) {
-        *out = PyLong_AsUnsignedLongLong(item);
-    } else {
-        PyObject *number = PyNumber_Index(item);
-        if (!number)
-            return -1;
-        *out = PyLong_AsUnsignedLongLong(number);
+    PyObject *number = item;
+    if (!PyLong_CheckExact(item) && !(number = PyNumber_Index(item)))
+        return -1;
+    /* PyLong_AsUnsignedLongLong goes through a generic byte conversion in 3.11; the mask variant
+     * reads the digits directly once the range is checked. */
+    int fits = _PyLong_Sign(number) >= 0 && _PyLong_NumBits(number) <= 64;
+    if (fits)
+        *out = PyLong_AsUnsignedLongLongMask(number);
+    if (number != item)
         Py_DECREF(number);
-    }
-    if (*out == (uint64_t)-1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "block hash %R is not an unsigned 64-bit integer", item);
-        }
+    if (!fits) {
+        PyErr_Clear(); /* _PyLong_NumBits may have overflowed on a huge value */
+        PyErr_Format(PyExc_ValueError, "block hash %R is not an unsigned 64-bit integer", item);
         return -1;
     }
     return 0;
@@ -203,11 +207,14 @@ static int get_vector(PyObject *obj, Py_buffer *view, const char *name, int writ
 }
 
 /* Apply `step(object, slot, hash)` to every block hash of the iterable args[1] for slot args[0];
- * returns the sum of what the steps returned (each returns a count, or -1 on error). */
+ * returns the sum of what the steps returned (each returns a count, or -1 on error). The hashes
+ * are taken in batches whose table entries `prefetch` asks for first, so that their cache misses
+ * overlap. */
 typedef Py_ssize_t (*block_step)(void *, Py_ssize_t, uint64_t);
+typedef void (*block_prefetch)(void *, Py_ssize_t, uint64_t);
 
 static PyObject *for_each_block(void *self, PyObject *const *args, Py_ssize_t nargs, const char *name,
-                                block_step step)
+                                block_prefetch prefetch, block_step step)
 {
     Py_ssize_t slot, total = 0;
     if (nargs != 2) {
@@ -216,24 +223,37 @@ static PyObject *for_each_block(void *self, PyObject *const *args, Py_ssize_t na
     }
     if (read_slot(args[0], &slot) < 0)
         return NULL;
-    PyObject *iterator = PyObject_GetIter(args[1]);
-    if (!iterator)
+    PyObject *hashes = PySequence_Fast(args[1], "block hashes must be iterable");
+    if (!hashes)
         return NULL;
-    PyObject *item;
-    while ((item = PyIter_Next(iterator))) {
-        uint64_t key;
-        Py_ssize_t done = read_u64(item, &key) < 0 ? -1 : step(self, slot, key);
-        Py_DECREF(item);
-        if (done < 0) {
-            Py_DECREF(iterator);
-            return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    enum { BATCH = 32 };
+    uint64_t keys[BATCH];
+    for (Py_ssize_t start = 0; start < n; start += BATCH) {
+        Py_ssize_t batch = n - start < BATCH ? n - start : BATCH;
+        for (Py_ssize_t k = 0; k < batch; k++) {
+            if (read_u64(items[start + k], &keys[k]) < 0)
+                goto failed;
+            prefetch(self, slot, keys[k]);
         }
-        total += done;
+        for (Py_ssize_t k = 0; k < batch; k++) {
+            Py_ssize_t done = step(self, slot, keys[k]);
+            if (done < 0)
+                goto failed;
+            total += done;
+        }
     }
-    Py_DECREF(iterator);
-    if (PyErr_Occurred())
-        return NULL;
+    Py_DECREF(hashes);
     return PyLong_FromSsize_t(total);
+failed:
+    Py_DECREF(hashes);
+    return NULL;
+}
+
+static void table_prefetch(const Table *t, uint64_t key)
+{
+    __builtin_prefetch(table_entry(t, table_home(t, key)));
 }
 
 /* ---- BlockIndex ------------------------------------------------------------------------------ */
@@ -285,6 +305,12 @@ static int ensure_slot(BlockIndexObject *self, Py_ssize_t slot)
     return 0;
 }
 
+static void index_prefetch(void *object, Py_ssize_t slot, uint64_t key)
+{
+    (void)slot;
+    table_prefetch(&((BlockIndexObject *)object)->table, key);
+}
+
 static Py_ssize_t store_one(void *object, Py_ssize_t slot, uint64_t key)
 {
     BlockIndexObject *self = object;
@@ -324,12 +350,12 @@ static Py_ssize_t remove_one(void *object, Py_ssize_t slot, uint64_t key)
 
 static PyObject *BlockIndex_store(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return for_each_block(self, args, nargs, "store", store_one);
+    return for_each_block(self, args, nargs, "store", index_prefetch, store_one);
 }
 
 static PyObject *BlockIndex_remove(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return for_each_block(self, args, nargs, "remove", remove_one);
+    return for_each_block(self, args, nargs, "remove", index_prefetch, remove_one);
 }
 
 static PyObject *BlockIndex_clear(BlockIndexObject *self, PyObject *arg)
@@ -382,23 +408,10 @@ static PyObject *BlockIndex_blocks_held(BlockIndexObject *self, PyObject *arg)
     return PyLong_FromSsize_t((size_t)slot < self->table.words * 64 ? self->held[slot] : 0);
 }
 
-static PyObject *BlockIndex_leading_blocks(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* depth[slot] = leading blocks of `hashes` (a PySequence_Fast) the slot holds, for slots < size. */
+static int walk(const BlockIndexObject *self, PyObject *hashes, double *depth, size_t size)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "leading_blocks() takes block hashes and an output array");
-        return NULL;
-    }
-    Py_buffer out;
-    if (get_vector(args[1], &out, "out", 1) < 0)
-        return NULL;
-    PyObject *hashes = PySequence_Fast(args[0], "block hashes must be a sequence");
-    if (!hashes) {
-        PyBuffer_Release(&out);
-        return NULL;
-    }
     const Table *t = &self->table;
-    double *depth = out.buf;
-    size_t size = (size_t)(out.len / (Py_ssize_t)sizeof(double));
     size_t words = t->words;
     memset(depth, 0, size * sizeof(double));
     /* Slots still holding every block so far; slots beyond the output are not asked about. */
@@ -419,12 +432,9 @@ static PyObject *BlockIndex_leading_blocks(BlockIndexObject *self, PyObject *con
     while (d < n && any) {
         Py_ssize_t batch = n - d < BATCH ? n - d : BATCH;
         for (Py_ssize_t k = 0; k < batch; k++) {
-            if (read_u64(items[d + k], &keys[k]) < 0) {
-                Py_DECREF(hashes);
-                PyBuffer_Release(&out);
-                return NULL;
-            }
-            __builtin_prefetch(table_entry(t, table_home(t, keys[k])));
+            if (read_u64(items[d + k], &keys[k]) < 0)
+                return -1;
+            table_prefetch(t, keys[k]);
         }
         for (Py_ssize_t k = 0; k < batch && any; k++, d++) {
             Py_ssize_t i = table_find(t, keys[k]);
@@ -446,8 +456,24 @@ static PyObject *BlockIndex_leading_blocks(BlockIndexObject *self, PyObject *con
         for (uint64_t rest = active[w]; rest; rest &= rest - 1)
             depth[w * 64 + (size_t)__builtin_ctzll(rest)] = (double)n;
     }
-    Py_DECREF(hashes);
+    return 0;
+}
+
+static PyObject *BlockIndex_leading_blocks(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "leading_blocks() takes block hashes and an output array");
+        return NULL;
+    }
+    Py_buffer out;
+    if (get_vector(args[1], &out, "out", 1) < 0)
+        return NULL;
+    PyObject *hashes = PySequence_Fast(args[0], "block hashes must be a sequence");
+    int failed = !hashes || walk(self, hashes, out.buf, (size_t)(out.len / (Py_ssize_t)sizeof(double))) < 0;
+    Py_XDECREF(hashes);
     PyBuffer_Release(&out);
+    if (failed)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -500,35 +526,328 @@ static PyTypeObject BlockIndexType = {
     .tp_as_sequence = &BlockIndex_as_sequence,
 };
 
-/* ---- BlockRefs ------------------------------------------------------------------------------- */
+/* ---- curves ---------------------------------------------------------------------------------- */
+
+/* numpy's maximum/minimum (a NaN first operand propagates). */
+static double maximum(double a, double b) { return (a >= b || a != a) ? a : b; }
+static double minimum(double a, double b) { return (a <= b || a != a) ? a : b; }
+
+/* bisect_right / numpy's searchsorted(side="right") over n increasing values. */
+static Py_ssize_t bisect_right(const double *xs, Py_ssize_t n, double x)
+{
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (x < xs[mid])
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+/* A copy of a float64 vector argument in C memory (NULL with an exception set on failure). */
+static double *copy_vector(PyObject *obj, const char *name, Py_ssize_t *n)
+{
+    Py_buffer view;
+    if (get_vector(obj, &view, name, 0) < 0)
+        return NULL;
+    *n = view.len / (Py_ssize_t)sizeof(double);
+    double *out = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof(double));
+    if (out)
+        memcpy(out, view.buf, (size_t)view.len);
+    else
+        PyErr_NoMemory();
+    PyBuffer_Release(&view);
+    return out;
+}
 
 typedef struct {
     PyObject_HEAD
-    Table table; /* value: reference count */
-} BlockRefsObject;
+    double *xs, *ys, *slopes;
+    Py_ssize_t n;
+} CurveObject;
+
+/* The piecewise-linear function through (xs[i], ys[i]), constant beyond the ends; the same
+ * arithmetic as numpy's interp at one point. */
+static double curve_at(const CurveObject *c, double x)
+{
+    const double *xs = c->xs, *ys = c->ys;
+    Py_ssize_t n = c->n;
+    if (x >= xs[n - 1])
+        return ys[n - 1];
+    if (x <= xs[0])
+        return ys[0];
+    Py_ssize_t i = bisect_right(xs, n, x) - 1;
+    if (xs[i] == x)
+        return ys[i];
+    return c->slopes[i] * (x - xs[i]) + ys[i];
+}
+
+static int Curve_init(CurveObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"xs", "ys", NULL};
+    PyObject *xs_obj, *ys_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:Curve", kwlist, &xs_obj, &ys_obj))
+        return -1;
+    Py_ssize_t n, m;
+    PyMem_Free(self->xs);
+    PyMem_Free(self->ys);
+    PyMem_Free(self->slopes);
+    self->xs = copy_vector(xs_obj, "xs", &n);
+    self->ys = self->xs ? copy_vector(ys_obj, "ys", &m) : NULL;
+    self->slopes = NULL;
+    if (!self->ys)
+        return -1;
+    if (n < 1 || m != n) {
+        PyErr_Format(PyExc_ValueError, "a curve needs as many ys as xs (at least one), got %zd and %zd", n, m);
+        return -1;
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (!(self->xs[i] > self->xs[i - 1])) {
+            PyErr_Format(PyExc_ValueError, "curve xs must increase, but xs[%zd] <= xs[%zd]", i, i - 1);
+            return -1;
+        }
+    }
+    self->slopes = PyMem_Malloc((size_t)n * sizeof(double));
+    if (!self->slopes) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i + 1 < n; i++)
+        self->slopes[i] = (self->ys[i + 1] - self->ys[i]) / (self->xs[i + 1] - self->xs[i]);
+    self->n = n;
+    return 0;
+}
+
+static void Curve_dealloc(CurveObject *self)
+{
+    PyMem_Free(self->xs);
+    PyMem_Free(self->ys);
+    PyMem_Free(self->slopes);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int curve_ready(const CurveObject *self)
+{
+    if (self->slopes)
+        return 1;
+    PyErr_SetString(PyExc_ValueError, "the curve was not initialised");
+    return 0;
+}
+
+static PyObject *Curve_call(CurveObject *self, PyObject *args, PyObject *kwds)
+{
+    double x;
+    static char *kwlist[] = {"x", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "d:Curve", kwlist, &x) || !curve_ready(self))
+        return NULL;
+    return PyFloat_FromDouble(curve_at(self, x));
+}
+
+static PyTypeObject CurveType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "copse.router._native.Curve",
+    .tp_doc = PyDoc_STR("Curve(xs, ys): the piecewise-linear function through the points, constant beyond "
+                        "the ends; curve(x) is numpy.interp(x, xs, ys) to the bit."),
+    .tp_basicsize = sizeof(CurveObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Curve_init,
+    .tp_dealloc = (destructor)Curve_dealloc,
+    .tp_call = (ternaryfunc)Curve_call,
+};
+
+typedef struct {
+    PyObject_HEAD
+    double *active, *context, *values; /* values: active x context, row-major */
+    Py_ssize_t na, nc;
+} GridObject;
+
+/* copse.router.cost.PerfTable.itl_ms at one worker: bilinear over (active KV, mean context),
+ * clamped to the grid, operation for operation as the numpy formulation. */
+static double grid_at(const GridObject *g, double active_kv, double sequences)
+{
+    const double *A = g->active, *C = g->context;
+    Py_ssize_t na = g->na, nc = g->nc;
+    double context_length = active_kv / maximum(sequences, 1.0);
+    double a = minimum(maximum(active_kv, A[0]), A[na - 1]);
+    double c = minimum(maximum(context_length, C[0]), C[nc - 1]);
+    Py_ssize_t i = bisect_right(A, na, a), j = bisect_right(C, nc, c);
+    i = i < na - 1 ? i : na - 1;
+    j = j < nc - 1 ? j : nc - 1;
+    double a0 = A[i - 1], c0 = C[j - 1];
+    double s = (a - a0) / (A[i] - a0);
+    double t = (c - c0) / (C[j] - c0);
+    const double *low_row = g->values + (i - 1) * nc, *high_row = g->values + i * nc;
+    double g00 = low_row[j - 1], g01 = low_row[j];
+    double low = g00 + t * (g01 - g00);
+    double g10 = high_row[j - 1];
+    double high = g10 + t * (high_row[j] - g10);
+    return low + s * (high - low);
+}
+
+static int Grid_init(GridObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"active", "context", "values", NULL};
+    PyObject *active_obj, *context_obj, *values_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Grid", kwlist, &active_obj, &context_obj, &values_obj))
+        return -1;
+    PyMem_Free(self->active);
+    PyMem_Free(self->context);
+    PyMem_Free(self->values);
+    self->context = self->values = NULL;
+    self->na = self->nc = 0;
+    Py_ssize_t na, nc, nv = 0;
+    Py_buffer view;
+    self->active = copy_vector(active_obj, "active", &na);
+    if (!self->active || !(self->context = copy_vector(context_obj, "context", &nc)))
+        return -1;
+    if (PyObject_GetBuffer(values_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view.ndim == 2 && view.itemsize == sizeof(double) && view.format && strcmp(view.format, "d") == 0)
+        nv = view.len / (Py_ssize_t)sizeof(double);
+    if (na < 2 || nc < 2 || view.ndim != 2 || view.shape[0] != na || view.shape[1] != nc || nv != na * nc) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "a grid needs >= 2 points per axis and float64 values of shape "
+                                          "(len(active), len(context))");
+        return -1;
+    }
+    self->values = PyMem_Malloc((size_t)view.len);
+    if (self->values)
+        memcpy(self->values, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    if (!self->values) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->na = na;
+    self->nc = nc;
+    return 0;
+}
+
+static void Grid_dealloc(GridObject *self)
+{
+    PyMem_Free(self->active);
+    PyMem_Free(self->context);
+    PyMem_Free(self->values);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Grid_call(GridObject *self, PyObject *args, PyObject *kwds)
+{
+    double active_kv, sequences;
+    static char *kwlist[] = {"active_kv", "sequences", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "dd:Grid", kwlist, &active_kv, &sequences))
+        return NULL;
+    if (!self->values) {
+        PyErr_SetString(PyExc_ValueError, "the grid was not initialised");
+        return NULL;
+    }
+    return PyFloat_FromDouble(grid_at(self, active_kv, sequences));
+}
+
+static PyTypeObject GridType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "copse.router._native.Grid",
+    .tp_doc = PyDoc_STR("Grid(active, context, values): decode step time by (active KV tokens, mean context "
+                        "length), bilinear and clamped; grid(active_kv, sequences)."),
+    .tp_basicsize = sizeof(GridObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Grid_init,
+    .tp_dealloc = (destructor)Grid_dealloc,
+    .tp_call = (ternaryfunc)Grid_call,
+};
+
+/* ---- LoadTable ------------------------------------------------------------------------------- */
+
+/* Rows of the per-worker figures (copse.router.sequences reads the names from LOAD_ROWS). */
+enum {
+    L_REQUESTS,
+    L_PREFILLING,
+    L_PREFILL_TOKENS,
+    L_PREFILL_MS,
+    L_ACTIVE_BLOCKS,
+    L_KV_EXTRA,
+    L_KV,
+    L_HEAD_START,
+    L_HEAD_MS,
+    L_STEP_MS,
+    L_FREE,
+    L_ROWS,
+};
+
+static const char *load_row_names[L_ROWS] = {
+    "requests", "prefilling", "prefill_tokens", "prefill_ms", "active_blocks", "kv_extra",
+    "kv",       "head_start", "head_ms",        "step_ms",    "free",
+};
+
+typedef struct {
+    PyObject_HEAD
+    Table refs;        /* (slot, block) -> in-flight requests using that block there */
+    Py_buffer columns; /* L_ROWS x size float64, bound by `bind` */
+    int bound;
+    Py_ssize_t size;
+    double block_size;
+} LoadTableObject;
 
 static uint64_t slot_key(Py_ssize_t slot, uint64_t block)
 {
     return block ^ ((uint64_t)(slot + 1) * 0x9e3779b97f4a7c15ULL);
 }
 
-static int BlockRefs_init(BlockRefsObject *self, PyObject *args, PyObject *kwds)
+static double *row(LoadTableObject *self, int r)
 {
-    static char *kwlist[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":BlockRefs", kwlist))
-        return -1;
-    return table_init(&self->table, 1);
+    return (double *)self->columns.buf + (Py_ssize_t)r * self->size;
 }
 
-static void BlockRefs_dealloc(BlockRefsObject *self)
+static int LoadTable_init(LoadTableObject *self, PyObject *args, PyObject *kwds)
 {
-    PyMem_Free(self->table.entries);
+    static char *kwlist[] = {"block_size", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "d:LoadTable", kwlist, &self->block_size))
+        return -1;
+    if (self->bound) {
+        PyBuffer_Release(&self->columns);
+        self->bound = 0;
+    }
+    self->size = 0;
+    return table_init(&self->refs, 1);
+}
+
+static void LoadTable_dealloc(LoadTableObject *self)
+{
+    if (self->bound)
+        PyBuffer_Release(&self->columns);
+    PyMem_Free(self->refs.entries);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *LoadTable_bind(LoadTableObject *self, PyObject *columns)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(columns, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (view.ndim != 2 || view.shape[0] != L_ROWS || view.itemsize != sizeof(double) || !view.format
+        || strcmp(view.format, "d") != 0) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_TypeError, "columns must be a writable C-contiguous float64 array of %d rows", L_ROWS);
+        return NULL;
+    }
+    if (self->bound)
+        PyBuffer_Release(&self->columns);
+    self->columns = view;
+    self->bound = 1;
+    self->size = view.shape[1];
+    Py_RETURN_NONE;
+}
+
+static void refs_prefetch(void *object, Py_ssize_t slot, uint64_t block)
+{
+    table_prefetch(&((LoadTableObject *)object)->refs, slot_key(slot, block));
 }
 
 static Py_ssize_t acquire_one(void *object, Py_ssize_t slot, uint64_t block)
 {
-    Table *t = &((BlockRefsObject *)object)->table;
+    Table *t = &((LoadTableObject *)object)->refs;
     Py_ssize_t i = table_find_or_insert(t, slot_key(slot, block));
     if (i < 0)
         return -1;
@@ -537,7 +856,7 @@ static Py_ssize_t acquire_one(void *object, Py_ssize_t slot, uint64_t block)
 
 static Py_ssize_t release_one(void *object, Py_ssize_t slot, uint64_t block)
 {
-    Table *t = &((BlockRefsObject *)object)->table;
+    Table *t = &((LoadTableObject *)object)->refs;
     Py_ssize_t i = table_find(t, slot_key(slot, block));
     if (i < 0)
         return 0;
@@ -547,17 +866,108 @@ static Py_ssize_t release_one(void *object, Py_ssize_t slot, uint64_t block)
     return 1;
 }
 
-static PyObject *BlockRefs_acquire(BlockRefsObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The slot argument, checked against the bound columns. */
+static int bound_slot(LoadTableObject *self, PyObject *arg, Py_ssize_t *slot)
 {
-    return for_each_block(self, args, nargs, "acquire", acquire_one);
+    if (!self->bound) {
+        PyErr_SetString(PyExc_ValueError, "no columns are bound to the load table");
+        return -1;
+    }
+    if (read_slot(arg, slot) < 0)
+        return -1;
+    if (*slot >= self->size) {
+        PyErr_Format(PyExc_IndexError, "worker slot %zd is beyond the %zd bound columns", *slot, self->size);
+        return -1;
+    }
+    return 0;
 }
 
-static PyObject *BlockRefs_release(BlockRefsObject *self, PyObject *const *args, Py_ssize_t nargs)
+static int read_doubles(PyObject *const *args, double *out, int n)
 {
-    return for_each_block(self, args, nargs, "release", release_one);
+    for (int k = 0; k < n; k++) {
+        out[k] = PyFloat_AsDouble(args[k]);
+        if (out[k] == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
 }
 
-static PyObject *BlockRefs_leading_blocks(BlockRefsObject *self, PyObject *const *args, Py_ssize_t nargs)
+static void update_kv(LoadTableObject *self, Py_ssize_t slot)
+{
+    row(self, L_KV)[slot] = row(self, L_ACTIVE_BLOCKS)[slot] * self->block_size + row(self, L_KV_EXTRA)[slot];
+}
+
+/* add(slot, hashes, prefill_tokens, prefill_ms, kv_tokens): a request routed to the slot. */
+static PyObject *LoadTable_add(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    double v[3];
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "add(slot, hashes, prefill_tokens, prefill_ms, kv_tokens)");
+        return NULL;
+    }
+    if (bound_slot(self, args[0], &slot) < 0 || read_doubles(args + 2, v, 3) < 0)
+        return NULL;
+    PyObject *fresh = for_each_block(self, args, 2, "add", refs_prefetch, acquire_one);
+    if (!fresh)
+        return NULL;
+    row(self, L_ACTIVE_BLOCKS)[slot] += (double)PyLong_AsSsize_t(fresh);
+    Py_DECREF(fresh);
+    row(self, L_KV_EXTRA)[slot] += v[2];
+    row(self, L_REQUESTS)[slot] += 1.0;
+    row(self, L_PREFILLING)[slot] += 1.0;
+    row(self, L_PREFILL_TOKENS)[slot] += v[0];
+    row(self, L_PREFILL_MS)[slot] += v[1];
+    update_kv(self, slot);
+    Py_RETURN_NONE;
+}
+
+/* end_prefill(slot, prefill_tokens, prefill_ms): a request's first token arrived. */
+static PyObject *LoadTable_end_prefill(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    double v[2];
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "end_prefill(slot, prefill_tokens, prefill_ms)");
+        return NULL;
+    }
+    if (bound_slot(self, args[0], &slot) < 0 || read_doubles(args + 1, v, 2) < 0)
+        return NULL;
+    row(self, L_PREFILLING)[slot] -= 1.0;
+    row(self, L_PREFILL_TOKENS)[slot] -= v[0];
+    row(self, L_PREFILL_MS)[slot] -= v[1];
+    Py_RETURN_NONE;
+}
+
+/* free(slot, hashes, kv_tokens): a request ended (its prefill already ended). */
+static PyObject *LoadTable_free(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    double kv_tokens;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "free(slot, hashes, kv_tokens)");
+        return NULL;
+    }
+    if (bound_slot(self, args[0], &slot) < 0 || read_doubles(args + 2, &kv_tokens, 1) < 0)
+        return NULL;
+    PyObject *gone = for_each_block(self, args, 2, "free", refs_prefetch, release_one);
+    if (!gone)
+        return NULL;
+    row(self, L_ACTIVE_BLOCKS)[slot] -= (double)PyLong_AsSsize_t(gone);
+    Py_DECREF(gone);
+    row(self, L_KV_EXTRA)[slot] -= kv_tokens;
+    row(self, L_REQUESTS)[slot] -= 1.0;
+    if (row(self, L_REQUESTS)[slot] == 0.0) {
+        /* Exact zero, not an accumulated float residue. */
+        row(self, L_KV_EXTRA)[slot] = 0.0;
+        row(self, L_PREFILL_MS)[slot] = 0.0;
+    }
+    update_kv(self, slot);
+    Py_RETURN_NONE;
+}
+
+/* leading_blocks(hashes, out): out[slot] = leading blocks of hashes in use on the slot. */
+static PyObject *LoadTable_leading_blocks(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "leading_blocks() takes block hashes and an output array");
@@ -587,7 +997,7 @@ static PyObject *BlockRefs_leading_blocks(BlockRefsObject *self, PyObject *const
     }
     for (Py_ssize_t slot = 0; slot < size; slot++) {
         Py_ssize_t d = 0;
-        while (d < n && table_find(&self->table, slot_key(slot, blocks[d])) >= 0)
+        while (d < n && table_find(&self->refs, slot_key(slot, blocks[d])) >= 0)
             d++;
         depth[slot] = (double)d;
     }
@@ -600,153 +1010,167 @@ done:
     return result;
 }
 
-static Py_ssize_t BlockRefs_len(BlockRefsObject *self)
+/* refresh(slots, itl, f0, busy_prefill_tokens, busy_kv_tokens) -> flips: the step time and the
+ * free flag of every slot in the iterable `slots` (see copse.router.cost.WorkerCosts); returns how
+ * many free flags changed. `itl` is a Curve over active KV tokens or a Grid. */
+static PyObject *LoadTable_refresh(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return (Py_ssize_t)self->table.count;
+    double v[3];
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "refresh(slots, itl, f0, busy_prefill_tokens, busy_kv_tokens)");
+        return NULL;
+    }
+    int by_curve = PyObject_TypeCheck(args[1], &CurveType);
+    if (!by_curve && !PyObject_TypeCheck(args[1], &GridType)) {
+        PyErr_SetString(PyExc_TypeError, "itl must be a Curve or a Grid");
+        return NULL;
+    }
+    if ((by_curve && !curve_ready((CurveObject *)args[1])) || read_doubles(args + 2, v, 3) < 0)
+        return NULL;
+    if (!by_curve && !((GridObject *)args[1])->values) {
+        PyErr_SetString(PyExc_ValueError, "the grid was not initialised");
+        return NULL;
+    }
+    double f0 = v[0], busy_prefill = v[1], busy_kv = v[2];
+    PyObject *iterator = PyObject_GetIter(args[0]);
+    if (!iterator)
+        return NULL;
+    Py_ssize_t flips = 0;
+    PyObject *item;
+    while ((item = PyIter_Next(iterator))) {
+        Py_ssize_t slot;
+        int failed = bound_slot(self, item, &slot) < 0;
+        Py_DECREF(item);
+        if (failed) {
+            Py_DECREF(iterator);
+            return NULL;
+        }
+        double active_kv = row(self, L_KV)[slot], sequences = row(self, L_REQUESTS)[slot];
+        double step = f0;
+        /* The decode step joins every prefill step while some sequence decodes. */
+        if (sequences > row(self, L_PREFILLING)[slot])
+            step = f0 + (by_curve ? curve_at((CurveObject *)args[1], active_kv)
+                                  : grid_at((GridObject *)args[1], active_kv, sequences));
+        row(self, L_STEP_MS)[slot] = step;
+        double now_free = !(row(self, L_PREFILL_TOKENS)[slot] > busy_prefill || active_kv > busy_kv);
+        if (now_free != row(self, L_FREE)[slot]) {
+            row(self, L_FREE)[slot] = now_free;
+            flips++;
+        }
+    }
+    Py_DECREF(iterator);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSsize_t(flips);
 }
 
-static PyMethodDef BlockRefs_methods[] = {
-    {"acquire", (PyCFunction)(void (*)(void))BlockRefs_acquire, METH_FASTCALL,
-     "acquire(slot, hashes) -> int: one more reference to each block on the slot; returns how many "
-     "blocks were not in use there."},
-    {"release", (PyCFunction)(void (*)(void))BlockRefs_release, METH_FASTCALL,
-     "release(slot, hashes) -> int: one reference less to each block (unknown ones are ignored); "
-     "returns how many blocks are no longer in use there."},
-    {"leading_blocks", (PyCFunction)(void (*)(void))BlockRefs_leading_blocks, METH_FASTCALL,
-     "leading_blocks(hashes, out): out[slot] = leading blocks of hashes in use on the slot, for every "
-     "slot below len(out)."},
+/* ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, step_budget, now, full_ms):
+ * rows of `out` (3 x size): the leading blocks of `hashes` each worker holds in `index`, its
+ * predicted time to first token (ms) and the prompt tokens it would compute; see
+ * copse.router.policies.Selection.ttft_ms. */
+static PyObject *LoadTable_ttft(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double v[5];
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, "
+                                         "step_budget, now, full_ms)");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[0], &BlockIndexType) || !PyObject_TypeCheck(args[3], &CurveType)) {
+        PyErr_SetString(PyExc_TypeError, "ttft() takes a BlockIndex and a Curve");
+        return NULL;
+    }
+    const CurveObject *curve = (CurveObject *)args[3];
+    if (!curve_ready(curve) || read_doubles(args + 4, v, 5) < 0)
+        return NULL;
+    if (!self->bound) {
+        PyErr_SetString(PyExc_ValueError, "no columns are bound to the load table");
+        return NULL;
+    }
+    double isl = v[0], bs = v[1], budget = v[2], now = v[3], full = v[4];
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[2], &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        return NULL;
+    Py_ssize_t size = self->size;
+    if (out.ndim != 2 || out.shape[0] != 3 || out.shape[1] != size || out.itemsize != sizeof(double)
+        || !out.format || strcmp(out.format, "d") != 0) {
+        PyBuffer_Release(&out);
+        PyErr_Format(PyExc_TypeError, "out must be a writable C-contiguous float64 array of shape (3, %zd)", size);
+        return NULL;
+    }
+    double *depth = out.buf, *ttft = depth + size, *uncached = ttft + size;
+    PyObject *hashes = PySequence_Fast(args[1], "block hashes must be a sequence");
+    if (!hashes || walk((BlockIndexObject *)args[0], hashes, depth, (size_t)size) < 0) {
+        Py_XDECREF(hashes);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_DECREF(hashes);
+    const double *tokens = row(self, L_PREFILL_TOKENS), *step = row(self, L_STEP_MS);
+    const double *prefill = row(self, L_PREFILL_MS), *head_start = row(self, L_HEAD_START);
+    const double *head_ms = row(self, L_HEAD_MS);
+    double limit = maximum(isl - 1.0, 0.0); /* at least one token is always computed */
+    double last_depth = -1.0, own = 0.0, cached = 0.0;
+    for (Py_ssize_t s = 0; s < size; s++) {
+        if (depth[s] != last_depth) {
+            last_depth = depth[s];
+            cached = minimum(last_depth * bs, limit);
+            own = full - curve_at(curve, cached);
+        }
+        double unc = isl - cached;
+        double steps = ceil((tokens[s] + unc) / budget) * step[s];
+        double progress = maximum((now - head_start[s]) * 1000.0, 0.0);
+        progress = minimum(progress, head_ms[s]);
+        double backlog = maximum(prefill[s] - progress, 0.0);
+        ttft[s] = backlog + own + steps;
+        uncached[s] = unc;
+    }
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t LoadTable_len(LoadTableObject *self)
+{
+    return (Py_ssize_t)self->refs.count;
+}
+
+static PyMethodDef LoadTable_methods[] = {
+    {"bind", (PyCFunction)LoadTable_bind, METH_O,
+     "bind(columns): the per-worker figures now live in columns (LOAD_ROWS x size float64)."},
+    {"add", (PyCFunction)(void (*)(void))LoadTable_add, METH_FASTCALL,
+     "add(slot, hashes, prefill_tokens, prefill_ms, kv_tokens): a request routed to the slot."},
+    {"end_prefill", (PyCFunction)(void (*)(void))LoadTable_end_prefill, METH_FASTCALL,
+     "end_prefill(slot, prefill_tokens, prefill_ms): a request's first token arrived."},
+    {"free", (PyCFunction)(void (*)(void))LoadTable_free, METH_FASTCALL,
+     "free(slot, hashes, kv_tokens): a request ended."},
+    {"leading_blocks", (PyCFunction)(void (*)(void))LoadTable_leading_blocks, METH_FASTCALL,
+     "leading_blocks(hashes, out): out[slot] = leading blocks of hashes in use on the slot."},
+    {"refresh", (PyCFunction)(void (*)(void))LoadTable_refresh, METH_FASTCALL,
+     "refresh(slots, itl, f0, busy_prefill_tokens, busy_kv_tokens) -> flips: step time and free flag."},
+    {"ttft", (PyCFunction)(void (*)(void))LoadTable_ttft, METH_FASTCALL,
+     "ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, step_budget, now, full_ms): "
+     "leading blocks, predicted time to first token and uncached tokens per worker."},
     {NULL, NULL, 0, NULL},
 };
 
-static PySequenceMethods BlockRefs_as_sequence = {
-    .sq_length = (lenfunc)BlockRefs_len,
+static PySequenceMethods LoadTable_as_sequence = {
+    .sq_length = (lenfunc)LoadTable_len,
 };
 
-static PyTypeObject BlockRefsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "copse.router._native.BlockRefs",
-    .tp_doc = PyDoc_STR("(worker slot, block hash) -> in-flight requests using that block there."),
-    .tp_basicsize = sizeof(BlockRefsObject),
+static PyTypeObject LoadTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "copse.router._native.LoadTable",
+    .tp_doc = PyDoc_STR("LoadTable(block_size): per-worker in-flight figures (in bound columns) and the "
+                        "blocks each worker's in-flight requests use."),
+    .tp_basicsize = sizeof(LoadTableObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)BlockRefs_init,
-    .tp_dealloc = (destructor)BlockRefs_dealloc,
-    .tp_methods = BlockRefs_methods,
-    .tp_as_sequence = &BlockRefs_as_sequence,
+    .tp_init = (initproc)LoadTable_init,
+    .tp_dealloc = (destructor)LoadTable_dealloc,
+    .tp_methods = LoadTable_methods,
+    .tp_as_sequence = &LoadTable_as_sequence,
 };
 
-/* ---- per-worker arithmetic ------------------------------------------------------------------- */
-
-/* numpy's maximum/minimum (a NaN first operand propagates). */
-static double maximum(double a, double b) { return (a >= b || a != a) ? a : b; }
-static double minimum(double a, double b) { return (a <= b || a != a) ? a : b; }
-
-/* copse.router.cost.Interpolant at one point. */
-static double interpolate(const double *xs, const double *ys, const double *slopes, Py_ssize_t n, double x)
-{
-    if (x >= xs[n - 1])
-        return ys[n - 1];
-    if (x <= xs[0])
-        return ys[0];
-    Py_ssize_t lo = 0, hi = n; /* bisect_right */
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        if (x < xs[mid])
-            hi = mid;
-        else
-            lo = mid + 1;
-    }
-    Py_ssize_t i = lo - 1;
-    if (xs[i] == x)
-        return ys[i];
-    return slopes[i] * (x - xs[i]) + ys[i];
-}
-
-enum {
-    T_DEPTHS,
-    T_PREFILL_TOKENS,
-    T_STEP_MS,
-    T_PREFILL_MS,
-    T_HEAD_START,
-    T_HEAD_MS,
-    T_CURVE_XS,
-    T_CURVE_YS,
-    T_CURVE_SLOPES,
-    T_OUT_TTFT,
-    T_OUT_UNCACHED,
-    T_VECTORS,
-};
-
-static const char *ttft_vector_names[T_VECTORS] = {
-    "depths", "prefill_tokens", "step_ms", "prefill_ms", "head_start", "head_ms",
-    "curve_xs", "curve_ys", "curve_slopes", "out_ttft", "out_uncached",
-};
-
-/* ttft_ms(depths, prefill_tokens, step_ms, prefill_ms, head_start, head_ms, curve_xs, curve_ys,
- *         curve_slopes, out_ttft, out_uncached, prompt_tokens, block_size, step_budget, now,
- *         full_ms) -> None: see copse.router.policies.Selection.ttft_ms. */
-static PyObject *ttft_ms(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != T_VECTORS + 5) {
-        PyErr_Format(PyExc_TypeError, "ttft_ms() takes %d arguments, got %zd", T_VECTORS + 5, nargs);
-        return NULL;
-    }
-    double scalars[5];
-    for (int k = 0; k < 5; k++) {
-        scalars[k] = PyFloat_AsDouble(args[T_VECTORS + k]);
-        if (scalars[k] == -1.0 && PyErr_Occurred())
-            return NULL;
-    }
-    double isl = scalars[0], bs = scalars[1], budget = scalars[2], now = scalars[3], full = scalars[4];
-    Py_buffer view[T_VECTORS];
-    int got = 0;
-    for (; got < T_VECTORS; got++) {
-        int writable = got == T_OUT_TTFT || got == T_OUT_UNCACHED;
-        if (get_vector(args[got], &view[got], ttft_vector_names[got], writable) < 0)
-            break;
-    }
-    PyObject *result = NULL;
-    if (got == T_VECTORS) {
-        Py_ssize_t size = view[T_OUT_TTFT].len / (Py_ssize_t)sizeof(double);
-        Py_ssize_t points = view[T_CURVE_XS].len / (Py_ssize_t)sizeof(double);
-        int sizes_ok = points > 0 && view[T_CURVE_YS].len == view[T_CURVE_XS].len
-                       && view[T_CURVE_SLOPES].len >= view[T_CURVE_XS].len - (Py_ssize_t)sizeof(double);
-        for (int k = 0; k < T_CURVE_XS; k++)
-            sizes_ok &= view[k].len >= view[T_OUT_TTFT].len;
-        sizes_ok &= view[T_OUT_UNCACHED].len == view[T_OUT_TTFT].len;
-        if (!sizes_ok) {
-            PyErr_SetString(PyExc_ValueError, "ttft_ms(): per-slot arrays shorter than the output, or a bad curve");
-        } else {
-            const double *depth = view[T_DEPTHS].buf, *tokens = view[T_PREFILL_TOKENS].buf;
-            const double *step = view[T_STEP_MS].buf, *prefill = view[T_PREFILL_MS].buf;
-            const double *head_start = view[T_HEAD_START].buf, *head_ms = view[T_HEAD_MS].buf;
-            const double *xs = view[T_CURVE_XS].buf, *ys = view[T_CURVE_YS].buf;
-            const double *slopes = view[T_CURVE_SLOPES].buf;
-            double *ttft = view[T_OUT_TTFT].buf, *uncached = view[T_OUT_UNCACHED].buf;
-            double limit = maximum(isl - 1.0, 0.0); /* at least one token is always computed */
-            double last_depth = -1.0, own = 0.0, cached = 0.0;
-            for (Py_ssize_t s = 0; s < size; s++) {
-                if (depth[s] != last_depth) {
-                    last_depth = depth[s];
-                    cached = minimum(last_depth * bs, limit);
-                    own = full - interpolate(xs, ys, slopes, points, cached);
-                }
-                double unc = isl - cached;
-                double steps = ceil((tokens[s] + unc) / budget) * step[s];
-                double progress = maximum((now - head_start[s]) * 1000.0, 0.0);
-                progress = minimum(progress, head_ms[s]);
-                double backlog = maximum(prefill[s] - progress, 0.0);
-                ttft[s] = backlog + own + steps;
-                uncached[s] = unc;
-            }
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
-    }
-    for (int k = 0; k < got; k++)
-        PyBuffer_Release(&view[k]);
-    return result;
-}
+/* ---- the pick -------------------------------------------------------------------------------- */
 
 /* lowest(costs, exclusion) -> the slot of lowest cost + exclusion (exclusion may be None), or the
  * list of slots within 1e-9 relative of it when several are: see policies.pick_lowest. */
@@ -813,8 +1237,6 @@ done:
 }
 
 static PyMethodDef module_methods[] = {
-    {"ttft_ms", (PyCFunction)(void (*)(void))ttft_ms, METH_FASTCALL,
-     "Predicted time to first token on every worker slot (see policies.Selection.ttft_ms)."},
     {"lowest", (PyCFunction)(void (*)(void))lowest, METH_FASTCALL,
      "The slot of lowest cost, or the list of tied slots (see policies.pick_lowest)."},
     {NULL, NULL, 0, NULL},
@@ -830,15 +1252,36 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    if (PyType_Ready(&BlockIndexType) < 0 || PyType_Ready(&BlockRefsType) < 0)
-        return NULL;
+    PyTypeObject *types[] = {&BlockIndexType, &CurveType, &GridType, &LoadTableType};
+    const char *names[] = {"BlockIndex", "Curve", "Grid", "LoadTable"};
+    for (size_t k = 0; k < sizeof(types) / sizeof(types[0]); k++) {
+        if (PyType_Ready(types[k]) < 0)
+            return NULL;
+    }
     PyObject *module = PyModule_Create(&module_def);
     if (!module)
         return NULL;
-    if (PyModule_AddObjectRef(module, "BlockIndex", (PyObject *)&BlockIndexType) < 0
-        || PyModule_AddObjectRef(module, "BlockRefs", (PyObject *)&BlockRefsType) < 0) {
-        Py_DECREF(module);
-        return NULL;
+    PyObject *rows = PyTuple_New(L_ROWS);
+    if (!rows)
+        goto failed;
+    for (int k = 0; k < L_ROWS; k++) {
+        PyObject *name = PyUnicode_FromString(load_row_names[k]);
+        if (!name) {
+            Py_DECREF(rows);
+            goto failed;
+        }
+        PyTuple_SET_ITEM(rows, k, name);
+    }
+    if (PyModule_AddObject(module, "LOAD_ROWS", rows) < 0) {
+        Py_DECREF(rows);
+        goto failed;
+    }
+    for (size_t k = 0; k < sizeof(types) / sizeof(types[0]); k++) {
+        if (PyModule_AddObjectRef(module, names[k], (PyObject *)types[k]) < 0)
+            goto failed;
     }
     return module;
+failed:
+    Py_DECREF(module);
+    return NULL;
 }

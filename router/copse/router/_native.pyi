@@ -7,6 +7,8 @@ import numpy.typing as npt
 
 _Floats = npt.NDArray[np.float64]
 
+LOAD_ROWS: tuple[str, ...]
+
 class BlockIndex:
     @property
     def slot_limit(self) -> int: ...
@@ -18,29 +20,45 @@ class BlockIndex:
     def leading_blocks(self, hashes: Sequence[int], out: _Floats, /) -> None: ...
     def __len__(self) -> int: ...
 
-class BlockRefs:
-    def acquire(self, slot: int, hashes: Iterable[int], /) -> int: ...
-    def release(self, slot: int, hashes: Iterable[int], /) -> int: ...
+class Curve:
+    def __init__(self, xs: _Floats, ys: _Floats) -> None: ...
+    def __call__(self, x: float) -> float: ...
+
+class Grid:
+    def __init__(self, active: _Floats, context: _Floats, values: _Floats) -> None: ...
+    def __call__(self, active_kv: float, sequences: float) -> float: ...
+
+class LoadTable:
+    def __init__(self, block_size: float) -> None: ...
+    def bind(self, columns: _Floats, /) -> None: ...
+    def add(
+        self, slot: int, hashes: Iterable[int], prefill_tokens: float, prefill_ms: float, kv_tokens: float, /
+    ) -> None: ...
+    def end_prefill(self, slot: int, prefill_tokens: float, prefill_ms: float, /) -> None: ...
+    def free(self, slot: int, hashes: Iterable[int], kv_tokens: float, /) -> None: ...
     def leading_blocks(self, hashes: Sequence[int], out: _Floats, /) -> None: ...
+    def refresh(
+        self,
+        slots: Iterable[int],
+        itl: Curve | Grid,
+        f0: float,
+        busy_prefill_tokens: float,
+        busy_kv_tokens: float,
+        /,
+    ) -> int: ...
+    def ttft(
+        self,
+        index: BlockIndex,
+        hashes: Sequence[int],
+        out: _Floats,
+        prefill_curve: Curve,
+        prompt_tokens: float,
+        block_size: float,
+        step_budget: float,
+        now: float,
+        full_ms: float,
+        /,
+    ) -> None: ...
     def __len__(self) -> int: ...
 
-def ttft_ms(
-    depths: _Floats,
-    prefill_tokens: _Floats,
-    step_ms: _Floats,
-    prefill_ms: _Floats,
-    head_start: _Floats,
-    head_ms: _Floats,
-    curve_xs: _Floats,
-    curve_ys: _Floats,
-    curve_slopes: _Floats,
-    out_ttft: _Floats,
-    out_uncached: _Floats,
-    prompt_tokens: float,
-    block_size: float,
-    step_budget: float,
-    now: float,
-    full_ms: float,
-    /,
-) -> None: ...
 def lowest(costs: _Floats, exclusion: _Floats | None, /) -> int | list[int]: ...

@@ -15,7 +15,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from copse.router.indexer import BlockIndex, FloatArray, Overlaps
+from copse.router.indexer import BlockIndex, Overlaps
 
 
 class ApproximateIndexer:
@@ -46,9 +46,6 @@ class ApproximateIndexer:
 
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
-
-    def overlap_array(self, hashes: Sequence[int], size: int) -> FloatArray:
-        return self.index.overlap_array(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)

@@ -1,62 +1,28 @@
 """The shared perf model in the form a routing decision needs.
 
 The perf model answers one point per call. :class:`PerfTable` samples the model's ITL once on a
-grid (active KV tokens x context length) and interpolates bilinearly with numpy, clamping outside
-the grid (the model's own extrapolation is not needed for ranking workers), and samples the
-prefill curve at every multiple of 16 tokens. A decision needs these at a few points each (one per
-changed worker, one per distinct cached-prefix length), where :class:`Interpolant` answers
-without numpy's per-call overhead; the decode cost of a request evaluates all workers at once.
+grid (active KV tokens x context length) and interpolates bilinearly, clamping outside the grid
+(the model's own extrapolation is not needed for ranking workers), and samples the prefill curve
+at every multiple of 16 tokens. The compiled load table evaluates these per worker
+(:class:`copse.router._native.Curve` and :class:`~copse.router._native.Grid`, the same arithmetic
+as numpy's); the decode cost of a request evaluates all workers at once with numpy.
 
-:class:`WorkerCosts` holds the per-worker terms of the routing cost that depend on that worker's
+:class:`WorkerCosts` keeps the per-worker terms of the routing cost that depend on that worker's
 in-flight load alone (its decode step time, whether it is saturated): they are recomputed when
 some worker's load changed, not on every decision.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-
 import numpy as np
 import numpy.typing as npt
 
+from copse.router import _native
 from copse.router.sequences import ActiveSequences
 from copse.workers.perf import PerfModel
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
-
-
-class Interpolant:
-    """The piecewise-linear function through ``(xs[i], ys[i])`` (``xs`` increasing), constant
-    beyond the ends: ``np.interp`` for many points, and for one point the same arithmetic (the
-    same result to the bit) in plain floats, without numpy's per-call overhead."""
-
-    __slots__ = ("_slope_list", "_x_list", "_y_list", "slopes", "xs", "ys")
-
-    def __init__(self, xs: FloatArray, ys: FloatArray) -> None:
-        self.xs = np.ascontiguousarray(xs, dtype=np.float64)
-        self.ys = np.ascontiguousarray(ys, dtype=np.float64)
-        self.slopes: FloatArray = (self.ys[1:] - self.ys[:-1]) / (self.xs[1:] - self.xs[:-1])
-        """Slope of each piece (what compiled callers evaluate the function with)."""
-        self._x_list: list[float] = self.xs.tolist()
-        self._y_list: list[float] = self.ys.tolist()
-        self._slope_list: list[float] = self.slopes.tolist()
-
-    def many(self, x: FloatArray) -> FloatArray:
-        """The function at every point of ``x``."""
-        out: FloatArray = np.interp(x, self.xs, self.ys)
-        return out
-
-    def __call__(self, x: float) -> float:
-        xs, ys = self._x_list, self._y_list
-        if x >= xs[-1]:
-            return ys[-1]
-        if x <= xs[0]:
-            return ys[0]
-        i = bisect_right(xs, x) - 1
-        if xs[i] == x:
-            return ys[i]
-        return self._slope_list[i] * (x - xs[i]) + ys[i]
 
 
 class PerfTable:
@@ -66,11 +32,12 @@ class PerfTable:
         "_active",
         "_context",
         "_itl",
-        "_itl_by_active",
+        "_itl_flat",
         "f0",
+        "itl",
         "kv_capacity_tokens",
         "model",
-        "prefill_curve_ms",
+        "prefill_curve",
     )
 
     def __init__(
@@ -84,9 +51,8 @@ class PerfTable:
     ) -> None:
         self.model = model
         curve_x = np.arange(0.0, max_context + 1.0, float(curve_step))
-        self.prefill_curve_ms = Interpolant(
-            curve_x, np.array([model.prefill_curve_ms(float(x)) for x in curve_x])
-        )
+        curve_y = np.array([model.prefill_curve_ms(float(x)) for x in curve_x])
+        self.prefill_curve = _native.Curve(curve_x, curve_y)
         """``F`` (:meth:`PerfModel.prefill_curve_ms`) by token count: exact at multiples of the
         sampling step (block sizes are), linear in between, constant beyond the longest context."""
         self.kv_capacity_tokens = float(model.kv_capacity_tokens)
@@ -103,8 +69,14 @@ class PerfTable:
             ]
         )
         # Models whose ITL ignores the context length (the polynomial default) need one axis only.
-        flat = bool(np.all(self._itl == self._itl[:, :1]))
-        self._itl_by_active = Interpolant(self._active, self._itl[:, 0]) if flat else None
+        self._itl_flat = bool(np.all(self._itl == self._itl[:, :1]))
+        self.itl: _native.Curve | _native.Grid = (
+            _native.Curve(self._active, np.ascontiguousarray(self._itl[:, 0]))
+            if self._itl_flat
+            else _native.Grid(self._active, self._context, self._itl)
+        )
+        """Decode step time of one worker: ``itl(active_kv_tokens)`` (a Curve) when the model ignores
+        the context length, else ``itl(active_kv_tokens, sequences)`` (a Grid); as :meth:`itl_ms`."""
 
     def compute_ms(self, *, new_tokens: int, cached_tokens: int) -> float:
         """Compute time of prefilling ``new_tokens`` after ``cached_tokens``, without the fixed
@@ -112,18 +84,13 @@ class PerfTable:
         curve = self.model.prefill_curve_ms
         return curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
 
-    def itl_ms_at(self, active_kv_tokens: float, sequences: float) -> float:
-        """:meth:`itl_ms` of one worker."""
-        if self._itl_by_active is not None:
-            return self._itl_by_active(active_kv_tokens)
-        return float(self.itl_ms(np.array([active_kv_tokens]), np.array([sequences]))[0])
-
     def itl_ms(self, active_kv_tokens: FloatArray, sequences: FloatArray) -> FloatArray:
         """Decode step time of each worker holding ``active_kv_tokens`` of KV over ``sequences``
         sequences (their mean context length is the ratio), ms."""
         active, context = self._active, self._context
-        if self._itl_by_active is not None:
-            return self._itl_by_active.many(active_kv_tokens)
+        if self._itl_flat:
+            flat: FloatArray = np.interp(active_kv_tokens, active, self._itl[:, 0])
+            return flat
         context_length = active_kv_tokens / np.maximum(sequences, 1.0)
         a = np.minimum(np.maximum(active_kv_tokens, active[0]), active[-1])
         c = np.minimum(np.maximum(context_length, context[0]), context[-1])
@@ -144,18 +111,11 @@ class PerfTable:
 
 
 class WorkerCosts:
-    """Load-dependent cost terms per worker slot, brought up to date by :meth:`refresh` from the
-    slots :class:`ActiveSequences` reports as changed (this object empties that set)."""
+    """Load-dependent cost terms per worker slot (rows of the tracker's columns, computed by its
+    compiled load table), brought up to date by :meth:`refresh` from the slots
+    :class:`ActiveSequences` reports as changed (this object empties that set)."""
 
-    __slots__ = (
-        "_busy_kv_tokens",
-        "_busy_prefill_tokens",
-        "_perf",
-        "_seq",
-        "free",
-        "step_ms",
-        "version",
-    )
+    __slots__ = ("_busy_kv_tokens", "_busy_prefill_tokens", "_perf", "_seq", "_size", "version")
 
     def __init__(
         self,
@@ -169,13 +129,21 @@ class WorkerCosts:
         self._perf = perf
         self._busy_prefill_tokens = busy_prefill_tokens
         self._busy_kv_tokens = busy_kv_tokens
-        self.step_ms: FloatArray = np.zeros(0)
-        """Time each prefill step of the worker takes beyond its prefill compute: the fixed step
-        cost plus, while the worker has sequences decoding, their decode step, ms."""
-        self.free: BoolArray = np.zeros(0, dtype=bool)
-        """Workers below both busy thresholds (uncached prompt tokens to prefill, KV in use)."""
+        self._size = 0
         self.version = 0
         """Incremented whenever an entry of :attr:`free` changes (callers cache masks built on it)."""
+
+    @property
+    def step_ms(self) -> FloatArray:
+        """Time each prefill step of the worker takes beyond its prefill compute: the fixed step
+        cost plus, while the worker has sequences decoding, their decode step, ms."""
+        return self._seq.step_ms
+
+    @property
+    def free(self) -> BoolArray:
+        """Workers below both busy thresholds (uncached prompt tokens to prefill, KV in use)."""
+        flags: BoolArray = self._seq.free_flags != 0.0
+        return flags
 
     def refresh(self) -> None:
         """Bring every term up to date with the in-flight load."""
@@ -183,22 +151,12 @@ class WorkerCosts:
         changed = seq.changed
         if not changed:
             return
-        if len(self.step_ms) != seq.size:
-            self.step_ms = np.zeros(seq.size)
-            self.free = np.zeros(seq.size, dtype=bool)
+        if seq.size != self._size:
+            self._size = seq.size
             changed.update(range(seq.size))
             self.version += 1
-        kv, requests, prefilling = seq.kv_tokens(), seq.requests, seq.prefilling
-        prefill_tokens = seq.prefill_tokens
-        step, free = self.step_ms, self.free
-        itl, f0 = self._perf.itl_ms_at, self._perf.f0
-        busy_prefill, busy_kv = self._busy_prefill_tokens, self._busy_kv_tokens
-        for slot in changed:
-            active_kv, sequences = kv.item(slot), requests.item(slot)
-            # The decode step joins every prefill step while some sequence decodes.
-            step[slot] = f0 + itl(active_kv, sequences) if sequences > prefilling.item(slot) else f0
-            now_free = not (prefill_tokens.item(slot) > busy_prefill or active_kv > busy_kv)
-            if now_free is not free.item(slot):
-                free[slot] = now_free
-                self.version += 1
+        perf = self._perf
+        self.version += seq.load.refresh(
+            changed, perf.itl, perf.f0, self._busy_prefill_tokens, self._busy_kv_tokens
+        )
         changed.clear()

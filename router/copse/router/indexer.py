@@ -70,12 +70,13 @@ class BlockIndex(_native.BlockIndex):
 class Indexer(Protocol):
     """What the router asks of an indexer, whichever way it learns the workers' caches."""
 
-    def overlaps(self, hashes: Sequence[int]) -> Overlaps:
-        """Leading blocks of ``hashes`` each worker holds."""
+    @property
+    def index(self) -> BlockIndex:
+        """The blocks each worker is believed to hold (a routing decision walks it)."""
         ...
 
-    def overlap_array(self, hashes: Sequence[int], size: int) -> FloatArray:
-        """:meth:`overlaps` as an array over slots ``0 .. size-1``."""
+    def overlaps(self, hashes: Sequence[int]) -> Overlaps:
+        """Leading blocks of ``hashes`` each worker holds."""
         ...
 
     def blocks_held(self, slot: int) -> int:
@@ -125,9 +126,6 @@ class RadixIndexer:
 
     def overlaps(self, hashes: Sequence[int]) -> Overlaps:
         return self.index.overlaps(hashes)
-
-    def overlap_array(self, hashes: Sequence[int], size: int) -> FloatArray:
-        return self.index.overlap_array(hashes, size)
 
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)

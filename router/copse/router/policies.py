@@ -95,7 +95,7 @@ class Selection:
     def overlaps(self) -> FloatArray:
         """Leading prompt blocks each worker holds."""
         if self._overlaps is None:
-            self._overlaps = self.indexer.overlap_array(self.request.hashes, self.sequences.size)
+            self._overlaps = self.indexer.index.overlap_array(self.request.hashes, self.sequences.size)
         return self._overlaps
 
     def cached_tokens(self, slot: int) -> int:
@@ -114,32 +114,27 @@ class Selection:
         """Predicted time to first token on each worker, ms: the compute of the worker's prefill
         backlog and of this prompt's uncached tokens (all but the cached prefix, and at least one
         token), plus, for every step that takes (the step budget bounds the tokens per step), the
-        fixed step cost and the worker's decode step while it has sequences decoding. One compiled
-        pass over the workers (``_native.ttft_ms``)."""
+        fixed step cost and the worker's decode step while it has sequences decoding.
+
+        The backlog is the predicted prefill time of the worker's requests not yet prefilled, less
+        the time the oldest one has been running (capped at its prediction). One compiled pass
+        (``LoadTable.ttft``) walks the prefix index and evaluates every worker."""
         if self._ttft is not None:
             return self._ttft
-        seq, perf, request = self.sequences, self.perf, self.request
-        size = seq.size
-        self._ttft, self._uncached = np.empty(size), np.empty(size)
-        curve = perf.prefill_curve_ms
-        _native.ttft_ms(
-            self.overlaps(),
-            seq.prefill_tokens,
-            self.costs.step_ms,
-            seq.prefill_ms,
-            seq.head_start,
-            seq.head_ms,
-            curve.xs,
-            curve.ys,
-            curve.slopes,
-            self._ttft,
-            self._uncached,
+        seq, perf, request, settings = self.sequences, self.perf, self.request, self.settings
+        out = np.empty((3, seq.size))
+        seq.load.ttft(
+            self.indexer.index,
+            request.hashes,
+            out,
+            perf.prefill_curve,
             request.prompt_tokens,
-            self.settings.block_size,
-            self.settings.max_num_batched_tokens,
+            settings.block_size,
+            settings.max_num_batched_tokens,
             self.now,
             perf.model.prefill_curve_ms(float(request.prompt_tokens)),
         )
+        self._overlaps, self._ttft, self._uncached = out
         return self._ttft
 
     def decode_ms(self) -> FloatArray:

@@ -13,8 +13,9 @@ than its raw backlog says.
 Per-worker figures live in numpy arrays indexed by worker slot, so a policy reads all workers
 at once; every change touches only the entries of the worker it concerns, and records that
 worker's slot in :attr:`ActiveSequences.changed` for figures derived from these (the router's
-cost terms, :class:`copse.router.cost.WorkerCosts`). The blocks in use are reference-counted per
-(worker, block) in a compiled table (``_native.BlockRefs``).
+cost terms, :class:`copse.router.cost.WorkerCosts`). The figures are rows of one array that a
+compiled table (``_native.LoadTable``) updates, which also reference-counts the blocks in use per
+(worker, block).
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ from copse.router import _native
 from copse.router.indexer import Overlaps
 
 FloatArray = npt.NDArray[np.float64]
-
-# Constant operands as 0-d arrays: numpy would convert a Python float anew on every call.
-_ZERO = np.zeros(())
-_MS_PER_S = np.full((), 1000.0)
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,17 +51,37 @@ class Flight:
     prefilling: bool = True
 
 
+#: Rows of :attr:`ActiveSequences.columns`, as the compiled load table knows them.
+ROWS = (
+    "requests",
+    "prefilling",
+    "prefill_tokens",
+    "prefill_ms",
+    "active_blocks",
+    "kv_extra",
+    "kv",
+    "head_start",
+    "head_ms",
+    "step_ms",
+    "free",
+)
+if ROWS != _native.LOAD_ROWS:  # the compiled module is built from the same tree
+    raise ImportError(f"copse.router._native has load rows {_native.LOAD_ROWS}, expected {ROWS}: rebuild it")
+
+
 class ActiveSequences:
     """Per-worker in-flight requests and the load figures derived from them."""
 
     __slots__ = (
         "_flights",
         "_kv",
+        "_load",
         "_pending",
-        "_refs",
         "active_blocks",
         "block_size",
         "changed",
+        "columns",
+        "free_flags",
         "head_ms",
         "head_start",
         "kv_extra",
@@ -72,33 +89,39 @@ class ActiveSequences:
         "prefill_tokens",
         "prefilling",
         "requests",
+        "step_ms",
     )
 
     def __init__(self, *, block_size: int, slots: int = 8) -> None:
         self.block_size = block_size
         """Tokens per block, to turn active blocks into KV tokens."""
         self._flights: dict[str, Flight] = {}
-        self._refs = _native.BlockRefs()
-        self._kv: FloatArray = np.zeros(0)
+        self._load = _native.LoadTable(block_size=block_size)
         self._pending: list[OrderedDict[str, None]] = []
         self.changed: set[int] = set()
         """Slots whose figures changed since a consumer of derived figures last emptied the set."""
-        self.requests: FloatArray = np.zeros(0)
+        self.columns: FloatArray = np.zeros((len(ROWS), 0))
+        """Every per-worker figure, one row each (:data:`ROWS`); the attributes below are its rows."""
+        self.requests: FloatArray = self.columns[0]
         """In-flight requests per worker."""
-        self.prefilling: FloatArray = np.zeros(0)
+        self.prefilling: FloatArray = self.columns[0]
         """Requests per worker still waiting for their first token."""
-        self.prefill_tokens: FloatArray = np.zeros(0)
+        self.prefill_tokens: FloatArray = self.columns[0]
         """Uncached prompt tokens per worker still to prefill."""
-        self.prefill_ms: FloatArray = np.zeros(0)
+        self.prefill_ms: FloatArray = self.columns[0]
         """Sum of predicted prefill compute times of the requests still prefilling, per worker."""
-        self.active_blocks: FloatArray = np.zeros(0)
+        self.active_blocks: FloatArray = self.columns[0]
         """Distinct full prompt blocks in use per worker."""
-        self.kv_extra: FloatArray = np.zeros(0)
+        self.kv_extra: FloatArray = self.columns[0]
         """KV tokens in use per worker beyond the full prompt blocks (partial blocks and outputs)."""
-        self.head_start: FloatArray = np.zeros(0)
+        self._kv: FloatArray = self.columns[0]
+        self.head_start: FloatArray = self.columns[0]
         """When the oldest prefilling request of each worker was routed."""
-        self.head_ms: FloatArray = np.zeros(0)
+        self.head_ms: FloatArray = self.columns[0]
         """Predicted prefill time of that oldest request (0 when none)."""
+        self.step_ms: FloatArray = self.columns[0]
+        """Kept by :class:`copse.router.cost.WorkerCosts` (which see), with :attr:`free_flags`."""
+        self.free_flags: FloatArray = self.columns[0]
         self.ensure(slots)
 
     def ensure(self, size: int) -> None:
@@ -107,20 +130,23 @@ class ActiveSequences:
         if size <= old:
             return
         size = max(size, 2 * old)
-        for name in (
-            "requests",
-            "prefilling",
-            "prefill_tokens",
-            "prefill_ms",
-            "active_blocks",
-            "kv_extra",
-            "head_start",
-            "head_ms",
-            "_kv",
-        ):
-            grown = np.zeros(size)
-            grown[:old] = getattr(self, name)
-            setattr(self, name, grown)
+        columns = np.zeros((len(ROWS), size))
+        columns[:, :old] = self.columns
+        self.columns = columns
+        self._load.bind(columns)
+        (
+            self.requests,
+            self.prefilling,
+            self.prefill_tokens,
+            self.prefill_ms,
+            self.active_blocks,
+            self.kv_extra,
+            self._kv,
+            self.head_start,
+            self.head_ms,
+            self.step_ms,
+            self.free_flags,
+        ) = columns
         self._pending.extend(OrderedDict() for _ in range(size - old))
         self.changed.update(range(old, size))
 
@@ -129,22 +155,14 @@ class ActiveSequences:
         """Length of the per-worker arrays."""
         return len(self._pending)
 
+    @property
+    def load(self) -> _native.LoadTable:
+        """The compiled table the figures are kept by (bound to :attr:`columns`)."""
+        return self._load
+
     def kv_tokens(self) -> FloatArray:
         """KV tokens in use per worker (deduplicated prompt blocks, partial blocks, outputs)."""
         return self._kv
-
-    def _update_kv(self, slot: int) -> None:
-        self._kv[slot] = self.active_blocks.item(slot) * self.block_size + self.kv_extra.item(slot)
-        self.changed.add(slot)
-
-    def backlog_ms(self, now: float) -> FloatArray:
-        """Predicted prefill time still queued on each worker at ``now`` (ms; ``now`` in seconds)."""
-        progress = np.subtract(now, self.head_start)
-        progress *= _MS_PER_S
-        np.maximum(progress, _ZERO, out=progress)
-        np.minimum(progress, self.head_ms, out=progress)
-        backlog = np.subtract(self.prefill_ms, progress, out=progress)
-        return np.maximum(backlog, _ZERO, out=backlog)
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -180,18 +198,13 @@ class ActiveSequences:
             started=now,
         )
         self._flights[request_id] = flight
-        self.active_blocks[slot] += self._refs.acquire(slot, hashes)
-        self.kv_extra[slot] += kv_tokens
-        self.requests[slot] += 1
-        self.prefilling[slot] += 1
-        self.prefill_tokens[slot] += prefill_tokens
-        self.prefill_ms[slot] += prefill_ms
+        self._load.add(slot, hashes, prefill_tokens, prefill_ms, kv_tokens)
         pending = self._pending[slot]
         pending[request_id] = None
         if len(pending) == 1:
             self.head_start[slot] = now
             self.head_ms[slot] = prefill_ms
-        self._update_kv(slot)
+        self.changed.add(slot)
 
     def prefill_done(self, request_id: str, *, now: float) -> int | None:
         """The request's first token arrived; returns its worker slot (``None`` if not tracked)."""
@@ -209,22 +222,14 @@ class ActiveSequences:
         slot = flight.slot
         if flight.prefilling:
             self._end_prefill(request_id, flight, now=flight.started if now is None else now)
-        self.active_blocks[slot] -= self._refs.release(slot, flight.hashes)
-        self.kv_extra[slot] -= flight.kv_tokens
-        self.requests[slot] -= 1
-        if not self.requests[slot]:
-            # Exact zero, not an accumulated float residue.
-            self.kv_extra[slot] = 0.0
-            self.prefill_ms[slot] = 0.0
-        self._update_kv(slot)
+        self._load.free(slot, flight.hashes, flight.kv_tokens)
+        self.changed.add(slot)
         return slot
 
     def _end_prefill(self, request_id: str, flight: Flight, *, now: float) -> None:
         slot = flight.slot
         flight.prefilling = False
-        self.prefilling[slot] -= 1
-        self.prefill_tokens[slot] -= flight.prefill_tokens
-        self.prefill_ms[slot] -= flight.prefill_ms
+        self._load.end_prefill(slot, flight.prefill_tokens, flight.prefill_ms)
         self.changed.add(slot)
         pending = self._pending[slot]
         was_head = next(iter(pending)) == request_id
@@ -246,7 +251,7 @@ class ActiveSequences:
     def active_prefix_array(self, hashes: Sequence[int]) -> FloatArray:
         """:meth:`active_prefix` as an array over every slot."""
         out = np.empty(self.size)
-        self._refs.leading_blocks(hashes, out)
+        self._load.leading_blocks(hashes, out)
         return out
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
