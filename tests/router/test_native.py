@@ -140,7 +140,7 @@ def test_load_table_counts_blocks_in_use_per_worker(
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda index: index.store(0, [-1]), "block hash -1 is not an unsigned 64-bit integer"),
+        (lambda index: index.store(0, [8, -1]), "block hash -1 is not an unsigned 64-bit integer"),
         (lambda index: index.store(0, [2**64]), "is not an unsigned 64-bit integer"),
         (lambda index: index.store(-1, [1]), "worker slot -1 is outside 0 .. 65535"),
         (lambda index: index.store(70000, [1]), "worker slot 70000 is outside"),
@@ -152,6 +152,7 @@ def test_bad_input_is_refused_by_name(call: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call(index)
     assert index.overlaps([7]) == {0: 1}  # nothing already stored is lost
+    assert len(index) == 1  # and nothing of the refused call was stored
 
 
 def test_arrays_must_be_float64_of_the_right_shape() -> None:
@@ -167,6 +168,8 @@ def test_arrays_must_be_float64_of_the_right_shape() -> None:
     load.bind(np.zeros((len(_native.LOAD_ROWS), 4)))
     with pytest.raises(IndexError, match="worker slot 4 is beyond the 4 bound columns"):
         load.add(4, [1], 1, 1.0, 1.0)
+    with pytest.raises(ValueError, match="block hash -2 is not an unsigned 64-bit integer"):
+        load.add(1, [5, -2], 1, 1.0, 1.0)
     assert len(load) == 0  # nothing was charged by the refused calls
 
 

@@ -207,9 +207,9 @@ static int get_vector(PyObject *obj, Py_buffer *view, const char *name, int writ
 }
 
 /* Apply `step(object, slot, hash)` to every block hash of the iterable args[1] for slot args[0];
- * returns the sum of what the steps returned (each returns a count, or -1 on error). The hashes
- * are taken in batches whose table entries `prefetch` asks for first, so that their cache misses
- * overlap. */
+ * returns the sum of what the steps returned (each returns a count, or -1 on error). Every hash
+ * is checked before any step runs, so a bad one changes nothing. The steps run in batches whose
+ * table entries `prefetch` asks for first, so that their cache misses overlap. */
 typedef Py_ssize_t (*block_step)(void *, Py_ssize_t, uint64_t);
 typedef void (*block_prefetch)(void *, Py_ssize_t, uint64_t);
 
@@ -228,27 +228,35 @@ static PyObject *for_each_block(void *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     PyObject **items = PySequence_Fast_ITEMS(hashes);
-    enum { BATCH = 32 };
-    uint64_t keys[BATCH];
+    enum { ON_STACK = 256, BATCH = 32 };
+    uint64_t stack_keys[ON_STACK];
+    uint64_t *keys = n <= ON_STACK ? stack_keys : PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    PyObject *result = NULL;
+    if (!keys) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (read_u64(items[k], &keys[k]) < 0)
+            goto done;
+    }
     for (Py_ssize_t start = 0; start < n; start += BATCH) {
-        Py_ssize_t batch = n - start < BATCH ? n - start : BATCH;
-        for (Py_ssize_t k = 0; k < batch; k++) {
-            if (read_u64(items[start + k], &keys[k]) < 0)
-                goto failed;
+        Py_ssize_t end = n - start < BATCH ? n : start + BATCH;
+        for (Py_ssize_t k = start; k < end; k++)
             prefetch(self, slot, keys[k]);
-        }
-        for (Py_ssize_t k = 0; k < batch; k++) {
-            Py_ssize_t done = step(self, slot, keys[k]);
-            if (done < 0)
-                goto failed;
-            total += done;
+        for (Py_ssize_t k = start; k < end; k++) {
+            Py_ssize_t counted = step(self, slot, keys[k]);
+            if (counted < 0)
+                goto done;
+            total += counted;
         }
     }
+    result = PyLong_FromSsize_t(total);
+done:
+    if (keys != stack_keys)
+        PyMem_Free(keys);
     Py_DECREF(hashes);
-    return PyLong_FromSsize_t(total);
-failed:
-    Py_DECREF(hashes);
-    return NULL;
+    return result;
 }
 
 static void table_prefetch(const Table *t, uint64_t key)
