@@ -16,7 +16,6 @@ never left the cache), so the set of stored-minus-removed hashes always equals
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice, repeat
 
@@ -26,9 +25,6 @@ from copse.workers.protocol.kv_events import KvCleared, KvEventData, KvRemoved, 
 
 #: Builds a named tuple from a plain one without the Python-level ``__new__`` of named tuples.
 _new_tuple = tuple.__new__
-
-#: Runs an iterator to its end in C (bulk dict updates without a Python-level loop).
-_consume = deque[object](maxlen=0).extend
 
 #: Receives each event and, when the manager keeps tokens, the token ids of each stored block.
 EventSink = Callable[[KvEventData, list[np.ndarray] | None], None]
@@ -63,10 +59,9 @@ class BlockManager:
         self.inactive: dict[int, None] = {}
         """Cached, unreferenced block hashes, least recently released first (a plain dict keeps
         insertion order and is twice as fast as an OrderedDict here)."""
-        self.parents: dict[int, int | None] = {}
-        """Block hash -> parent block hash, for every cached block (for dumps)."""
-        self.tokens_hashes: dict[int, int] = {}
-        """Block hash -> tokens hash, for every cached block (for dumps)."""
+        self.cached: dict[int, tuple[int | None, int]] = {}
+        """Block hash -> (parent block hash, tokens hash) of every cached block, in caching order
+        (for dumps)."""
         self.partial_blocks = 0
         """Partial blocks held by sequences."""
 
@@ -119,16 +114,17 @@ class BlockManager:
         segment = hashes[start:full]
         # filter() over the segment runs in C: a prefill step touches hundreds of blocks at once
         shared = list(filter(active.__contains__, segment)) if active else []
-        cached = list(filter(inactive.__contains__, segment)) if inactive else []
-        missing = len(segment) - len(shared) - len(cached)
+        reused = list(filter(inactive.__contains__, segment)) if inactive else []
+        missing = len(segment) - len(shared) - len(reused)
         extra = missing + need_partial - holder.partial
-        if extra > self.free_blocks + len(inactive) - len(cached):
+        free = self.num_blocks - len(active) - len(inactive) - self.partial_blocks
+        if extra > free + len(inactive) - len(reused):
             return False
         runs: list[tuple[int, int]] = []
         if missing and missing == len(segment):
             runs.append((start, full))
         elif missing:
-            known = {*shared, *cached}
+            known = {*shared, *reused}
             for index in range(start, full):
                 if hashes[index] in known:
                     continue
@@ -138,18 +134,20 @@ class BlockManager:
                     runs.append((index, index + 1))
         if shared:
             active.update(zip(shared, map((1).__add__, map(active.__getitem__, shared)), strict=True))
-        if cached:
-            _consume(map(inactive.__delitem__, cached))
-            active.update(dict.fromkeys(cached, 1))
-        shortfall = extra - self.free_blocks
-        evicted = list(islice(inactive, shortfall)) if shortfall > 0 else []
-        for cache in (inactive, self.parents, self.tokens_hashes):
-            _consume(map(cache.__delitem__, evicted))
+        if reused:
+            for block_hash in reused:  # del in a loop: map(d.__delitem__) is twice as slow
+                del inactive[block_hash]
+            active.update(dict.fromkeys(reused, 1))
         self.partial_blocks += need_partial - holder.partial
         holder.partial = need_partial
         holder.blocks.extend(segment)
-        if evicted:
-            self._emit(KvRemoved.model_construct(block_hashes=tuple(evicted)), None)
+        if extra > free:  # moving reused blocks to active left the free count as it was
+            evicted = tuple(islice(inactive, extra - free))
+            meta = self.cached
+            for block_hash in evicted:
+                del inactive[block_hash]
+                del meta[block_hash]
+            self._emit(KvRemoved.model_construct(block_hashes=evicted), None)
         for run_start, run_stop in runs:
             self._store_run(run_start, run_stop, hashes, tokens_hashes, tokens)
         return True
@@ -167,8 +165,7 @@ class BlockManager:
         local = tokens_hashes[start:stop]
         parent = hashes[start - 1] if start else None
         self.active.update(dict.fromkeys(new, 1))
-        self.parents.update(zip(new, [parent, *new[:-1]], strict=True))
-        self.tokens_hashes.update(zip(new, local, strict=True))
+        self.cached.update(zip(new, zip([parent, *new[:-1]], local, strict=True), strict=True))
         event = KvStored.model_construct(
             type="stored",
             parent_hash=parent,
@@ -186,8 +183,9 @@ class BlockManager:
         active, inactive = self.active, self.inactive
         tail_first = holder.blocks[::-1]
         if max(map(active.__getitem__, tail_first), default=0) == 1:
-            # the common case, no block shared: done in C
-            _consume(map(active.__delitem__, tail_first))
+            # the common case, no block shared
+            for block_hash in tail_first:
+                del active[block_hash]
             inactive.update(dict.fromkeys(tail_first))
         else:
             for block_hash in tail_first:
@@ -206,28 +204,27 @@ class BlockManager:
         if self.active or self.partial_blocks:
             return False
         self.inactive.clear()
-        self.parents.clear()
-        self.tokens_hashes.clear()
+        self.cached.clear()
         self._emit(KvCleared.model_construct(type="cleared"), None)
         return True
 
     def iter_cached(self) -> Iterator[tuple[int, int | None, int]]:
         """``(block hash, parent hash, tokens hash)`` of every cached block, parents before children."""
-        parents = self.parents
+        cached = self.cached
         emitted: set[int] = set()
 
         def visit(block_hash: int) -> Iterator[tuple[int, int | None, int]]:
             chain: list[int] = []
-            while block_hash not in emitted and block_hash in parents:
+            while block_hash not in emitted and block_hash in cached:
                 chain.append(block_hash)
-                parent = parents[block_hash]
+                parent = cached[block_hash][0]
                 if parent is None:
                     break
                 block_hash = parent
             for item in reversed(chain):
                 emitted.add(item)
-                parent, tokens_hash = parents[item], self.tokens_hashes[item]
+                parent, tokens_hash = cached[item]
                 yield item, parent, tokens_hash
 
-        for block_hash in list(parents):
+        for block_hash in list(cached):
             yield from visit(block_hash)

@@ -692,7 +692,7 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (emits ``cleared``); ``False`` while requests hold blocks."""
-        cached = list(self.blocks.parents) if self.trtllm_events is not None else []
+        cached = list(self.blocks.cached) if self.trtllm_events is not None else []
         if not self.blocks.clear():
             return False
         if self.trtllm_events is not None:
