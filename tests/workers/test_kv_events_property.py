@@ -9,8 +9,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from copse.workers.mocker import Engine, EngineConfig, Simulator, StepOutput
+from copse.workers.mocker.blocks import trusted_model
 from copse.workers.perf import PolynomialPerfModel
-from copse.workers.protocol import KvEvent, tokens_hashes
+from copse.workers.protocol import KvEvent, KvRemoved, KvStored, StoredBlock, tokens_hashes
 
 BLOCK = 4
 
@@ -158,3 +159,32 @@ def test_trtllm_stored_tokens_hash_to_the_copse_tokens_hash() -> None:
             ids = [t["token_id"] for t in raw_block["tokens"]]
             assert tokens_hashes(ids, block_size=BLOCK) == [block.tokens_hash]
     assert engine.trtllm_events[0]["data"] == {"type": "created", "num_blocks_per_cache_level": [64, 0]}
+
+
+def test_trusted_events_are_what_model_construct_builds() -> None:
+    stored_values = {"type": "stored", "parent_hash": 7, "blocks": (StoredBlock(1, 2), StoredBlock(3, 4))}
+    pairs = [
+        (
+            trusted_model(KvStored, dict(stored_values), frozenset(("type", "parent_hash", "blocks"))),
+            KvStored.model_construct(**stored_values),  # type: ignore[arg-type]
+        ),
+        (
+            trusted_model(
+                KvRemoved, {"type": "removed", "block_hashes": (5, 6)}, frozenset(("block_hashes",))
+            ),
+            KvRemoved.model_construct(block_hashes=(5, 6)),
+        ),
+    ]
+    data = pairs[0][1]
+    pairs.append(
+        (
+            trusted_model(KvEvent, {"event_id": 3, "data": data}, frozenset(("event_id", "data"))),
+            KvEvent.model_construct(event_id=3, data=data),
+        )
+    )
+    for ours, theirs in pairs:
+        assert type(ours) is type(theirs)
+        assert ours == theirs
+        assert ours.__getstate__() == theirs.__getstate__()
+        assert ours.model_dump_json() == theirs.model_dump_json()
+        assert ours.model_dump(exclude_unset=True) == theirs.model_dump(exclude_unset=True)

@@ -18,13 +18,37 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice, repeat
+from typing import Any, TypeVar
 
 import numpy as np
+from pydantic import BaseModel
 
 from copse.workers.protocol.kv_events import KvCleared, KvEventData, KvRemoved, KvStored, StoredBlock
 
 #: Builds a named tuple from a plain one without the Python-level ``__new__`` of named tuples.
 _new_tuple = tuple.__new__
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def trusted_model(cls: type[_Model], values: dict[str, Any], fields_set: frozenset[str]) -> _Model:
+    """What ``cls.model_construct(...)`` builds from trusted ``values`` (every field, in field order;
+    ``fields_set`` names those given rather than defaulted), built the way unpickling builds a
+    model: twice as fast, and engines emit an event for every block run they store or evict."""
+    model = cls.__new__(cls)
+    model.__setstate__(
+        {
+            "__dict__": values,
+            "__pydantic_fields_set__": set(fields_set),
+            "__pydantic_extra__": None,
+            "__pydantic_private__": None,
+        }
+    )
+    return model
+
+
+_STORED_FIELDS = frozenset(("type", "parent_hash", "blocks"))
+_REMOVED_FIELDS = frozenset(("block_hashes",))
 
 #: Receives each event and, when the manager keeps tokens, the token ids of each stored block.
 EventSink = Callable[[KvEventData, list[np.ndarray] | None], None]
@@ -147,7 +171,8 @@ class BlockManager:
             for block_hash in evicted:
                 del inactive[block_hash]
                 del meta[block_hash]
-            self._emit(KvRemoved.model_construct(block_hashes=evicted), None)
+            removed = trusted_model(KvRemoved, {"type": "removed", "block_hashes": evicted}, _REMOVED_FIELDS)
+            self._emit(removed, None)
         for run_start, run_stop in runs:
             self._store_run(run_start, run_stop, hashes, tokens_hashes, tokens)
         return True
@@ -166,10 +191,9 @@ class BlockManager:
         parent = hashes[start - 1] if start else None
         self.active.update(dict.fromkeys(new, 1))
         self.cached.update(zip(new, zip([parent, *new[:-1]], local, strict=True), strict=True))
-        event = KvStored.model_construct(
-            type="stored",
-            parent_hash=parent,
-            blocks=tuple(map(_new_tuple, repeat(StoredBlock), zip(new, local, strict=True))),
+        blocks = tuple(map(_new_tuple, repeat(StoredBlock), zip(new, local, strict=True)))
+        event = trusted_model(
+            KvStored, {"type": "stored", "parent_hash": parent, "blocks": blocks}, _STORED_FIELDS
         )
         block_tokens = None
         if self._keep_tokens and tokens is not None:

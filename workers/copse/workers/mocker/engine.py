@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from copse.workers.mocker.blocks import BlockHolder, BlockManager
+from copse.workers.mocker.blocks import BlockHolder, BlockManager, trusted_model
 from copse.workers.mocker.config import EngineConfig
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.hashing import hash_blocks
@@ -45,6 +45,8 @@ RequestState = Literal["waiting", "transferring", "running", "finished", "aborte
 #: Generated ids cycle through a seeded table of this many ids (cheap, and reproducible by seed).
 _SAMPLE_TABLE = 1 << 12
 _SAMPLE_MASK = _SAMPLE_TABLE - 1
+
+_EVENT_FIELDS = frozenset(("event_id", "data"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -707,7 +709,7 @@ class Engine:
 
     def _emit(self, data: KvEventData, block_tokens: list[np.ndarray] | None) -> None:
         self._last_event_id += 1
-        event = KvEvent.model_construct(event_id=self._last_event_id, data=data)
+        event = trusted_model(KvEvent, {"event_id": self._last_event_id, "data": data}, _EVENT_FIELDS)
         self._pending_events.append(event)
         if self.trtllm_events is not None:
             self.trtllm_events.append(_trtllm_event(event, block_tokens, window=self.config.max_model_len))
