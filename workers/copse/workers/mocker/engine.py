@@ -439,6 +439,7 @@ class Engine:
         decode_kv = 0
         decodes = 0
         running = self.running
+        size = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -448,14 +449,17 @@ class Engine:
                     i += 1
                     continue
                 n = budget
-            while not self._grow(request, request.num_computed + n):
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
+            target = request.num_computed + n
+            # most steps need no new block (the _grow fast path, inlined: one call per request and step)
+            if target // size != len(request.blocks) or (1 if target % size else 0) != request.partial:
+                while not self._grow(request, target):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.state != "running":
                     break
-            if request.state != "running":
-                break
             scheduled.append((request, n))
             budget -= n
             if n == 1 and request.num_output:
@@ -528,26 +532,26 @@ class Engine:
         size = self.block_size
         limit = self.config.max_model_len
         for request, _ in self._scheduled:
-            limit = min(limit, request.max_tokens - request.num_output)
-            filled = (request.num_computed + 1) % size
-            limit = min(limit, size - filled if filled else 1)
+            left = request.max_tokens - request.num_output
+            # steps until the block the next token goes to is full (1 when this step fills it)
+            room = -(request.num_computed + 1) % size or 1
+            limit = min(limit, left, room)
         if self._transfers:
             horizon_ms = min(horizon_ms, *(r.ready_ms for r in self._transfers))
         itl = self.perf.decode_itl_ms
         speed = self._decode_speed
         ends = [end]
-        steps = 1
-        while steps < limit:
-            active = decode_kv + steps * decodes
+        append = ends.append
+        # step k (k = 1, 2, ...) computes the KV of decode_kv + k * decodes tokens
+        for active in range(decode_kv + decodes, decode_kv + limit * decodes, decodes):
             step_end = end + itl(active_kv_tokens=active, context_length=active / decodes) / speed
             if step_end > horizon_ms:
                 break
             end = step_end
-            ends.append(end)
-            steps += 1
-        if steps > 1:
+            append(end)
+        if len(ends) > 1:
             self._step_ends = ends
-        return steps, end
+        return len(ends), end
 
     def cut_steps(self, now_ms: float) -> float | None:
         """A request arrived (or was aborted) at ``now_ms`` during fused decode steps: end them
@@ -570,52 +574,54 @@ class Engine:
         end = self._busy_until
         if end is None:
             raise RuntimeError(f"engine {self.worker_id} has no step in progress")
-        advanced: list[Request] = []
         finished: list[Request] = []
         samples = self._samples
         sample = self._sample_index
-        extra = self._steps - 1
-        if extra:
-            # fused decode steps: all but the last sample one token per request, in step order, so
-            # request j of m takes samples j, j + m, j + 2m, ... (strided slices, not a loop per token)
-            live = [request for request, _n in self._scheduled if request.state == "running"]
-            stride = len(live)
-            for j, request in enumerate(live):
-                _extend_cyclic(request.output, samples, start=sample + j, stride=stride, count=extra)
-                request.num_tokens += extra
-                request.num_computed = request.num_tokens - 1
-                request.num_output += extra
-            sample += stride * extra
-            self.generation_tokens_total += stride * extra
-        for request, n in self._scheduled:
-            if request.state != "running":
-                continue  # aborted during the step
-            if n == 0:
-                request.awaiting_first = False
-                request.first_token_ms = request.last_token_ms = end
+        steps = self._steps
+        if steps > 1:
+            # fused decode steps: each samples one token per request, in step order, so request j
+            # of m takes samples j, j + m, j + 2m, ... (strided slices, not a loop per token)
+            advanced = [request for request, _n in self._scheduled if request.state == "running"]
+            stride = len(advanced)
+            for j, request in enumerate(advanced):
+                _extend_cyclic(request.output, samples, start=sample + j, stride=stride, count=steps)
+                tokens = request.num_tokens + steps
+                request.num_tokens = tokens
+                request.num_computed = tokens - 1
+                request.num_output += steps
+                request.last_token_ms = end
+                if request.num_output >= request.max_tokens:
+                    self._finish(request, end)
+                    finished.append(request)
+            sample += stride * steps
+            self.generation_tokens_total += stride * steps
+        else:
+            advanced = []
+            for request, n in self._scheduled:
+                if request.state != "running":
+                    continue  # aborted during the step
+                if n == 0:
+                    request.awaiting_first = False
+                    request.first_token_ms = request.last_token_ms = end
+                    advanced.append(request)
+                    continue
+                computed = request.num_computed + n
+                request.num_computed = computed
+                if computed < request.num_tokens:
+                    continue
+                request.output.append(samples[sample & _SAMPLE_MASK])
+                sample += 1
+                request.num_tokens = computed + 1
+                request.num_output += 1
+                if request.num_output == 1:
+                    request.first_token_ms = end
+                request.last_token_ms = end
                 advanced.append(request)
-                continue
-            computed = request.num_computed + n
-            request.num_computed = computed
-            if computed < request.num_tokens:
-                continue
-            request.output.append(samples[sample & _SAMPLE_MASK])
-            sample += 1
-            request.num_tokens = computed + 1
-            request.num_output += 1
-            if request.num_output == 1:
-                request.first_token_ms = end
-            request.last_token_ms = end
-            advanced.append(request)
-            if request.num_output >= request.max_tokens:
-                request.state = "finished"
-                request.finish_ms = end
-                self.blocks.release(request)
-                del self.requests[request.request_id]
-                finished.append(request)
-                self.requests_finished_total += 1
+                if request.num_output >= request.max_tokens:
+                    self._finish(request, end)
+                    finished.append(request)
+            self.generation_tokens_total += len(advanced)
         self._sample_index = sample
-        self.generation_tokens_total += len(advanced)
         if finished:
             self.running = [r for r in self.running if r.state == "running"]
         output = StepOutput(
@@ -633,6 +639,13 @@ class Engine:
         self._step_ends = []
         self._busy_until = None
         return output
+
+    def _finish(self, request: Request, end: float) -> None:
+        request.state = "finished"
+        request.finish_ms = end
+        self.blocks.release(request)
+        del self.requests[request.request_id]
+        self.requests_finished_total += 1
 
     def _collect_transfers(self, now_ms: float) -> None:
         ready = [r for r in self._transfers if r.ready_ms <= now_ms]
