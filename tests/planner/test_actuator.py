@@ -299,7 +299,8 @@ def test_default_queries_select_the_deployment() -> None:
         'sum(increase(copse_router_requests_total{namespace="serving",deployment="llama"}[60000ms]))'
     )
     assert "histogram_quantile(0.99," in text["ttft_ms"]
-    assert 'role=~"decode|worker"' in text["osl"]
+    assert "copse_router_output_tokens_total" in text["osl"]
+    assert "histogram_quantile(0.9," in text["isl_p90"]
     with pytest.raises(ValueError, match="unknown field latency"):
         Queries(
             PrometheusConfig(queries={"latency": "up"}), namespace="a", name="b", interval_s=60, quantile=0.9
@@ -312,6 +313,7 @@ async def test_prometheus_source_builds_an_observation() -> None:
         "num_requests": "120",
         "isl": "2000",
         "osl": "150",
+        "isl_p90": "6144",
         "kv_hit_rate": "0.25",
         "ttft_ms": "310.5",
         "itl_ms": "22",
@@ -339,6 +341,7 @@ async def test_prometheus_source_builds_an_observation() -> None:
         num_requests=120.0,
         isl=2000.0,
         osl=150.0,
+        isl_p90=6144.0,
         kv_hit_rate=0.25,
         ttft_ms=310.5,
         itl_ms=22.0,

@@ -83,6 +83,9 @@ async def test_streams_a_completion_and_exposes_health_models_and_metrics() -> N
                 async with http.get(f"{running.url}/metrics") as response:
                     metrics = await response.text()
             assert "copse_router_time_to_first_token_seconds_count 1.0" in metrics
+            # 5 streamed tokens + the chat answer's usage count (3); both prompts were measured.
+            assert "copse_router_output_tokens_total 8.0" in metrics
+            assert "copse_router_prompt_length_tokens_count 2.0" in metrics
             assert 'copse_router_requests_total{status="200"} 2.0' in metrics
             assert "copse_router_worker_inflight_requests" in metrics
             assert running.service.router.sequences.requests.sum() == 0  # everything was released

@@ -5,8 +5,9 @@ prometheus-api-client is synchronous (requests) and, before 0.7, pulled pandas a
 into every install. Forty lines of ``httpx.AsyncClient`` do it and test with respx.
 
 The default queries read the router's request-level series (``copse_router_*``: every request of
-a deployment passes its router) and the engines' queue/batch gauges (``trtllm_*``, which the
-mocker exports under the same names). ``{selector}`` picks one deployment's series (the chart's
+a deployment passes its router, so request counts, prompt and output lengths and latencies do not
+depend on which engine serves) and the engines' queue/batch gauges (``trtllm_*``, which the mocker
+exports under the same names). ``{selector}`` picks one deployment's series (the chart's
 PodMonitor labels them ``namespace``, ``deployment``, ``role``), ``{window}`` is the decision
 interval and ``{quantile}`` the SLO quantile.
 """
@@ -30,10 +31,14 @@ DEFAULT_QUERIES: dict[str, str] = {
         "sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}]))"
         " / sum(increase(copse_router_requests_total{{{selector}}}[{window}]))"
     ),
-    # Output tokens come from the engines that decode (a prefill engine's one token is not output).
+    # Output tokens as the router returned them to clients (whatever engine produced them).
     "osl": (
-        'sum(increase(trtllm_generation_tokens_total{{{selector},role=~"decode|worker"}}[{window}]))'
+        "sum(increase(copse_router_output_tokens_total{{{selector}}}[{window}]))"
         " / sum(increase(copse_router_requests_total{{{selector}}}[{window}]))"
+    ),
+    "isl_p90": (
+        "histogram_quantile(0.9, "
+        "sum by (le) (rate(copse_router_prompt_length_tokens_bucket{{{selector}}}[{window}])))"
     ),
     "kv_hit_rate": (
         "sum(increase(copse_router_predicted_cached_tokens_total{{{selector}}}[{window}]))"
@@ -153,6 +158,7 @@ class PrometheusSource:
             num_requests=num_requests,
             isl=values["isl"] if busy else None,
             osl=values["osl"] if busy else None,
+            isl_p90=values["isl_p90"] if busy else None,
             kv_hit_rate=_fraction(values["kv_hit_rate"]),
             ttft_ms=values["ttft_ms"] if busy else None,
             itl_ms=values["itl_ms"] if busy else None,

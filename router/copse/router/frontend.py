@@ -110,6 +110,33 @@ def _is_token_event(event: Mapping[str, Any]) -> bool:
     return False
 
 
+def _output_tokens(event: Mapping[str, Any]) -> int:
+    """Output tokens an SSE chunk carries: its token ids, else one per choice with text."""
+    count = 0
+    for choice in event.get("choices") or ():
+        token_ids = choice.get("token_ids")
+        if token_ids:
+            count += len(token_ids)
+        elif choice.get("text") or (choice.get("delta") or {}).get("content"):
+            count += 1
+    return count
+
+
+def _json_or_none(body: bytes) -> object:
+    """A worker's JSON answer, or ``None`` when it is not JSON (it is relayed as it is anyway)."""
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _usage_tokens(body: object) -> int | None:
+    """``usage.completion_tokens`` of a response or chunk (cumulative when streamed), if given."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
 class RouterService:
     """One router: core, worker liveness, HTTP frontend."""
 
@@ -350,9 +377,14 @@ class RouterService:
                     f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)"
                 ) from exc
         self.metrics.prompt_tokens.inc(route.prompt_tokens)
+        self.metrics.prompt_length.observe(route.prompt_tokens)
         self.metrics.cached_tokens.inc(route.cached_tokens)
         self._changed()
         return route
+
+    def _count_output(self, tokens: int) -> None:
+        if tokens > 0:
+            self.metrics.output_tokens.inc(tokens)
 
     def _first_token(self, request_id: str) -> None:
         self._dispatch(self.router.prefill_done(request_id, now=self.now()))
@@ -487,6 +519,7 @@ class RouterService:
                 body = await upstream.read()
                 if upstream.status == 200:
                     self._first_token(route.request_id)
+                    self._count_output(_usage_tokens(_json_or_none(body)) or 0)
                 return web.Response(
                     body=body,
                     status=upstream.status,
@@ -508,6 +541,8 @@ class RouterService:
         client: web.StreamResponse | None = None
         first_at = last_at = 0.0
         tokens = 0
+        streamed = 0  # output tokens in the chunks
+        reported: int | None = None  # the worker's own (cumulative) count, when it sends usage
         done = False
         try:
             async for line in upstream.content:
@@ -519,6 +554,9 @@ class RouterService:
                         event = json.loads(data)
                         if isinstance(event, dict) and "error" in event and client is None:
                             raise _EarlyFailure(f"worker stream error: {event['error']}")
+                        if isinstance(event, dict):
+                            streamed += _output_tokens(event)
+                            reported = _usage_tokens(event) or reported
                         if isinstance(event, dict) and _is_token_event(event):
                             now = self.now()
                             tokens += 1
@@ -540,6 +578,7 @@ class RouterService:
             if client is None:
                 self._drop_worker_id(route.worker_id, reason=f"stream failed: {exc}")
                 raise _EarlyFailure(f"worker {route.worker_id} stream broke: {exc!r}") from exc
+            self._count_output(streamed)
             log.warning(
                 "stream of %s from %s broke after its first token: %r", route.request_id, route.worker_id, exc
             )
@@ -553,6 +592,7 @@ class RouterService:
             return client
         if client is None:
             raise _EarlyFailure(f"worker {route.worker_id} ended the stream before any token")
+        self._count_output(streamed if reported is None else reported)
         if not done:
             error = ErrorResponse(
                 message="the worker ended the stream early", type="BadGatewayError", code=502

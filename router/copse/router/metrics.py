@@ -19,6 +19,8 @@ PREFIX = "copse_router"
 #: Latency buckets (seconds) spanning a fast decode step to a long queued prefill.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+#: Prompt-length buckets (tokens), powers of two from a chat turn to a 256k context.
+_PROMPT_LENGTH = tuple(float(2**k) for k in range(6, 19))
 
 
 class RouterMetrics:
@@ -50,6 +52,18 @@ class RouterMetrics:
         )
         self.prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens of routed requests.", registry=r
+        )
+        self.prompt_length = Histogram(
+            f"{PREFIX}_prompt_length_tokens",
+            "Prompt length of routed requests (the planner sizes prefill for its p90).",
+            buckets=_PROMPT_LENGTH,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            f"{PREFIX}_output_tokens",
+            "Output tokens returned to clients: the worker's usage count when it reports one, else "
+            "the tokens streamed.",
+            registry=r,
         )
         self.cached_tokens = Counter(
             f"{PREFIX}_predicted_cached_tokens",
