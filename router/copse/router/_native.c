@@ -80,6 +80,8 @@ static size_t table_home(const Table *t, uint64_t key)
 /* Position of `key`, or -1. */
 static Py_ssize_t table_find(const Table *t, uint64_t key)
 {
+    if (!t->cap) /* an object whose __init__ never ran */
+        return -1;
     size_t m = t->cap - 1;
     for (size_t i = table_home(t, key);; i = (i + 1) & m) {
         if (table_empty_at(t, i))
@@ -126,7 +128,7 @@ static int table_init(Table *t, size_t words)
 /* Position of `key`, inserted with a zero value if absent (the caller makes it non-zero at once). */
 static Py_ssize_t table_find_or_insert(Table *t, uint64_t key)
 {
-    if (2 * (t->count + 1) > t->cap && table_resize(t, 2 * t->cap, t->words) < 0)
+    if (2 * (t->count + 1) > t->cap && table_resize(t, t->cap ? 2 * t->cap : INITIAL_CAPACITY, t->words) < 0)
         return -1;
     size_t m = t->cap - 1;
     for (size_t i = table_home(t, key);; i = (i + 1) & m) {
@@ -261,7 +263,8 @@ done:
 
 static void table_prefetch(const Table *t, uint64_t key)
 {
-    __builtin_prefetch(table_entry(t, table_home(t, key)));
+    if (t->cap)
+        __builtin_prefetch(table_entry(t, table_home(t, key)));
 }
 
 /* ---- BlockIndex ------------------------------------------------------------------------------ */
@@ -303,11 +306,12 @@ static int ensure_slot(BlockIndexObject *self, Py_ssize_t slot)
         PyErr_NoMemory();
         return -1;
     }
-    if (table_resize(&self->table, self->table.cap, words) < 0) {
+    if (table_resize(&self->table, self->table.cap ? self->table.cap : INITIAL_CAPACITY, words) < 0) {
         PyMem_Free(held);
         return -1;
     }
-    memcpy(held, self->held, old * 64 * sizeof(Py_ssize_t));
+    if (old)
+        memcpy(held, self->held, old * 64 * sizeof(Py_ssize_t));
     PyMem_Free(self->held);
     self->held = held;
     return 0;
@@ -422,6 +426,8 @@ static int walk(const BlockIndexObject *self, PyObject *hashes, double *depth, s
     const Table *t = &self->table;
     size_t words = t->words;
     memset(depth, 0, size * sizeof(double));
+    if (!words) /* an index whose __init__ never ran holds nothing */
+        return 0;
     /* Slots still holding every block so far; slots beyond the output are not asked about. */
     uint64_t active[words];
     int any = 0;
