@@ -39,7 +39,7 @@ from copse.workers.mocker import (
     StepOutput,
 )
 from copse.workers.perf import PerfModel, load_perf_model
-from copse.workers.protocol.hashing import chain_hashes, tokens_hashes
+from copse.workers.protocol.hashing import hash_blocks
 
 
 class EngineConfigError(ValueError):
@@ -287,8 +287,7 @@ def replay(
         simulator.run_until(float(arrival[index]))
         sync_events()
         tokens = synth.tokens(request.hash_ids, request.input_length)
-        local = tokens_hashes(tokens, block_size=block_size)
-        hashes = chain_hashes(local)
+        hashes, local = hash_blocks(tokens, block_size=block_size)
         request_id = str(index)
         pending[request_id] = _Pending(
             index=index, tokens=tokens, hashes=hashes, local=local, max_tokens=request.output_length

@@ -66,6 +66,12 @@ def load_trace(
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX = np.uint64(0x94D049BB133111EB)
+_SHIFT_MIX = np.uint64(31)
+_SHIFT_OUT = np.uint64(17)
+#: OR-ing a uint64 below 2**52 into these exponent bits gives the float64 ``2**52 + value``.
+_EXPONENT_52 = np.uint64(0x4330000000000000)
+_TWO_52 = float(2**52)
+_SPAN = float(VOCAB_SIZE - RESERVED_IDS)
 
 
 class TokenSynth:
@@ -82,10 +88,20 @@ class TokenSynth:
         ids = np.asarray(hash_ids, dtype=np.uint64)
         with np.errstate(over="ignore"):
             # A multiply-xorshift of (id, position): distinct pairs give unrelated tokens.
-            x = ((ids * _GOLDEN + self._seed)[:, None] + self._positions[None, :]).reshape(-1)[:length]
-            x = x ^ (x >> np.uint64(31))
-            x = x * _GOLDEN
-            x = x >> np.uint64(17)
-        span = np.uint64(VOCAB_SIZE - RESERVED_IDS)
-        out: npt.NDArray[np.uint32] = (x % span + np.uint64(RESERVED_IDS)).astype(np.uint32)
+            x = np.add.outer(ids * _GOLDEN + self._seed, self._positions).reshape(-1)[:length]
+            x ^= x >> _SHIFT_MIX
+            x *= _GOLDEN
+            x >>= _SHIFT_OUT
+        # x % span + RESERVED_IDS in float64, a third faster than a uint64 modulo and exact: x < 2**47
+        # converts exactly, and x / span (correctly rounded) is never rounded up to an integer, as
+        # it is at least 1 / span below the next one while its ulp is below 2**-20.
+        x |= _EXPONENT_52
+        f = x.view(np.float64)
+        f -= _TWO_52
+        quotient = f / _SPAN
+        np.floor(quotient, out=quotient)
+        quotient *= _SPAN
+        f -= quotient
+        f += _TWO_52 + RESERVED_IDS  # the float 2**52 + token, whose low 32 bits are the token
+        out: npt.NDArray[np.uint32] = f.view(np.uint64).astype(np.uint32)
         return out

@@ -29,21 +29,21 @@ _PAIR = struct.Struct("<QQ")
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     try:
-        return np.asarray(tokens, dtype="<u4").tobytes()
+        array = np.ascontiguousarray(tokens, dtype="<u4")
     except OverflowError as exc:
         raise ValueError(f"token ids must lie in [0, 2**32): {exc}") from exc
+    return array.data.cast("B")  # no copy when ``tokens`` already is a uint32 array
 
 
 def tokens_hashes(tokens: Sequence[int] | np.ndarray, *, block_size: int) -> list[int]:
     """The tokens hash of every full block of ``tokens``."""
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be at least 1")
-    data = _token_bytes(tokens)
+    view = _token_bytes(tokens)
     stride = block_size * 4
-    full = len(data) // stride
-    view = memoryview(data)
+    full = len(view) // stride
     xxh3 = _xxh3
     return [xxh3(view[i : i + stride], seed=HASH_SEED) for i in range(0, full * stride, stride)]
 
