@@ -11,6 +11,9 @@ import yaml
 
 from copse.api.v1alpha1 import API_VERSION, KIND, InferenceDeployment
 
+#: libyaml's loader when PyYAML has it (its wheels do): node lists of whole racks load 7x faster.
+_SAFE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 
 class ManifestError(ValueError):
     """A file a user gave us is not what it should be; the message says where and why."""
@@ -19,7 +22,7 @@ class ManifestError(ValueError):
 def read_documents(path: Path) -> list[dict[str, Any]]:
     """The objects in a YAML/JSON file: one object, a ``*List`` (``items:``), or several documents."""
     try:
-        documents = list(yaml.safe_load_all(path.read_text()))
+        documents = list(yaml.load_all(path.read_text(), Loader=_SAFE_LOADER))
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
