@@ -205,3 +205,46 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(
     )
     services = kubectl.items("services", "-l", names.LABEL_GROUP, namespace=namespace)
     assert len(services) == 4
+
+
+def test_a_changed_template_rolls_one_group_at_a_time(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    kubectl.apply(seed("rolling"), namespace=namespace)
+    wait_running(kubectl, "rolling", namespace, operator)
+    selector = f"{names.LABEL_GROUP},{names.selector_string(names.worker_selector('rolling'))}"
+
+    def group_hashes() -> list[str]:
+        services = kubectl.items("services", "-l", selector, namespace=namespace)
+        return [service["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] for service in services]
+
+    [old] = set(group_hashes())
+    seen: list[tuple[int, int]] = []  # (groups, running worker pods) at every poll
+
+    def rolled() -> bool:
+        hashes = group_hashes()
+        running = sum(
+            pod["status"].get("phase") == "Running" for pod in worker_pods(kubectl, "rolling", namespace)
+        )
+        seen.append((len(hashes), running))
+        return (
+            len(hashes) == 2
+            and old not in hashes
+            and running == 4
+            and status(kubectl, "rolling", namespace).get("ready") == "worker 2/2"
+        )
+
+    kubectl.run(
+        "patch",
+        "idep/rolling",
+        "--type=merge",
+        "--patch",
+        '{"spec": {"engine": {"args": ["--log_level=debug"]}}}',
+        f"--namespace={namespace}",
+    )
+    wait_until("every group rolled to the new template", rolled, operator=operator, timeout=180)
+    assert len(set(group_hashes())) == 1
+    assert max(groups for groups, _ in seen) <= 3, f"more than one surge group: {seen}"
+    assert min(running for _, running in seen) >= 4, f"serving capacity dropped during the roll: {seen}"
+    events = kubectl.items("events", "--field-selector", "involvedObject.name=rolling", namespace=namespace)
+    assert Counter(event["reason"] for event in events)["Placed"] == 4, "two groups, then two successors"
