@@ -30,20 +30,20 @@ _new_tuple = tuple.__new__
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
+#: Sets an attribute of a frozen model (as pydantic itself does when it builds one).
+_set_attribute = object.__setattr__
+
 
 def trusted_model(cls: type[_Model], values: dict[str, Any], fields_set: frozenset[str]) -> _Model:
     """What ``cls.model_construct(...)`` builds from trusted ``values`` (every field, in field order;
-    ``fields_set`` names those given rather than defaulted), built the way unpickling builds a
-    model: twice as fast, and engines emit an event for every block run they store or evict."""
+    ``fields_set`` names those given rather than defaulted): the four attributes it (and unpickling)
+    sets, without its loop over the fields -- three times as fast, and engines emit an event for
+    every block run they store or evict."""
     model = cls.__new__(cls)
-    model.__setstate__(
-        {
-            "__dict__": values,
-            "__pydantic_fields_set__": set(fields_set),
-            "__pydantic_extra__": None,
-            "__pydantic_private__": None,
-        }
-    )
+    _set_attribute(model, "__dict__", values)
+    _set_attribute(model, "__pydantic_fields_set__", set(fields_set))
+    _set_attribute(model, "__pydantic_extra__", None)
+    _set_attribute(model, "__pydantic_private__", None)
     return model
 
 

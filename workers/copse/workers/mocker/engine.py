@@ -440,16 +440,18 @@ class Engine:
         decodes = 0
         running = self.running
         size = self.block_size
+        fuse_limit = self.config.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = request.num_tokens - request.num_computed
+            computed = request.num_computed
+            n = request.num_tokens - computed
             if n > budget:
                 if not chunked:
                     i += 1
                     continue
                 n = budget
-            target = request.num_computed + n
+            target = computed + n
             # most steps need no new block (the _grow fast path, inlined: one call per request and step)
             if target // size != len(request.blocks) or (1 if target % size else 0) != request.partial:
                 while not self._grow(request, target):
@@ -464,9 +466,12 @@ class Engine:
             budget -= n
             if n == 1 and request.num_output:
                 decodes += 1
-                decode_kv += request.num_computed + 1
+                decode_kv += target
+                # identical steps can follow this one until a request finishes or, after the step
+                # that fills the block the next token goes to, needs a new block
+                fuse_limit = min(fuse_limit, request.max_tokens - request.num_output, -target % size or 1)
             else:
-                chunks.append((n, request.num_computed))
+                chunks.append((n, computed))
             i += 1
         if not preempted:
             max_seqs = self.config.max_num_seqs
@@ -516,26 +521,22 @@ class Engine:
         steps = 1
         self._step_ends = []
         if horizon_ms is not None and decodes == len(scheduled) and not preempted and end < horizon_ms:
-            steps, end = self._fuse_decodes(end, horizon_ms=horizon_ms, decode_kv=decode_kv, decodes=decodes)
+            steps, end = self._fuse_decodes(
+                end, horizon_ms=horizon_ms, decode_kv=decode_kv, decodes=decodes, limit=fuse_limit
+            )
         self._steps = steps
         self._decodes = decodes
-        self._prefill_tokens = sum(n for n, _ in chunks)
+        self._prefill_tokens = sum(n for n, _ in chunks) if chunks else 0
         self._decode_tokens = decodes * steps
         self._step_start = now_ms
         self._busy_until = end
         return end
 
     def _fuse_decodes(
-        self, end: float, *, horizon_ms: float, decode_kv: int, decodes: int
+        self, end: float, *, horizon_ms: float, decode_kv: int, decodes: int, limit: int
     ) -> tuple[int, float]:
-        """How many identical decode steps can follow the planned one, and when the last ends."""
-        size = self.block_size
-        limit = self.config.max_model_len
-        for request, _ in self._scheduled:
-            left = request.max_tokens - request.num_output
-            # steps until the block the next token goes to is full (1 when this step fills it)
-            room = -(request.num_computed + 1) % size or 1
-            limit = min(limit, left, room)
+        """How many identical decode steps, ``limit`` at most, can follow the planned one, and when
+        the last ends."""
         if self._transfers:
             horizon_ms = min(horizon_ms, *(r.ready_ms for r in self._transfers))
         itl = self.perf.decode_itl_ms
@@ -583,8 +584,13 @@ class Engine:
             # of m takes samples j, j + m, j + 2m, ... (strided slices, not a loop per token)
             advanced = [request for request, _n in self._scheduled if request.state == "running"]
             stride = len(advanced)
+            span = stride * (steps - 1) + 1
             for j, request in enumerate(advanced):
-                _extend_cyclic(request.output, samples, start=sample + j, stride=stride, count=steps)
+                position = (sample + j) & _SAMPLE_MASK
+                if position + span <= _SAMPLE_TABLE:  # no wrap-around: one slice
+                    request.output.extend(samples[position : position + span : stride])
+                else:
+                    _extend_cyclic(request.output, samples, start=position, stride=stride, count=steps)
                 tokens = request.num_tokens + steps
                 request.num_tokens = tokens
                 request.num_computed = tokens - 1
