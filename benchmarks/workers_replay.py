@@ -1,6 +1,6 @@
 """Simulated tokens per wall-second of the mocker's virtual clock: 16 engines replaying the Mooncake
-conversation trace (round-robin routing), step by step and with decode steps fused up to the next
-arrival, side by side.
+conversation trace (round-robin routing), step by step, with decode steps fused up to the next
+arrival, and fused up to the next arrival at the same engine (``fuse_until_submit``), side by side.
 
     .venv/bin/python benchmarks/workers_replay.py [--trace PATH] [--engines 16] [--limit N]
 """
@@ -56,12 +56,17 @@ def load(path: Path, limit: int | None) -> list[Row]:
     return rows
 
 
-def replay(rows: list[Row], *, engines: int, fuse: bool) -> tuple[float, float, Simulator]:
+#: Mode -> (fuse_decode, fuse_until_submit) of the simulator.
+MODES = {"step-by-step": (False, False), "fused": (True, False), "until submit": (True, True)}
+
+
+def replay(rows: list[Row], *, engines: int, mode: str) -> tuple[float, float, Simulator]:
     """Replay ``rows`` round-robin; returns wall seconds, CPU seconds of this process, the simulator."""
     perf = PolynomialPerfModel()
     sim = Simulator(
         [Engine(worker_id=f"w{i}", config=EngineConfig(), perf=perf) for i in range(engines)],
-        fuse_decode=fuse,
+        fuse_decode=MODES[mode][0],
+        fuse_until_submit=MODES[mode][1],
     )
     started, cpu = time.perf_counter(), time.process_time()
     for n, row in enumerate(rows):
@@ -84,25 +89,26 @@ def main() -> None:
     args = parser.parse_args()
     rows = load(args.trace, args.limit)
     results = {}
-    for fuse in (False, True):
-        wall, cpu, sim = replay(rows, engines=args.engines, fuse=fuse)
+    for mode in MODES:
+        wall, cpu, sim = replay(rows, engines=args.engines, mode=mode)
         outcomes = sim.outcomes
         tokens = sum(o.prompt_tokens + o.output_tokens for o in outcomes)
         generated = sum(o.output_tokens for o in outcomes)
         ttft = sorted(o.ttft_ms for o in outcomes)
-        results[fuse] = (wall, [(o.request_id, o.first_token_ms, o.finish_ms) for o in outcomes])
+        results[mode] = (wall, [(o.request_id, o.first_token_ms, o.finish_ms) for o in outcomes])
         print(
-            f"{'fused' if fuse else 'step-by-step':>12}: {len(outcomes)} requests,"
+            f"{mode:>12}: {len(outcomes)} requests,"
             f" {sim.now_ms / 1000:.0f} s simulated"
             f" in {wall:.1f} s wall, {cpu:.1f} s CPU ({sim.now_ms / 1000 / wall:.0f}x real time);"
             f" {tokens / wall:,.0f} tokens/s (prompt+output), {generated / wall:,.0f} generated tokens/s;"
             f" TTFT p50 {statistics.median(ttft):.0f} ms, p99 {ttft[int(0.99 * (len(ttft) - 1))]:.0f} ms"
         )
-    identical = results[False][1] == results[True][1]
-    print(
-        f"fused / step-by-step speed: {results[False][0] / results[True][0]:.2f}x;"
-        f" identical outcomes: {identical}"
-    )
+    stepwise = results["step-by-step"]
+    for mode in ("fused", "until submit"):
+        print(
+            f"{mode} / step-by-step speed: {stepwise[0] / results[mode][0]:.2f}x;"
+            f" identical outcomes: {results[mode][1] == stepwise[1]}"
+        )
 
 
 if __name__ == "__main__":
