@@ -13,13 +13,9 @@ import click
 import yaml
 from tqdm import tqdm
 
-from copse.router.config import ConfigError, parse_config
 from copse.router.core import Thresholds
-from copse.router.live import run_live
 from copse.router.policies import POLICIES
 from copse.router.replay import EngineConfigError, ReplayReport, ReplaySettings, load_engine_setup, replay
-from copse.router.server import serve
-from copse.router.synth import PrefixModel, SynthKnobs, write_jsonl
 from copse.router.trace import TRACE_FORMATS, TraceError, TraceFormat, load_trace
 
 
@@ -125,11 +121,13 @@ def replay_command(
     )
     with tqdm(total=len(trace), unit="req", file=sys.stderr, disable=None, desc=policy) as bar:
         try:
-            report = (
-                run_live(trace, settings, progress=bar.update)
-                if live
-                else replay(trace, settings, progress=bar.update)
-            )
+            if live:
+                # Imported here: the HTTP stack (aiohttp, the Kubernetes client) costs ~1 s of start-up.
+                from copse.router.live import run_live  # noqa: PLC0415
+
+                report = run_live(trace, settings, progress=bar.update)
+            else:
+                report = replay(trace, settings, progress=bar.update)
         except ValueError as exc:
             raise _fail(str(exc)) from exc
     click.echo(json.dumps(report.as_json()) if as_json else _table(report))
@@ -173,6 +171,10 @@ def run_command(
     log_level: str,
 ) -> None:
     """Serve the OpenAI API in front of the workers."""
+    # Imported here: the HTTP stack (aiohttp, the Kubernetes client) costs ~1 s of start-up.
+    from copse.router.config import ConfigError, parse_config  # noqa: PLC0415
+    from copse.router.server import serve  # noqa: PLC0415
+
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raw: dict[str, object] = {}
     source = "command line"
@@ -239,6 +241,9 @@ def synth(
     speedup_ratio: float,
 ) -> None:
     """Learn a Mooncake trace's prefix tree and sample a new trace from it."""
+    # Imported here: networkx is only needed to learn the prefix tree.
+    from copse.router.synth import PrefixModel, SynthKnobs, write_jsonl  # noqa: PLC0415
+
     try:
         knobs = SynthKnobs(
             num_requests=num_requests,
