@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -238,7 +239,7 @@ def test_fused_decode_steps_give_exactly_the_step_by_step_result() -> None:
 
 
 def test_fusing_until_the_next_submit_gives_exactly_the_step_by_step_result() -> None:
-    def run(*, fuse: bool, until_submit: bool) -> tuple[list[object], list[object], list[list[int]], int]:
+    def run(*, fuse: bool, until_submit: bool) -> tuple[list[Any], list[Any], list[list[int]], int]:
         config = EngineConfig(block_size=16, num_blocks=150, max_num_batched_tokens=512, seed=5)
         engines = [Engine(worker_id=f"w{i}", config=config, perf=PERF) for i in range(3)]
         outputs: list[int] = []

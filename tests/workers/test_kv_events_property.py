@@ -163,10 +163,11 @@ def test_trtllm_stored_tokens_hash_to_the_copse_tokens_hash() -> None:
 
 def test_trusted_events_are_what_model_construct_builds() -> None:
     stored_values = {"type": "stored", "parent_hash": 7, "blocks": (StoredBlock(1, 2), StoredBlock(3, 4))}
+    data = KvStored.model_construct(**stored_values)  # type: ignore[arg-type]
     pairs = [
         (
             trusted_model(KvStored, dict(stored_values), frozenset(("type", "parent_hash", "blocks"))),
-            KvStored.model_construct(**stored_values),  # type: ignore[arg-type]
+            data,
         ),
         (
             trusted_model(
@@ -175,7 +176,6 @@ def test_trusted_events_are_what_model_construct_builds() -> None:
             KvRemoved.model_construct(block_hashes=(5, 6)),
         ),
     ]
-    data = pairs[0][1]
     pairs.append(
         (
             trusted_model(KvEvent, {"event_id": 3, "data": data}, frozenset(("event_id", "data"))),
