@@ -86,7 +86,17 @@ def measure(racks: int, work: Path) -> dict[str, float]:
         kubectl.wait("--for=condition=Established", "-f", str(REPO / "crds"), timeout=60)
         log = (work / f"operator-{racks}.log").open("wb")
         operator = subprocess.Popen(
-            [sys.executable, "-m", "copse.cli", "operator", "run", "--metrics-port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "copse.cli",
+                "operator",
+                "run",
+                "--metrics-port",
+                "0",
+                "--health-port",
+                "0",
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,14 @@ SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
 OPERATOR_NAMESPACE = "copse-system"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 class Operator:
     """``copse operator run`` as its own process, the way a user starts it."""
 
@@ -29,11 +38,25 @@ class Operator:
         self.log = log
         self.kubeconfig = kubeconfig
         self.process: subprocess.Popen[bytes] | None = None
+        self.health_port = free_port()
+        """Port of the liveness endpoint (the same across restarts)."""
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.health_port}/healthz"
 
     def start(self) -> None:
         with self.log.open("ab") as sink:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "copse.cli", "operator", "run", "--metrics-port", "0"],
+                [
+                    sys.executable,
+                    "-m",
+                    "copse.cli",
+                    "operator",
+                    "run",
+                    "--metrics-port=0",
+                    f"--health-port={self.health_port}",
+                ],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},

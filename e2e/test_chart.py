@@ -124,11 +124,19 @@ def test_defaults_render_the_operator_alone() -> None:
     ]
     assert main["args"][:2] == ["operator", "run"]
     params = parsed(operator_cli.run, main["args"])
-    assert (params["metrics_host"], params["metrics_port"], params["namespaces"]) == ("0.0.0.0", 9090, ())
+    assert (params["metrics_host"], params["metrics_port"], params["health_port"], params["namespaces"]) == (
+        "0.0.0.0",
+        9090,
+        8080,
+        (),
+    )
     # The image the operator itself gives routers and mock workers is the chart's default image.
     assert main["image"] == COPSE_IMAGE
-    assert main["ports"] == [{"name": "metrics", "containerPort": 9090}]
-    assert main["livenessProbe"]["httpGet"]["port"] == "metrics"
+    assert main["ports"] == [
+        {"name": "metrics", "containerPort": 9090},
+        {"name": "health", "containerPort": 8080},
+    ]
+    assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert main["readinessProbe"]["httpGet"]["port"] == "metrics"
     assert {e["name"]: e.get("value") for e in main["env"]}["COPSE_LOG_FORMAT"] == "json"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e.operator_harness import REPO, Operator, seed, status, wait_running, wait_until, worker_pods
@@ -248,3 +251,18 @@ def test_a_changed_template_rolls_one_group_at_a_time(
     assert min(running for _, running in seen) >= 4, f"serving capacity dropped during the roll: {seen}"
     events = kubectl.items("events", "--field-selector", "involvedObject.name=rolling", namespace=namespace)
     assert Counter(event["reason"] for event in events)["Placed"] == 4, "two groups, then two successors"
+
+
+def test_the_liveness_endpoint_reports_the_reconcile_loop(operator: Operator) -> None:
+    answers: list[dict[str, Any]] = []
+
+    def answered() -> bool:
+        try:
+            with urllib.request.urlopen(operator.health_url, timeout=5) as response:
+                answers.append(json.load(response))
+        except OSError:
+            return False  # not listening yet (the operator may have just been restarted)
+        return True
+
+    wait_until("the liveness endpoint to answer 200", answered, operator=operator)
+    assert set(answers[-1]["reconciler"]) == {"queued", "oldest_due_s"}

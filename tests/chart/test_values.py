@@ -95,6 +95,7 @@ def with_value(path: str, value: Any) -> dict[str, Any]:
         ("image.pullPolicy", "Sometimes", "is not one of"),
         ("operator.metricsPort", 0, "less than the minimum"),
         ("operator.metricsPort", 70000, "greater than the maximum"),
+        ("operator.healthPort", 0, "less than the minimum"),
         ("operator.watchNamespaces", ["Not_A_Namespace"], "does not match"),
         ("operator.watchNamespaces", ["a", "a"], "non-unique"),
         ("metrics.serviceMonitor.interval", "30 seconds", "does not match"),

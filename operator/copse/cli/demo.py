@@ -115,7 +115,10 @@ def demo(requests: int, workers: int, speedup: float, out: Path) -> None:
     log_path = out / "operator.log"
     with log_path.open("w") as log:
         operator = subprocess.Popen(
-            _copse("operator", "run", "--metrics-port", "0"), env=env, stdout=log, stderr=subprocess.STDOUT
+            _copse("operator", "run", "--metrics-port", "0", "--health-port", "0"),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         namespace = subprocess.run(

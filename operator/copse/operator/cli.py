@@ -21,9 +21,18 @@ def operator() -> None:
 @click.option(
     "--metrics-port", type=int, default=9090, show_default=True, help="Prometheus port; 0 disables."
 )
-@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--health-port",
+    type=int,
+    default=8080,
+    show_default=True,
+    help="Liveness endpoint (/healthz: 500 when the reconcile loop is stuck or gone); 0 disables.",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address of both endpoints.")
 @click.option("--verbose", "-v", is_flag=True, help="Also log kopf's own activity.")
-def run(namespaces: tuple[str, ...], metrics_port: int, metrics_host: str, verbose: bool) -> None:
+def run(
+    namespaces: tuple[str, ...], metrics_port: int, health_port: int, metrics_host: str, verbose: bool
+) -> None:
     """Run the operator (in-cluster config inside a pod, else the current kubeconfig)."""
     # Imported here: registering kopf handlers is a side effect only `operator run` wants.
     import kopf  # noqa: PLC0415
@@ -38,4 +47,5 @@ def run(namespaces: tuple[str, ...], metrics_port: int, metrics_host: str, verbo
         standalone=True,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
+        liveness_endpoint=f"http://{metrics_host}:{health_port}/healthz" if health_port else None,
     )

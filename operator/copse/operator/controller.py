@@ -91,16 +91,41 @@ class Cache:
             store[key] = dict(obj)
 
 
+class Stalled(RuntimeError):
+    """The reconcile loop has not taken work that is long due (the liveness probe fails on it)."""
+
+
 class Controller:
     def __init__(
-        self, *, kube: KubeApi, settings: ReconcileSettings | None = None, api_concurrency: int = 16
+        self,
+        *,
+        kube: KubeApi,
+        settings: ReconcileSettings | None = None,
+        api_concurrency: int = 16,
+        stalled_after_s: float = 300.0,
     ) -> None:
         self.kube = kube
         self.api_concurrency = api_concurrency
         self.settings = settings or ReconcileSettings()
+        self.stalled_after_s = stalled_after_s
+        """A deployment due for a pass this long means the loop is stuck (a hung API call, a
+        deadlock): :meth:`health` raises and Kubernetes restarts the operator, whose pass is
+        idempotent. Far above the longest pass of a large deployment (seconds)."""
         self.cache = Cache()
         self._dirty: dict[Key, float] = {}
         self._wakeup = asyncio.Event()
+
+    def health(self) -> dict[str, float]:
+        """Figures for the liveness probe: deployments queued for a pass and how long the oldest
+        due one has waited (s). Raises :class:`Stalled` when that exceeds :attr:`stalled_after_s`."""
+        now = time.monotonic()
+        waited = max((now - due for due in self._dirty.values() if due <= now), default=0.0)
+        if waited > self.stalled_after_s:
+            raise Stalled(
+                f"a deployment has waited {waited:.0f} s for its reconcile pass "
+                f"(more than {self.stalled_after_s:g} s): the reconcile loop is stuck"
+            )
+        return {"queued": float(len(self._dirty)), "oldest_due_s": round(waited, 3)}
 
     # -- feeding the cache (called from kopf event handlers) ---------------------------------
 

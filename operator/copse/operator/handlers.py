@@ -15,7 +15,7 @@ from kubernetes.aio import client, config
 
 from copse.api import GROUP, PLURAL, VERSION
 from copse.operator import names
-from copse.operator.controller import Controller, holds_gpus
+from copse.operator.controller import Controller, Stalled, holds_gpus
 from copse.operator.kube import Kube
 
 
@@ -38,6 +38,21 @@ async def start(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> N
     memo["api_client"] = api_client
     memo["controller"] = controller
     memo["worker"] = asyncio.create_task(controller.run(), name="copse-reconciler")
+
+
+@kopf.on.probe(id="reconciler")
+def reconciler_health(memo: kopf.Memo, **_: Any) -> dict[str, float]:
+    """The liveness endpoint's figures. A permanent error (kopf retries any other) makes the
+    endpoint answer 500 at once, and Kubernetes restarts the operator."""
+    worker: asyncio.Task[None] = memo["worker"]
+    if worker.done():
+        ended = "cancelled" if worker.cancelled() else repr(worker.exception())
+        raise kopf.PermanentError(f"the reconcile loop ended: {ended}")
+    try:
+        health: dict[str, float] = memo["controller"].health()
+    except Stalled as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+    return health
 
 
 @kopf.on.cleanup()
