@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from copse.operator.controller import Controller, Stalled
@@ -11,7 +13,7 @@ from .fake_cluster import FakeKube
 
 def test_health_counts_the_queue_and_fails_when_due_work_waits_too_long() -> None:
     controller = Controller(kube=FakeKube(), stalled_after_s=30.0)
-    assert controller.health() == {"queued": 0.0, "oldest_due_s": 0.0}
+    assert controller.health() == {"queued": 0.0, "oldest_due_s": 0.0, "pass_running_s": 0.0}
     controller.mark(("serving", "later"), after_s=600.0)  # a backoff: not due, not late
     controller.mark(("serving", "llama"), after_s=-2.0)  # due two seconds ago
     health = controller.health()
@@ -20,3 +22,29 @@ def test_health_counts_the_queue_and_fails_when_due_work_waits_too_long() -> Non
     controller.mark(("serving", "stuck"), after_s=-31.0)
     with pytest.raises(Stalled, match=r"waited 31 s for its reconcile pass \(more than 30 s\)"):
         controller.health()
+
+
+async def test_health_fails_when_one_pass_hangs() -> None:
+    kube = FakeKube()
+    controller = Controller(kube=kube, stalled_after_s=0.05)
+    hang = asyncio.Event()
+
+    async def hung_pass(key: tuple[str, str]) -> float | None:
+        await hang.wait()  # an API call that never returns
+        return None
+
+    controller.reconcile_once = hung_pass  # type: ignore[method-assign]
+    task = asyncio.create_task(controller._reconcile_safely(("serving", "llama")))
+
+    async def stalled() -> str:
+        while True:
+            try:
+                controller.health()
+            except Stalled as exc:
+                return str(exc)
+            await asyncio.sleep(0.01)
+
+    assert "a reconcile pass has run for" in await asyncio.wait_for(stalled(), timeout=5.0)
+    hang.set()
+    await task
+    assert controller.health()["pass_running_s"] == 0.0

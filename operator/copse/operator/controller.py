@@ -114,18 +114,29 @@ class Controller:
         self.cache = Cache()
         self._dirty: dict[Key, float] = {}
         self._wakeup = asyncio.Event()
+        self._pass_started: float | None = None
 
     def health(self) -> dict[str, float]:
-        """Figures for the liveness probe: deployments queued for a pass and how long the oldest
-        due one has waited (s). Raises :class:`Stalled` when that exceeds :attr:`stalled_after_s`."""
+        """Figures for the liveness probe: deployments queued for a pass, how long the oldest due
+        one has waited and how long the pass in progress has run (s). Raises :class:`Stalled` when
+        either exceeds :attr:`stalled_after_s`."""
         now = time.monotonic()
         waited = max((now - due for due in self._dirty.values() if due <= now), default=0.0)
+        running = 0.0 if self._pass_started is None else now - self._pass_started
         if waited > self.stalled_after_s:
             raise Stalled(
                 f"a deployment has waited {waited:.0f} s for its reconcile pass "
                 f"(more than {self.stalled_after_s:g} s): the reconcile loop is stuck"
             )
-        return {"queued": float(len(self._dirty)), "oldest_due_s": round(waited, 3)}
+        if running > self.stalled_after_s:
+            raise Stalled(
+                f"a reconcile pass has run for {running:.0f} s (more than {self.stalled_after_s:g} s)"
+            )
+        return {
+            "queued": float(len(self._dirty)),
+            "oldest_due_s": round(waited, 3),
+            "pass_running_s": round(running, 3),
+        }
 
     # -- feeding the cache (called from kopf event handlers) ---------------------------------
 
@@ -196,7 +207,7 @@ class Controller:
                 await self._reconcile_safely(key)
 
     async def _reconcile_safely(self, key: Key) -> None:
-        started = time.monotonic()
+        started = self._pass_started = time.monotonic()
         try:
             requeue = await self.reconcile_once(key)
         except Exception:
@@ -206,6 +217,7 @@ class Controller:
             self.mark(key, after_s=5.0)
             return
         finally:
+            self._pass_started = None
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
             metrics.RECONCILES.inc()
         if requeue is not None:
