@@ -208,57 +208,107 @@ static int get_vector(PyObject *obj, Py_buffer *view, const char *name, int writ
     return 0;
 }
 
-/* Apply `step(object, slot, hash)` to every block hash of the iterable args[1] for slot args[0];
- * returns the sum of what the steps returned (each returns a count, or -1 on error). Every hash
- * is checked before any step runs, so a bad one changes nothing. The steps run in batches whose
- * table entries `prefetch` asks for first, so that their cache misses overlap. */
+/* The block hashes of one call as u64 keys, every one checked (held on the stack when few). */
+typedef struct {
+    PyObject *fast; /* the PySequence_Fast the keys were read from */
+    uint64_t *keys;
+    Py_ssize_t n;
+    uint64_t on_stack[256];
+} Hashes;
+
+static void release_hashes(Hashes *h)
+{
+    if (h->keys != h->on_stack)
+        PyMem_Free(h->keys);
+    Py_CLEAR(h->fast);
+}
+
+static int read_hashes(Hashes *h, PyObject *hashes)
+{
+    h->keys = h->on_stack;
+    h->n = 0;
+    if (!(h->fast = PySequence_Fast(hashes, "block hashes must be iterable")))
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(h->fast);
+    PyObject **items = PySequence_Fast_ITEMS(h->fast);
+    if (n > (Py_ssize_t)(sizeof(h->on_stack) / sizeof(h->on_stack[0]))
+        && !(h->keys = PyMem_Malloc((size_t)n * sizeof(uint64_t)))) {
+        h->keys = h->on_stack;
+        release_hashes(h);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (read_u64(items[k], &h->keys[k]) < 0) {
+            release_hashes(h);
+            return -1;
+        }
+    }
+    h->n = n;
+    return 0;
+}
+
+/* Apply `step(object, slot, hash)` to every block hash of the iterable `hashes`, adding up what
+ * the steps return (each a count, or -1 on error) into *total. Every hash is checked before any
+ * step runs, so a bad one changes nothing. The steps run in batches whose table entries
+ * `prefetch` asks for first, so that their cache misses overlap. */
 typedef Py_ssize_t (*block_step)(void *, Py_ssize_t, uint64_t);
 typedef void (*block_prefetch)(void *, Py_ssize_t, uint64_t);
 
+static int apply_to_blocks(void *self, Py_ssize_t slot, PyObject *hashes, block_prefetch prefetch,
+                           block_step step, Py_ssize_t *total)
+{
+    enum { BATCH = 32 };
+    Hashes h;
+    if (read_hashes(&h, hashes) < 0)
+        return -1;
+    *total = 0;
+    for (Py_ssize_t start = 0; start < h.n; start += BATCH) {
+        Py_ssize_t end = h.n - start < BATCH ? h.n : start + BATCH;
+        for (Py_ssize_t k = start; k < end; k++)
+            prefetch(self, slot, h.keys[k]);
+        for (Py_ssize_t k = start; k < end; k++) {
+            Py_ssize_t counted = step(self, slot, h.keys[k]);
+            if (counted < 0) {
+                release_hashes(&h);
+                return -1;
+            }
+            *total += counted;
+        }
+    }
+    release_hashes(&h);
+    return 0;
+}
+
+/* `name(slot, hashes) -> int`: apply_to_blocks for a Python caller. */
 static PyObject *for_each_block(void *self, PyObject *const *args, Py_ssize_t nargs, const char *name,
                                 block_prefetch prefetch, block_step step)
 {
-    Py_ssize_t slot, total = 0;
+    Py_ssize_t slot, total;
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "%s() takes a slot and an iterable of block hashes", name);
         return NULL;
     }
-    if (read_slot(args[0], &slot) < 0)
+    if (read_slot(args[0], &slot) < 0 || apply_to_blocks(self, slot, args[1], prefetch, step, &total) < 0)
         return NULL;
-    PyObject *hashes = PySequence_Fast(args[1], "block hashes must be iterable");
-    if (!hashes)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    enum { ON_STACK = 256, BATCH = 32 };
-    uint64_t stack_keys[ON_STACK];
-    uint64_t *keys = n <= ON_STACK ? stack_keys : PyMem_Malloc((size_t)n * sizeof(uint64_t));
-    PyObject *result = NULL;
-    if (!keys) {
-        PyErr_NoMemory();
-        goto done;
+    return PyLong_FromSsize_t(total);
+}
+
+/* The arguments of `leading_blocks(hashes, out)`: a writable float64 vector and the hashes as a
+ * PySequence_Fast (both to release by the caller on success). */
+static int leading_blocks_args(PyObject *const *args, Py_ssize_t nargs, Py_buffer *out, PyObject **hashes)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "leading_blocks() takes block hashes and an output array");
+        return -1;
     }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (read_u64(items[k], &keys[k]) < 0)
-            goto done;
+    if (get_vector(args[1], out, "out", 1) < 0)
+        return -1;
+    if (!(*hashes = PySequence_Fast(args[0], "block hashes must be a sequence"))) {
+        PyBuffer_Release(out);
+        return -1;
     }
-    for (Py_ssize_t start = 0; start < n; start += BATCH) {
-        Py_ssize_t end = n - start < BATCH ? n : start + BATCH;
-        for (Py_ssize_t k = start; k < end; k++)
-            prefetch(self, slot, keys[k]);
-        for (Py_ssize_t k = start; k < end; k++) {
-            Py_ssize_t counted = step(self, slot, keys[k]);
-            if (counted < 0)
-                goto done;
-            total += counted;
-        }
-    }
-    result = PyLong_FromSsize_t(total);
-done:
-    if (keys != stack_keys)
-        PyMem_Free(keys);
-    Py_DECREF(hashes);
-    return result;
+    return 0;
 }
 
 static void table_prefetch(const Table *t, uint64_t key)
@@ -475,16 +525,12 @@ static int walk(const BlockIndexObject *self, PyObject *hashes, double *depth, s
 
 static PyObject *BlockIndex_leading_blocks(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "leading_blocks() takes block hashes and an output array");
-        return NULL;
-    }
     Py_buffer out;
-    if (get_vector(args[1], &out, "out", 1) < 0)
+    PyObject *hashes;
+    if (leading_blocks_args(args, nargs, &out, &hashes) < 0)
         return NULL;
-    PyObject *hashes = PySequence_Fast(args[0], "block hashes must be a sequence");
-    int failed = !hashes || walk(self, hashes, out.buf, (size_t)(out.len / (Py_ssize_t)sizeof(double))) < 0;
-    Py_XDECREF(hashes);
+    int failed = walk(self, hashes, out.buf, (size_t)(out.len / (Py_ssize_t)sizeof(double))) < 0;
+    Py_DECREF(hashes);
     PyBuffer_Release(&out);
     if (failed)
         return NULL;
@@ -920,13 +966,11 @@ static PyObject *LoadTable_add(LoadTableObject *self, PyObject *const *args, Py_
         PyErr_SetString(PyExc_TypeError, "add(slot, hashes, prefill_tokens, prefill_ms, kv_tokens)");
         return NULL;
     }
-    if (bound_slot(self, args[0], &slot) < 0 || read_doubles(args + 2, v, 3) < 0)
+    Py_ssize_t fresh;
+    if (bound_slot(self, args[0], &slot) < 0 || read_doubles(args + 2, v, 3) < 0
+        || apply_to_blocks(self, slot, args[1], refs_prefetch, acquire_one, &fresh) < 0)
         return NULL;
-    PyObject *fresh = for_each_block(self, args, 2, "add", refs_prefetch, acquire_one);
-    if (!fresh)
-        return NULL;
-    row(self, L_ACTIVE_BLOCKS)[slot] += (double)PyLong_AsSsize_t(fresh);
-    Py_DECREF(fresh);
+    row(self, L_ACTIVE_BLOCKS)[slot] += (double)fresh;
     row(self, L_KV_EXTRA)[slot] += v[2];
     row(self, L_REQUESTS)[slot] += 1.0;
     row(self, L_PREFILLING)[slot] += 1.0;
@@ -962,13 +1006,11 @@ static PyObject *LoadTable_free(LoadTableObject *self, PyObject *const *args, Py
         PyErr_SetString(PyExc_TypeError, "free(slot, hashes, kv_tokens)");
         return NULL;
     }
-    if (bound_slot(self, args[0], &slot) < 0 || read_doubles(args + 2, &kv_tokens, 1) < 0)
+    Py_ssize_t gone;
+    if (bound_slot(self, args[0], &slot) < 0 || read_doubles(args + 2, &kv_tokens, 1) < 0
+        || apply_to_blocks(self, slot, args[1], refs_prefetch, release_one, &gone) < 0)
         return NULL;
-    PyObject *gone = for_each_block(self, args, 2, "free", refs_prefetch, release_one);
-    if (!gone)
-        return NULL;
-    row(self, L_ACTIVE_BLOCKS)[slot] -= (double)PyLong_AsSsize_t(gone);
-    Py_DECREF(gone);
+    row(self, L_ACTIVE_BLOCKS)[slot] -= (double)gone;
     row(self, L_KV_EXTRA)[slot] -= kv_tokens;
     row(self, L_REQUESTS)[slot] -= 1.0;
     if (row(self, L_REQUESTS)[slot] == 0.0) {
@@ -983,45 +1025,28 @@ static PyObject *LoadTable_free(LoadTableObject *self, PyObject *const *args, Py
 /* leading_blocks(hashes, out): out[slot] = leading blocks of hashes in use on the slot. */
 static PyObject *LoadTable_leading_blocks(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "leading_blocks() takes block hashes and an output array");
-        return NULL;
-    }
     Py_buffer out;
-    if (get_vector(args[1], &out, "out", 1) < 0)
+    PyObject *sequence;
+    Hashes h;
+    if (leading_blocks_args(args, nargs, &out, &sequence) < 0)
         return NULL;
-    PyObject *hashes = PySequence_Fast(args[0], "block hashes must be a sequence");
-    if (!hashes) {
-        PyBuffer_Release(&out);
-        return NULL;
+    int failed = read_hashes(&h, sequence) < 0;
+    Py_DECREF(sequence);
+    if (!failed) {
+        double *depth = out.buf;
+        Py_ssize_t size = out.len / (Py_ssize_t)sizeof(double);
+        for (Py_ssize_t slot = 0; slot < size; slot++) {
+            Py_ssize_t d = 0;
+            while (d < h.n && table_find(&self->refs, slot_key(slot, h.keys[d])) >= 0)
+                d++;
+            depth[slot] = (double)d;
+        }
+        release_hashes(&h);
     }
-    double *depth = out.buf;
-    Py_ssize_t size = out.len / (Py_ssize_t)sizeof(double);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    PyObject *result = NULL;
-    uint64_t *blocks = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
-    if (!blocks) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t d = 0; d < n; d++) {
-        if (read_u64(items[d], &blocks[d]) < 0)
-            goto done;
-    }
-    for (Py_ssize_t slot = 0; slot < size; slot++) {
-        Py_ssize_t d = 0;
-        while (d < n && table_find(&self->refs, slot_key(slot, blocks[d])) >= 0)
-            d++;
-        depth[slot] = (double)d;
-    }
-    Py_INCREF(Py_None);
-    result = Py_None;
-done:
-    PyMem_Free(blocks);
-    Py_DECREF(hashes);
     PyBuffer_Release(&out);
-    return result;
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* refresh(slots, itl, f0, busy_prefill_tokens, busy_kv_tokens) -> flips: the step time and the
