@@ -30,3 +30,16 @@ async def eventually(condition: Callable[[], bool | Awaitable[bool]], *, timeout
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(0.02)
+
+
+def leading_blocks_reference(held: dict[int, set[int]], hashes: list[int]) -> dict[int, int]:
+    """Brute force: for every slot holding at least the first of ``hashes``, how many leading
+    blocks it holds (``held``: slot -> the blocks it holds)."""
+    out = {}
+    for slot, blocks in held.items():
+        depth = 0
+        while depth < len(hashes) and hashes[depth] in blocks:
+            depth += 1
+        if depth:
+            out[slot] = depth
+    return out

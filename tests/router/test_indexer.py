@@ -22,20 +22,11 @@ from copse.workers.protocol import (
     chain_hashes,
 )
 
+from .conftest import leading_blocks_reference
+
 # A small universe of prompts sharing prefixes: each path is a chain of block hashes.
 _PATHS = [chain_hashes(list(p)) for p in ([1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9], [10, 11], [1, 2, 3, 12])]
 _BLOCKS = sorted({h for path in _PATHS for h in path})
-
-
-def _reference(held: dict[int, set[int]], hashes: list[int]) -> dict[int, int]:
-    out = {}
-    for slot, blocks in held.items():
-        depth = 0
-        while depth < len(hashes) and hashes[depth] in blocks:
-            depth += 1
-        if depth:
-            out[slot] = depth
-    return out
 
 
 _op = st.one_of(
@@ -62,7 +53,7 @@ def test_block_index_matches_brute_force_reference(ops: list[tuple[Any, ...]], q
         else:
             index.clear(slot)
             held[slot] = set()
-    assert index.overlaps(query) == _reference(held, query)
+    assert index.overlaps(query) == leading_blocks_reference(held, query)
     for slot, blocks in held.items():
         assert index.blocks_held(slot) == len(blocks)
     assert len(index) == len(set().union(*held.values())) if held else len(index) == 0

@@ -16,6 +16,8 @@ from copse.router import _native
 from copse.router.indexer import BlockIndex
 from copse.workers.protocol import chain_hashes
 
+from .conftest import leading_blocks_reference
+
 _PATH = chain_hashes([1, 2, 3, 4])
 
 
@@ -73,14 +75,7 @@ def test_block_table_under_churn_matches_sets(
             assert index.holds(slot, key)
     for key in query:
         assert {slot for slot in held if index.holds(slot, key)} == {s for s, b in held.items() if key in b}
-    expected = {}
-    for slot, blocks in held.items():
-        depth = 0
-        while depth < len(query) and query[depth] in blocks:
-            depth += 1
-        if depth:
-            expected[slot] = depth
-    assert index.overlaps(query) == expected
+    assert index.overlaps(query) == leading_blocks_reference(held, query)
 
 
 def test_growing_past_64_slots_keeps_what_is_stored() -> None:
@@ -121,20 +116,22 @@ def test_load_table_counts_blocks_in_use_per_worker(
             load.free(done_slot, done_keys, 7.0)
             for key in done_keys:
                 counts[done_slot, key] -= 1
-    assert len(load) == sum(1 for count in counts.values() if count)
+    in_use: dict[int, set[int]] = {}
+    for (slot, key), count in counts.items():
+        if count:
+            in_use.setdefault(slot, set()).add(key)
+    assert len(load) == sum(len(blocks) for blocks in in_use.values())
     for slot in range(71):
-        in_use = sum(1 for (s, _), count in counts.items() if s == slot and count)
+        blocks = len(in_use.get(slot, ()))
         requests = sum(1 for s, _ in flights if s == slot)
-        assert rows["active_blocks"][slot] == in_use
+        assert rows["active_blocks"][slot] == blocks
         assert rows["requests"][slot] == requests
-        assert rows["kv"][slot] == in_use * 16 + 7.0 * requests
+        assert rows["kv"][slot] == blocks * 16 + 7.0 * requests
     depths = np.empty(71)
     load.leading_blocks(query, depths)
-    for slot in range(71):
-        depth = 0
-        while depth < len(query) and counts.get((slot, query[depth])):
-            depth += 1
-        assert depths[slot] == depth
+    assert {slot: int(depth) for slot, depth in enumerate(depths) if depth} == leading_blocks_reference(
+        in_use, query
+    )
 
 
 @pytest.mark.parametrize(
