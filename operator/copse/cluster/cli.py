@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
+from copse.api.manifest import read_documents
 from copse.cluster.build import ensure_binaries
 from copse.cluster.components import Layout
 from copse.cluster.errors import ClusterError
@@ -103,20 +103,9 @@ def up(
 def _read_nodes(path: Path) -> list[dict[str, Any]]:
     """Nodes from a NodeList/List document or a stream of Node documents; exit 2 if invalid."""
     try:
-        documents = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-    except yaml.YAMLError as error:
-        raise click.BadParameter(f"{path}: not YAML: {error}", param_hint="--nodes") from error
-    nodes: list[dict[str, Any]] = []
-    for document in documents:
-        if not isinstance(document, dict):
-            raise click.BadParameter(
-                f"{path}: expected mappings, found {document!r:.60}", param_hint="--nodes"
-            )
-        items = document.get("items") if document.get("kind") in ("NodeList", "List") else [document]
-        nodes.extend(items or [])
-    try:
+        nodes = read_documents(path)
         check_fake_nodes(nodes, source=str(path))
-    except ValueError as error:
+    except ValueError as error:  # a ManifestError, or a node the fake cluster cannot use
         raise click.BadParameter(str(error), param_hint="--nodes") from error
     return nodes
 
