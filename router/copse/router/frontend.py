@@ -97,29 +97,18 @@ class _Live:
     worker_id: str
 
 
-def _is_token_event(event: Mapping[str, Any]) -> bool:
-    """Whether an SSE chunk carries generated output (not just the role header or usage)."""
-    for choice in event.get("choices") or ():
-        if choice.get("text") or choice.get("token_ids"):
-            return True
-        delta = choice.get("delta") or {}
-        if delta.get("content"):
-            return True
-        if choice.get("finish_reason"):
-            return True
-    return False
-
-
-def _output_tokens(event: Mapping[str, Any]) -> int:
-    """Output tokens an SSE chunk carries: its token ids, else one per choice with text."""
-    count = 0
+def _output(event: Mapping[str, Any]) -> tuple[int, bool]:
+    """What an SSE chunk carries: its output tokens (its token ids, else one per choice with text)
+    and whether it is output at all (tokens, or a finish; not just the role header or usage)."""
+    tokens, finished = 0, False
     for choice in event.get("choices") or ():
         token_ids = choice.get("token_ids")
         if token_ids:
-            count += len(token_ids)
+            tokens += len(token_ids)
         elif choice.get("text") or (choice.get("delta") or {}).get("content"):
-            count += 1
-    return count
+            tokens += 1
+        finished = finished or bool(choice.get("finish_reason"))
+    return tokens, tokens > 0 or finished
 
 
 def _json_or_none(body: bytes) -> object:
@@ -554,10 +543,12 @@ class RouterService:
                         event = json.loads(data)
                         if isinstance(event, dict) and "error" in event and client is None:
                             raise _EarlyFailure(f"worker stream error: {event['error']}")
+                        is_output = False
                         if isinstance(event, dict):
-                            streamed += _output_tokens(event)
+                            produced, is_output = _output(event)
+                            streamed += produced
                             reported = _usage_tokens(event) or reported
-                        if isinstance(event, dict) and _is_token_event(event):
+                        if is_output:
                             now = self.now()
                             tokens += 1
                             last_at = now
