@@ -17,6 +17,7 @@ COPY operator operator
 COPY planner planner
 COPY router router
 COPY workers workers
+COPY sim sim
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim

@@ -10,7 +10,7 @@ NATIVE_SOURCES := setup.py router/copse/router/_native.c
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(NATIVE_SOURCES) | sha1sum | cut -c1-12)
 PYTEST := $(BIN)/pytest
 # Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
-COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers))))
+COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers sim))))
 
 .PHONY: venv test unit e2e lint crds cluster-up cluster-down demo bench clean
 
@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@# setuptools' editable finder pins the namespace's subpackages at install time;
-	@# listing the four source roots lets new subpackages import without a reinstall.
-	@printf '%s\n' $(addprefix $(CURDIR)/,operator planner router workers) \
+	@# listing the five source roots lets new subpackages import without a reinstall.
+	@printf '%s\n' $(addprefix $(CURDIR)/,operator planner router workers sim) \
 		> $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/copse-source-roots.pth
 	@rm -f $(VENV)/.installed-* && touch $@
 
@@ -47,8 +47,8 @@ cluster-down: venv
 	$(BIN)/copse cluster down
 
 lint: venv
-	$(BIN)/ruff check operator planner router workers tests e2e benchmarks setup.py
-	$(BIN)/ruff format --check operator planner router workers tests e2e benchmarks setup.py
+	$(BIN)/ruff check operator planner router workers sim tests e2e benchmarks setup.py
+	$(BIN)/ruff format --check operator planner router workers sim tests e2e benchmarks setup.py
 	$(BIN)/mypy $(addprefix -p copse.,$(COPSE_PACKAGES))
 	$(BIN)/mypy tests e2e benchmarks
 

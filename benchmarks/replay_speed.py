@@ -39,7 +39,7 @@ import collections, sys, time
 from copse.router import replay as R
 from copse.router.core import Router
 from copse.router.indexer import RadixIndexer
-from copse.router.trace import TokenSynth, load_trace
+from copse.sim.trace import TokenSynth, load_trace
 from copse.workers.mocker import Simulator
 clock, spent, depth = time.thread_time, collections.Counter(), collections.Counter()
 def timed(owner, name, key):

@@ -33,7 +33,7 @@ from copse.router.core import Role, Router, WorkerInfo
 from copse.router.indexer import RadixIndexer
 from copse.router.policies import RouteRequest, SelectionSettings
 from copse.router.slots import WorkerSlots
-from copse.router.trace import load_trace
+from copse.sim.trace import load_trace
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvEvent, KvRemoved, KvStored, StoredBlock, block_hashes, chain_hashes
 

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from copse.router.policies import POLICIES
-from copse.router.replay import ReplayReport, ReplaySettings, replay
-from copse.router.trace import TraceRequest, load_trace
+from copse.sim.replay import ReplayReport, ReplaySettings, replay
+from copse.sim.trace import TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 ORDER = ["kv", "dynamo", "prefix_only", "least_loaded", "round_robin", "random"]

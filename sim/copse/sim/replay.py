@@ -29,7 +29,7 @@ import yaml
 
 from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, Thresholds, WorkerInfo
 from copse.router.policies import RouteRequest, SelectionSettings
-from copse.router.trace import TokenSynth, TraceRequest
+from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.mocker import (
     Engine,
     EngineConfig,

@@ -37,7 +37,7 @@ import networkx as nx
 import numpy as np
 import numpy.typing as npt
 
-from copse.router.trace import TraceRequest
+from copse.sim.trace import TraceRequest
 
 ROOT = -1
 """The virtual root of the prefix tree (hash ids are non-negative)."""

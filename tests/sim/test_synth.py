@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from copse.router.cli import synth
-from copse.router.synth import ROOT, PrefixModel, SynthKnobs
-from copse.router.trace import TraceRequest
+from copse.sim.cli import synth
+from copse.sim.synth import ROOT, PrefixModel, SynthKnobs
+from copse.sim.trace import TraceRequest
 
 
 def _request(t: float, ids: tuple[int, ...], length: int, output: int = 10) -> TraceRequest:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from copse.router.cli import bench
-from copse.router.replay import EngineConfigError, ReplaySettings, load_engine_setup, replay
-from copse.router.trace import TokenSynth, TraceError, TraceRequest, load_trace
+from copse.sim.cli import bench
+from copse.sim.replay import EngineConfigError, ReplaySettings, load_engine_setup, replay
+from copse.sim.trace import TokenSynth, TraceError, TraceRequest, load_trace
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 

@@ -22,9 +22,9 @@ import aiohttp
 import numpy as np
 
 from copse.router.config import parse_config
-from copse.router.replay import Distribution, ReplayReport, ReplaySettings
 from copse.router.server import start_router
-from copse.router.trace import TokenSynth, TraceRequest
+from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
+from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.testing import nats_server
 
 MODEL = "live-replay"
