@@ -19,8 +19,8 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from pydantic import ValidationError
 
-from copse.router.frontend import RouterService
 from copse.router.indexer import RadixIndexer
+from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
 from copse.workers.nats_io import request_dump
 from copse.workers.protocol.kv_events import KvDump, KvEventBatch
@@ -34,7 +34,7 @@ class KvEventSync(Subscriber):
 
     def __init__(
         self,
-        service: RouterService,
+        service: RoutingService,
         nc: NATS,
         *,
         namespace: str,

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.core import FlightRecord, PeerChange
-from copse.router.frontend import RouterService
+from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
 from copse.workers.protocol.subjects import subject_token
 
@@ -109,7 +109,7 @@ class ReplicaSync(Subscriber):
 
     def __init__(
         self,
-        service: RouterService,
+        service: RoutingService,
         nc: NATS,
         *,
         namespace: str,

@@ -1,0 +1,453 @@
+"""What every frontend of the router shares: the routing core, the live workers (discovery and
+health probes), routing through the wait queue, the accounting of a request's first token and end,
+and reading a worker's output stream.
+
+Two frontends build on :class:`RoutingService`: the OpenAI HTTP server (:mod:`copse.router.frontend`),
+which proxies each request itself, and the Gateway API Inference Extension endpoint picker
+(:mod:`copse.router.epp`), which tells a gateway (Envoy) where to send it. KV event sync and replica
+sync (:mod:`copse.router.kv_sync`, :mod:`copse.router.replica_sync`) attach to either.
+
+Workers come from discovery; each is probed (``GET /health``) every ``health_interval_s``. A
+worker that refuses connections (its process is gone) is dropped at the first probe, so within
+``interval + timeout``; one that answers slowly or with errors after ``health_failures`` probes in
+a row (an engine busy with a long step is not dead). A worker is registered under the id its
+``GET /worker_info`` reports (mocked engines; the id their KV events carry), else under the id
+discovery knows (the pod name, which the KV relay next to a ``trtllm-serve`` publishes under).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client import generate_latest
+
+from copse.router.approx import ApproximateIndexer
+from copse.router.config import RouterConfig
+from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, WorkerInfo
+from copse.router.discovery import Endpoint, Source
+from copse.router.metrics import RouterMetrics
+from copse.router.policies import RouteRequest
+from copse.router.tokens import Tokenizer, prompt_tokens
+from copse.workers.perf import PerfModel
+from copse.workers.protocol.hashing import block_hashes
+from copse.workers.protocol.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    RequestError,
+    parse_request,
+)
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATHS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+"""The OpenAI paths the router routes by prompt, and the request model of each."""
+
+
+ERROR_KINDS = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+}
+"""OpenAI error ``type`` of each HTTP status the router answers with."""
+
+
+def error_body(status: int, message: str, *, param: str | None = None) -> bytes:
+    """An error answer's JSON body in the workers' (``trtllm-serve``'s, OpenAI's) shape."""
+    body = ErrorResponse(message=message, type=ERROR_KINDS.get(status, "Error"), param=param, code=status)
+    return body.model_dump_json().encode()
+
+
+class Unavailable(Exception):
+    """No worker can take the request now (503)."""
+
+
+class Rejected(Exception):
+    """A request the router refuses as it is (an HTTP status and an OpenAI error)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A parsed generation request, ready to route."""
+
+    request: CompletionRequest | ChatCompletionRequest
+    route: RouteRequest
+
+
+@dataclass(slots=True)
+class _Live:
+    """A discovered worker that answers its health probe."""
+
+    endpoint: Endpoint
+    worker_id: str
+
+
+def output_of(event: Mapping[str, Any]) -> tuple[int, bool]:
+    """What an SSE chunk carries: its output tokens (its token ids, else one per choice with text)
+    and whether it is output at all (tokens, or a finish; not just the role header or usage)."""
+    tokens, finished = 0, False
+    for choice in event.get("choices") or ():
+        token_ids = choice.get("token_ids")
+        if token_ids:
+            tokens += len(token_ids)
+        elif choice.get("text") or (choice.get("delta") or {}).get("content"):
+            tokens += 1
+        finished = finished or bool(choice.get("finish_reason"))
+    return tokens, tokens > 0 or finished
+
+
+def usage_tokens(body: object) -> int | None:
+    """``usage.completion_tokens`` of a response or chunk (cumulative when streamed), if given."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
+class StreamMeter:
+    """Reads a worker's SSE events as they pass: when the first output arrived, how many output
+    events and tokens followed, and whether the stream ended with ``[DONE]``."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        """Events that carried output."""
+        self.first_at = 0.0
+        self.last_at = 0.0
+        self.done = False
+        self.streamed = 0
+        """Output tokens counted in the chunks."""
+        self.reported: int | None = None
+        """The worker's own cumulative count, when it sends usage."""
+
+    def feed(self, data: bytes, *, now: float) -> tuple[object, bool]:
+        """Account the payload of one ``data:`` line; returns the decoded event (``None`` for
+        ``[DONE]``) and whether it is the stream's first output. Raises ``ValueError``
+        (``json.JSONDecodeError``) for a payload that is not JSON."""
+        if data == b"[DONE]":
+            self.done = True
+            return None, False
+        event = json.loads(data)
+        if not isinstance(event, dict):
+            return event, False
+        produced, is_output = output_of(event)
+        self.streamed += produced
+        self.reported = usage_tokens(event) or self.reported
+        if not is_output:
+            return event, False
+        self.events += 1
+        self.last_at = now
+        if self.events == 1:
+            self.first_at = now
+        return event, self.events == 1
+
+    @property
+    def output_tokens(self) -> int:
+        """The worker's count when it reported one, else the tokens streamed."""
+        return self.streamed if self.reported is None else self.reported
+
+    @property
+    def mean_itl(self) -> float | None:
+        """Mean gap between output events (seconds), when there were two or more."""
+        if self.events < 2:
+            return None
+        return (self.last_at - self.first_at) / (self.events - 1)
+
+
+class RoutingService:
+    """A router's core, its live workers and its request accounting (no frontend)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        source: Source,
+        perf: PerfModel,
+        tokenizer: Tokenizer,
+        use_kv_events: bool,
+        share_load: bool = False,
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.tokenizer = tokenizer
+        self.router = Router(
+            perf=perf,
+            settings=config.selection(),
+            policy=config.policy,
+            thresholds=config.thresholds(),
+            disagg=config.kv_transfer,
+            use_kv_events=use_kv_events,
+            share_load=share_load,
+            seed=config.seed,
+        )
+        self.metrics = RouterMetrics(lambda: self.router)
+        self._endpoints: dict[str, Endpoint] = {}
+        self._live: dict[str, _Live] = {}
+        self._failures: dict[str, int] = {}
+        """Consecutive failed health probes per endpoint."""
+        self._urls: dict[str, str] = {}
+        """Worker id -> base URL of the live workers."""
+        self._waiting: dict[str, asyncio.Future[Route]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._probe_wake = asyncio.Event()
+        self.on_worker_added: list[Callable[[str, str], object]] = []
+        """Callbacks ``(worker_id, url)`` run when a worker becomes usable (KV resync hooks)."""
+        self.on_changes: list[Callable[[], object]] = []
+        """Callbacks run after the core changed in-flight load (replica sync flushes its outbox)."""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router service is not started")
+        return self._session
+
+    async def start(self) -> None:
+        """Open the worker HTTP session, start discovery and the health probes."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._tasks.append(asyncio.create_task(self.source.run(self._on_discovery), name="discovery"))
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="health-probes"))
+
+    async def stop(self) -> None:
+        """Cancel every task of the service and close the session."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
+
+    def add_task(self, task: asyncio.Task[None]) -> None:
+        """Run ``task`` for the service's lifetime (cancelled at cleanup)."""
+        self._tasks.append(task)
+
+    def now(self) -> float:
+        """The clock the core's backlog decays with (seconds)."""
+        return time.monotonic()
+
+    def _role(self, worker_id: str) -> Role | None:
+        info = self.router.workers.get(worker_id)
+        return None if info is None else info.role
+
+    def worker_url(self, worker_id: str) -> str | None:
+        """Base URL of a usable worker."""
+        return self._urls.get(worker_id)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _on_discovery(self, endpoints: Mapping[str, Endpoint]) -> None:
+        self._endpoints = dict(endpoints)
+        for key in list(self._live):
+            if key not in self._endpoints or self._endpoints[key] != self._live[key].endpoint:
+                self._drop(key, reason="gone from discovery")
+        self._probe_wake.set()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            self._probe_wake.clear()
+            endpoints = list(self._endpoints.values())
+            if endpoints:
+                await asyncio.gather(*(self._probe(endpoint) for endpoint in endpoints))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._probe_wake.wait(), timeout=self.config.health_interval_s)
+
+    async def _probe(self, endpoint: Endpoint) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        dead = False
+        try:
+            async with self.session.get(f"{endpoint.url}/health", timeout=timeout) as response:
+                healthy = response.status == 200
+        except aiohttp.ClientConnectorError:
+            healthy, dead = False, True  # nothing listens: the worker is gone
+        except (TimeoutError, aiohttp.ClientError):
+            healthy = False  # slow or broken: maybe only busy
+        if self._endpoints.get(endpoint.key) != endpoint:
+            return  # discovery changed while probing
+        failures = 0 if healthy else self._failures.get(endpoint.key, 0) + 1
+        self._failures[endpoint.key] = failures
+        if healthy and endpoint.key not in self._live:
+            await self._register(endpoint)
+        elif endpoint.key in self._live and (dead or failures >= self.config.health_failures):
+            reason = "it refuses connections" if dead else f"{failures} health probes failed in a row"
+            self._drop(endpoint.key, reason=reason)
+
+    async def _register(self, endpoint: Endpoint) -> None:
+        info: dict[str, Any] = {}
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s * 4)
+        try:
+            async with self.session.get(f"{endpoint.url}/worker_info", timeout=timeout) as response:
+                if response.status == 200:
+                    info = await response.json()
+        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+            log.info("worker %s: no /worker_info (%s)", endpoint.url, exc)
+        # The engine's own id is what its KV events carry; discovery's (the pod name) otherwise.
+        worker_id = str(info.get("worker_id") or endpoint.worker_id or endpoint.key)
+        block_size = info.get("block_size")
+        if block_size is not None and block_size != self.config.block_size:
+            log.error(
+                "worker %s (%s) hashes %s-token blocks but the router is configured with block_size %s;"
+                " not using it",
+                worker_id,
+                endpoint.url,
+                block_size,
+                self.config.block_size,
+            )
+            return
+        if self._endpoints.get(endpoint.key) != endpoint or endpoint.key in self._live:
+            return
+        self._live[endpoint.key] = _Live(endpoint=endpoint, worker_id=worker_id)
+        self._urls[worker_id] = endpoint.url
+        indexer = self.router.indexer
+        num_blocks = info.get("num_blocks")
+        if isinstance(indexer, ApproximateIndexer) and isinstance(num_blocks, int) and num_blocks > 0:
+            # The engine's own cache size, in blocks of the router's size (they are equal here).
+            indexer.set_capacity(self.router.slots.slot(worker_id), num_blocks)
+        released = self.router.add_worker(
+            WorkerInfo(worker_id=worker_id, role=endpoint.role, locality=endpoint.locality), now=self.now()
+        )
+        log.info("worker %s (%s, %s) is up", worker_id, endpoint.url, endpoint.role.value)
+        self._update_worker_gauges()
+        for callback in self.on_worker_added:
+            callback(worker_id, endpoint.url)
+        self._dispatch(released)
+
+    def _drop(self, key: str, *, reason: str) -> None:
+        live = self._live.pop(key, None)
+        if live is None:
+            return
+        self._urls.pop(live.worker_id, None)
+        lost = self.router.remove_worker(live.worker_id)
+        log.warning(
+            "worker %s (%s) dropped: %s; %d requests in flight on it",
+            live.worker_id,
+            live.endpoint.url,
+            reason,
+            len(lost),
+        )
+        self._update_worker_gauges()
+        self._changed()
+
+    def _drop_worker_id(self, worker_id: str, *, reason: str) -> None:
+        for key, live in list(self._live.items()):
+            if live.worker_id == worker_id:
+                self._drop(key, reason=reason)
+        self._probe_wake.set()
+
+    def _update_worker_gauges(self) -> None:
+        counts = dict.fromkeys(Role, 0)
+        for live in self._live.values():
+            counts[live.endpoint.role] += 1
+        for role, count in counts.items():
+            self.metrics.workers.labels(role=role.value).set(count)
+
+    # -- routing ------------------------------------------------------------------------------
+
+    def _dispatch(self, routes: list[Route]) -> None:
+        for route in routes:
+            future = self._waiting.pop(route.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(route)
+            elif future is None:
+                self.router.finish(route.request_id, now=self.now())
+        self.metrics.queue_depth.set(self.router.queued)
+        self._changed()
+
+    def _changed(self) -> None:
+        for callback in self.on_changes:
+            callback()
+
+    def released(self, routes: list[Route]) -> None:
+        """Hand requests the core released from its queue to their waiting handlers."""
+        self._dispatch(routes)
+
+    async def _route(self, request: RouteRequest, exclude: frozenset[str]) -> Route:
+        try:
+            route = self.router.submit(request, now=self.now(), exclude=exclude)
+        except QueueFull as exc:
+            raise Unavailable(str(exc)) from exc
+        except NoWorkers as exc:
+            raise Unavailable(f"{exc}; retry shortly") from exc
+        self.metrics.queue_depth.set(self.router.queued)
+        if route is None:
+            future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
+            self._waiting[request.request_id] = future
+            try:
+                route = await asyncio.wait_for(future, timeout=self.config.queue_timeout_s)
+            except TimeoutError as exc:
+                self._waiting.pop(request.request_id, None)
+                self.router.finish(request.request_id, now=self.now())
+                raise Unavailable(
+                    f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)"
+                ) from exc
+        self.metrics.prompt_tokens.inc(route.prompt_tokens)
+        self.metrics.prompt_length.observe(route.prompt_tokens)
+        self.metrics.cached_tokens.inc(route.cached_tokens)
+        self._changed()
+        return route
+
+    def _count_output(self, tokens: int) -> None:
+        if tokens > 0:
+            self.metrics.output_tokens.inc(tokens)
+
+    def _first_token(self, request_id: str) -> None:
+        self._dispatch(self.router.prefill_done(request_id, now=self.now()))
+
+    def _finish(self, request_id: str) -> None:
+        self._dispatch(self.router.finish(request_id, now=self.now()))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def prepare(self, model: type[CompletionRequest] | type[ChatCompletionRequest], raw: bytes) -> Prepared:
+        """Parse a generation request's body and hash its prompt. Raises :class:`Rejected` (400 for
+        a malformed request, 404 for a model not served here)."""
+        try:
+            request = parse_request(model, raw)
+        except RequestError as exc:
+            raise Rejected(400, exc.message, param=exc.param) from exc
+        if request.model != self.config.model:
+            served = self.config.model
+            message = f"model {request.model!r} is not served here (GET /v1/models lists {served!r})"
+            raise Rejected(404, message, param="model")
+        tokens = prompt_tokens(request, self.tokenizer)
+        if not tokens:
+            raise Rejected(400, "prompt holds no tokens", param="prompt")
+        route = RouteRequest(
+            request_id=uuid.uuid4().hex,
+            hashes=block_hashes(tokens, block_size=self.config.block_size),
+            prompt_tokens=len(tokens),
+            max_tokens=request.requested_tokens(),
+        )
+        return Prepared(request=request, route=route)
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition of the router's metrics."""
+        return generate_latest(self.metrics.registry)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """HTTP status and body of a health answer: 200 while at least one worker is usable."""
+        workers = len(self.router.workers)
+        body = {"status": "ok" if workers else "no workers", "workers": workers, "queued": self.router.queued}
+        return (200 if workers else 503), body
