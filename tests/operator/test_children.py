@@ -163,3 +163,19 @@ def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:
     assert [c["name"] for c in follower["spec"]["containers"]] == ["engine"]
     without_bus = children.worker_pods(make_deployment(replicas=1), TWO_NODES, cold_start_source=None)
     assert [c["name"] for c in without_bus[0]["spec"]["containers"]] == ["engine"]
+
+
+def test_worker_pods_leave_not_ready_nodes_only_when_the_operator_moves_the_gang() -> None:
+    """The taint manager would evict each pod alone after 300 s; the gang's pods tolerate the
+    node controller's taints instead, unless the user tolerates them their own way."""
+    deployment = make_deployment(replicas=1)
+    [pod, _] = children.worker_pods(deployment, TWO_NODES, cold_start_source=None)
+    assert {(t["key"], t["effect"]) for t in pod["spec"]["tolerations"] if "tolerationSeconds" not in t} == {
+        ("node.kubernetes.io/not-ready", "NoExecute"),
+        ("node.kubernetes.io/unreachable", "NoExecute"),
+    }
+    own = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+           "tolerationSeconds": 60}  # fmt: skip
+    custom = make_deployment(replicas=1, pod={"tolerations": [own]})
+    [pod, _] = children.worker_pods(custom, TWO_NODES, cold_start_source=None)
+    assert [t for t in pod["spec"]["tolerations"] if t["key"] == "node.kubernetes.io/unreachable"] == [own]

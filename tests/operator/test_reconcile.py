@@ -189,20 +189,84 @@ async def test_node_loss_restarts_the_whole_gang_elsewhere() -> None:
     assert {grace for kind, _, grace in harness.kube.deletions if kind == "Pod"} == {0}
 
 
-@pytest.mark.parametrize("problem", ["cordoned", "NotReady"])
-async def test_cordoned_or_not_ready_node_moves_its_gang(problem: str) -> None:
+def placement_of(harness: Harness) -> dict[str, tuple[str, str]]:
+    """Pod name -> (uid, node) of every worker pod: what a restart would change."""
+    return {p["metadata"]["name"]: (p["metadata"]["uid"], node_of(p)) for p in harness.pods()}
+
+
+async def test_cordoned_node_keeps_its_gang_and_takes_no_new_one() -> None:
+    harness = Harness(racks=1, replicas=1)
+    await harness.settle()
+    before = placement_of(harness)
+    node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
+    harness.kube.nodes[node]["spec"]["unschedulable"] = True
+    harness.kube.nodes[node]["spec"]["taints"] = [
+        {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+    ]
+    await harness.settle()
+    assert placement_of(harness) == before, "a cordon means no new pods, not broken ones"
+    assert harness.status["phase"] == "Running"
+    assert "GangRestart" not in [reason for _, reason, _ in harness.kube.events]
+    harness.update_spec(replicas=2)
+    await harness.settle()
+    assert harness.status["ready"] == "worker 2/2"
+    new = [p for p in harness.pods() if p["metadata"]["labels"][names.LABEL_GROUP] == "llama-worker-1"]
+    assert node not in {node_of(p) for p in new}, "placement avoids the cordoned node"
+
+
+def set_ready(node: dict[str, Any], status: str, *, since: datetime) -> None:
+    [ready] = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
+    ready.update(status=status, lastTransitionTime=since.isoformat())
+
+
+async def test_not_ready_node_is_waited_out_for_the_grace_then_only_its_gang_moves() -> None:
+    harness = Harness(replicas=2, disruption={"notReadyGrace": "120s"})
+    await harness.settle()
+    before = placement_of(harness)
+    node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
+    now = datetime.now(UTC)
+    set_ready(harness.kube.nodes[node], "False", since=now - timedelta(seconds=30))
+    await harness.settle()
+    assert placement_of(harness) == before, "a NotReady node gets its grace before the gang moves"
+    [waiting] = [g for g in harness.status["groups"] if g.get("disruption")]
+    assert waiting["name"] == "llama-worker-0"
+    assert f"node {node} NotReady since" in waiting["disruption"]
+    assert [m for _, reason, m in harness.kube.events if reason == "NodeNotReady"] == [
+        f"group llama-worker-0: {waiting['disruption']}"
+    ], "one Event, however many passes"
+    # Level-triggered: the pass asks to come back when the grace ends, with no event needed.
+    harness.kube.sync(harness.controller)
+    requeue = await harness.controller.reconcile_once(KEY)
+    assert requeue == pytest.approx(90, abs=2)
+
+    set_ready(harness.kube.nodes[node], "True", since=datetime.now(UTC))
+    await harness.settle()
+    assert placement_of(harness) == before
+    assert not any(g.get("disruption") for g in harness.status["groups"])
+
+    set_ready(harness.kube.nodes[node], "False", since=datetime.now(UTC) - timedelta(seconds=121))
+    await harness.settle()
+    after = placement_of(harness)
+    assert node not in {where for _, where in after.values()}
+    moved = {pod for pod in before if pod.startswith("llama-worker-0-")}
+    assert {pod: after[pod] for pod in before if pod not in moved} == {
+        pod: before[pod] for pod in before if pod not in moved
+    }, "the other gang keeps its pods"
+    assert harness.status["phase"] == "Running"
+    [restart] = [m for _, reason, m in harness.kube.events if reason == "GangRestart"]
+    assert f"node {node} has been NotReady for 121s (grace 120s)" in restart
+
+
+async def test_not_ready_node_with_failed_pods_restarts_at_once() -> None:
     harness = Harness(replicas=1)
     await harness.settle()
-    node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
-    if problem == "cordoned":
-        harness.kube.nodes[node]["spec"]["unschedulable"] = True
-    else:
-        [ready] = [c for c in harness.kube.nodes[node]["status"]["conditions"] if c["type"] == "Ready"]
-        ready["status"] = "False"
+    pod = harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-1")]
+    set_ready(harness.kube.nodes[node_of(pod)], "False", since=datetime.now(UTC))
+    pod["status"]["phase"] = "Failed"
     await harness.settle()
-    assert node not in {node_of(pod) for pod in harness.pods()}
+    [restart] = [m for _, reason, m in harness.kube.events if reason == "GangRestart"]
+    assert "llama-worker-0-1 (rank 1) failed" in restart
     assert harness.status["phase"] == "Running"
-    assert any(f"node {node} is {problem}" in message for _, _, message in harness.kube.events)
 
 
 async def test_failed_pod_restarts_its_gang() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from copse.placement import (
     invalid_groups,
     plan,
     pool,
+    unready_groups,
 )
 from copse.placement.engine import Engine
 from copse.placement.scheduler import min_cost
@@ -270,38 +271,61 @@ def test_scale_down_prefers_groups_split_across_domains() -> None:
     assert choose_victims(topology, request, [split, whole], role=WORKER, count=1) == [(WORKER, 0)]
 
 
-def test_invalid_groups_report_lost_nodes() -> None:
+def _node(nodes: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return nodes[[n["metadata"]["name"] for n in nodes].index(name)]
+
+
+def test_invalid_groups_report_lost_nodes_and_evicting_taints() -> None:
     nodes = fake.gpu_nodes(racks=1, trays_per_rack=4)
     request = workers(2)
     running = plan(build_topology(nodes), request).placements()
-    nodes[[n["metadata"]["name"] for n in nodes].index(running[0].pods[0].node)]["status"]["conditions"][-1][
-        "status"
-    ] = "False"
+    gone = build_topology([n for n in nodes if n["metadata"]["name"] != running[1].pods[1].node])
+    assert list(invalid_groups(gone, request, running)) == [running[1].key]
+    assert "is gone" in invalid_groups(gone, request, running)[running[1].key]
+    _node(nodes, running[0].pods[0].node)["spec"]["taints"] = [{"key": "maintenance", "effect": "NoExecute"}]
     broken = invalid_groups(build_topology(nodes), request, running)
     assert list(broken) == [running[0].key]
-    assert "NotReady" in broken[running[0].key]
-    gone = build_topology([n for n in nodes if n["metadata"]["name"] != running[1].pods[1].node])
-    assert "is gone" in invalid_groups(gone, request, running)[running[1].key]
+    assert "maintenance:NoExecute" in broken[running[0].key]
 
 
-def test_invalid_groups_move_off_cordoned_nodes_unless_tolerated() -> None:
-    nodes = fake.gpu_nodes(racks=1, trays_per_rack=4)
+def test_cordoned_and_not_ready_nodes_do_not_invalidate_their_groups() -> None:
+    """A cordon stops new pods, not running ones; a NotReady node may come back (callers weigh
+    unready_groups against a grace period), and so may one with the node controller's taints."""
+    nodes = fake.gpu_nodes(racks=1, trays_per_rack=6)
+    request = workers(2)
+    running = plan(build_topology(nodes), request).placements()
+    cordoned, unready = running[0].pods[0].node, running[1].pods[0].node
+    _node(nodes, cordoned)["spec"]["unschedulable"] = True
+    ready = next(c for c in _node(nodes, unready)["status"]["conditions"] if c["type"] == "Ready")
+    ready.update(status="Unknown", lastTransitionTime="2025-01-01T10:00:00Z")
+    _node(nodes, unready)["spec"]["taints"] = [
+        {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": "2025-01-01T10:00:40Z"}
+    ]
+    topology = build_topology(nodes)
+    assert invalid_groups(topology, request, running) == {}
+    since = datetime(2025, 1, 1, 10, 0, tzinfo=UTC).timestamp()
+    assert unready_groups(topology, running) == {running[1].key: (unready, since)}
+    # The cordoned node takes no new group: placing a third one avoids it.
+    grown = plan(topology, workers(3), existing=running)
+    new = next(g for g in grown.groups if g.replica == 2)
+    assert all(pod.node not in (cordoned, unready) for pod in new.pods)
+
+
+def test_unready_groups_date_a_taint_without_a_ready_condition_change() -> None:
+    nodes = fake.gpu_nodes(racks=1, trays_per_rack=2)
     request = workers(1)
     running = plan(build_topology(nodes), request).placements()
-    cordoned = running[0].pods[0].node
-    nodes[[n["metadata"]["name"] for n in nodes].index(cordoned)]["spec"]["unschedulable"] = True
-    assert invalid_groups(build_topology(nodes), request, running) == {
-        running[0].key: f"node {cordoned} is cordoned"
-    }
-    tolerant = PlacementRequest(
-        groups=tuple(
-            replace(
-                group, tolerations=(Toleration(key="node.kubernetes.io/unschedulable", operator="Exists"),)
-            )
-            for group in request.groups
-        )
-    )
-    assert invalid_groups(build_topology(nodes), tolerant, running) == {}
+    node = running[0].pods[0].node
+    _node(nodes, node)["spec"]["taints"] = [
+        {"key": "node.kubernetes.io/not-ready", "effect": "NoExecute", "timeAdded": "2025-01-01T10:00:40Z"},
+        {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"},
+    ]
+    since = datetime(2025, 1, 1, 10, 0, 40, tzinfo=UTC).timestamp()
+    assert unready_groups(build_topology(nodes), running) == {running[0].key: (node, since)}
+    # A NotReady condition without a time has been so for as long as anyone knows.
+    ready = next(c for c in _node(nodes, node)["status"]["conditions"] if c["type"] == "Ready")
+    ready["status"] = "False"
+    assert unready_groups(build_topology(nodes), running) == {running[0].key: (node, 0.0)}
 
 
 def test_evaluate_rescoring_matches_the_plan() -> None:

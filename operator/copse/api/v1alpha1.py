@@ -220,6 +220,28 @@ class ScalingSpec(_SpecModel):
         return parse_duration(self.scale_down_delay)
 
 
+class DisruptionSpec(_SpecModel):
+    """How groups ride out node trouble."""
+
+    not_ready_grace: str = Field(
+        default="300s",
+        pattern=DURATION_PATTERN,
+        description="How long a group on a NotReady or unreachable node waits for it to come back before "
+        "its gang restarts elsewhere (the node controller's default eviction toleration). "
+        "Failed or deleted pods restart the gang at once.",
+    )
+
+    @field_validator("not_ready_grace")
+    @classmethod
+    def _check_duration(cls, value: str) -> str:
+        parse_duration(value)
+        return value
+
+    @property
+    def not_ready_grace_s(self) -> float:
+        return parse_duration(self.not_ready_grace)
+
+
 class ColdStartSpec(_SpecModel):
     strategy: ColdStartStrategy = Field(
         default=ColdStartStrategy.NONE, description="How a new replica gets its weights."
@@ -372,6 +394,11 @@ class InferenceDeploymentSpec(_SpecModel):
         json_schema_extra=_defaults_of(ScalingSpec),
         description="Bounds and SLA targets.",
     )
+    disruption: DisruptionSpec = Field(
+        default_factory=DisruptionSpec,
+        json_schema_extra=_defaults_of(DisruptionSpec),
+        description="How groups ride out node trouble.",
+    )
     cold_start: ColdStartSpec = Field(
         default_factory=ColdStartSpec,
         json_schema_extra=_defaults_of(ColdStartSpec),
@@ -468,6 +495,11 @@ class GroupStatus(_Model):
     pods: list[GroupPodStatus] = Field(default_factory=list)
     cost: float = 0.0
     ready: bool = False
+    disruption: Nullable[str] = Field(
+        default=None,
+        description="Why the group is not serving normally: a NotReady node it waits out, or a drain "
+        "before its removal.",
+    )
 
 
 class UnplacedStatus(_Model):

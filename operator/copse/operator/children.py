@@ -18,6 +18,7 @@ import yaml
 
 from copse.api import EngineBackend, InferenceDeployment, Role
 from copse.operator import names
+from copse.topology.kube import NODE_CONDITION_TAINTS
 
 #: Images used when the manifest names none. The TensorRT-LLM release image carries
 #: trtllm-serve, MPI and the copse KV relay is pip-installed on top (see README, Images).
@@ -210,6 +211,18 @@ def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[d
     return [{"name": "kv-relay", "image": spec.router.image or COPSE_IMAGE, "command": command}]
 
 
+def _worker_tolerations(deployment: InferenceDeployment) -> list[dict[str, Any]]:
+    """The user's tolerations, plus the node controller's NotReady/unreachable ``NoExecute`` taints
+    tolerated for good unless the user says otherwise: whether a gang leaves a node that stopped
+    answering is the operator's call (``spec.disruption.notReadyGrace``), made for the whole gang,
+    not pod by pod by the taint manager after its default 300 s."""
+    tolerations = [t.model_dump(mode="json", exclude_none=True) for t in deployment.spec.pod.tolerations]
+    covered = {t.get("key") for t in tolerations if t.get("effect") in (None, "NoExecute")}
+    for key in sorted(NODE_CONDITION_TAINTS - covered):
+        tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute"})
+    return tolerations
+
+
 def worker_pods(
     deployment: InferenceDeployment, layout: GroupLayout, *, cold_start_source: str | None
 ) -> list[dict[str, Any]]:
@@ -281,7 +294,7 @@ def worker_pods(
                     }
                 }
             },
-            "tolerations": [t.model_dump(mode="json", exclude_none=True) for t in spec.pod.tolerations],
+            "tolerations": _worker_tolerations(deployment),
             "containers": [container, *_kv_relay(deployment, pod=pod, rank=rank)],
             "volumes": [
                 {

@@ -22,6 +22,7 @@ from copse.placement import (
     evaluate,
     invalid_groups,
     plan,
+    unready_groups,
 )
 from copse.placement.spec import request_from_spec
 from copse.topology import Topology, build_topology
@@ -111,13 +112,19 @@ class Placer:
         return [replica for _, replica in chosen]
 
     def invalid(self, layouts: Sequence[GroupLayout]) -> dict[GroupKey, str]:
-        """Groups that can no longer run where they are (node gone, NotReady, cordoned, evicting
-        taint, GPUs taken), with the reason: their gangs restart whole."""
+        """Groups that can no longer run where they are (node gone, evicting taint, GPUs taken),
+        with the reason: their gangs restart whole. Cordoned nodes keep their groups."""
         keys = [(layout.role, layout.replica) for layout in layouts]
         broken = invalid_groups(
             self.topology, self._request(keys), [_placement(layout) for layout in layouts]
         )
         return {(Role(role), replica): reason for (role, replica), reason in broken.items()}
+
+    def unready(self, layouts: Sequence[GroupLayout]) -> dict[GroupKey, tuple[str, float]]:
+        """Groups with a pod on a NotReady or unreachable node: that node and since when (s since
+        the epoch); they restart only once the deployment's grace has passed."""
+        found = unready_groups(self.topology, [_placement(layout) for layout in layouts])
+        return {(Role(role), replica): where for (role, replica), where in found.items()}
 
     def evaluate(self, layouts: Sequence[GroupLayout], *, unplaced: Sequence[GroupKey] = ()) -> Plan:
         """Score and per-group cost of ``layouts``; ``unplaced`` groups count as placed nowhere."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
@@ -63,6 +63,10 @@ class Decision:
 _HOLDING = frozenset({GroupState.PLANNED, GroupState.GATED, GroupState.STARTING, GroupState.READY})
 
 
+def _clock(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
+
+
 def _backoff_s(group: ObservedGroup, settings: ReconcileSettings) -> float:
     if group.restarts == 0:
         return 0.0
@@ -108,14 +112,32 @@ def reconcile(
         pods=pods,
         staying=[g.name for g in live if g.layout is not None and g.state is not GroupState.BROKEN],
     )
-    invalid = placer.invalid([g.layout for g in live if g.layout is not None and g.state in _HOLDING])
+    holding = [g.layout for g in live if g.layout is not None and g.state in _HOLDING]
+    invalid = placer.invalid(holding)
+    waits: list[float] = []
+    disruptions: dict[str, str] = {}
+    """Group name -> why it is not serving normally (for its status entry)."""
+    grace = deployment.spec.disruption.not_ready_grace_s
+    for key, (node, since) in placer.unready(holding).items():
+        if key in invalid:
+            continue
+        moves_at = since + grace
+        if now.timestamp() >= moves_at:
+            down_for = now.timestamp() - since
+            invalid[key] = f"node {node} has been NotReady for {down_for:.0f}s (grace {grace:g}s)"
+        else:
+            # Level-triggered: come back when the grace ends, in case nothing else happens by then.
+            waits.append(moves_at - now.timestamp())
+            disruptions[names.group_name(name, *key)] = (
+                f"node {node} NotReady since {_clock(since)}; the gang restarts elsewhere at "
+                f"{_clock(moves_at)} unless the node recovers"
+            )
     live = [
         dataclasses.replace(g, state=GroupState.BROKEN, reason=invalid[(g.role, g.replica)])
         if (g.role, g.replica) in invalid and g.state in _HOLDING
         else g
         for g in live
     ]
-    waits: list[float] = []
     to_place: list[tuple[Role, int]] = []
     staying: list[ObservedGroup] = []
 
@@ -239,6 +261,12 @@ def reconcile(
                 message="; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced),
             )
         )
+    before = {g.get("name"): g.get("disruption") for g in previous.get("groups", [])}
+    for group_name, message in sorted(disruptions.items()):
+        if before.get(group_name) != message:
+            decision.events.append(
+                Event(type="Warning", reason="NodeNotReady", message=f"group {group_name}: {message}")
+            )
     decision.cold_start_source = _cold_start_source(deployment, live)
     decision.status = _status(
         deployment=deployment,
@@ -246,6 +274,7 @@ def reconcile(
         placed=outcome.placed,
         unplaced=unplaced,
         restarting=[g for g, _ in decision.restart],
+        disruptions=disruptions,
         cold_start_source=decision.cold_start_source,
         placer=placer,
         now=now,
@@ -291,6 +320,7 @@ def _status(
     placed: Sequence[GroupLayout],
     unplaced: list[dict[str, Any]],
     restarting: Sequence[ObservedGroup],
+    disruptions: Mapping[str, str],
     cold_start_source: str | None,
     placer: Placer,
     now: datetime,
@@ -325,18 +355,19 @@ def _status(
     groups_status = []
     for scored in sorted(evaluation.groups, key=lambda item: (item.role, item.replica)):
         group = names.group_name(name, Role(scored.role), scored.replica)
-        groups_status.append(
-            {
-                "name": group,
-                "role": scored.role,
-                "replica": scored.replica,
-                "domain": scored.domain,
-                "rack": scored.rack,
-                "pods": [{"node": pod.node, "gpus": pod.gpus} for pod in scored.pods],
-                "cost": round(scored.cost.total, 3),
-                "ready": group in ready_names,
-            }
-        )
+        entry = {
+            "name": group,
+            "role": scored.role,
+            "replica": scored.replica,
+            "domain": scored.domain,
+            "rack": scored.rack,
+            "pods": [{"node": pod.node, "gpus": pod.gpus} for pod in scored.pods],
+            "cost": round(scored.cost.total, 3),
+            "ready": group in ready_names,
+        }
+        if group in disruptions:
+            entry["disruption"] = disruptions[group]
+        groups_status.append(entry)
     all_placed, all_ready = placed_total >= desired_total, ready_total >= desired_total
     infeasible = "; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced)
     checks = (

@@ -19,7 +19,14 @@ from copse.placement.model import (
     Unplaced,
     pool,
 )
-from copse.placement.scheduler import STRATEGIES, choose_victims, evaluate, invalid_groups, plan
+from copse.placement.scheduler import (
+    STRATEGIES,
+    choose_victims,
+    evaluate,
+    invalid_groups,
+    plan,
+    unready_groups,
+)
 
 __all__ = [
     "DECODE",
@@ -41,4 +48,5 @@ __all__ = [
     "invalid_groups",
     "plan",
     "pool",
+    "unready_groups",
 ]

@@ -30,8 +30,7 @@ from copse.placement.model import (
     Unplaced,
 )
 from copse.topology.graph import Topology
-from copse.topology.kube import Taint, tolerated
-from copse.topology.labels import UNSCHEDULABLE_TAINT
+from copse.topology.kube import NODE_CONDITION_TAINTS, tolerated
 from copse.topology.links import LinkTier
 
 Strategy = Callable[[Engine, GroupRequest], PodChoice | None]
@@ -539,7 +538,10 @@ def invalid_groups(
 ) -> dict[GroupKey, str]:
     """Placed groups that can no longer run where they are, with the reason (restart them whole).
 
-    ``topology`` counts only other workloads' GPUs, as for :func:`plan`.
+    A cordon is not one: it stops new pods, not running ones. Nor is a NotReady or unreachable
+    node (its node-controller taints included): it may come back, so callers weigh
+    :func:`unready_groups` against their grace period. ``topology`` counts only other workloads'
+    GPUs, as for :func:`plan`.
     """
     groups = _requested(request, placements)
     demand: dict[str, int] = {}
@@ -554,13 +556,12 @@ def invalid_groups(
             reason = None
             if node is None:
                 reason = f"node {pod.node} is gone"
-            elif not node.ready:
-                reason = f"node {pod.node} is NotReady"
-            elif node.cordoned and not tolerated(Taint(key=UNSCHEDULABLE_TAINT), group.tolerations):
-                # A cordon announces maintenance: move the gang while it can still be moved whole.
-                reason = f"node {pod.node} is cordoned"
             elif evicting := [
-                t for t in node.taints if t.effect == "NoExecute" and not tolerated(t, group.tolerations)
+                t
+                for t in node.taints
+                if t.effect == "NoExecute"
+                and t.key not in NODE_CONDITION_TAINTS
+                and not tolerated(t, group.tolerations)
             ]:
                 reason = f"node {pod.node} has taint {evicting[0]}, which evicts its pods"
             elif demand[pod.node] > node.free:
@@ -572,3 +573,22 @@ def invalid_groups(
                 broken[placement.key] = reason
                 break
     return broken
+
+
+def unready_groups(
+    topology: Topology, placements: Sequence[GroupPlacement]
+) -> dict[GroupKey, tuple[str, float]]:
+    """Placed groups with a pod on a NotReady or unreachable node: the node that has been so the
+    longest and since when (s since the epoch)."""
+    unready: dict[GroupKey, tuple[str, float]] = {}
+    for placement in placements:
+        down = [
+            (since, pod.node)
+            for pod in placement.pods
+            if (node := topology.nodes.get(pod.node)) is not None
+            and (since := node.not_ready_since) is not None
+        ]
+        if down:
+            since, node_name = min(down)
+            unready[placement.key] = (node_name, since)
+    return unready

@@ -18,12 +18,10 @@ from typing import Any
 import networkx as nx
 
 from copse.topology import kube
-from copse.topology.kube import Taint, Toleration
+from copse.topology.kube import NODE_CONDITION_TAINTS, Taint, Toleration
 from copse.topology.labels import CLIQUE_LABEL, UNSCHEDULABLE_TAINT, LabelKeys, clique_rack, first_label
 from copse.topology.links import Link, LinkTable, LinkTier
 
-NODE_CONDITION_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"})
-"""Taints the node controller adds to a NotReady node."""
 ROOT = ("cluster", "")
 """The tree's root vertex; every zone (or, without zones, every lower level) hangs below it."""
 
@@ -58,6 +56,8 @@ class GpuNode:
     block: str | None
     zone: str | None
     ready: bool
+    not_ready_since: float | None = None
+    """When it stopped being Ready or reachable (s since the epoch); None while it is fine."""
     cordoned: bool
     taints: tuple[Taint, ...]
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -284,6 +284,7 @@ def build_topology(
             block=block,
             zone=zone,
             ready=kube.node_ready(raw.node),
+            not_ready_since=kube.node_not_ready_since(raw.node),
             cordoned=kube.node_cordoned(raw.node),
             taints=kube.node_taints(raw.node),
             labels=MappingProxyType(raw.labels),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
@@ -118,6 +119,42 @@ def node_ready(node: Mapping[str, Any]) -> bool:
         if isinstance(condition, dict) and condition.get("type") == "Ready":
             return condition.get("status") == "True"
     return True
+
+
+NODE_CONDITION_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"})
+"""Taints the node controller adds to a NotReady or unreachable node."""
+
+
+def _timestamp(value: Any) -> float:
+    """Seconds since the epoch of an RFC 3339 time; 0 (long ago) when missing or unreadable."""
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    return 0.0
+
+
+def node_not_ready_since(node: Mapping[str, Any]) -> float | None:
+    """When the node stopped being usable (s since the epoch), or None while it is Ready.
+
+    The earliest of its Ready condition's last transition (when not True) and the ``timeAdded``
+    of the node controller's NotReady/unreachable ``NoExecute`` taints; a time that is missing
+    counts as long ago (a hand-written NotReady node has been so for as long as anyone knows)."""
+    since: list[float] = []
+    for condition in _list(_mapping(node.get("status")).get("conditions")):
+        if not isinstance(condition, dict) or condition.get("type") != "Ready":
+            continue
+        if condition.get("status") != "True":
+            since.append(_timestamp(condition.get("lastTransitionTime")))
+    for taint in _list(_mapping(node.get("spec")).get("taints")):
+        if (
+            isinstance(taint, dict)
+            and taint.get("key") in NODE_CONDITION_TAINTS
+            and taint.get("effect") == "NoExecute"
+        ):
+            since.append(_timestamp(taint.get("timeAdded")))
+    return min(since, default=None)
 
 
 def allocatable(node: Mapping[str, Any], resource: str) -> int:
