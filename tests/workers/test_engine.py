@@ -214,6 +214,34 @@ def test_same_arrivals_give_the_same_tokens_and_times() -> None:
     assert run() == run()
 
 
+def test_a_sequence_continued_on_another_engine_emits_the_same_ids() -> None:
+    """Ids depend on the context only: a continuation (prompt + the ids so far) elsewhere, in
+    another batch and fused or not, goes on exactly as the uninterrupted request would have."""
+
+    def outputs(
+        engine: Engine, requests: list[tuple[str, list[int], int]], *, fuse: bool
+    ) -> dict[str, list[int]]:
+        done: dict[str, list[int]] = {}
+        sim = Simulator(
+            [engine],
+            fuse_decode=fuse,
+            on_step=lambda _, out: done.update((r.request_id, r.output) for r in out.finished),
+        )
+        for request_id, tokens, max_tokens in requests:
+            sim.submit(0, request_id=request_id, tokens=tokens, max_tokens=max_tokens)
+        sim.run()
+        return done
+
+    prompt = _prompt(300, salt=3)
+    whole = outputs(_engine(seed=9), [("r", prompt, 40)], fuse=True)["r"]
+    assert len(set(whole)) > 20  # not a constant
+    for fuse in (False, True):
+        busy = [(f"other{i}", _prompt(100 + 37 * i, salt=i), 25) for i in range(5)]
+        rest = outputs(_engine(seed=9), [*busy, ("r", prompt + whole[:13], 27)], fuse=fuse)["r"]
+        assert rest == whole[13:]
+    assert outputs(_engine(seed=10), [("r", prompt, 40)], fuse=True)["r"] != whole
+
+
 def test_fused_decode_steps_give_exactly_the_step_by_step_result() -> None:
     def run(fuse: bool) -> tuple[list[tuple[object, ...]], list[int], int]:
         config = EngineConfig(block_size=16, num_blocks=120, max_num_batched_tokens=512, seed=3)

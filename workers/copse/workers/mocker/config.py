@@ -39,7 +39,9 @@ class EngineConfig:
     kv_transfer_bandwidth_gbps: float = 64.0
     """GB/s of a prefill-to-decode KV transfer (Dynamo's mocker default); delay = bytes / bandwidth."""
     seed: int = 0
-    """Seeds generated token ids, so a run with the same arrivals is reproducible."""
+    """Seeds generated token ids. An id depends on the seed, its position in the sequence and the
+    sequence's first token only (like greedy decoding: not on the batch or the engine), so runs are
+    reproducible and a sequence continued on another engine of the same seed goes on identically."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):

@@ -42,9 +42,15 @@ from copse.workers.protocol.tokenizer import RESERVED_IDS, VOCAB_SIZE
 
 RequestState = Literal["waiting", "transferring", "running", "finished", "aborted"]
 
-#: Generated ids cycle through a seeded table of this many ids (cheap, and reproducible by seed).
+#: Generated ids come from a seeded table of this many ids (cheap, and reproducible by seed): the id
+#: at position ``p`` of a sequence (prompt then output) is ``table[(p + sequence offset) % size]``,
+#: the offset a function of the sequence's first token. Like greedy decoding, the output depends on
+#: the context only, not on the batch: an engine continuing a sequence (a migrated request, whose
+#: prompt is the original prompt plus the tokens generated so far) emits exactly the same ids.
 _SAMPLE_TABLE = 1 << 12
 _SAMPLE_MASK = _SAMPLE_TABLE - 1
+_OFFSET_MULTIPLIER = 2654435761
+"""Knuth's multiplicative hash spreads first tokens over the table."""
 
 _EVENT_FIELDS = frozenset(("event_id", "data"))
 
@@ -55,14 +61,14 @@ def _sample_table(seed: int) -> tuple[int, ...]:
     return tuple(np.random.default_rng(seed).integers(RESERVED_IDS, VOCAB_SIZE, _SAMPLE_TABLE).tolist())
 
 
-def _extend_cyclic(out: list[int], table: tuple[int, ...], *, start: int, stride: int, count: int) -> None:
-    """Append ``table[(start + stride * k) & _SAMPLE_MASK]`` for ``k`` in ``range(count)``."""
+def _extend_cyclic(out: list[int], table: tuple[int, ...], *, start: int, count: int) -> None:
+    """Append ``table[(start + k) & _SAMPLE_MASK]`` for ``k`` in ``range(count)``."""
     position = start & _SAMPLE_MASK
     while count > 0:
-        take = min(count, (_SAMPLE_TABLE - position + stride - 1) // stride)
-        out.extend(table[position : position + stride * take : stride])
+        take = min(count, _SAMPLE_TABLE - position)
+        out.extend(table[position : position + take])
         count -= take
-        position = (position + stride * take) & _SAMPLE_MASK
+        position = (position + take) & _SAMPLE_MASK
 
 
 class EngineOverloaded(RuntimeError):
@@ -98,6 +104,7 @@ class Request(BlockHolder):
         "prompt_len",
         "ready_ms",
         "request_id",
+        "sample_offset",
         "state",
         "tokens",
         "tokens_hashes",
@@ -126,6 +133,8 @@ class Request(BlockHolder):
         self.hashes = hashes
         """Block hashes of the full blocks known so far (prompt, then output as it fills)."""
         self.tokens_hashes = tokens_hashes
+        self.sample_offset = (int(tokens[0]) * _OFFSET_MULTIPLIER) & _SAMPLE_MASK if prompt_len else 0
+        """Where the sequence's ids start in the sample table (from its first token)."""
         self.num_tokens = prompt_len
         """Prompt plus generated tokens."""
         self.num_computed = 0
@@ -264,7 +273,6 @@ class Engine:
         self._pending_events: list[KvEvent] = []
         self._last_event_id = 0
         self._samples = _sample_table(config.seed)
-        self._sample_index = 0
         self._busy_until: float | None = None
         self._step_start = 0.0
         self._scheduled: list[tuple[Request, int]] = []
@@ -577,20 +585,17 @@ class Engine:
             raise RuntimeError(f"engine {self.worker_id} has no step in progress")
         finished: list[Request] = []
         samples = self._samples
-        sample = self._sample_index
         steps = self._steps
         if steps > 1:
-            # fused decode steps: each samples one token per request, in step order, so request j
-            # of m takes samples j, j + m, j + 2m, ... (strided slices, not a loop per token)
+            # fused decode steps: each samples one token per request at the request's next
+            # positions, so a request takes ``steps`` consecutive samples (one slice)
             advanced = [request for request, _n in self._scheduled if request.state == "running"]
-            stride = len(advanced)
-            span = stride * (steps - 1) + 1
-            for j, request in enumerate(advanced):
-                position = (sample + j) & _SAMPLE_MASK
-                if position + span <= _SAMPLE_TABLE:  # no wrap-around: one slice
-                    request.output.extend(samples[position : position + span : stride])
+            for request in advanced:
+                position = (request.sample_offset + request.num_tokens) & _SAMPLE_MASK
+                if position + steps <= _SAMPLE_TABLE:  # no wrap-around: one slice
+                    request.output.extend(samples[position : position + steps])
                 else:
-                    _extend_cyclic(request.output, samples, start=position, stride=stride, count=steps)
+                    _extend_cyclic(request.output, samples, start=position, count=steps)
                 tokens = request.num_tokens + steps
                 request.num_tokens = tokens
                 request.num_computed = tokens - 1
@@ -599,8 +604,7 @@ class Engine:
                 if request.num_output >= request.max_tokens:
                     self._finish(request, end)
                     finished.append(request)
-            sample += stride * steps
-            self.generation_tokens_total += stride * steps
+            self.generation_tokens_total += len(advanced) * steps
         else:
             advanced = []
             for request, n in self._scheduled:
@@ -615,8 +619,7 @@ class Engine:
                 request.num_computed = computed
                 if computed < request.num_tokens:
                     continue
-                request.output.append(samples[sample & _SAMPLE_MASK])
-                sample += 1
+                request.output.append(samples[(request.sample_offset + computed) & _SAMPLE_MASK])
                 request.num_tokens = computed + 1
                 request.num_output += 1
                 if request.num_output == 1:
@@ -627,7 +630,6 @@ class Engine:
                     self._finish(request, end)
                     finished.append(request)
             self.generation_tokens_total += len(advanced)
-        self._sample_index = sample
         if finished:
             self.running = [r for r in self.running if r.state == "running"]
         output = StepOutput(
