@@ -100,8 +100,15 @@ class RouterConfig(_Model):
     """Other workers tried when a worker fails before the first token."""
     queue_timeout_s: float = Field(default=30.0, gt=0)
     """Longest wait in the queue before the router answers 503."""
+    migration_limit: int = Field(default=3, ge=0)
+    """Times a stream whose worker fails after its first token is continued on another worker (from
+    the prompt and the tokens already streamed); 0 ends such streams with an error event."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest a worker may take to answer (or to send the next chunk of a stream)."""
+    token_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest a stream may stay silent after its first token before the router gives up on its
+    worker and migrates it (an engine stuck on it while its health probe passes; a decode step
+    takes milliseconds, a preempted sequence's recompute seconds)."""
     health_interval_s: float = Field(default=0.25, gt=0)
     """Period of worker health probes: a dead worker is dropped within interval + timeout."""
     health_timeout_s: float = Field(default=0.5, gt=0)

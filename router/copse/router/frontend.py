@@ -14,8 +14,12 @@ timed out) or no worker is up.
 
 A request whose worker fails before its first token (connection refused or reset, a 5xx, a
 stream that ends early) is sent to another worker, at most ``max_retries`` times; nothing has
-reached the client yet, so the client sees one clean answer. After the first token the client
-gets an SSE ``data: {"error": ...}`` event and the stream ends.
+reached the client yet, so the client sees one clean answer. A stream whose worker fails after
+its first token (the connection breaks, the stream ends unfinished, the worker sends an error
+event, health probes drop it, or it stays silent for ``token_timeout_s``) is migrated: continued
+on another worker from the tokens already streamed (:mod:`copse.router.migration`), at most
+``migration_limit`` times; beyond that, or when it cannot be continued, the client gets an SSE
+``data: {"error": ...}`` event and the stream ends.
 
 Workers, their health probes and the accounting of in-flight load are the shared
 :class:`~copse.router.service.RoutingService`'s.
@@ -23,9 +27,12 @@ Workers, their health probes and the accounting of in-flight load are the shared
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -34,6 +41,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from copse.router.config import RouterConfig
 from copse.router.core import Role, Route
 from copse.router.discovery import Source
+from copse.router.migration import MigrationReason, StreamProgress
 from copse.router.service import (
     Rejected,
     RoutingService,
@@ -47,6 +55,8 @@ from copse.workers.perf import PerfModel
 from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 RETRY_AFTER_S = 1
 """``Retry-After`` of a 503: about the time a busy worker takes to admit more work."""
@@ -62,8 +72,87 @@ def error_response(status: int, message: str, *, param: str | None = None) -> we
     )
 
 
-class _EarlyFailure(Exception):
-    """The worker failed before anything reached the client: the request may go elsewhere."""
+class _AttemptFailed(Exception):
+    """One attempt at a request failed on a worker: the request may go on elsewhere (retried when
+    the client has received nothing yet, migrated when it has)."""
+
+    def __init__(
+        self, message: str, *, worker_id: str, reason: MigrationReason = MigrationReason.DISCONNECTED
+    ) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        """The worker that failed (not tried again for this request)."""
+        self.reason = reason
+
+
+class _Abandoned(Exception):
+    """The router gave up on the worker of an attempt (see :meth:`_Attempt.abandon`)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Attempt:
+    """A request in flight on its worker(s), which the router may abandon: when health probes drop
+    a worker (a hung engine still accepts connections) or the stream stays silent too long."""
+
+    workers: tuple[str, ...]
+    silent_since: float | None = None
+    """When the stream last sent output (``None`` before its first token)."""
+    abandoned: MigrationReason | None = None
+    culprit: str = ""
+    """The worker given up on."""
+    pending: asyncio.Future[Any] | None = None
+    """The call waiting for a worker's answer, cancelled on abandon."""
+    upstream: aiohttp.ClientResponse | None = None
+    """The worker's answer once it came; abandoning fails its next read."""
+
+    def abandon(self, reason: MigrationReason, *, worker_id: str) -> None:
+        if self.abandoned is not None:
+            return
+        self.abandoned = reason
+        self.culprit = worker_id
+        if self.pending is not None:
+            self.pending.cancel()
+        if self.upstream is not None:
+            self.upstream.content.set_exception(_Abandoned(f"abandoned ({reason.value})"))
+
+
+@dataclass(slots=True)
+class _ClientStream:
+    """A streamed answer to the client, across the attempts (workers) that serve it."""
+
+    progress: StreamProgress
+    arrived: float
+    client: web.StreamResponse | None = None
+    first_at: float = 0.0
+    last_at: float = 0.0
+    events: int = 0
+    """Output events the client received."""
+    open_event: bool = False
+    """The last line written left an SSE event open (its blank line never came)."""
+
+    async def open(self, http: web.Request, held: list[bytes]) -> None:
+        """Start the client's answer with the lines held back so far."""
+        self.client = web.StreamResponse(headers=_SSE_HEADERS)
+        await self.client.prepare(http)
+        for line in held:
+            await self.write(line)
+
+    async def write(self, line: bytes) -> None:
+        assert self.client is not None
+        await self.client.write(line)
+        self.open_event = line.strip() != b""
+
+    async def seal(self) -> None:
+        """End an event a broken stream left open, so that the next one stays separate."""
+        if self.open_event:
+            await self.write(b"\n")
+
+    def absorb(self, meter: StreamMeter) -> None:
+        """Account an attempt's stream."""
+        self.events += meter.events
+        if meter.events:
+            self.last_at = meter.last_at
+        self.progress.absorb(untracked=meter.untracked, finished=meter.finished)
 
 
 def _json_or_none(body: bytes) -> object:
@@ -107,12 +196,53 @@ class RouterService(RoutingService):
         )
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
+        self._attempts: set[_Attempt] = set()
+        """Requests in flight on workers (what dropping a worker or the silence watchdog abandons)."""
+        self.on_worker_removed.append(self._abandon_worker)
 
     async def _on_startup(self, _: web.Application) -> None:
         await self.start()
+        self.add_task(asyncio.create_task(self._silence_watchdog(), name="silence-watchdog"))
 
     async def _on_cleanup(self, _: web.Application) -> None:
         await self.stop()
+
+    # -- attempts -----------------------------------------------------------------------------
+
+    def _abandon_worker(self, worker_id: str) -> None:
+        """Give up on everything in flight on a dropped worker (its streams migrate)."""
+        for attempt in list(self._attempts):
+            if worker_id in attempt.workers:
+                attempt.abandon(MigrationReason.WORKER_LOST, worker_id=worker_id)
+
+    async def _silence_watchdog(self) -> None:
+        """Abandon streams silent for longer than ``token_timeout_s`` after their first token (an
+        engine stuck on them while its health probe still passes)."""
+        limit = self.config.token_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = self.now()
+            for attempt in list(self._attempts):
+                if attempt.silent_since is not None and now - attempt.silent_since > limit:
+                    attempt.abandon(MigrationReason.TIMEOUT, worker_id=attempt.workers[0])
+
+    async def _abandonable(self, attempt: _Attempt, awaitable: Awaitable[_T]) -> _T:
+        """Await ``awaitable`` unless ``attempt`` is abandoned first (then :class:`_AttemptFailed`)."""
+        pending = asyncio.ensure_future(awaitable)
+        attempt.pending = pending
+        try:
+            return await pending
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if attempt.abandoned is None or (task is not None and task.cancelling()):
+                raise
+            raise _AttemptFailed(
+                f"gave up on worker {attempt.culprit} ({attempt.abandoned.value})",
+                worker_id=attempt.culprit,
+                reason=attempt.abandoned,
+            ) from None
+        finally:
+            attempt.pending = None
 
     # -- HTTP ---------------------------------------------------------------------------------
 
@@ -136,33 +266,77 @@ class RouterService(RoutingService):
             self.metrics.requests.labels(status=str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param)
         request, route_request = prepared.request, prepared.route
-        payload = json.loads(raw)
+        original = json.loads(raw)
+        payload = original
+        stream = None
+        if request.stream:
+            progress = StreamProgress(prompt=prepared.tokens, requested=request.requested_tokens())
+            stream = _ClientStream(progress=progress, arrived=arrived)
         exclude: set[str] = set()
-        failure = ""
-        for attempt in range(self.config.max_retries + 1):
+        retries = 0
+        while True:
             try:
                 route = await self._route(route_request, frozenset(exclude))
             except Unavailable as exc:
+                if stream is not None and stream.client is not None:
+                    return await self._end_stream(
+                        stream, f"no worker can continue the stream: {exc}", why="unavailable"
+                    )
                 self.metrics.requests.labels(status="503").inc()
                 return error_response(503, str(exc))
-            if attempt:
-                self.metrics.retries.inc()
             try:
-                response = await self._forward(
-                    http, route, payload, path=path, stream=request.stream, arrived=arrived
-                )
-            except _EarlyFailure as exc:
-                failure = str(exc)
+                response = await self._forward(http, route, payload, path=path, stream=stream)
+            except _AttemptFailed as exc:
+                self._finish(route.request_id)
+                exclude.add(exc.worker_id)
+                if stream is None or stream.client is None:
+                    log.warning(
+                        "request %s failed on %s before its first token: %s",
+                        route.request_id,
+                        route.worker_id,
+                        exc,
+                    )
+                    if retries == self.config.max_retries:
+                        self.metrics.requests.labels(status="503").inc()
+                        attempts = retries + 1
+                        return error_response(
+                            503, f"no worker could serve the request after {attempts} attempts: {exc}"
+                        )
+                    retries += 1
+                    self.metrics.retries.inc()
+                    continue
+                progress = stream.progress
+                await stream.seal()
+                if not progress.resumable:
+                    if progress.finished or progress.remaining <= 0:
+                        return await self._complete_stream(stream)  # only the end was lost
+                    return await self._end_stream(
+                        stream,
+                        f"the worker serving this stream failed ({exc}) and it cannot be continued elsewhere:"
+                        " the worker streams no token ids",
+                        why="untracked",
+                    )
+                if progress.migrations >= self.config.migration_limit:
+                    return await self._end_stream(
+                        stream,
+                        f"the worker serving this stream failed ({exc}) after {progress.migrations}"
+                        f" migrations (migration_limit {self.config.migration_limit})",
+                        why="limit",
+                    )
                 log.warning(
-                    "request %s failed on %s before its first token: %s",
+                    "stream %s broke on %s after %d tokens (%s: %s); continuing it on another worker",
                     route.request_id,
                     route.worker_id,
+                    len(progress.output),
+                    exc.reason.value,
                     exc,
                 )
-                self._finish(route.request_id)
-                exclude.add(route.worker_id)
-                if route.prefill_worker_id is not None:
-                    exclude.add(route.prefill_worker_id)
+                self.metrics.migrations.labels(reason=exc.reason.value).inc()
+                progress.start_attempt()
+                payload = progress.continuation(original, chat=model is ChatCompletionRequest)
+                route_request = self.route_request(
+                    route_request.request_id, progress.prompt + progress.output, max_tokens=progress.remaining
+                )
                 continue
             except BaseException:
                 self._finish(route.request_id)
@@ -171,32 +345,65 @@ class RouterService(RoutingService):
             self.metrics.requests.labels(status=str(response.status)).inc()
             self.metrics.duration.observe(self.now() - arrived)
             return response
-        self.metrics.requests.labels(status="503").inc()
-        attempts = self.config.max_retries + 1
-        return error_response(503, f"no worker could serve the request after {attempts} attempts: {failure}")
 
-    async def _prefill_remotely(self, route: Route, payload: dict[str, Any], path: str) -> dict[str, Any]:
+    async def _end_stream(self, stream: _ClientStream, message: str, *, why: str) -> web.StreamResponse:
+        """End a stream the client receives with an error event (its worker failed for good)."""
+        assert stream.client is not None
+        log.warning("stream ended with an error: %s", message)
+        self.metrics.failed_streams.labels(reason=why).inc()
+        error = ErrorResponse(message=message, type="BadGatewayError", code=502)
+        await stream.write(f"data: {json.dumps({'error': error.model_dump()})}\n\n".encode())
+        return await self._close_stream(stream)
+
+    async def _complete_stream(self, stream: _ClientStream) -> web.StreamResponse:
+        """End a stream whose output is complete but whose worker failed before ``[DONE]``."""
+        await stream.write(b"data: [DONE]\n\n")
+        return await self._close_stream(stream)
+
+    async def _close_stream(self, stream: _ClientStream) -> web.StreamResponse:
+        assert stream.client is not None
+        await stream.client.write_eof()
+        self.metrics.requests.labels(status=str(stream.client.status)).inc()
+        self.metrics.duration.observe(self.now() - stream.arrived)
+        return stream.client
+
+    async def _prefill_remotely(
+        self, route: Route, payload: dict[str, Any], path: str, attempt: _Attempt
+    ) -> dict[str, Any]:
         """Run the context phase on the prefill worker; returns its ``disaggregated_params``."""
         assert route.prefill_worker_id is not None
         url = self._urls.get(route.prefill_worker_id)
         if url is None:
-            raise _EarlyFailure(f"prefill worker {route.prefill_worker_id} is gone")
+            raise _AttemptFailed(
+                f"prefill worker {route.prefill_worker_id} is gone", worker_id=route.prefill_worker_id
+            )
         dropped = ("stream", "stream_options", "max_completion_tokens")
         context = {key: value for key, value in payload.items() if key not in dropped}
         context["max_tokens"] = 1
         context["disaggregated_params"] = {"request_type": "context_only"}
-        try:
+
+        async def call() -> tuple[int, Any]:
             async with self.session.post(f"{url}{path}", json=context) as response:
                 if response.status >= 500:
-                    raise _EarlyFailure(f"prefill worker answered {response.status}")
-                body = await response.json()
+                    return response.status, None
+                return response.status, await response.json()
+
+        try:
+            status, body = await self._abandonable(attempt, call())
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             self._drop_worker_id(route.prefill_worker_id, reason=f"request failed: {exc}")
-            raise _EarlyFailure(f"prefill worker {route.prefill_worker_id}: {exc}") from exc
+            raise _AttemptFailed(
+                f"prefill worker {route.prefill_worker_id}: {exc}", worker_id=route.prefill_worker_id
+            ) from exc
+        if status >= 500:
+            raise _AttemptFailed(f"prefill worker answered {status}", worker_id=route.prefill_worker_id)
         choices = body.get("choices") if isinstance(body, dict) else None
         params = choices[0].get("disaggregated_params") if choices else None
         if not isinstance(params, dict):
-            raise _EarlyFailure(f"prefill worker {route.prefill_worker_id} returned no disaggregated_params")
+            raise _AttemptFailed(
+                f"prefill worker {route.prefill_worker_id} returned no disaggregated_params",
+                worker_id=route.prefill_worker_id,
+            )
         return {**params, "request_type": "generation_only"}
 
     async def _forward(
@@ -206,24 +413,37 @@ class RouterService(RoutingService):
         payload: dict[str, Any],
         *,
         path: str,
-        stream: bool,
-        arrived: float,
+        stream: _ClientStream | None,
     ) -> web.StreamResponse:
         url = self._urls.get(route.worker_id)
         if url is None:
-            raise _EarlyFailure(f"worker {route.worker_id} is gone")
-        if route.prefill_worker_id is not None:
-            payload = {**payload, "disaggregated_params": await self._prefill_remotely(route, payload, path)}
-        elif self._role(route.worker_id) is Role.DECODE:
-            # A whole request on a decode worker (short prompt, or no prefill worker): trtllm-serve's
-            # conditional disaggregation marks it so.
-            payload = {**payload, "disaggregated_params": {"request_type": "context_and_generation"}}
+            raise _AttemptFailed(f"worker {route.worker_id} is gone", worker_id=route.worker_id)
+        workers = (
+            (route.worker_id,)
+            if route.prefill_worker_id is None
+            else (route.worker_id, route.prefill_worker_id)
+        )
+        attempt = _Attempt(workers)
+        self._attempts.add(attempt)
         upstream = None
         try:
-            upstream = await self.session.post(f"{url}{path}", json=payload)
+            if route.prefill_worker_id is not None:
+                params = await self._prefill_remotely(route, payload, path, attempt)
+                payload = {**payload, "disaggregated_params": params}
+            elif self._role(route.worker_id) is Role.DECODE:
+                # A whole request on a decode worker (short prompt, or no prefill worker): trtllm-serve's
+                # conditional disaggregation marks it so.
+                payload = {**payload, "disaggregated_params": {"request_type": "context_and_generation"}}
+            upstream = await self._abandonable(attempt, self.session.post(f"{url}{path}", json=payload))
+            attempt.upstream = upstream
+            if attempt.abandoned is not None:
+                raise _Abandoned(attempt.abandoned.value)
             if upstream.status >= 500:
-                raise _EarlyFailure(f"worker answered {upstream.status}: {(await upstream.text())[:200]}")
-            if upstream.status != 200 or not stream:
+                raise _AttemptFailed(
+                    f"worker answered {upstream.status}: {(await upstream.text())[:200]}",
+                    worker_id=route.worker_id,
+                )
+            if upstream.status != 200 or stream is None:
                 body = await upstream.read()
                 if upstream.status == 200:
                     self._first_token(route.request_id)
@@ -233,68 +453,101 @@ class RouterService(RoutingService):
                     status=upstream.status,
                     content_type=upstream.content_type or "application/json",
                 )
-            return await self._relay_stream(http, route, upstream, arrived=arrived)
+            return await self._relay_stream(http, route, upstream, stream=stream, attempt=attempt)
+        except _Abandoned as exc:
+            reason = attempt.abandoned or MigrationReason.WORKER_LOST
+            culprit = attempt.culprit or route.worker_id
+            raise _AttemptFailed(f"worker {culprit}: {exc}", worker_id=culprit, reason=reason) from exc
         except (TimeoutError, aiohttp.ClientError) as exc:
             self._drop_worker_id(route.worker_id, reason=f"request failed: {exc}")
-            raise _EarlyFailure(f"worker {route.worker_id}: {exc!r}") from exc
+            raise _AttemptFailed(f"worker {route.worker_id}: {exc!r}", worker_id=route.worker_id) from exc
         finally:
+            self._attempts.discard(attempt)
             if upstream is not None:
-                upstream.release()
+                if attempt.abandoned is not None:
+                    upstream.close()
+                else:
+                    upstream.release()
 
     async def _relay_stream(
-        self, http: web.Request, route: Route, upstream: aiohttp.ClientResponse, *, arrived: float
+        self,
+        http: web.Request,
+        route: Route,
+        upstream: aiohttp.ClientResponse,
+        *,
+        stream: _ClientStream,
+        attempt: _Attempt,
     ) -> web.StreamResponse:
-        """Relay an SSE stream; nothing is sent to the client before the first token arrives."""
-        pending: list[bytes] = []
-        client: web.StreamResponse | None = None
-        meter = StreamMeter()
+        """Relay an SSE stream. Nothing is sent to the client before the first token arrives; a
+        continuation's chunks are rewritten to continue the client's stream."""
+        progress = stream.progress
+        resumed = stream.client is not None
+        meter = StreamMeter(ids=progress.output)
+        held: list[bytes] = []
         try:
             async for line in upstream.content:
                 if line.startswith(b"data:"):
                     event, first = meter.feed(line[5:].strip(), now=self.now())
-                    if isinstance(event, dict) and "error" in event and client is None:
-                        raise _EarlyFailure(f"worker stream error: {event['error']}")
+                    if isinstance(event, dict) and "error" in event:
+                        raise _AttemptFailed(
+                            f"worker stream error: {event['error']}",
+                            worker_id=route.worker_id,
+                            reason=MigrationReason.WORKER_ERROR,
+                        )
+                    if meter.events:
+                        attempt.silent_since = meter.last_at
                     if first:
                         self._first_token(route.request_id)
-                        self.metrics.ttft.observe(meter.first_at - arrived)
-                        client = web.StreamResponse(headers=_SSE_HEADERS)
-                        await client.prepare(http)
-                        for held in pending:
-                            await client.write(held)
-                        pending.clear()
-                if client is not None:
-                    await client.write(line)
+                        if stream.client is None:
+                            assert isinstance(event, dict)
+                            progress.note_first(event)
+                            stream.first_at = meter.first_at
+                            self.metrics.ttft.observe(meter.first_at - stream.arrived)
+                            await stream.open(http, held)
+                    if resumed and isinstance(event, dict):
+                        rewritten = progress.rewrite(event)
+                        if rewritten is None:
+                            continue
+                        line = f"data: {json.dumps(rewritten, separators=(',', ':'))}\n".encode()  # noqa: PLW2901
+                if stream.client is not None:
+                    await stream.write(line)
                 else:
-                    pending.append(line)
-        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
-            if client is None:
+                    held.append(line)
+        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, _Abandoned) as exc:
+            reason = attempt.abandoned or (
+                MigrationReason.TIMEOUT if isinstance(exc, TimeoutError) else MigrationReason.DISCONNECTED
+            )
+            if stream.client is None and attempt.abandoned is None:
                 self._drop_worker_id(route.worker_id, reason=f"stream failed: {exc}")
-                raise _EarlyFailure(f"worker {route.worker_id} stream broke: {exc!r}") from exc
-            self._count_output(meter.streamed)
-            log.warning(
-                "stream of %s from %s broke after its first token: %r", route.request_id, route.worker_id, exc
+            else:
+                self._probe_wake.set()  # probe the worker now rather than at the next period
+            culprit = attempt.culprit or route.worker_id
+            raise _AttemptFailed(
+                f"worker {culprit} stream broke: {exc!r}", worker_id=culprit, reason=reason
+            ) from exc
+        finally:
+            self._count_output(meter.output_tokens)
+            stream.absorb(meter)
+        if not meter.events:
+            raise _AttemptFailed(
+                f"worker {route.worker_id} ended the stream before any token",
+                worker_id=route.worker_id,
+                reason=MigrationReason.ENDED_EARLY,
             )
-            error = ErrorResponse(
-                message=f"the worker serving this request failed mid-stream: {exc!r}",
-                type="BadGatewayError",
-                code=502,
-            )
-            await client.write(f"data: {json.dumps({'error': error.model_dump()})}\n\n".encode())
-            await client.write_eof()
-            return client
-        if client is None:
-            raise _EarlyFailure(f"worker {route.worker_id} ended the stream before any token")
-        self._count_output(meter.output_tokens)
-        itl = meter.mean_itl
         if not meter.done:
-            error = ErrorResponse(
-                message="the worker ended the stream early", type="BadGatewayError", code=502
-            )
-            await client.write(f"data: {json.dumps({'error': error.model_dump()})}\n\n".encode())
-        elif itl is not None:
-            self.metrics.itl.observe(itl)
-        await client.write_eof()
-        return client
+            if not progress.finished:
+                raise _AttemptFailed(
+                    f"worker {route.worker_id} ended the stream unfinished",
+                    worker_id=route.worker_id,
+                    reason=MigrationReason.ENDED_EARLY,
+                )
+            await stream.seal()
+            await stream.write(b"data: [DONE]\n\n")
+        if stream.events > 1:
+            self.metrics.itl.observe((stream.last_at - stream.first_at) / (stream.events - 1))
+        assert stream.client is not None
+        await stream.client.write_eof()
+        return stream.client
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response(

@@ -73,6 +73,20 @@ class RouterMetrics:
         self.retries = Counter(
             f"{PREFIX}_retries", "Requests sent again to another worker before their first token.", registry=r
         )
+        self.migrations = Counter(
+            f"{PREFIX}_migrations",
+            "Streams continued on another worker after their worker failed mid-stream, by what failed:"
+            " disconnected, ended_early, worker_error, worker_lost (dropped by health probes), timeout.",
+            ["reason"],
+            registry=r,
+        )
+        self.failed_streams = Counter(
+            f"{PREFIX}_failed_streams",
+            "Streams ended with an error event after their first token, by why they could not go on:"
+            " limit (migration_limit reached), unavailable (no worker), untracked (no token ids streamed).",
+            ["reason"],
+            registry=r,
+        )
         self.kv_resyncs = Counter(
             f"{PREFIX}_kv_resyncs",
             "Worker cache dumps requested after a gap in KV events.",

@@ -92,6 +92,8 @@ class Prepared:
     """A parsed generation request, ready to route."""
 
     request: CompletionRequest | ChatCompletionRequest
+    tokens: list[int]
+    """The prompt's token ids."""
     route: RouteRequest
 
 
@@ -103,18 +105,21 @@ class _Live:
     worker_id: str
 
 
-def output_of(event: Mapping[str, Any]) -> tuple[int, bool]:
-    """What an SSE chunk carries: its output tokens (its token ids, else one per choice with text)
-    and whether it is output at all (tokens, or a finish; not just the role header or usage)."""
+def output_of(event: Mapping[str, Any], ids: list[int] | None = None) -> tuple[int, bool, bool]:
+    """What an SSE chunk carries: its output tokens (its token ids, else one per choice with text),
+    whether it is output at all (tokens, or a finish; not just the role header or usage), and
+    whether it finishes; its token ids are appended to ``ids`` when given."""
     tokens, finished = 0, False
     for choice in event.get("choices") or ():
         token_ids = choice.get("token_ids")
         if token_ids:
             tokens += len(token_ids)
+            if ids is not None:
+                ids.extend(token_ids)
         elif choice.get("text") or (choice.get("delta") or {}).get("content"):
             tokens += 1
         finished = finished or bool(choice.get("finish_reason"))
-    return tokens, tokens > 0 or finished
+    return tokens, tokens > 0 or finished, finished
 
 
 def usage_tokens(body: object) -> int | None:
@@ -126,9 +131,15 @@ def usage_tokens(body: object) -> int | None:
 
 class StreamMeter:
     """Reads a worker's SSE events as they pass: when the first output arrived, how many output
-    events and tokens followed, and whether the stream ended with ``[DONE]``."""
+    events and tokens followed, whether one finished and the stream ended with ``[DONE]``; with
+    ``ids``, also which tokens (appended there: what a migrated stream carries over)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, ids: list[int] | None = None) -> None:
+        self.ids = ids
+        self.untracked = False
+        """An output chunk came without its token ids (``ids`` lacks them)."""
+        self.finished = False
+        """A chunk carried a ``finish_reason``."""
         self.events = 0
         """Events that carried output."""
         self.first_at = 0.0
@@ -149,7 +160,12 @@ class StreamMeter:
         event = json.loads(data)
         if not isinstance(event, dict):
             return event, False
-        produced, is_output = output_of(event)
+        ids = self.ids
+        known = 0 if ids is None else len(ids)
+        produced, is_output, finished = output_of(event, ids)
+        if ids is not None and len(ids) - known < produced:
+            self.untracked = True
+        self.finished = self.finished or finished
         self.streamed += produced
         self.reported = usage_tokens(event) or self.reported
         if not is_output:
@@ -212,6 +228,8 @@ class RoutingService:
         self._probe_wake = asyncio.Event()
         self.on_worker_added: list[Callable[[str, str], object]] = []
         """Callbacks ``(worker_id, url)`` run when a worker becomes usable (KV resync hooks)."""
+        self.on_worker_removed: list[Callable[[str], object]] = []
+        """Callbacks ``(worker_id)`` run when a worker is dropped (abandon what runs on it)."""
         self.on_changes: list[Callable[[], object]] = []
         """Callbacks run after the core changed in-flight load (replica sync flushes its outbox)."""
 
@@ -339,6 +357,8 @@ class RoutingService:
         if live is None:
             return
         self._urls.pop(live.worker_id, None)
+        for callback in self.on_worker_removed:
+            callback(live.worker_id)
         lost = self.router.remove_worker(live.worker_id)
         log.warning(
             "worker %s (%s) dropped: %s; %d requests in flight on it",
@@ -434,13 +454,17 @@ class RoutingService:
         tokens = prompt_tokens(request, self.tokenizer)
         if not tokens:
             raise Rejected(400, "prompt holds no tokens", param="prompt")
-        route = RouteRequest(
-            request_id=uuid.uuid4().hex,
+        route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=request.requested_tokens())
+        return Prepared(request=request, tokens=tokens, route=route)
+
+    def route_request(self, request_id: str, tokens: list[int], *, max_tokens: int) -> RouteRequest:
+        """What the core needs to route a prompt of ``tokens``."""
+        return RouteRequest(
+            request_id=request_id,
             hashes=block_hashes(tokens, block_size=self.config.block_size),
             prompt_tokens=len(tokens),
-            max_tokens=request.requested_tokens(),
+            max_tokens=max_tokens,
         )
-        return Prepared(request=request, route=route)
 
     def metrics_text(self) -> bytes:
         """The Prometheus exposition of the router's metrics."""

@@ -57,6 +57,8 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
 def prompt_tokens(request: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     """The token ids the engine will see for ``request``'s prompt."""
     if isinstance(request, ChatCompletionRequest):
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
         return tokenizer.encode(render_chat((message.role, message.text()) for message in request.messages))
     if isinstance(request.prompt, str):
         return tokenizer.encode(request.prompt)

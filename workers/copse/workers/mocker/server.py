@@ -4,7 +4,7 @@ Per engine (one port each):
 
 =============================  ================================================================
 ``POST /v1/completions``       OpenAI completions; ``prompt`` as text or token ids; SSE with ``stream``
-``POST /v1/chat/completions``  OpenAI chat completions (mock chat template and tokenizer)
+``POST /v1/chat/completions``  OpenAI chat completions (mock chat template and tokenizer, or token ids)
 ``GET /v1/models``             the served model name
 ``GET /health``                200 when the engine loop runs
 ``GET /metrics``               Prometheus, TensorRT-LLM names (also at ``/prometheus/metrics``)
@@ -17,6 +17,10 @@ Per engine (one port each):
 Errors: 400 with :class:`~copse.workers.protocol.openai_api.ErrorResponse` naming the field;
 503 with ``Retry-After`` when the engine's queue is full. A client that disconnects (or stops
 reading a stream) has its request aborted and its blocks freed.
+
+Streamed chunks carry their output ``token_ids``, in completions as ``trtllm-serve`` does with
+``detokenize: false`` and, unlike ``trtllm-serve``, in chat too (what the router needs to migrate
+a stream; see :mod:`copse.router.migration`).
 """
 
 from __future__ import annotations
@@ -384,7 +388,11 @@ class EngineServer:
                         id=response_id,
                         created=created,
                         model=self.model_name,
-                        choices=[ChatStreamChoice(delta=DeltaMessage(content=text), finish_reason=reason)],
+                        choices=[
+                            ChatStreamChoice(
+                                delta=DeltaMessage(content=text), token_ids=new, finish_reason=reason
+                            )
+                        ],
                         usage=usage,
                     )
                 )
@@ -436,7 +444,10 @@ class EngineServer:
             body = parse_request(ChatCompletionRequest, await http.read())
         except RequestError as exc:
             return _error(400, exc.message, param=exc.param)
-        tokens = encode(render_chat((m.role, m.text()) for m in body.messages))
+        if body.prompt_token_ids is not None:
+            tokens = body.prompt_token_ids
+        else:
+            tokens = encode(render_chat((m.role, m.text()) for m in body.messages))
         return await self._serve(http, body, tokens)
 
     # housekeeping -----------------------------------------------------------------------------

@@ -217,6 +217,9 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    prompt_token_ids: list[int] | None = None
+    """The rendered and tokenized chat, used instead of rendering ``messages`` (``trtllm-serve`` uses
+    it for generation requests in disaggregated serving; the router to continue a migrated chat)."""
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -227,6 +230,16 @@ class ChatCompletionRequest(_GenerationRequest):
         if value:
             raise ValueError("logprobs is not supported")
         return value
+
+    @field_validator("prompt_token_ids", mode="plain")
+    @classmethod
+    def _check_prompt_token_ids(cls, value: object) -> list[int] | None:
+        if value is None:
+            return None
+        tokens = _token_ids(value, field="prompt_token_ids")
+        if not tokens:
+            raise ValueError("prompt_token_ids must not be empty")
+        return tokens
 
     def requested_tokens(self) -> int:
         if self.max_completion_tokens is not None:
@@ -385,6 +398,9 @@ class DeltaMessage(_Response):
 class ChatStreamChoice(_Response):
     index: int = 0
     delta: DeltaMessage
+    token_ids: list[int] | None = None
+    """The chunk's output token ids. A copse mocker extension: ``trtllm-serve`` streams no token ids
+    in chat chunks (the router cannot migrate its chat streams; see the README)."""
     finish_reason: FinishReason | None = None
 
 

@@ -1,0 +1,370 @@
+"""Request migration: streams whose worker fails after their first token go on, token-exactly, on
+another worker (mocked engines, behind a proxy that breaks, hangs or errs on command)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from copse.router.config import RouterConfig, parse_config
+from copse.router.migration import StreamProgress
+from copse.router.server import RunningRouter, start_router
+from copse.router.service import StreamMeter
+from copse.workers.mocker import EngineConfig
+from copse.workers.testing import mock_fleet
+
+from .conftest import eventually
+
+MODEL = "mock-model"
+PROMPT = list(range(1000, 1000 + 150))
+CHAT = [{"role": "user", "content": "tell me about the trees of the forest"}]
+
+
+# -- the continuation itself ----------------------------------------------------------------------
+
+
+def _feed(progress: StreamProgress, *events: dict[str, Any]) -> None:
+    """What the frontend does with an attempt's chunks."""
+    meter = StreamMeter(ids=progress.output)
+    for event in events:
+        event_back, first = meter.feed(json.dumps(event).encode(), now=0.0)
+        if first and progress.stream_id is None:
+            assert isinstance(event_back, dict)
+            progress.note_first(event_back)
+    progress.absorb(untracked=meter.untracked, finished=meter.finished)
+
+
+def test_a_continuation_carries_the_ids_and_the_remaining_budget() -> None:
+    progress = StreamProgress(prompt=[5, 6, 7], requested=10)
+    _feed(
+        progress,
+        {"id": "cmpl-1", "created": 42, "choices": [{"text": " a b", "token_ids": [100, 101]}]},
+        {"id": "cmpl-1", "created": 42, "choices": [{"text": " c", "token_ids": [102]}]},
+    )
+    assert progress.resumable
+    assert (progress.stream_id, progress.created) == ("cmpl-1", 42)
+    original = {"model": MODEL, "prompt": "five six seven", "max_tokens": 10, "min_tokens": 5, "echo": True}
+    body = progress.continuation(original, chat=False)
+    assert body == {"model": MODEL, "prompt": [5, 6, 7, 100, 101, 102], "max_tokens": 7, "min_tokens": 2}
+    assert original["prompt"] == "five six seven"  # the client's request is left alone
+    chat = progress.continuation({"model": MODEL, "messages": CHAT, "max_completion_tokens": 10}, chat=True)
+    assert chat["prompt_token_ids"] == [5, 6, 7, 100, 101, 102]
+    assert chat["max_completion_tokens"] == 7
+    assert "max_tokens" not in chat
+    assert progress.continuation({"model": MODEL, "messages": CHAT}, chat=True)["max_tokens"] == 7
+
+
+def test_a_continuation_chunk_keeps_the_first_id_drops_the_second_role_header_and_counts_usage() -> None:
+    progress = StreamProgress(prompt=[5, 6, 7], requested=4)
+    _feed(
+        progress,
+        {"id": "chatcmpl-1", "created": 42, "choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"id": "chatcmpl-1", "created": 42, "choices": [{"delta": {"content": " a"}, "token_ids": [9]}]},
+    )
+    progress.start_attempt()
+    header = {"id": "chatcmpl-2", "created": 50, "choices": [{"delta": {"role": "assistant", "content": ""}}]}
+    assert progress.rewrite(header) is None
+    chunk = {"id": "chatcmpl-2", "created": 50, "choices": [{"delta": {"content": " b"}, "token_ids": [10]}]}
+    assert progress.rewrite(chunk) == {
+        "id": "chatcmpl-1",
+        "created": 42,
+        "choices": [{"delta": {"content": " b"}, "token_ids": [10]}],
+    }
+    # the second worker saw a prompt of 3 + 1 tokens and generated 3
+    usage = {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    rewritten = progress.rewrite({"id": "chatcmpl-2", "choices": [], "usage": usage})
+    assert rewritten is not None
+    assert rewritten["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+
+
+def test_a_stream_without_token_ids_or_with_nothing_left_is_not_resumable() -> None:
+    text_only = StreamProgress(prompt=[1], requested=5)
+    _feed(text_only, {"id": "x", "choices": [{"text": " a"}]})
+    assert not text_only.resumable
+    finished = StreamProgress(prompt=[1], requested=5)
+    _feed(finished, {"id": "x", "choices": [{"text": " a", "token_ids": [3], "finish_reason": "stop"}]})
+    assert not finished.resumable
+    assert finished.output == [3]
+
+
+# -- against engines ------------------------------------------------------------------------------
+
+
+@dataclass
+class Flaky:
+    """A worker that proxies a mocked engine and fails as told after ``after`` output chunks."""
+
+    url: str
+    engine: str
+    mode: str = "pass"
+    """pass | break (close the connection) | hang (send nothing more) | error (an error event)."""
+    after: int = 3
+    healthy: bool = True
+    requests: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@contextlib.asynccontextmanager
+async def flaky(engine_url: str, *, name: str) -> AsyncIterator[Flaky]:
+    state = Flaky(url="", engine=engine_url)
+    session = aiohttp.ClientSession()
+
+    async def health(_: web.Request) -> web.Response:
+        if not state.healthy:
+            await state.release.wait()  # answers nothing, like a stopped process
+        return web.Response(status=200)
+
+    async def info(_: web.Request) -> web.Response:
+        async with session.get(f"{engine_url}/worker_info") as response:
+            return web.json_response({**(await response.json()), "worker_id": name})
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        state.requests += 1
+        async with session.post(f"{engine_url}{request.path}", data=await request.read()) as upstream:
+            response = web.StreamResponse(
+                status=upstream.status, headers={"Content-Type": upstream.content_type}
+            )
+            await response.prepare(request)
+            outputs = 0
+            async for line in upstream.content:
+                if line.startswith(b"data: {") and b"token_ids" in line:
+                    outputs += 1
+                    if outputs > state.after and state.mode != "pass":
+                        if state.mode == "break":
+                            assert request.transport is not None
+                            request.transport.close()
+                            return response
+                        if state.mode == "hang":
+                            await state.release.wait()
+                        if state.mode == "error":
+                            await response.write(
+                                b'data: {"error": {"message": "engine fault", "code": 500}}\n\n'
+                            )
+                            return response
+                await response.write(line)
+            return response
+
+    app = web.Application()
+    app.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/worker_info", info),
+            web.post("/v1/completions", generate),
+            web.post("/v1/chat/completions", generate),
+        ]
+    )
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    state.url = f"http://{host}:{port}"
+    try:
+        yield state
+    finally:
+        state.release.set()
+        await runner.cleanup()
+        await session.close()
+
+
+def _config(workers: list[dict[str, Any]], **extra: Any) -> RouterConfig:
+    raw: dict[str, Any] = {
+        "model": MODEL,
+        "port": 0,
+        "block_size": 32,
+        "discovery": {"kind": "static", "workers": workers},
+        "health_interval_s": 0.05,
+        "health_timeout_s": 0.2,
+        "seed": 1,
+    }
+    raw.update(extra)
+    return parse_config(raw, source="test")
+
+
+async def _started(config: RouterConfig, workers: int) -> RunningRouter:
+    running = await start_router(config, router_id="test-router")
+    await eventually(lambda: len(running.service.router.workers) == workers)
+    return running
+
+
+async def _sse(response: aiohttp.ClientResponse) -> list[Any]:
+    events: list[Any] = []
+    async for line in response.content:
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+def _body(chat: bool, max_tokens: int = 12) -> tuple[str, dict[str, Any]]:
+    common = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        return "/v1/chat/completions", {**common, "messages": CHAT}
+    return "/v1/completions", {**common, "prompt": PROMPT}
+
+
+def _text(events: list[Any]) -> tuple[str, list[int]]:
+    text = ""
+    ids: list[int] = []
+    for event in events:
+        if isinstance(event, dict) and event.get("choices"):
+            choice = event["choices"][0]
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            ids += choice.get("token_ids") or []
+    return text, ids
+
+
+async def _stream(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    async with aiohttp.ClientSession() as http, http.post(f"{url}{path}", json=body) as response:
+        assert response.status == 200
+        return await _sse(response)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("mode", ["break", "error"])
+async def test_a_stream_whose_worker_fails_goes_on_elsewhere_token_exactly(chat: bool, mode: str) -> None:
+    path, body = _body(chat)
+    async with mock_fleet(engines=2) as fleet, flaky(fleet.urls[0], name="flaky") as bad:
+        reference = await _stream(fleet.urls[1], path, body)
+        bad.mode = mode
+        config = _config([{"url": bad.url}, {"url": fleet.urls[1]}], policy="round_robin")
+        running = await _started(config, 2)
+        try:
+            # round robin starts one of the two on the flaky worker
+            both = [await _stream(running.url, path, body) for _ in range(2)]
+        finally:
+            await running.close()
+    assert bad.requests == 1
+    assert _text(both[0]) == _text(both[1])
+    events = both[0] if len(both[0]) != len(reference) else both[1]  # the migrated one
+    assert events[-1] == "[DONE]"
+    assert not any("error" in e for e in events if isinstance(e, dict))
+    assert _text(events) == _text(reference)
+    assert len(_text(events)[1]) == 12
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert {e["id"] for e in chunks} == {chunks[0]["id"]}  # one stream, one id
+    assert len({e["created"] for e in chunks}) == 1
+    if chat:
+        assert sum(1 for e in chunks if e["choices"] and "role" in e["choices"][0]["delta"]) == 1
+    usage = chunks[-1]["usage"]
+    expected_prompt = reference[-2]["usage"]["prompt_tokens"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (expected_prompt, 12)
+    reason = "disconnected" if mode == "break" else "worker_error"
+    metrics = running.service.metrics
+    assert metrics.migrations.labels(reason=reason)._value.get() == 1
+    assert running.service.router.sequences.requests.sum() == 0
+
+
+async def test_a_silent_stream_moves_after_the_token_timeout() -> None:
+    path, body = _body(chat=False, max_tokens=10)
+    async with mock_fleet(engines=2) as fleet, flaky(fleet.urls[0], name="flaky") as bad:
+        reference = await _stream(fleet.urls[1], path, body)
+        bad.mode = "hang"
+        config = _config(
+            [{"url": bad.url}, {"url": fleet.urls[1]}], policy="round_robin", token_timeout_s=0.3
+        )
+        running = await _started(config, 2)
+        try:
+            both = [await _stream(running.url, path, body) for _ in range(2)]
+        finally:
+            await running.close()
+    assert bad.requests == 1
+    assert _text(both[0]) == _text(both[1]) == _text(reference)
+    assert running.service.metrics.migrations.labels(reason="timeout")._value.get() == 1
+    assert "flaky" in running.service.router.workers  # its probes still pass
+
+
+async def test_the_streams_of_a_worker_that_stops_answering_move_when_probes_drop_it() -> None:
+    path, body = _body(chat=False, max_tokens=10)
+    async with mock_fleet(engines=2) as fleet, flaky(fleet.urls[0], name="flaky") as bad:
+        reference = await _stream(fleet.urls[1], path, body)
+        bad.mode = "hang"
+        config = _config([{"url": bad.url}, {"url": fleet.urls[1]}], policy="round_robin")
+        running = await _started(config, 2)
+        try:
+            both = [asyncio.create_task(_stream(running.url, path, body)) for _ in range(2)]
+            await eventually(lambda: bad.requests == 1)  # round robin sent one of the two there
+            bad.healthy = False  # now the whole engine hangs: its probes time out
+            results = await asyncio.gather(*both)
+        finally:
+            await running.close()
+    assert [_text(events) for events in results] == [_text(reference)] * 2
+    assert running.service.metrics.migrations.labels(reason="worker_lost")._value.get() == 1
+    assert "flaky" not in running.service.router.workers
+
+
+async def test_past_the_migration_limit_the_stream_ends_with_an_error_event() -> None:
+    path, body = _body(chat=False, max_tokens=20)
+    async with (
+        mock_fleet(engines=2) as fleet,
+        flaky(fleet.urls[0], name="a") as first,
+        flaky(fleet.urls[1], name="b") as second,
+    ):
+        first.mode = second.mode = "break"
+        first.after = second.after = 2
+        config = _config([{"url": first.url}, {"url": second.url}], migration_limit=1)
+        running = await _started(config, 2)
+        try:
+            events = await _stream(running.url, path, body)
+        finally:
+            await running.close()
+    assert len(_text(events)[1]) == 4  # two chunks from each worker
+    assert events[-1]["error"]["code"] == 502
+    assert "migration_limit 1" in events[-1]["error"]["message"]
+    assert "[DONE]" not in events
+    assert running.service.metrics.failed_streams.labels(reason="limit")._value.get() == 1
+
+
+async def test_a_failed_decode_worker_continues_through_prefill_again() -> None:
+    path, body = _body(chat=False, max_tokens=12)
+    # distinct prompts (not cached anywhere yet: each is worth prefilling remotely), sent at once so
+    # that the decode load spreads them over both decode workers
+    prompts = [[5000 + i, *range(6000, 6000 + 2047)] for i in range(4)]
+    async with (
+        mock_fleet(engines=1) as reference_engine,
+        mock_fleet(engines=1, config=EngineConfig(role="prefill")) as prefill,
+        mock_fleet(engines=2, config=EngineConfig(role="decode")) as decode,
+        flaky(decode.urls[0], name="flaky-decode") as bad,
+    ):
+        references = [await _stream(reference_engine.urls[0], path, {**body, "prompt": p}) for p in prompts]
+        bad.mode = "break"
+        workers = [
+            {"url": prefill.urls[0], "role": "prefill"},
+            {"url": bad.url, "role": "decode"},
+            {"url": decode.urls[1], "role": "decode"},
+        ]
+        running = await _started(_config([], discovery={"kind": "static", "workers": workers}), 3)
+        try:
+            results = await asyncio.gather(
+                *(_stream(running.url, path, {**body, "prompt": p}) for p in prompts)
+            )
+        finally:
+            await running.close()
+    assert [_text(events) for events in results] == [_text(events) for events in references]
+    assert bad.requests >= 1
+    assert running.service.metrics.migrations.labels(reason="disconnected")._value.get() == bad.requests
+    # each continuation re-entered through prefill, with the prompt and the 3 tokens carried over
+    assert prefill.servers[0].engine.prompt_tokens_total == 4 * 2048 + bad.requests * (2048 + 3)
