@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from e2e.operator_harness import REPO, Operator, seed, status, wait_running, wait_until, worker_pods
 
+from copse.api import API_VERSION, KIND
 from copse.cluster import Kubectl
 from copse.operator import names
 from copse.topology.fake import gpu_nodes
@@ -31,7 +32,7 @@ def test_seed_becomes_two_tp8_groups_on_two_racks(
     assert len(groups) == 2
     assert all(group["domain"] for group in groups), "each TP=8 group inside one NVLink domain"
     assert len({group["rack"] for group in groups}) == 2, "spread across racks"
-    assert current["observedGeneration"] == 1
+    assert current["observedGeneration"] == 2, "the operator wrote spec.replicas (generation 2)"
     pods = worker_pods(kubectl, "llama", namespace)
     assert len(pods) == 4
     for pod in pods:
@@ -62,6 +63,23 @@ def test_disaggregated_pools_land_close(kubectl: Kubectl, namespace: str, operat
     assert current["ready"] == "prefill 1/1, decode 1/1"
     racks = {group["role"]: group["rack"] for group in current["groups"]}
     assert racks["prefill"] == racks["decode"]
+    # /scale is the aggregated pool's; each disaggregated pool is scaled by its own field.
+    refused = kubectl.run("scale", "idep/disagg", "--replicas=2", f"--namespace={namespace}", check=False)
+    assert refused.returncode != 0
+    assert "spec.replicas is for aggregated serving" in refused.stderr
+    kubectl.run(
+        "patch",
+        "idep/disagg",
+        "--type=merge",
+        "--patch",
+        '{"spec": {"decode": {"replicas": 2}}}',
+        f"--namespace={namespace}",
+    )
+    wait_until(
+        "the decode pool to grow to 2 while prefill stays at 1",
+        lambda: status(kubectl, "disagg", namespace).get("ready") == "prefill 1/1, decode 2/2",
+        operator=operator,
+    )
 
 
 def test_scale_subresource_and_pool_patches(kubectl: Kubectl, namespace: str, operator: Operator) -> None:
@@ -85,6 +103,65 @@ def test_scale_subresource_and_pool_patches(kubectl: Kubectl, namespace: str, op
     )
     scale = kubectl.get("idep", "scaled", "--subresource=scale", namespace=namespace)
     assert scale["status"]["replicas"] == 1
+
+
+def test_the_scale_subresource_reads_the_real_count_and_an_hpa_drives_it(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    kubectl.apply(seed("autoscaled"), namespace=namespace)  # no spec.replicas: minReplicas (2)
+    wait_running(kubectl, "autoscaled", namespace, operator)
+    scale = kubectl.get("idep", "autoscaled", "--subresource=scale", namespace=namespace)
+    assert scale["spec"]["replicas"] == 2
+    assert scale["status"]["replicas"] == 2
+    selected = kubectl.items("pods", "-l", scale["status"]["selector"], namespace=namespace)
+    assert sorted(pod["metadata"]["name"] for pod in selected) == [
+        "autoscaled-worker-0-0",
+        "autoscaled-worker-1-0",
+    ], "one rank-0 pod per replica"
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "autoscaled"},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": "autoscaled"},
+            "minReplicas": 3,
+            "maxReplicas": 4,
+            "metrics": [
+                {
+                    "type": "Resource",
+                    "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}},
+                }
+            ],
+        },
+    }
+    kubectl.apply(hpa, namespace=namespace)
+
+    def hpa_conditions() -> dict[str, dict[str, Any]]:
+        current = kubectl.get("hpa", "autoscaled", namespace=namespace).get("status", {})
+        return {c["type"]: c for c in current.get("conditions", [])}
+
+    # No metrics server here: the controller still reads /scale and enforces minReplicas.
+    wait_until(
+        "the HPA controller to scale the deployment up to its minReplicas through /scale",
+        lambda: (
+            hpa_conditions().get("AbleToScale", {}).get("status") == "True"
+            and status(kubectl, "autoscaled", namespace).get("ready") == "worker 3/3"
+        ),
+        operator=operator,
+        timeout=120,
+    )
+    able = hpa_conditions()["AbleToScale"]
+    assert able["reason"] in {"SucceededGetScale", "SucceededRescale", "ReadyForNewScale"}, able
+    assert kubectl.get("idep", "autoscaled", namespace=namespace)["spec"]["replicas"] == 3
+    wait_until(
+        "the HPA to report the 3 replicas it reads back",
+        lambda: (
+            kubectl.get("hpa", "autoscaled", namespace=namespace).get("status", {}).get("currentReplicas")
+            == 3
+        ),
+        operator=operator,
+        timeout=60,
+    )
 
 
 def test_node_loss_moves_only_its_group(kubectl: Kubectl, namespace: str, operator: Operator) -> None:

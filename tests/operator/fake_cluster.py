@@ -106,6 +106,18 @@ class FakeKube:
         body = self.objects[("InferenceDeployment", namespace, name)]
         body["status"] = {**body.get("status", {}), **copy.deepcopy(dict(status))}
 
+    async def patch_spec(
+        self, *, namespace: str, name: str, spec: Mapping[str, Any], resource_version: str | None
+    ) -> bool:
+        self.calls.append(("patch InferenceDeployment", name))
+        body = self.objects.get(("InferenceDeployment", namespace, name))
+        if body is None or resource_version not in (None, body["metadata"].get("resourceVersion")):
+            return False
+        body["spec"] = {**body["spec"], **copy.deepcopy(dict(spec))}
+        body["metadata"]["generation"] = body["metadata"].get("generation", 0) + 1
+        body["metadata"]["resourceVersion"] = str(next(_versions))
+        return True
+
     async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None:
         self.events.append((type, reason, message))
 

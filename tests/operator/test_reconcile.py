@@ -96,8 +96,15 @@ async def test_seed_deployment_lands_one_group_per_rack() -> None:
     assert all(not p["spec"].get("schedulingGates") and p["status"]["phase"] == "Running" for p in pods)
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
     assert conditions == {"Placed": "True", "Ready": "True", "PlacementInfeasible": "False"}
-    assert status["observedGeneration"] == 1
+    body = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
+    assert body["spec"]["replicas"] == 2, "spec.replicas written once, so /scale reads the real count"
+    assert status["observedGeneration"] == 2, "that write is generation 2"
+    assert status["replicas"] == 2
+    assert status["selector"] == (
+        "app.kubernetes.io/component=worker,copse.dev/deployment=llama,copse.dev/leader=true,copse.dev/role=worker"
+    )
     assert Counter(reason for _, reason, _ in harness.kube.events)["Placed"] == 2
+    assert Counter(reason for _, reason, _ in harness.kube.events)["ReplicasDefaulted"] == 1
     assert ("ConfigMap", NAMESPACE, "llama-engine") in harness.kube.objects
     assert ("Deployment", NAMESPACE, "llama-router") in harness.kube.objects
 
@@ -294,6 +301,57 @@ async def test_scale_up_then_down_frees_whole_domains() -> None:
     racks = [g["rack"] for g in harness.status["groups"]]
     assert len(set(racks)) == 3, "scale-down keeps one group per rack rather than emptying one"
     assert Counter(reason for _, reason, _ in harness.kube.events)["Placed"] == 6
+
+
+def selected(harness: Harness) -> list[dict[str, Any]]:
+    """Pods the scale subresource's selector selects (equality terms only, as it writes them)."""
+    terms = dict(term.split("=") for term in harness.status["selector"].split(","))
+    return [
+        p
+        for p in harness.pods()
+        if all(p["metadata"]["labels"].get(k) == v for k, v in terms.items())
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+async def test_scale_replicas_and_selector_agree_on_what_a_replica_is() -> None:
+    """One replica is one TP group (two pods here), selected by its rank-0 pod: an autoscaler
+    averaging per-pod metrics over the selector sees one pod per replica."""
+    harness = Harness(racks=3, replicas=1)
+    await harness.settle()
+    for replicas in (4, 2):
+        harness.update_spec(replicas=replicas)
+        await harness.settle()
+        assert harness.status["replicas"] == replicas == len(selected(harness))
+        assert len(harness.pods()) == 2 * replicas
+        assert {p["metadata"]["labels"][names.LABEL_RANK] for p in selected(harness)} == {"0"}
+
+
+async def test_disaggregated_deployments_get_no_spec_replicas_and_scale_per_pool() -> None:
+    harness = Harness(racks=2, prefill={"replicas": 1, "tensorParallelism": 4}, decode={"replicas": 1})
+    await harness.settle()
+    body = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
+    assert "replicas" not in body["spec"]
+    assert harness.status["replicas"] == 0
+    assert selected(harness) == []
+    # What `kubectl patch idep/llama --type=merge -p '{"spec":{"decode":{"replicas":2}}}'` does.
+    harness.update_spec(decode={"replicas": 2})
+    await harness.settle()
+    assert harness.status["roles"]["decode"] == {"desired": 2, "placed": 2, "ready": 2}
+    assert harness.status["roles"]["prefill"] == {"desired": 1, "placed": 1, "ready": 1}
+
+
+async def test_replicas_are_defaulted_only_over_the_version_read() -> None:
+    harness = Harness(scaling={"minReplicas": 2})
+    body = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
+    body["metadata"]["resourceVersion"] = "7"
+    harness.kube.sync(harness.controller)
+    body["metadata"]["resourceVersion"] = "8"  # someone wrote it after our watch saw version 7
+    await harness.controller.reconcile_once(KEY)
+    assert "replicas" not in body["spec"]
+    assert "ReplicasDefaulted" not in [reason for _, reason, _ in harness.kube.events]
+    await harness.settle()
+    assert body["spec"]["replicas"] == 2
 
 
 async def test_infeasible_groups_are_reported_and_heal_when_nodes_arrive() -> None:

@@ -519,8 +519,14 @@ class InferenceDeploymentStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list)
     roles: dict[str, RoleStatus] = Field(default_factory=dict, description="Per role: desired/placed/ready.")
     ready: str = Field(default="", description="Ready/desired per role, for kubectl get.")
-    replicas: int = Field(default=0, description="Placed aggregated groups (scale subresource).")
-    selector: str = Field(default="", description="Label selector of the worker pods (scale subresource).")
+    replicas: int = Field(
+        default=0,
+        description="Aggregated TP groups that have their rank-0 pod (scale subresource): what selector selects.",
+    )
+    selector: str = Field(
+        default="",
+        description="Label selector of the aggregated groups' rank-0 pods, one per replica (scale subresource).",
+    )
     score: Nullable[float] = Field(default=None, description="Placement score in [0, 1].")
     groups: list[GroupStatus] = Field(default_factory=list)
     unplaced: list[UnplacedStatus] = Field(default_factory=list)

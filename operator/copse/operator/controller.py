@@ -235,6 +235,7 @@ class Controller:
             await self.kube.patch_status(namespace=namespace, name=name, status={"phase": "Failed"})
             await self.kube.post_event(owner=body, type="Warning", reason="InvalidSpec", message=str(exc))
             return None
+        await self._default_replicas(body, deployment)
         services = [s for (ns, _), s in self.cache.services.items() if ns == namespace]
         own_pods = [p for (ns, _), p in self.cache.pods.items() if ns == namespace]
         groups = observe_groups(deployment=name, services=services, pods=own_pods)
@@ -250,6 +251,31 @@ class Controller:
         )
         await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
         return decision.requeue_after_s
+
+    async def _default_replicas(self, body: Mapping[str, Any], deployment: InferenceDeployment) -> None:
+        """Write ``spec.replicas`` of an aggregated deployment that has none (it means
+        ``scaling.minReplicas``): the scale subresource reads that path, and an absent value reads
+        as 0, so ``kubectl scale`` and a HorizontalPodAutoscaler would act on a count of 0."""
+        spec = deployment.spec
+        if spec.disaggregated or spec.replicas is not None:
+            return
+        namespace, name = str(deployment.metadata.namespace), deployment.metadata.name
+        replicas = spec.scaling.min_replicas
+        written = await self.kube.patch_spec(
+            namespace=namespace,
+            name=name,
+            spec={"replicas": replicas},
+            resource_version=body["metadata"].get("resourceVersion"),
+        )
+        if written:
+            logger.info("spec.replicas defaulted to %d", replicas, extra=_context(namespace, name))
+            await self.kube.post_event(
+                owner=body,
+                type="Normal",
+                reason="ReplicasDefaulted",
+                message=f"spec.replicas set to scaling.minReplicas ({replicas}): the scale subresource "
+                "and autoscalers read it from now on",
+            )
 
     async def _execute(
         self, *, body: Mapping[str, Any], deployment: InferenceDeployment, decision: Decision, namespace: str

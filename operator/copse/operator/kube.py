@@ -48,6 +48,9 @@ class KubeApi(Protocol):
         self, *, namespace: str, name: str, json_patch: list[dict[str, Any]]
     ) -> dict[str, Any]: ...
     async def patch_status(self, *, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
+    async def patch_spec(
+        self, *, namespace: str, name: str, spec: Mapping[str, Any], resource_version: str | None
+    ) -> bool: ...
     async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
     async def list_all(self, resource: str, *, label_selector: str | None = None) -> list[dict[str, Any]]: ...
 
@@ -135,6 +138,29 @@ class Kube:
             if exc.status != 404:
                 raise
             # Deleted while we reconciled it: its children go with it, nothing to report.
+
+    async def patch_spec(
+        self, *, namespace: str, name: str, spec: Mapping[str, Any], resource_version: str | None
+    ) -> bool:
+        """Merge ``spec`` into an InferenceDeployment's spec, only over ``resource_version``
+        (None: whatever is there); False when it changed meanwhile or is gone (the watch brings
+        the new version, and the next pass decides again)."""
+        metadata = {} if resource_version is None else {"resourceVersion": resource_version}
+        try:
+            await self.custom.patch_namespaced_custom_object(
+                group=GROUP,
+                version=VERSION,
+                namespace=namespace,
+                plural=PLURAL,
+                name=name,
+                body={"metadata": metadata, "spec": dict(spec)},
+                _content_type="application/merge-patch+json",
+            )
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
 
     async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None:
         meta = owner["metadata"]

@@ -72,5 +72,11 @@ def worker_selector(deployment: str) -> dict[str, str]:
     return {LABEL_DEPLOYMENT: deployment, LABEL_COMPONENT: COMPONENT_WORKER}
 
 
+def scale_selector(deployment: str) -> dict[str, str]:
+    """What one replica of the scale subresource is: a TP group of the aggregated pool, counted
+    by its rank-0 pod (an autoscaler averages per-pod metrics over exactly these)."""
+    return {**worker_selector(deployment), LABEL_ROLE: "worker", LABEL_LEADER: "true"}
+
+
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

@@ -383,15 +383,18 @@ def _status(
                    previous=previous_conditions)
         for kind, ok, reason, message in checks
     ]  # fmt: skip
-    worker_pool = [pool for pool in deployment.spec.pools() if pool.role is Role.WORKER]
+    # The scale subresource's replicas: aggregated groups whose rank-0 pod exists, which is what
+    # its selector selects (surge and draining groups included, as a Deployment counts its pods).
+    leaders = [g.pods[0] for g in groups if g.role is Role.WORKER and 0 in g.pods]
+    scaled = sum(1 for pod in leaders if not pod.get("metadata", {}).get("deletionTimestamp"))
     return {
         "phase": phase.value,
         "observedGeneration": generation,
         "conditions": conditions,
         "roles": roles,
         "ready": ", ".join(f"{role} {r['ready']}/{r['desired']}" for role, r in roles.items()),
-        "replicas": roles[Role.WORKER.value]["placed"] if worker_pool else 0,
-        "selector": names.selector_string(names.worker_selector(name)),
+        "replicas": scaled,
+        "selector": names.selector_string(names.scale_selector(name)),
         "score": round(evaluation.score, 4) if layouts else None,
         "groups": groups_status,
         "unplaced": unplaced,
