@@ -521,11 +521,13 @@ class InferenceDeploymentStatus(_Model):
     ready: str = Field(default="", description="Ready/desired per role, for kubectl get.")
     replicas: int = Field(
         default=0,
-        description="Aggregated TP groups that have their rank-0 pod (scale subresource): what selector selects.",
+        description="Aggregated TP groups that have their rank-0 pod (scale subresource): what "
+        "selector selects.",
     )
     selector: str = Field(
         default="",
-        description="Label selector of the aggregated groups' rank-0 pods, one per replica (scale subresource).",
+        description="Label selector of the aggregated groups' rank-0 pods, one per replica "
+        "(scale subresource).",
     )
     score: Nullable[float] = Field(default=None, description="Placement score in [0, 1].")
     groups: list[GroupStatus] = Field(default_factory=list)
