@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import yaml
 
 from copse.cluster import Kubectl, KubectlError, binaries_for
 from copse.operator import names
+from copse.topology.fake import FAKE_NODE_ANNOTATION, FAKE_NODE_VALUE
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
@@ -150,3 +154,38 @@ def wait_running(
         raise AssertionError(
             f"{name} not Running: {status(kubectl, name, namespace)}\n{operator.tail()}"
         ) from error
+
+
+@contextlib.contextmanager
+def unresponsive(kubectl: Kubectl, node: str) -> Iterator[None]:
+    """The node's kubelet stops answering: kwok lets go of the node (its annotation goes, so no
+    more heartbeats and no kwok stage resets the condition) and its Ready condition turns False
+    now. On exit kwok takes it back (its node-initialize stage makes it Ready), and, as the
+    kubelet of a node that returns would, its running pods report Ready again (the node
+    controller marked them NotReady; kwok only readies Pending pods)."""
+    kubectl.run("annotate", "node", node, f"{FAKE_NODE_ANNOTATION}-")
+    now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    ready = {"type": "Ready", "status": "False", "reason": "KubeletStopped",
+             "message": "e2e: the kubelet stopped posting node status",
+             "lastTransitionTime": now, "lastHeartbeatTime": now}  # fmt: skip
+    kubectl.run(
+        "patch", "node", node, "--subresource=status", "--type=strategic",
+        "--patch", json.dumps({"status": {"conditions": [ready]}}),
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        kubectl.run("annotate", "node", node, f"{FAKE_NODE_ANNOTATION}={FAKE_NODE_VALUE}")
+        kubectl.wait("--for=condition=Ready", f"node/{node}", timeout=60)
+        for pod in kubectl.items("pods", "--all-namespaces", "--field-selector", f"spec.nodeName={node}"):
+            meta = pod["metadata"]
+            conditions = pod.get("status", {}).get("conditions", [])
+            if meta.get("deletionTimestamp") or any(
+                c["type"] == "Ready" and c["status"] == "True" for c in conditions
+            ):
+                continue
+            kubectl.run(
+                "patch", "pod", meta["name"], f"--namespace={meta['namespace']}", "--subresource=status",
+                "--type=strategic", "--patch", json.dumps({"status": {"conditions": [
+                    {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]}}),
+            )  # fmt: skip

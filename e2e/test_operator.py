@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e.operator_harness import REPO, Operator, seed, status, wait_running, wait_until, worker_pods
+from e2e.operator_harness import (
+    REPO,
+    Operator,
+    seed,
+    status,
+    unresponsive,
+    wait_running,
+    wait_until,
+    worker_pods,
+)
 
 from copse.api import API_VERSION, KIND
 from copse.cluster import Kubectl
@@ -200,6 +209,88 @@ def test_node_loss_moves_only_its_group(kubectl: Kubectl, namespace: str, operat
         for field in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
             node["metadata"].pop(field, None)
         kubectl.apply(node)
+
+
+def _pods_by_name(kubectl: Kubectl, name: str, namespace: str) -> dict[str, tuple[str, str]]:
+    """Worker pod name -> (uid, node): what a gang restart changes."""
+    return {
+        pod["metadata"]["name"]: (pod["metadata"]["uid"], pod["spec"].get("nodeName", ""))
+        for pod in worker_pods(kubectl, name, namespace)
+    }
+
+
+def _disruption(kubectl: Kubectl, name: str, namespace: str, group: str) -> str:
+    groups = status(kubectl, name, namespace).get("groups", [])
+    return str(next((g.get("disruption") or "" for g in groups if g["name"] == group), ""))
+
+
+def _restarts(kubectl: Kubectl, namespace: str) -> list[str]:
+    events = kubectl.items("events", "--field-selector", "reason=GangRestart", namespace=namespace)
+    return [event["message"] for event in events]
+
+
+def test_a_cordon_keeps_the_group_and_a_not_ready_node_is_waited_out_for_the_grace(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    kubectl.apply(seed("upkeep", replicas=2, disruption={"notReadyGrace": "30s"}), namespace=namespace)
+    wait_running(kubectl, "upkeep", namespace, operator)
+    before = _pods_by_name(kubectl, "upkeep", namespace)
+    node = before["upkeep-worker-0-0"][1]
+
+    # A cordon: the group keeps running there; only placement avoids the node.
+    kubectl.run("cordon", node)
+    try:
+        wait_until(
+            "the operator to see the cordon under upkeep-worker-0",
+            lambda: "is cordoned" in _disruption(kubectl, "upkeep", namespace, "upkeep-worker-0"),
+            operator=operator,
+        )
+        assert _pods_by_name(kubectl, "upkeep", namespace) == before
+        assert status(kubectl, "upkeep", namespace)["phase"] == "Running"
+        kubectl.run("scale", "idep/upkeep", "--replicas=3", f"--namespace={namespace}")
+        wait_running(kubectl, "upkeep", namespace, operator)
+        grown = _pods_by_name(kubectl, "upkeep", namespace)
+        assert {pod: grown[pod] for pod in before} == before
+        assert node not in {where for pod, (_, where) in grown.items() if pod not in before}
+    finally:
+        kubectl.run("uncordon", node)
+    before = _pods_by_name(kubectl, "upkeep", namespace)
+
+    # NotReady for less than the grace: nothing moves.
+    with unresponsive(kubectl, node):
+        wait_until(
+            "the group to wait out its NotReady node",
+            lambda: "NotReady since" in _disruption(kubectl, "upkeep", namespace, "upkeep-worker-0"),
+            operator=operator,
+        )
+    wait_until(
+        "the node back, the group Running and its disruption gone",
+        lambda: (
+            status(kubectl, "upkeep", namespace).get("phase") == "Running"
+            and not _disruption(kubectl, "upkeep", namespace, "upkeep-worker-0")
+        ),
+        operator=operator,
+    )
+    assert _pods_by_name(kubectl, "upkeep", namespace) == before, "a short NotReady moves nothing"
+    assert _restarts(kubectl, namespace) == []
+
+    # NotReady for longer than the grace: that gang, and only it, moves.
+    with unresponsive(kubectl, node):
+        wait_until(
+            "the gang on the NotReady node to restart elsewhere after the grace",
+            lambda: (
+                any("has been NotReady" in message for message in _restarts(kubectl, namespace))
+                and status(kubectl, "upkeep", namespace).get("phase") == "Running"
+                and node not in {where for _, where in _pods_by_name(kubectl, "upkeep", namespace).values()}
+            ),
+            operator=operator,
+            timeout=120,
+        )
+        after = _pods_by_name(kubectl, "upkeep", namespace)
+    others = {pod: where for pod, where in before.items() if not pod.startswith("upkeep-worker-0-")}
+    assert {pod: after[pod] for pod in others} == others, "the other gangs keep their pods"
+    [restart] = _restarts(kubectl, namespace)
+    assert restart.startswith(f"restarting group upkeep-worker-0: node {node} has been NotReady for ")
 
 
 def test_infeasible_reports_why_and_heals_when_nodes_arrive(

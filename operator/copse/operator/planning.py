@@ -126,6 +126,17 @@ class Placer:
         found = unready_groups(self.topology, [_placement(layout) for layout in layouts])
         return {(Role(role), replica): where for (role, replica), where in found.items()}
 
+    def cordoned(self, layouts: Sequence[GroupLayout]) -> dict[GroupKey, str]:
+        """Groups with a pod on a cordoned node, and that node: they keep running there."""
+        found: dict[GroupKey, str] = {}
+        for layout in layouts:
+            for node, _ in layout.pods:
+                info = self.topology.nodes.get(node)
+                if info is not None and info.cordoned:
+                    found[(layout.role, layout.replica)] = node
+                    break
+        return found
+
     def evaluate(self, layouts: Sequence[GroupLayout], *, unplaced: Sequence[GroupKey] = ()) -> Plan:
         """Score and per-group cost of ``layouts``; ``unplaced`` groups count as placed nowhere."""
         keys = [*unplaced, *((layout.role, layout.replica) for layout in layouts)]

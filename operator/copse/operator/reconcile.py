@@ -91,6 +91,50 @@ def _cold_start_source(deployment: InferenceDeployment, groups: Sequence[Observe
     return cold_start.source_replica if cold_start.source_replica in ready else None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _NodeTrouble:
+    broken: dict[tuple[Role, int], str]
+    """Groups that cannot run where they are any more, with the reason: restart them whole."""
+    waiting: dict[str, str]
+    """Group name -> the NotReady node it waits out, and until when."""
+    cordoned: dict[str, str]
+    """Group name -> the cordoned node it keeps running on."""
+    waits: list[float]
+    """Seconds until each wait ends (the pass requeues itself for the first)."""
+
+
+def _node_trouble(
+    *, deployment: InferenceDeployment, placer: Placer, holding: Sequence[GroupLayout], now: datetime
+) -> _NodeTrouble:
+    """What the nodes under the groups that hold a placement mean for them: a gone node or an
+    evicting taint breaks a gang now, a NotReady one after the grace, a cordon never."""
+    name = deployment.metadata.name
+    broken = placer.invalid(holding)
+    cordoned = {
+        names.group_name(name, *key): f"node {node} is cordoned: the group keeps running there, "
+        "no new pods land on it"
+        for key, node in placer.cordoned(holding).items()
+    }
+    waiting: dict[str, str] = {}
+    waits: list[float] = []
+    grace = deployment.spec.disruption.not_ready_grace_s
+    for key, (node, since) in placer.unready(holding).items():
+        if key in broken:
+            continue
+        moves_at = since + grace
+        if now.timestamp() >= moves_at:
+            down_for = now.timestamp() - since
+            broken[key] = f"node {node} has been NotReady for {down_for:.0f}s (grace {grace:g}s)"
+        else:
+            # Level-triggered: come back when the grace ends, in case nothing else happens by then.
+            waits.append(moves_at - now.timestamp())
+            waiting[names.group_name(name, *key)] = (
+                f"node {node} NotReady since {_clock(since)}; the gang restarts elsewhere at "
+                f"{_clock(moves_at)} unless the node recovers"
+            )
+    return _NodeTrouble(broken=broken, waiting=waiting, cordoned=cordoned, waits=waits)
+
+
 def reconcile(
     *,
     deployment: InferenceDeployment,
@@ -113,25 +157,11 @@ def reconcile(
         staying=[g.name for g in live if g.layout is not None and g.state is not GroupState.BROKEN],
     )
     holding = [g.layout for g in live if g.layout is not None and g.state in _HOLDING]
-    invalid = placer.invalid(holding)
-    waits: list[float] = []
-    disruptions: dict[str, str] = {}
+    trouble = _node_trouble(deployment=deployment, placer=placer, holding=holding, now=now)
+    invalid = trouble.broken
+    waits = list(trouble.waits)
+    disruptions = {**trouble.cordoned, **trouble.waiting}
     """Group name -> why it is not serving normally (for its status entry)."""
-    grace = deployment.spec.disruption.not_ready_grace_s
-    for key, (node, since) in placer.unready(holding).items():
-        if key in invalid:
-            continue
-        moves_at = since + grace
-        if now.timestamp() >= moves_at:
-            down_for = now.timestamp() - since
-            invalid[key] = f"node {node} has been NotReady for {down_for:.0f}s (grace {grace:g}s)"
-        else:
-            # Level-triggered: come back when the grace ends, in case nothing else happens by then.
-            waits.append(moves_at - now.timestamp())
-            disruptions[names.group_name(name, *key)] = (
-                f"node {node} NotReady since {_clock(since)}; the gang restarts elsewhere at "
-                f"{_clock(moves_at)} unless the node recovers"
-            )
     live = [
         dataclasses.replace(g, state=GroupState.BROKEN, reason=invalid[(g.role, g.replica)])
         if (g.role, g.replica) in invalid and g.state in _HOLDING
@@ -262,7 +292,7 @@ def reconcile(
             )
         )
     before = {g.get("name"): g.get("disruption") for g in previous.get("groups", [])}
-    for group_name, message in sorted(disruptions.items()):
+    for group_name, message in sorted(trouble.waiting.items()):
         if before.get(group_name) != message:
             decision.events.append(
                 Event(type="Warning", reason="NodeNotReady", message=f"group {group_name}: {message}")
