@@ -213,7 +213,9 @@ async def test_cordoned_node_keeps_its_gang_and_takes_no_new_one() -> None:
     await harness.settle()
     assert placement_of(harness) == before, "a cordon means no new pods, not broken ones"
     [group] = harness.status["groups"]
-    assert group["disruption"] == f"node {node} is cordoned: the group keeps running there, no new pods land on it"
+    assert group["disruption"] == (
+        f"node {node} is cordoned: the group keeps running there, no new pods land on it"
+    )
     assert harness.status["phase"] == "Running"
     assert "GangRestart" not in [reason for _, reason, _ in harness.kube.events]
     harness.update_spec(replicas=2)
