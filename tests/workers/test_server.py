@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import openai
@@ -239,3 +239,20 @@ async def test_disaggregated_context_then_generation() -> None:
             json={"model": "m", "prompt": prompt, "disaggregated_params": {"request_type": "context_only"}},
         )
         assert context_here.status_code == 400
+
+
+async def test_a_chunked_request_body_is_read_whole() -> None:
+    """A gateway that rewrites the body (Envoy's ext_proc in FULL_DUPLEX_STREAMED mode) drops
+    Content-Length and sends it chunked."""
+    body = json.dumps({"model": "mock-model", "prompt": list(range(300, 400)), "max_tokens": 3}).encode()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 50):
+            yield body[start : start + 50]
+
+    async with mock_fleet(virtual_clock=True) as fleet, httpx.AsyncClient() as client:
+        response = await client.post(f"{fleet.urls[0]}/v1/completions", content=pieces())
+        assert response.request.headers.get("transfer-encoding") == "chunked"
+        assert "content-length" not in response.request.headers
+        assert response.status_code == 200
+        assert response.json()["usage"]["prompt_tokens"] == 100

@@ -40,6 +40,24 @@ def router() -> None:
 @click.option("--block-size", type=int, default=None, help="Engines' KV block size in tokens.")
 @click.option("--nats-url", default=None, help="NATS server for KV events and replica load sharing.")
 @click.option("--deployment", default=None, help="Deployment name (NATS subjects).")
+@click.option(
+    "--epp",
+    is_flag=True,
+    default=False,
+    help="Serve as a gateway's endpoint picker (Envoy ext_proc over gRPC, Gateway API Inference Extension)"
+    " instead of the OpenAI HTTP server.",
+)
+@click.option("--grpc-port", type=int, default=None, help="Endpoint picker's ext_proc port (default 9002).")
+@click.option(
+    "--fallback-endpoints",
+    type=int,
+    default=None,
+    help="Endpoint picker: other workers listed after the chosen one for the gateway's retries (default 0).",
+)
+@click.option(
+    "--pool-name", default=None, help="Discover the pods of this InferencePool (with --pool-namespace)."
+)
+@click.option("--pool-namespace", default=None, help="Namespace of --pool-name (default: default).")
 @click.option("--log-level", default="INFO", show_default=True)
 def run_command(
     *,
@@ -52,9 +70,14 @@ def run_command(
     block_size: int | None,
     nats_url: str | None,
     deployment: str | None,
+    epp: bool,
+    grpc_port: int | None,
+    fallback_endpoints: int | None,
+    pool_name: str | None,
+    pool_namespace: str | None,
     log_level: str,
 ) -> None:
-    """Serve the OpenAI API in front of the workers."""
+    """Serve the OpenAI API in front of the workers, or (--epp) pick endpoints for a gateway."""
     # Imported here: the HTTP stack (aiohttp, the Kubernetes client) costs ~1 s of start-up.
     from copse.router.config import ConfigError, parse_config  # noqa: PLC0415
     from copse.router.server import serve  # noqa: PLC0415
@@ -82,8 +105,22 @@ def run_command(
         "deployment": deployment,
     }
     raw.update({key: value for key, value in overrides.items() if value is not None})
+    if workers and pool_name:
+        raise _fail("--worker and --pool-name are two discoveries: give one")
     if workers:
         raw["discovery"] = {"kind": "static", "workers": [{"url": url.rstrip("/")} for url in workers]}
+    if pool_name:
+        raw["discovery"] = {
+            "kind": "inferencepool",
+            "namespace": pool_namespace or "default",
+            "name": pool_name,
+        }
+    picker = {"grpc_port": grpc_port, "fallback_endpoints": fallback_endpoints}
+    if epp or any(value is not None for value in picker.values()):
+        settings = raw.get("epp")
+        settings = dict(settings) if isinstance(settings, dict) else {}
+        settings.update({key: value for key, value in picker.items() if value is not None})
+        raw["epp"] = settings
     try:
         config = parse_config(raw, source=source)
     except ConfigError as exc:

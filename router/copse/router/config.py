@@ -52,7 +52,42 @@ class KubernetesDiscovery(_Model):
     """Port of the engine's HTTP server on the pod IP."""
 
 
-Discovery = Annotated[StaticDiscovery | KubernetesDiscovery, Field(discriminator="kind")]
+class InferencePoolDiscovery(_Model):
+    """The ready pods of a Gateway API Inference Extension ``InferencePool``
+    (``inference.networking.k8s.io/v1``): its ``spec.selector.matchLabels`` and the first of its
+    ``spec.targetPorts``, followed as the pool changes."""
+
+    kind: Literal["inferencepool"]
+    namespace: str = Field(min_length=1)
+    """Namespace of the pool and its pods."""
+    name: str = Field(min_length=1)
+    """Name of the InferencePool (the endpoint picker's ``--pool-name``)."""
+
+
+Discovery = Annotated[
+    StaticDiscovery | KubernetesDiscovery | InferencePoolDiscovery, Field(discriminator="kind")
+]
+
+
+class EppSettings(_Model):
+    """Serving as a Gateway API Inference Extension endpoint picker: an Envoy ext_proc gRPC server
+    that tells the gateway which worker serves each request (the gateway carries the tokens)."""
+
+    grpc_port: int = Field(default=9002, ge=0, le=65535)
+    """Port of the ext_proc service (and gRPC health); 9002 is the endpoint picker's usual port
+    (0 picks a free one)."""
+    health_port: int | None = Field(default=9003, ge=0, le=65535)
+    """A second port serving only gRPC health (the endpoint picker's usual 9003, what probes use);
+    ``None``: health on the ext_proc port alone."""
+    metrics_port: int | None = Field(default=9090, ge=0, le=65535)
+    """HTTP port of ``/metrics`` and ``/health``; ``None``: no HTTP server."""
+    fallback_endpoints: int = Field(default=0, ge=0, le=7)
+    """Other workers listed after the chosen one in ``x-gateway-destination-endpoint``, where the
+    gateway retries when the chosen one fails before answering. Only for gateways that follow the
+    list (Envoy's override_host load balancing policy; an ORIGINAL_DST cluster takes a single
+    address, so keep 0 there)."""
+    max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
+    """Largest request body the picker buffers; a larger one gets 413."""
 
 
 class RouterConfig(_Model):
@@ -121,6 +156,8 @@ class RouterConfig(_Model):
     """What moving KV from a prefill to a decode worker costs (disaggregated routing)."""
     seed: int | None = None
     """Seed of tie-breaking (reproducible runs); random when absent."""
+    epp: EppSettings | None = None
+    """Run as a gateway's endpoint picker (ext_proc over gRPC) instead of the OpenAI HTTP server."""
 
     @field_validator("policy")
     @classmethod
@@ -131,8 +168,12 @@ class RouterConfig(_Model):
 
     @model_validator(mode="after")
     def _namespace_from_discovery(self) -> RouterConfig:
-        if isinstance(self.discovery, KubernetesDiscovery) and "namespace" not in self.model_fields_set:
-            self.namespace = self.discovery.namespace
+        discovery = self.discovery
+        if (
+            isinstance(discovery, KubernetesDiscovery | InferencePoolDiscovery)
+            and "namespace" not in self.model_fields_set
+        ):
+            self.namespace = discovery.namespace
         return self
 
     def selection(self) -> SelectionSettings:

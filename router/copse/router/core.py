@@ -400,6 +400,38 @@ class Router:
         selection = self._selection(request, worker_free, now=now)
         return self._commit_aggregated(selection, self.policy.choose(selection), now=now)
 
+    def fallbacks(
+        self, request: RouteRequest, *, primary: str, exclude: frozenset[str], count: int, now: float
+    ) -> list[str]:
+        """Up to ``count`` other workers the policy would pick next for ``request`` (routed to
+        ``primary``), best first, charged nothing: where a gateway retries when ``primary`` fails
+        before answering. Only workers that serve whole requests and are not busy qualify."""
+        chosen: list[str] = []
+        skip = set(exclude) | {primary}
+        self.costs.refresh()
+        while len(chosen) < count:
+            masks = [self._free(role, frozenset(skip)) for role in (Role.WORKER, Role.DECODE)]
+            found = [mask.mask for mask in masks if mask is not None]
+            if not found:
+                break
+            eligible = _Eligible.of(np.logical_or.reduce(found))
+            worker_id = self.slots.worker_id(self.policy.choose(self._selection(request, eligible, now=now)))
+            chosen.append(worker_id)
+            skip.add(worker_id)
+        return chosen
+
+    def assign(self, request: RouteRequest, worker_id: str, *, now: float) -> Route:
+        """Charge ``request`` to ``worker_id`` whatever the policy and the busy thresholds say: a
+        gateway already sent it there (a fallback, after the chosen worker failed). Raises
+        :class:`NoWorkers` for a worker that is not registered."""
+        slot = self.slots.get(worker_id)
+        if slot is None or worker_id not in self.workers:
+            raise NoWorkers(f"worker {worker_id} is not registered")
+        self.costs.refresh()
+        only = np.zeros(self.sequences.size, dtype=bool)
+        only[slot] = True
+        return self._commit_aggregated(self._selection(request, _Eligible.of(only), now=now), slot, now=now)
+
     def _commit_aggregated(self, selection: Selection, slot: int, *, now: float) -> Route:
         request = selection.request
         cached = selection.cached_tokens(slot)

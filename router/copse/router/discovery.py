@@ -1,4 +1,5 @@
-"""Where the workers are: a static list, or the ready worker pods of a deployment in Kubernetes.
+"""Where the workers are: a static list, the ready worker pods of a deployment in Kubernetes, or
+the ready pods of a Gateway API Inference Extension ``InferencePool``.
 
 A discovery source calls ``on_change`` with the complete current set of endpoints whenever it
 changes. Whether an endpoint is alive right now is the frontend's health prober's business;
@@ -8,11 +9,17 @@ kubelet finds unready disappears here too).
 Pod labels read (the operator sets them): ``copse.dev/role`` (worker|prefill|decode, default
 worker) and, for locality, ``copse.dev/domain`` (the NVLink domain of the pod's node) or else the
 node name.
+
+An ``InferencePool`` (``inference.networking.k8s.io/v1``) names its pods by
+``spec.selector.matchLabels`` and their port by ``spec.targetPorts``; the source follows the pool
+(a changed selector or port rediscovers the pods; a deleted pool has no endpoints) and uses its
+first target port (the engine's HTTP server).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,6 +33,10 @@ from copse.router.config import StaticWorker
 from copse.router.core import Role
 
 log = logging.getLogger(__name__)
+
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
+INFERENCE_POOL_VERSION = "v1"
+INFERENCE_POOL_PLURAL = "inferencepools"
 
 ROLE_LABEL = "copse.dev/role"
 DOMAIN_LABEL = "copse.dev/domain"
@@ -126,6 +137,21 @@ class PodApi(Protocol):
         ...
 
 
+class PoolApi(PodApi, Protocol):
+    """:class:`PodApi` plus reading one InferencePool."""
+
+    async def list_pools(self, *, namespace: str, name: str) -> tuple[list[dict[str, Any]], str]:
+        """The InferencePool ``name`` (an empty list when it does not exist) and the list's
+        resourceVersion."""
+        ...
+
+    def watch_pools(
+        self, *, namespace: str, name: str, resource_version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """(event type, pool) of the InferencePool ``name`` from ``resource_version`` on."""
+        ...
+
+
 class KubeApiError(RuntimeError):
     """The API server refused a list or watch (``status`` as HTTP; 410 = resourceVersion too old)."""
 
@@ -185,12 +211,99 @@ class KubernetesSource:
                 await asyncio.sleep(self._retry_s)
 
 
+def pool_target(pool: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(label selector, port) of an InferencePool's pods, ``None`` when the pool names neither."""
+    labels = _get(pool, "spec", "selector", "matchLabels")
+    ports = _get(pool, "spec", "targetPorts")
+    if not isinstance(labels, Mapping) or not labels or not isinstance(ports, list) or not ports:
+        return None
+    port = ports[0].get("number") if isinstance(ports[0], Mapping) else None
+    if not isinstance(port, int):
+        return None
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items())), port
+
+
+class InferencePoolSource:
+    """The ready pods of an InferencePool: watches the pool, and its pods through a
+    :class:`KubernetesSource` rebuilt whenever the pool's selector or port changes."""
+
+    def __init__(self, api: PoolApi, *, namespace: str, name: str, retry_s: float = 1.0) -> None:
+        self._api = api
+        self.namespace = namespace
+        self.name = name
+        self._retry_s = retry_s
+        self.target: tuple[str, int] | None = None
+        """The (selector, port) followed now."""
+        self._pods: asyncio.Task[None] | None = None
+
+    async def run(self, on_change: OnChange) -> None:
+        try:
+            while True:
+                try:
+                    items, version = await self._api.list_pools(namespace=self.namespace, name=self.name)
+                    self._follow(items[0] if items else None, on_change)
+                    async for kind, pool in self._api.watch_pools(
+                        namespace=self.namespace, name=self.name, resource_version=version
+                    ):
+                        if kind in ("ADDED", "MODIFIED"):
+                            self._follow(pool, on_change)
+                        elif kind == "DELETED":
+                            self._follow(None, on_change)
+                except KubeApiError as exc:
+                    if exc.status != 410:
+                        log.warning("InferencePool %s/%s: %s; retrying", self.namespace, self.name, exc)
+                        await asyncio.sleep(self._retry_s)
+                except (TimeoutError, OSError) as exc:
+                    log.warning(
+                        "InferencePool %s/%s: lost the API server (%s); retrying",
+                        self.namespace,
+                        self.name,
+                        exc,
+                    )
+                    await asyncio.sleep(self._retry_s)
+        finally:
+            await self._stop_pods()
+
+    def _follow(self, pool: Mapping[str, Any] | None, on_change: OnChange) -> None:
+        target = None if pool is None else pool_target(pool)
+        if pool is not None and target is None:
+            log.warning(
+                "InferencePool %s/%s has no spec.selector.matchLabels or spec.targetPorts[0].number;"
+                " no endpoints",
+                self.namespace,
+                self.name,
+            )
+        if target == self.target and (self._pods is not None or target is None):
+            return
+        self.target = target
+        if self._pods is not None:
+            self._pods.cancel()
+            self._pods = None
+        if target is None:
+            on_change({})
+            return
+        selector, port = target
+        log.info("InferencePool %s/%s: pods %s, port %d", self.namespace, self.name, selector, port)
+        pods = KubernetesSource(
+            self._api, namespace=self.namespace, selector=selector, port=port, retry_s=self._retry_s
+        )
+        self._pods = asyncio.create_task(pods.run(on_change), name=f"pool-pods-{self.name}")
+
+    async def _stop_pods(self) -> None:
+        if self._pods is not None:
+            self._pods.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pods
+            self._pods = None
+
+
 class KubeAioPodApi:
     """:class:`PodApi` over the official client's ``kubernetes.aio``."""
 
     def __init__(self, api_client: Any) -> None:
         self._client = api_client
         self._core = client.CoreV1Api(api_client)
+        self._custom = client.CustomObjectsApi(api_client)
 
     @classmethod
     async def from_environment(cls, kubeconfig: str | os.PathLike[str] | None = None) -> KubeAioPodApi:
@@ -221,6 +334,39 @@ class KubeAioPodApi:
             self._core.list_namespaced_pod,
             namespace,
             label_selector=selector,
+            resource_version=resource_version,
+            timeout_seconds=300,
+        )
+        try:
+            async with stream:
+                async for event in stream:
+                    yield str(event["type"]), event["raw_object"]
+        except ApiException as exc:
+            raise KubeApiError(str(exc.reason), status=exc.status) from exc
+
+    async def list_pools(self, *, namespace: str, name: str) -> tuple[list[dict[str, Any]], str]:
+        try:
+            result = await self._custom.list_namespaced_custom_object(
+                INFERENCE_POOL_GROUP,
+                INFERENCE_POOL_VERSION,
+                namespace,
+                INFERENCE_POOL_PLURAL,
+                field_selector=f"metadata.name={name}",
+            )
+        except ApiException as exc:
+            raise KubeApiError(str(exc.reason), status=exc.status) from exc
+        return list(result.get("items") or []), str(_get(result, "metadata", "resourceVersion"))
+
+    async def watch_pools(
+        self, *, namespace: str, name: str, resource_version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        stream = watch.Watch().stream(
+            self._custom.list_namespaced_custom_object,
+            INFERENCE_POOL_GROUP,
+            INFERENCE_POOL_VERSION,
+            namespace,
+            INFERENCE_POOL_PLURAL,
+            field_selector=f"metadata.name={name}",
             resource_version=resource_version,
             timeout_seconds=300,
         )

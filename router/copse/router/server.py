@@ -1,4 +1,5 @@
-"""Assembling and running a router: config -> discovery, NATS sync, HTTP server."""
+"""Assembling and running a router: config -> discovery, NATS sync, and its frontend (the OpenAI
+HTTP server, or a gateway's endpoint picker over gRPC)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,20 @@ import nats
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from copse.router.config import KubernetesDiscovery, RouterConfig
-from copse.router.discovery import KubeAioPodApi, KubernetesSource, PodApi, Source, StaticSource
+from copse.router.config import InferencePoolDiscovery, KubernetesDiscovery, RouterConfig
+from copse.router.discovery import (
+    InferencePoolSource,
+    KubeAioPodApi,
+    KubernetesSource,
+    PoolApi,
+    Source,
+    StaticSource,
+)
+from copse.router.epp import EndpointPicker, PickerServer, start_picker
 from copse.router.frontend import RouterService
 from copse.router.kv_sync import KvEventSync
 from copse.router.replica_sync import ReplicaSync
+from copse.router.service import RoutingService
 from copse.router.tokens import load_tokenizer
 from copse.workers.perf import load_perf_model
 
@@ -26,23 +36,38 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)
 class RunningRouter:
-    """A router serving HTTP; :meth:`close` stops it."""
+    """A router serving; :meth:`close` stops it."""
 
-    service: RouterService
-    runner: web.AppRunner
+    service: RoutingService
+    runner: web.AppRunner | None
+    """The HTTP frontend's server (``None`` for an endpoint picker)."""
     url: str
-    """Base URL it listens on."""
+    """Base URL of its HTTP server: the OpenAI API, or an endpoint picker's metrics ("" without)."""
+    picker: PickerServer | None
+    """The endpoint picker's gRPC server (``None`` for the HTTP frontend)."""
     nc: NATS | None
     kv_sync: KvEventSync | None
     replica_sync: ReplicaSync | None
     pod_api: KubeAioPodApi | None
+
+    @property
+    def grpc_target(self) -> str | None:
+        """``host:port`` of an endpoint picker's ext_proc service."""
+        if self.picker is None:
+            return None
+        host = self.service.config.host
+        shown = f"[{host}]" if ":" in host else host
+        return f"{shown}:{self.picker.grpc_port}"
 
     async def close(self) -> None:
         if self.kv_sync is not None:
             await self.kv_sync.stop()
         if self.replica_sync is not None:
             await self.replica_sync.stop()
-        await self.runner.cleanup()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.picker is not None:
+            await self.picker.stop()
         if self.nc is not None:
             await self.nc.drain()
         if self.pod_api is not None:
@@ -55,32 +80,43 @@ def default_router_id() -> str:
 
 
 async def start_router(
-    config: RouterConfig, *, router_id: str | None = None, pod_api: PodApi | None = None
+    config: RouterConfig, *, router_id: str | None = None, pod_api: PoolApi | None = None
 ) -> RunningRouter:
     """Start a router for ``config``; ``pod_api`` replaces the Kubernetes client (tests).
-    Raises ``ValueError`` for unusable settings (perf profile, tokenizer)."""
+    Raises ``ValueError`` for unusable settings (perf profile, tokenizer, ports)."""
     perf = load_perf_model(config.perf_profile, kv_capacity_tokens=config.kv_capacity_tokens)
     tokenizer = load_tokenizer(config.tokenizer)
     owned_api: KubeAioPodApi | None = None
     discovery = config.discovery
     source: Source
-    if isinstance(discovery, KubernetesDiscovery):
+    if isinstance(discovery, KubernetesDiscovery | InferencePoolDiscovery):
         if pod_api is None:
             pod_api = owned_api = await KubeAioPodApi.from_environment()
-        source = KubernetesSource(
-            pod_api, namespace=discovery.namespace, selector=discovery.selector, port=discovery.port
-        )
+        if isinstance(discovery, KubernetesDiscovery):
+            source = KubernetesSource(
+                pod_api, namespace=discovery.namespace, selector=discovery.selector, port=discovery.port
+            )
+        else:
+            source = InferencePoolSource(pod_api, namespace=discovery.namespace, name=discovery.name)
     else:
         source = StaticSource(discovery.workers)
     nc = await nats.connect(config.nats_url) if config.nats_url else None
-    service = RouterService(
-        config,
-        source=source,
-        perf=perf,
-        tokenizer=tokenizer,
-        use_kv_events=nc is not None,
-        share_load=nc is not None,
-    )
+    service: RoutingService
+    synced = nc is not None
+    if config.epp is not None:
+        service = EndpointPicker(
+            config,
+            settings=config.epp,
+            source=source,
+            perf=perf,
+            tokenizer=tokenizer,
+            use_kv_events=synced,
+            share_load=synced,
+        )
+    else:
+        service = RouterService(
+            config, source=source, perf=perf, tokenizer=tokenizer, use_kv_events=synced, share_load=synced
+        )
     kv_sync = replica_sync = None
     if nc is not None:
         kv_sync = KvEventSync(service, nc, namespace=config.namespace, deployment=config.deployment)
@@ -94,16 +130,24 @@ async def start_router(
             peer_timeout_s=config.peer_timeout_s,
         )
         await replica_sync.start()
-    runner = web.AppRunner(service.app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    shown = f"[{host}]" if ":" in host else host
+    runner = picker = None
+    if isinstance(service, EndpointPicker):
+        picker = await start_picker(service, host=config.host)
+        url = picker.metrics_url or ""
+    else:
+        assert isinstance(service, RouterService)
+        runner = web.AppRunner(service.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        shown = f"[{host}]" if ":" in host else host
+        url = f"http://{shown}:{port}"
     return RunningRouter(
         service=service,
         runner=runner,
-        url=f"http://{shown}:{port}",
+        url=url,
+        picker=picker,
         nc=nc,
         kv_sync=kv_sync,
         replica_sync=replica_sync,
@@ -115,7 +159,19 @@ async def serve(config: RouterConfig) -> None:
     """Run a router until cancelled."""
     running = await start_router(config)
     mode = "KV events + replica sync over NATS" if running.nc is not None else "approximate (no NATS)"
-    log.info("router for %s listening on %s (policy %s, %s)", config.model, running.url, config.policy, mode)
+    if running.picker is not None:
+        log.info(
+            "endpoint picker for %s: ext_proc on %s (metrics %s; policy %s, %s)",
+            config.model,
+            running.grpc_target,
+            running.url or "off",
+            config.policy,
+            mode,
+        )
+    else:
+        log.info(
+            "router for %s listening on %s (policy %s, %s)", config.model, running.url, config.policy, mode
+        )
     try:
         await asyncio.Event().wait()
     finally:

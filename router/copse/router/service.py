@@ -76,6 +76,12 @@ def error_body(status: int, message: str, *, param: str | None = None) -> bytes:
 class Unavailable(Exception):
     """No worker can take the request now (503)."""
 
+    def __init__(self, message: str, *, shed: bool) -> None:
+        super().__init__(message)
+        self.shed = shed
+        """Workers exist but are saturated (the queue is full or the wait timed out): the request
+        is shed, as opposed to there being no worker for it at all."""
+
 
 class Rejected(Exception):
     """A request the router refuses as it is (an HTTP status and an OpenAI error)."""
@@ -226,6 +232,8 @@ class RoutingService:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._probe_wake = asyncio.Event()
+        self.synced = False
+        """Discovery reported the workers at least once (an endpoint picker is ready from then on)."""
         self.on_worker_added: list[Callable[[str, str], object]] = []
         """Callbacks ``(worker_id, url)`` run when a worker becomes usable (KV resync hooks)."""
         self.on_worker_removed: list[Callable[[str], object]] = []
@@ -277,6 +285,7 @@ class RoutingService:
     # -- workers ------------------------------------------------------------------------------
 
     def _on_discovery(self, endpoints: Mapping[str, Endpoint]) -> None:
+        self.synced = True
         self._endpoints = dict(endpoints)
         for key in list(self._live):
             if key not in self._endpoints or self._endpoints[key] != self._live[key].endpoint:
@@ -407,9 +416,9 @@ class RoutingService:
         try:
             route = self.router.submit(request, now=self.now(), exclude=exclude)
         except QueueFull as exc:
-            raise Unavailable(str(exc)) from exc
+            raise Unavailable(str(exc), shed=True) from exc
         except NoWorkers as exc:
-            raise Unavailable(f"{exc}; retry shortly") from exc
+            raise Unavailable(f"{exc}; retry shortly", shed=False) from exc
         self.metrics.queue_depth.set(self.router.queued)
         if route is None:
             future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
@@ -420,7 +429,8 @@ class RoutingService:
                 self._waiting.pop(request.request_id, None)
                 self.router.finish(request.request_id, now=self.now())
                 raise Unavailable(
-                    f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)"
+                    f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)",
+                    shed=True,
                 ) from exc
         self.metrics.prompt_tokens.inc(route.prompt_tokens)
         self.metrics.prompt_length.observe(route.prompt_tokens)

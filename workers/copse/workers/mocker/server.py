@@ -535,6 +535,12 @@ class MockFleet:
         """Base URL of every engine (``http://127.0.0.1:<port>``)."""
         return [server.url for server in self.servers]
 
+    async def kill(self, index: int) -> None:
+        """Stop engine ``index`` as if its process died: its listener closes (connections are
+        refused) and its open connections drop."""
+        await self.servers[index].stop()
+        await self._runners[index].cleanup()
+
     async def close(self) -> None:
         """Stop every engine loop and close every listener."""
         for server in self.servers:
