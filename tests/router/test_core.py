@@ -240,6 +240,46 @@ def test_without_prefill_workers_decode_workers_serve_whole_requests() -> None:
     assert route.worker_id in {"d0", "d1"}
 
 
+def test_a_draining_worker_takes_nothing_new_and_keeps_counting_what_it_has() -> None:
+    router = _router("round_robin", workers=2)
+    first = router.submit(_request("a", PROMPT[:512]), now=0.0)
+    assert first is not None
+    busy = first.worker_id
+    router.add_worker(WorkerInfo(worker_id=busy, role=Role.WORKER, draining=True), now=0.1)
+    assert router.in_flight(busy) == 1
+    assert router.sequences.requests[router.slots.slot(busy)] == 1, "its load still counts"
+    for i in range(4):
+        route = router.submit(_request(f"n{i}", PROMPT[: 256 + i]), now=0.2)
+        assert route is not None
+        assert route.worker_id != busy
+    router.finish("a", now=1.0)
+    assert router.in_flight(busy) == 0
+    # Once the other worker is gone too, nothing can take a request: fail fast, do not queue.
+    other = next(w for w in router.workers if w != busy)
+    router.remove_worker(other)
+    with pytest.raises(NoWorkers):
+        router.submit(_request("late", PROMPT[:256]), now=2.0)
+    # Removing the draining worker leaves the role counts consistent; a new one serves again.
+    router.remove_worker(busy)
+    router.add_worker(WorkerInfo(worker_id="w9", role=Role.WORKER), now=3.0)
+    assert router.submit(_request("again", PROMPT[:256]), now=3.0) is not None
+
+
+def test_a_draining_prefill_worker_counts_its_prefills_until_they_are_done() -> None:
+    router = _disagg()
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.prefill_worker_id == "p0"
+    router.add_worker(WorkerInfo(worker_id="p0", role=Role.PREFILL, locality="rackA", draining=True), now=0.1)
+    assert router.in_flight("p0") == 1
+    later = router.submit(_request("s", PROMPT[:4000]), now=0.2)
+    assert later is not None
+    assert later.prefill_worker_id is None, "no prefill worker takes new requests: decode serves them whole"
+    router.prefill_done("r", now=0.5)
+    assert router.in_flight("p0") == 0, "its part of the request is over"
+    assert router.in_flight("d1") == 1
+
+
 def test_peer_changes_are_published_and_mirrored() -> None:
     origin = _router(workers=2, share_load=True)
     mirror = _router(workers=2)

@@ -273,3 +273,75 @@ async def test_disaggregated_requests_prefill_on_one_worker_and_decode_on_anothe
             assert running.service.router.sequences.requests.sum() == 0
         finally:
             await running.close()
+
+
+class _PodWatch:
+    """A pod API whose watch delivers what the test pushes (label changes, deletions)."""
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self.pods = pods
+        self.events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+
+    async def list_pods(self, *, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
+        return list(self.pods), "1"
+
+    async def watch_pods(
+        self, *, namespace: str, selector: str, resource_version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        while True:
+            yield await self.events.get()
+
+
+def _leader(*, draining: bool) -> dict[str, Any]:
+    labels = {"copse.dev/role": "worker", **({"copse.dev/draining": "true"} if draining else {})}
+    return {
+        "metadata": {"name": "llama-worker-0-0", "labels": labels},
+        "spec": {"nodeName": "node-a"},
+        "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+async def test_a_draining_worker_finishes_its_stream_takes_nothing_new_and_reports_it() -> None:
+    """The operator labels a group it removes ``copse.dev/draining=true``; the router stops sending
+    it requests, lets the ones in flight finish and reports them at ``GET /workers``."""
+    slow = EngineConfig(decode_speedup_ratio=0.2)  # a stream that lasts while the test looks at it
+    async with mock_fleet(engines=1, config=slow) as fleet:
+        port = int(fleet.urls[0].rsplit(":", 1)[1])
+        pods = _PodWatch([_leader(draining=False)])
+        discovery = {"kind": "kubernetes", "namespace": "serving", "selector": "x=y", "port": port}
+        running = await start_router(_config([], discovery=discovery), router_id="t", pod_api=pods)
+        await eventually(lambda: len(running.service.router.workers) == 1)
+
+        async def workers(http: aiohttp.ClientSession) -> list[dict[str, Any]]:
+            async with http.get(f"{running.url}/workers") as response:
+                report: list[dict[str, Any]] = (await response.json())["workers"]
+                return report
+
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "stream": True}
+                async with http.post(f"{running.url}/v1/completions", json=body) as stream:
+                    first = await stream.content.readline()
+                    assert first.startswith(b"data:")
+                    await pods.events.put(("MODIFIED", _leader(draining=True)))
+                    await eventually(lambda: running.service.workers_report()[0]["draining"])
+                    [report] = await workers(http)
+                    assert report["key"] == "llama-worker-0-0"
+                    assert (report["draining"], report["in_flight"]) == (True, 1)
+                    async with http.post(f"{running.url}/v1/completions", json=body) as refused:
+                        assert refused.status == 503, "a draining worker takes no new request"
+                    async with http.get(f"{running.url}/health") as health:
+                        assert health.status == 503
+                    events = await _sse(stream)
+                assert events[-1] == "[DONE]"
+                texts = [e for e in events[:-1] if e["choices"] and e["choices"][0]["text"]]
+                assert len(texts) == 15, "the stream in flight ran to its end"
+                await eventually(lambda: running.service.workers_report()[0]["in_flight"] == 0)
+                await pods.events.put(("MODIFIED", _leader(draining=False)))
+                await eventually(lambda: not running.service.workers_report()[0]["draining"])
+                async with http.post(
+                    f"{running.url}/v1/completions", json={**body, "stream": False}
+                ) as again:
+                    assert again.status == 200
+        finally:
+            await running.close()

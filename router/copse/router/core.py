@@ -115,6 +115,8 @@ class WorkerInfo:
     role: Role
     locality: str | None = None
     """Workers with the same locality exchange KV cheaply (e.g. the NVLink domain)."""
+    draining: bool = False
+    """Being removed: it takes no new requests and finishes those it has."""
 
 
 class Route(NamedTuple):
@@ -222,12 +224,13 @@ class Router:
         slot = self.slots.slot(info.worker_id)
         self._grow(slot + 1)
         previous = self.workers.get(info.worker_id)
-        if previous is not None:
+        if previous is not None and not previous.draining:
             self._role_count[previous.role] -= 1
         self.workers[info.worker_id] = info
-        self._role_count[info.role] += 1
+        if not info.draining:
+            self._role_count[info.role] += 1
         for role, mask in self._roles.items():
-            mask[slot] = role is info.role
+            mask[slot] = role is info.role and not info.draining
         self._roles_version += 1
         return self._drain(now=now)
 
@@ -237,7 +240,8 @@ class Router:
         info = self.workers.pop(worker_id, None)
         if info is None:
             return []
-        self._role_count[info.role] -= 1
+        if not info.draining:
+            self._role_count[info.role] -= 1
         slot = self.slots.get(worker_id)
         if slot is None:
             return []
@@ -328,8 +332,18 @@ class Router:
 
     def _servable(self, exclude: frozenset[str]) -> bool:
         if not exclude:
-            return bool(self.workers)
-        return any(worker_id not in exclude for worker_id in self.workers)
+            return any(self._role_count.values())
+        return any(worker_id not in exclude and not info.draining for worker_id, info in self.workers.items())
+
+    def in_flight(self, worker_id: str) -> int:
+        """This router's own requests on ``worker_id``: those it streams, and those it still
+        prefills for another worker (what a peer router sent there is the peer's to report)."""
+        return sum(
+            1
+            for route in self._routes.values()
+            if route.worker_id == worker_id
+            or (route.prefill_worker_id == worker_id and _prefill_key(route.request_id) in self.sequences)
+        )
 
     def _drain(self, *, now: float) -> list[Route]:
         # Whatever changed the load (a first token, an end, a peer) updates the cost terms now,

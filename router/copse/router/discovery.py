@@ -7,8 +7,9 @@ discovery only says which endpoints exist (for Kubernetes: which pods are Ready,
 kubelet finds unready disappears here too).
 
 Pod labels read (the operator sets them): ``copse.dev/role`` (worker|prefill|decode, default
-worker) and, for locality, ``copse.dev/domain`` (the NVLink domain of the pod's node) or else the
-node name.
+worker), for locality ``copse.dev/domain`` (the NVLink domain of the pod's node) or else the
+node name, and ``copse.dev/draining=true`` on a group the operator is removing (it gets no new
+requests; those in flight finish).
 
 An ``InferencePool`` (``inference.networking.k8s.io/v1``) names its pods by
 ``spec.selector.matchLabels`` and their port by ``spec.targetPorts``; the source follows the pool
@@ -40,6 +41,7 @@ INFERENCE_POOL_PLURAL = "inferencepools"
 
 ROLE_LABEL = "copse.dev/role"
 DOMAIN_LABEL = "copse.dev/domain"
+DRAINING_LABEL = "copse.dev/draining"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,6 +56,8 @@ class Endpoint:
     worker_id: str | None
     """Id its KV events carry, when discovery knows it (the pod name); asked from the worker otherwise."""
     locality: str | None = None
+    draining: bool = False
+    """Marked for removal: no new requests, in-flight ones finish."""
 
 
 OnChange = Callable[[Mapping[str, Endpoint]], None]
@@ -120,6 +124,7 @@ def endpoint_from_pod(pod: Mapping[str, Any], *, port: int) -> Endpoint | None:
         role=role,
         worker_id=name,
         locality=labels.get(DOMAIN_LABEL) or _get(pod, "spec", "nodeName"),
+        draining=labels.get(DRAINING_LABEL) == "true",
     )
 
 

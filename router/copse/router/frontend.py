@@ -6,6 +6,7 @@
 ``GET /v1/models``             the served model
 ``GET /health``                200 while at least one worker is usable, else 503
 ``GET /metrics``               Prometheus (:mod:`copse.router.metrics`)
+``GET /workers``               live workers: draining or not, this router's requests on each
 =============================  ==============================================================
 
 Errors: 400 with the workers' error body naming the field; 404 for a model not served here;
@@ -192,6 +193,7 @@ class RouterService(RoutingService):
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/workers", self._workers),
             ]
         )
         self.app.on_startup.append(self._on_startup)
@@ -560,6 +562,9 @@ class RouterService(RoutingService):
     async def _health(self, _: web.Request) -> web.Response:
         status, body = self.health()
         return web.json_response(body, status=status)
+
+    async def _workers(self, _: web.Request) -> web.Response:
+        return web.json_response({"workers": self.workers_report()})
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})

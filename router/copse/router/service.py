@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -288,9 +289,28 @@ class RoutingService:
         self.synced = True
         self._endpoints = dict(endpoints)
         for key in list(self._live):
-            if key not in self._endpoints or self._endpoints[key] != self._live[key].endpoint:
+            live, endpoint = self._live[key], self._endpoints.get(key)
+            if endpoint is not None and dataclasses.replace(endpoint, draining=live.endpoint.draining) == (
+                live.endpoint
+            ):
+                if endpoint.draining != live.endpoint.draining:
+                    self._set_draining(key, endpoint)
+            else:
                 self._drop(key, reason="gone from discovery")
         self._probe_wake.set()
+
+    def _set_draining(self, key: str, endpoint: Endpoint) -> None:
+        """A live worker starts (or stops) draining: it keeps its in-flight requests and gets no
+        new ones."""
+        live = self._live[key]
+        live.endpoint = endpoint
+        info = self.router.workers[live.worker_id]
+        released = self.router.add_worker(
+            dataclasses.replace(info, draining=endpoint.draining), now=self.now()
+        )
+        log.info("worker %s %s", live.worker_id, "drains" if endpoint.draining else "serves again")
+        self._update_worker_gauges()
+        self._dispatch(released)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -353,7 +373,13 @@ class RoutingService:
             # The engine's own cache size, in blocks of the router's size (they are equal here).
             indexer.set_capacity(self.router.slots.slot(worker_id), num_blocks)
         released = self.router.add_worker(
-            WorkerInfo(worker_id=worker_id, role=endpoint.role, locality=endpoint.locality), now=self.now()
+            WorkerInfo(
+                worker_id=worker_id,
+                role=endpoint.role,
+                locality=endpoint.locality,
+                draining=endpoint.draining,
+            ),
+            now=self.now(),
         )
         log.info("worker %s (%s, %s) is up", worker_id, endpoint.url, endpoint.role.value)
         self._update_worker_gauges()
@@ -480,8 +506,23 @@ class RoutingService:
         """The Prometheus exposition of the router's metrics."""
         return generate_latest(self.metrics.registry)
 
+    def workers_report(self) -> list[dict[str, Any]]:
+        """Every live worker, whether it drains and this router's requests in flight on it (what
+        the operator reads before it removes a draining group)."""
+        return [
+            {
+                "key": key,
+                "worker_id": live.worker_id,
+                "url": live.endpoint.url,
+                "role": live.endpoint.role.value,
+                "draining": live.endpoint.draining,
+                "in_flight": self.router.in_flight(live.worker_id),
+            }
+            for key, live in sorted(self._live.items())
+        ]
+
     def health(self) -> tuple[int, dict[str, Any]]:
         """HTTP status and body of a health answer: 200 while at least one worker is usable."""
-        workers = len(self.router.workers)
+        workers = sum(1 for info in self.router.workers.values() if not info.draining)
         body = {"status": "ok" if workers else "no workers", "workers": workers, "queued": self.router.queued}
         return (200 if workers else 503), body
