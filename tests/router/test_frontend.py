@@ -291,6 +291,15 @@ class _PodWatch:
         while True:
             yield await self.events.get()
 
+    async def list_pools(self, *, namespace: str, name: str) -> tuple[list[dict[str, Any]], str]:
+        raise AssertionError("this router discovers pods by label, not through an InferencePool")
+
+    async def watch_pools(
+        self, *, namespace: str, name: str, resource_version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        raise AssertionError("this router discovers pods by label, not through an InferencePool")
+        yield  # an async generator, like the real one
+
 
 def _leader(*, draining: bool) -> dict[str, Any]:
     labels = {"copse.dev/role": "worker", **({"copse.dev/draining": "true"} if draining else {})}
