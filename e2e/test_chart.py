@@ -165,6 +165,11 @@ def test_every_optional_part_renders() -> None:
     assert client["targetPort"] in {port["name"] for port in container(nats)["ports"]}
     assert "--jetstream" not in container(nats)["command"]
 
+    # The Inference Extension's InferencePool CRD, for clusters without it; kept on uninstall.
+    pool_crd = rendered[("CustomResourceDefinition", "inferencepools.inference.networking.k8s.io")]
+    assert pool_crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert [version["name"] for version in pool_crd["spec"]["versions"]] == ["v1"]
+
     # The planner plans the watched namespaces, allowed to touch only those.
     planner = rendered[("Deployment", "copse-copse-planner")]
     assert planner["spec"]["template"]["spec"]["serviceAccountName"] == "copse-copse-planner"

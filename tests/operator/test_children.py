@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
+import jsonschema
 import yaml
 
 from copse.api import Role
@@ -15,6 +17,7 @@ from copse.workers.cli import kv_relay, mock, worker
 
 from .conftest import make_deployment
 
+REPO = Path(__file__).resolve().parents[2]
 TWO_NODES = GroupLayout(
     role=Role.WORKER, replica=1, pods=(("gpu-a", 4), ("gpu-b", 4)), domain="rack1.0", rack="rack1", cost=0.25
 )
@@ -179,3 +182,42 @@ def test_worker_pods_leave_not_ready_nodes_only_when_the_operator_moves_the_gang
     custom = make_deployment(replicas=1, pod={"tolerations": [own]})
     [pod, _] = children.worker_pods(custom, TWO_NODES, cold_start_source=None)
     assert [t for t in pod["spec"]["tolerations"] if t["key"] == "node.kubernetes.io/unreachable"] == [own]
+
+
+def test_epp_mode_makes_an_inference_pool_with_the_router_as_its_endpoint_picker() -> None:
+    deployment = make_deployment(replicas=1, router={"mode": "epp"})
+    objects = {obj["kind"]: obj for obj in children.router_objects(deployment)}
+    pool = objects["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["ownerReferences"][0]["name"] == "llama"
+    # Valid against the Inference Extension's own CRD (the one the chart can install).
+    crd = yaml.safe_load((REPO / "charts/copse/files/inferencepool-crd.yaml").read_text())
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    jsonschema.validate(pool, version["schema"]["openAPIV3Schema"])
+    assert pool["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/component": "worker",
+        "copse.dev/deployment": "llama",
+        "copse.dev/leader": "true",
+    }
+    assert pool["spec"]["targetPorts"] == [{"number": children.ENGINE_PORT}]
+    ref = pool["spec"]["endpointPickerRef"]
+    service = objects["Service"]
+    assert ref["name"] == service["metadata"]["name"] == "llama-router"
+    assert ref["port"]["number"] in [port["port"] for port in service["spec"]["ports"]]
+    # The router runs as that picker, discovering the pool's pods.
+    config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
+    assert config.epp is not None
+    assert config.epp.grpc_port == ref["port"]["number"]
+    assert config.discovery.kind == "inferencepool"
+    container = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"] == {"grpc": {"port": config.epp.health_port, "service": "readiness"}}
+    assert container["livenessProbe"] == {"grpc": {"port": config.epp.health_port, "service": "liveness"}}
+    rules = objects["Role"]["rules"]
+    assert {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch"],
+    } in rules
+    http = {obj["kind"]: obj for obj in children.router_objects(make_deployment(replicas=1))}
+    assert "InferencePool" not in http
+    assert len(http["Role"]["rules"]) == 1

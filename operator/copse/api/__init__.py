@@ -19,6 +19,7 @@ from copse.api.v1alpha1 import (
     InferenceDeploymentStatus,
     Phase,
     Role,
+    RouterMode,
     RoutingPolicy,
     parse_duration,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ManifestError",
     "Phase",
     "Role",
+    "RouterMode",
     "RoutingPolicy",
     "load_deployment",
     "parse_deployment",

@@ -86,6 +86,11 @@ class RoutingPolicy(str, schema.Enum):
     RANDOM = "random"
 
 
+class RouterMode(str, schema.Enum):
+    HTTP = "http"
+    EPP = "epp"
+
+
 class Phase(str, schema.Enum):
     PENDING = "Pending"
     PLACING = "Placing"
@@ -290,6 +295,11 @@ class EngineSpec(_SpecModel):
 
 
 class RouterSpec(_SpecModel):
+    mode: RouterMode = Field(
+        default=RouterMode.HTTP,
+        description="http: the router serves the OpenAI API; epp: a Gateway API gateway serves it and the "
+        "router is the endpoint picker of an InferencePool the operator creates (the cluster needs its CRD).",
+    )
     policy: RoutingPolicy = Field(default=RoutingPolicy.KV, description="Worker selection policy by name.")
     replicas: int = Field(
         default=1, ge=1, description="Router replicas; they share in-flight load over NATS."

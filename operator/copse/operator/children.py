@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from copse.api import EngineBackend, InferenceDeployment, Role
+from copse.api import EngineBackend, InferenceDeployment, Role, RouterMode
 from copse.operator import names
 from copse.topology.kube import NODE_CONDITION_TAINTS
 
@@ -27,6 +27,11 @@ COPSE_IMAGE = "ghcr.io/copse-dev/copse:0.1.0"
 
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
+EPP_PORT = 9002
+"""The endpoint picker's ext_proc port (what the InferencePool's endpointPickerRef names)."""
+EPP_HEALTH_PORT = 9003
+EPP_METRICS_PORT = 9090
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 SSH_PORT = 2222
 ENGINE_CONFIG_DIR = "/etc/copse/engine"
 ROUTER_CONFIG_DIR = "/etc/copse/router"
@@ -358,7 +363,7 @@ def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
 def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
     """The router's settings for this deployment, in the router's own config format."""
     spec = deployment.spec
-    return {
+    config: dict[str, Any] = {
         "model": spec.model.name,
         "host": "0.0.0.0",
         "port": ROUTER_PORT,
@@ -371,10 +376,46 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
         "discovery": {
             "kind": "kubernetes",
             "namespace": deployment.metadata.namespace,
-            "selector": names.selector_string(
-                {**names.worker_selector(deployment.metadata.name), names.LABEL_LEADER: "true"}
-            ),
+            "selector": names.selector_string(_leader_selector(deployment)),
             "port": ENGINE_PORT,
+        },
+    }
+    if spec.router.mode is RouterMode.EPP:
+        config["epp"] = {
+            "grpc_port": EPP_PORT,
+            "health_port": EPP_HEALTH_PORT,
+            "metrics_port": EPP_METRICS_PORT,
+        }
+        config["discovery"] = {
+            "kind": "inferencepool",
+            "namespace": deployment.metadata.namespace,
+            "name": deployment.metadata.name,
+        }
+    return config
+
+
+def _leader_selector(deployment: InferenceDeployment) -> dict[str, str]:
+    """Labels of the deployment's rank-0 worker pods (the engines' HTTP servers)."""
+    return {**names.worker_selector(deployment.metadata.name), names.LABEL_LEADER: "true"}
+
+
+def inference_pool(deployment: InferenceDeployment) -> dict[str, Any]:
+    """The InferencePool of an ``epp``-mode deployment: its rank-0 workers on the engine port, and the
+    router as its endpoint picker. A gateway's HTTPRoute points at it."""
+    name = deployment.metadata.name
+    labels = {names.LABEL_DEPLOYMENT: name, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _metadata(deployment, name=name, labels=labels),
+        "spec": {
+            "selector": {"matchLabels": _leader_selector(deployment)},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "endpointPickerRef": {
+                "name": names.router_name(name),
+                "port": {"number": EPP_PORT},
+                "failureMode": "FailClose",
+            },
         },
     }
 
@@ -392,6 +433,7 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
         "data": {"router.yaml": config_text},
     }
     config_digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    epp = spec.router.mode is RouterMode.EPP
     router_deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -421,8 +463,7 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
                                 "--config",
                                 f"{ROUTER_CONFIG_DIR}/router.yaml",
                             ],
-                            "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
-                            "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
+                            **_router_ports(epp),
                             "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_DIR}],
                         }
                     ],
@@ -437,11 +478,36 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
         "metadata": _metadata(deployment, name=name, labels=labels),
         "spec": {
             "selector": labels,
-            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}],
+            "ports": [
+                {"name": "grpc-ext-proc", "port": EPP_PORT, "targetPort": EPP_PORT, "appProtocol": "http2"},
+                {"name": "http", "port": EPP_METRICS_PORT, "targetPort": EPP_METRICS_PORT},
+            ]
+            if epp
+            else [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}],
         },
     }
+    pool = [inference_pool(deployment)] if epp else []
     # Identity first: the ReplicaSet cannot create pods before their ServiceAccount exists.
-    return [*router_rbac(deployment), config_map, router_deployment, service]
+    return [*router_rbac(deployment), config_map, router_deployment, service, *pool]
+
+
+def _router_ports(epp: bool) -> dict[str, Any]:
+    """Container ports and probes of the router: HTTP, or the endpoint picker's gRPC health."""
+    if not epp:
+        return {
+            "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
+        }
+    return {
+        "ports": [
+            {"name": "grpc-ext-proc", "containerPort": EPP_PORT},
+            {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT},
+            # "http" like the HTTP router's port: the chart's PodMonitor scrapes /metrics there.
+            {"name": "http", "containerPort": EPP_METRICS_PORT},
+        ],
+        "readinessProbe": {"grpc": {"port": EPP_HEALTH_PORT, "service": "readiness"}},
+        "livenessProbe": {"grpc": {"port": EPP_HEALTH_PORT, "service": "liveness"}},
+    }
 
 
 def router_rbac(deployment: InferenceDeployment) -> list[dict[str, Any]]:
@@ -458,7 +524,21 @@ def router_rbac(deployment: InferenceDeployment) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(deployment, name=name, labels=labels),
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                # An endpoint picker follows its InferencePool.
+                *(
+                    [
+                        {
+                            "apiGroups": [INFERENCE_POOL_API.split("/", maxsplit=1)[0]],
+                            "resources": ["inferencepools"],
+                            "verbs": ["get", "list", "watch"],
+                        }
+                    ]
+                    if deployment.spec.router.mode is RouterMode.EPP
+                    else []
+                ),
+            ],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

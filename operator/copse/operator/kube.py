@@ -31,6 +31,10 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Role": ("RbacAuthorizationV1Api", "role"),
     "RoleBinding": ("RbacAuthorizationV1Api", "role_binding"),
 }
+#: kind -> plural of the custom resources the operator applies (their group/version from apiVersion)
+_CUSTOM_KINDS: dict[str, str] = {
+    "InferencePool": "inferencepools",
+}
 
 
 class KubeApi(Protocol):
@@ -75,6 +79,30 @@ class Kube:
 
     async def apply(self, obj: Mapping[str, Any]) -> None:
         meta = obj["metadata"]
+        plural = _CUSTOM_KINDS.get(obj["kind"])
+        if plural is not None:
+            group, version = obj["apiVersion"].split("/")
+            try:
+                await self.custom.patch_namespaced_custom_object(
+                    group,
+                    version,
+                    meta["namespace"],
+                    plural,
+                    meta["name"],
+                    dict(obj),
+                    field_manager=FIELD_MANAGER,
+                    force=True,
+                    _content_type="application/apply-patch+yaml",
+                )
+            except ApiException as exc:
+                if exc.status == 404:
+                    raise RuntimeError(
+                        f"{obj['kind']} {meta['namespace']}/{meta['name']}: the cluster does not serve "
+                        f"{plural}.{group}/{version}; install its CRD (the chart's inferencePool.installCRD) "
+                        "or set spec.router.mode: http"
+                    ) from exc
+                raise
+            return
         await self._method(obj["kind"], "patch")(
             name=meta["name"],
             namespace=meta["namespace"],
