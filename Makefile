@@ -12,7 +12,7 @@ PYTEST := $(BIN)/pytest
 # Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
 COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers sim))))
 
-.PHONY: venv test unit e2e lint crds cluster-up cluster-down demo bench clean
+.PHONY: venv test unit e2e lint asan crds cluster-up cluster-down demo bench clean
 
 venv: $(STAMP)
 
@@ -30,8 +30,11 @@ test:
 	$(MAKE) unit
 	$(MAKE) e2e
 
+# The router's and the twin's tests run twice: with the compiled loops, then with the Python ones
+# (what runs where the extension cannot be built; COPSE_ROUTER_NATIVE=0 forces them).
 unit: venv
 	$(PYTEST) tests -q -p no:cacheprovider
+	COPSE_ROUTER_NATIVE=0 $(PYTEST) tests/router tests/sim -q -p no:cacheprovider
 
 # Against $KUBECONFIG only with COPSE_E2E_USE_KUBECONFIG=1; otherwise the local control plane
 # (reused if `make cluster-up` runs it, else started and stopped by the session). The build runs
@@ -51,6 +54,25 @@ lint: venv
 	$(BIN)/ruff format --check operator planner router workers sim tests e2e benchmarks setup.py
 	$(BIN)/mypy $(addprefix -p copse.,$(COPSE_PACKAGES))
 	$(BIN)/mypy tests e2e benchmarks
+	$(MAKE) asan
+
+# The router's C loops built with AddressSanitizer (into .asan/, the venv's build untouched) and
+# the tests that drive them run against that build (copse.router.loops loads the file that
+# COPSE_ROUTER_NATIVE names). PYTHONMALLOC=malloc: freed Python objects are poisoned too, not
+# recycled by pymalloc; no leak report (CPython keeps memory for its lifetime); --capture=sys
+# leaves stderr alone, so that a sanitizer report reaches the terminal before the process ends.
+ASAN_CC ?= gcc
+ASAN_TESTS := $(addprefix tests/router/,test_native.py test_cost.py test_indexer.py test_approx.py \
+	test_sequences.py test_core.py) tests/sim/test_replay.py
+asan: venv
+	@set -e; rm -rf .asan; \
+	CC=$(ASAN_CC) CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" LDFLAGS="-fsanitize=address" \
+		$(BIN)/python setup.py --quiet build_ext --build-lib .asan/lib --build-temp .asan/build; \
+	so="$$(find .asan/lib -name '_native*.so')"; \
+	test -n "$$so" || { echo "make asan: the AddressSanitizer build of _native.c failed (see above)"; exit 1; }; \
+	echo "== $(ASAN_TESTS) against $$so"; \
+	ASAN_OPTIONS=detect_leaks=0 PYTHONMALLOC=malloc LD_PRELOAD="$$($(ASAN_CC) -print-file-name=libasan.so)" \
+		COPSE_ROUTER_NATIVE="$$so" $(PYTEST) -q -p no:cacheprovider --capture=sys $(ASAN_TESTS)
 
 # helm lint --strict and helm template of charts/copse, with its default values and with every optional
 # part on (ci/all-optional-values.yaml). helm is the one the cluster build caches (built if missing).

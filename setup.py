@@ -10,6 +10,9 @@ setup(
             "copse.router._native",
             sources=["router/copse/router/_native.c"],
             extra_compile_args=["-O2", "-ffp-contract=off"],
+            # Without a C compiler the package still installs: copse.router.loops then runs
+            # the same loops in Python (slower).
+            optional=True,
         )
     ]
 )

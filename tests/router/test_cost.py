@@ -1,17 +1,21 @@
-"""Cost terms: the compiled interpolants against numpy, and the per-worker terms kept up to date
-incrementally."""
+"""Cost terms: the interpolants (compiled and in Python) against numpy, and the per-worker terms
+kept up to date incrementally."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copse.router import _native
+from copse.router import loops
 from copse.router.cost import PerfTable, WorkerCosts
 from copse.router.sequences import ActiveSequences
 from copse.workers.perf import InterpolatedPerfModel, PolynomialPerfModel
+
+from .test_native import IMPLEMENTATIONS
 
 _XS = np.array([0.0, 16.0, 32.0, 100.0, 1000.0, 4096.5])
 _YS = np.array([3.0, 3.5, 4.25, 9.0, 70.0, 400.0])
@@ -27,10 +31,11 @@ _CONTEXT_MODEL = InterpolatedPerfModel(
 )
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @settings(max_examples=300, deadline=None)
 @given(x=st.one_of(st.floats(-100.0, 5000.0, allow_nan=False), st.sampled_from(_XS.tolist())))
-def test_curve_is_np_interp_to_the_bit(x: float) -> None:
-    assert _native.Curve(_XS, _YS)(x) == float(np.interp(x, _XS, _YS))
+def test_curve_is_np_interp_to_the_bit(impl: ModuleType, x: float) -> None:
+    assert impl.Curve(_XS, _YS)(x) == float(np.interp(x, _XS, _YS))
 
 
 @settings(max_examples=300, deadline=None)
@@ -40,16 +45,17 @@ def test_curve_is_np_interp_to_the_bit(x: float) -> None:
 )
 def test_grid_is_the_numpy_bilinear_to_the_bit(active: float, sequences: float) -> None:
     perf = PerfTable(_CONTEXT_MODEL)
-    assert isinstance(perf.itl, _native.Grid)
+    assert isinstance(perf.itl, loops.Grid)
     want = float(perf.itl_ms(np.array([active]), np.array([sequences]))[0])
     assert perf.itl(active, sequences) == want
 
 
-def test_bad_curves_are_refused() -> None:
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bad_curves_are_refused(impl: ModuleType) -> None:
     with pytest.raises(ValueError, match="as many ys as xs"):
-        _native.Curve(_XS, _YS[:-1])
+        impl.Curve(_XS, _YS[:-1])
     with pytest.raises(ValueError, match=r"curve xs must increase, but xs\[2\] <= xs\[1\]"):
-        _native.Curve(np.array([0.0, 16.0, 16.0]), np.zeros(3))
+        impl.Curve(np.array([0.0, 16.0, 16.0]), np.zeros(3))
 
 
 @pytest.mark.parametrize("model", [PolynomialPerfModel(), _CONTEXT_MODEL], ids=["flat", "context"])

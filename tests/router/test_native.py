@@ -1,10 +1,13 @@
-"""The compiled routing loops (``copse.router._native``) against plain-Python references: the
-block table under churn, the prefix walk, the load table's per-worker figures and block
-references, the TTFT arithmetic (to the bit) and the pick."""
+"""The routing loops, compiled (``_native.c``) and in Python (``_pyloops``), against brute-force
+references and each other: the block table under churn, the prefix walk, the load table's
+per-worker figures and block references, the TTFT arithmetic (to the bit), the pick, and hashes
+whose ``__index__`` mutates the list being read (a use-after-free in the compiled reader once;
+``make asan`` runs this file against an AddressSanitizer build)."""
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -12,11 +15,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copse.router import _native
+from copse.router import _pyloops, loops
 from copse.router.indexer import BlockIndex
 from copse.workers.protocol import chain_hashes
 
 from .conftest import leading_blocks_reference
+
+# The loops this process runs (the compiled ones unless COPSE_ROUTER_NATIVE says otherwise) and
+# the Python ones.
+IMPLEMENTATIONS = [pytest.param(loops.MODULE, id=loops.IMPLEMENTATION)]
+if loops.MODULE is not _pyloops:
+    IMPLEMENTATIONS.append(pytest.param(_pyloops, id="python"))
+
+
+def _overlaps(index: Any, hashes: list[int]) -> dict[int, int]:
+    depths = np.empty(index.slot_limit)
+    index.leading_blocks(hashes, depths)
+    return {slot: int(depth) for slot, depth in enumerate(depths) if depth}
+
 
 _PATH = chain_hashes([1, 2, 3, 4])
 
@@ -49,12 +65,13 @@ _ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @settings(max_examples=300, deadline=None)
 @given(ops=_ops, query=st.lists(_keys, max_size=12))
 def test_block_table_under_churn_matches_sets(
-    ops: list[tuple[str, int, list[int]]], query: list[int]
+    impl: ModuleType, ops: list[tuple[str, int, list[int]]], query: list[int]
 ) -> None:
-    index = BlockIndex()
+    index = impl.BlockIndex()
     held: dict[int, set[int]] = {}
     for kind, slot, keys in ops:
         blocks = held.setdefault(slot, set())
@@ -75,34 +92,36 @@ def test_block_table_under_churn_matches_sets(
             assert index.holds(slot, key)
     for key in query:
         assert {slot for slot in held if index.holds(slot, key)} == {s for s, b in held.items() if key in b}
-    assert index.overlaps(query) == leading_blocks_reference(held, query)
+    assert _overlaps(index, query) == leading_blocks_reference(held, query)
 
 
-def test_growing_past_64_slots_keeps_what_is_stored() -> None:
-    index = BlockIndex()
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_growing_past_64_slots_keeps_what_is_stored(impl: ModuleType) -> None:
+    index = impl.BlockIndex()
     index.store(3, range(5000))
     index.store(130, range(100))
     assert index.slot_limit == 192
-    assert index.overlaps([0, 1, 2, 5000]) == {3: 3, 130: 3}
+    assert _overlaps(index, [0, 1, 2, 5000]) == {3: 3, 130: 3}
     assert index.blocks_held(3) == 5000
     assert index.blocks_held(130) == 100
     assert index.remove(3, range(5000)) == 5000
     assert len(index) == 100
-    assert index.overlaps([0, 1]) == {130: 2}
+    assert _overlaps(index, [0, 1]) == {130: 2}
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(st.tuples(st.booleans(), st.integers(0, 70), st.lists(_keys, max_size=30)), max_size=60),
     query=st.lists(_keys, max_size=12),
 )
 def test_load_table_counts_blocks_in_use_per_worker(
-    ops: list[tuple[bool, int, list[int]]], query: list[int]
+    impl: ModuleType, ops: list[tuple[bool, int, list[int]]], query: list[int]
 ) -> None:
-    load = _native.LoadTable(block_size=16)
-    columns = np.zeros((len(_native.LOAD_ROWS), 71))
+    load = impl.LoadTable(block_size=16)
+    columns = np.zeros((len(impl.LOAD_ROWS), 71))
     load.bind(columns)
-    rows = dict(zip(_native.LOAD_ROWS, columns, strict=True))
+    rows = dict(zip(impl.LOAD_ROWS, columns, strict=True))
     counts: dict[tuple[int, int], int] = {}
     flights: list[tuple[int, list[int]]] = []
     for acquire, slot, keys in ops:
@@ -134,6 +153,7 @@ def test_load_table_counts_blocks_in_use_per_worker(
     )
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -143,53 +163,32 @@ def test_load_table_counts_blocks_in_use_per_worker(
         (lambda index: index.store(70000, [1]), "worker slot 70000 is outside"),
     ],
 )
-def test_bad_input_is_refused_by_name(call: Any, message: str) -> None:
-    index = BlockIndex()
+def test_bad_input_is_refused_by_name(impl: ModuleType, call: Any, message: str) -> None:
+    index = impl.BlockIndex()
     index.store(0, [7])
     with pytest.raises(ValueError, match=message):
         call(index)
-    assert index.overlaps([7]) == {0: 1}  # nothing already stored is lost
+    assert _overlaps(index, [7]) == {0: 1}  # nothing already stored is lost
     assert len(index) == 1  # and nothing of the refused call was stored
 
 
-def test_arrays_must_be_float64_of_the_right_shape() -> None:
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_arrays_must_be_float64_of_the_right_shape(impl: ModuleType) -> None:
     with pytest.raises(TypeError, match="out must be a contiguous 1-d float64 array"):
-        BlockIndex().leading_blocks([1], np.zeros(4, dtype=np.int64))
+        impl.BlockIndex().leading_blocks([1], np.zeros(4, dtype=np.int64))
     with pytest.raises(TypeError, match="costs must be a contiguous 1-d float64 array"):
-        _native.lowest(np.zeros((2, 2)), None)
-    load = _native.LoadTable(block_size=16)
+        impl.lowest(np.zeros((2, 2)), None)
+    load = impl.LoadTable(block_size=16)
     with pytest.raises(ValueError, match="no columns are bound"):
         load.add(0, [1], 1, 1.0, 1.0)
     with pytest.raises(TypeError, match="columns must be a writable C-contiguous float64 array of 11 rows"):
         load.bind(np.zeros((3, 4)))
-    load.bind(np.zeros((len(_native.LOAD_ROWS), 4)))
+    load.bind(np.zeros((len(impl.LOAD_ROWS), 4)))
     with pytest.raises(IndexError, match="worker slot 4 is beyond the 4 bound columns"):
         load.add(4, [1], 1, 1.0, 1.0)
     with pytest.raises(ValueError, match="block hash -2 is not an unsigned 64-bit integer"):
         load.add(1, [5, -2], 1, 1.0, 1.0)
     assert len(load) == 0  # nothing was charged by the refused calls
-
-
-def _reference_ttft(args: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """The numpy formulation the compiled loop replaced (policies.Selection.ttft_ms)."""
-    xs, ys = args["curve_points"]
-    isl, bs = float(args["prompt_tokens"]), float(args["block_size"])
-    limit = max(isl - 1.0, 0.0)
-    cached = np.array([min(d * bs, limit) for d in args["depths"]])
-    own = np.array([args["full"] - float(np.interp(c, xs, ys)) for c in cached])
-    uncached = isl - cached
-    steps = np.add(args["prefill_tokens"], uncached)
-    steps /= args["budget"]
-    np.ceil(steps, out=steps)
-    steps *= args["step_ms"]
-    progress = np.subtract(args["now"], args["head_start"])
-    progress *= 1000.0
-    np.maximum(progress, 0.0, out=progress)
-    np.minimum(progress, args["head_ms"], out=progress)
-    backlog = np.maximum(np.subtract(args["prefill_ms"], progress), 0.0)
-    backlog += own
-    backlog += steps
-    return backlog, uncached
 
 
 _PROMPT = list(range(1, 301))
@@ -205,44 +204,40 @@ _PROMPT = list(range(1, 301))
 def test_ttft_is_the_numpy_formulation_to_the_bit(
     size: int, seed: int, prompt_tokens: int, block_size: int
 ) -> None:
+    """The loops this process runs compute what the numpy formulation (``_pyloops``) does."""
     rng = np.random.default_rng(seed)
-    index = BlockIndex()
-    for slot in range(size):
-        if rng.random() < 0.5:
-            index.store(slot, _PROMPT[: int(rng.integers(1, 300))])
-    load = _native.LoadTable(block_size=block_size)
-    columns = np.zeros((len(_native.LOAD_ROWS), size))
-    load.bind(columns)
-    rows = dict(zip(_native.LOAD_ROWS, columns, strict=True))
-    rows["prefill_tokens"][:] = rng.integers(0, 50_000, size)
-    rows["step_ms"][:] = rng.random(size) * 40.0
-    rows["prefill_ms"][:] = rng.random(size) * 3000.0
-    rows["head_start"][:] = rng.random(size) * 10.0
-    rows["head_ms"][:] = rng.random(size) * 500.0
+    held = {slot: set(_PROMPT[: int(rng.integers(1, 300))]) for slot in range(size) if rng.random() < 0.5}
+    figures = {
+        "prefill_tokens": rng.integers(0, 50_000, size),
+        "step_ms": rng.random(size) * 40.0,
+        "prefill_ms": rng.random(size) * 3000.0,
+        "head_start": rng.random(size) * 10.0,
+        "head_ms": rng.random(size) * 500.0,
+    }
     xs = np.arange(0.0, 131073.0, 16.0)
     ys = 3.0 + 0.01 * xs + 1e-8 * xs**2
-    curve = _native.Curve(xs, ys)
     now = float(rng.random() * 12.0)
     full = float(np.interp(prompt_tokens, xs, ys)) + 0.125
-    out = np.empty((3, size))
-    load.ttft(index, _PROMPT, out, curve, prompt_tokens, block_size, 8192, now, full)
-    want_ttft, want_uncached = _reference_ttft(
-        {
-            **rows,
-            "depths": index.overlap_array(_PROMPT, size),
-            "curve_points": (xs, ys),
-            "prompt_tokens": prompt_tokens,
-            "block_size": block_size,
-            "budget": 8192,
-            "now": now,
-            "full": full,
-        }
-    )
-    assert out[0].tolist() == index.overlap_array(_PROMPT, size).tolist()
-    assert out[1].tobytes() == want_ttft.tobytes()
-    assert out[2].tobytes() == want_uncached.tobytes()
+    outs = []
+    for impl in (loops.MODULE, _pyloops):
+        index = impl.BlockIndex()
+        for slot, blocks in held.items():
+            index.store(slot, sorted(blocks))
+        load = impl.LoadTable(block_size=block_size)
+        columns = np.zeros((len(impl.LOAD_ROWS), size))
+        load.bind(columns)
+        rows = dict(zip(impl.LOAD_ROWS, columns, strict=True))
+        for name, values in figures.items():
+            rows[name][:] = values
+        out = np.empty((3, size))
+        load.ttft(index, _PROMPT, out, impl.Curve(xs, ys), prompt_tokens, block_size, 8192, now, full)
+        outs.append(out)
+    depths = leading_blocks_reference(held, _PROMPT)
+    assert outs[0][0].tolist() == [float(depths.get(slot, 0)) for slot in range(size)]
+    assert outs[0].tobytes() == outs[1].tobytes()
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @settings(max_examples=300, deadline=None)
 @given(
     costs=st.lists(
@@ -250,7 +245,9 @@ def test_ttft_is_the_numpy_formulation_to_the_bit(
     ),
     data=st.data(),
 )
-def test_lowest_is_the_first_minimum_or_all_near_ties(costs: list[float], data: st.DataObject) -> None:
+def test_lowest_is_the_first_minimum_or_all_near_ties(
+    impl: ModuleType, costs: list[float], data: st.DataObject
+) -> None:
     cost = np.array(costs)
     eligible = data.draw(st.lists(st.booleans(), min_size=len(costs), max_size=len(costs)))
     if not any(eligible):
@@ -260,5 +257,49 @@ def test_lowest_is_the_first_minimum_or_all_near_ties(costs: list[float], data: 
         masked = cost if excl is None else cost + excl
         low = float(masked.min())
         ties = np.flatnonzero(masked <= low + 1e-9 * max(1.0, math.fabs(low))).tolist()
-        found = _native.lowest(cost, excl)
+        found = impl.lowest(cost, excl)
         assert found == (ties if len(ties) > 1 else int(masked.argmin()))
+
+
+class _EmptiesItsList:
+    """A block hash whose ``__index__`` empties the list it sits in: Python code run while the
+    loops read that list (the compiled reader kept pointers into the freed item array)."""
+
+    def __init__(self, victim: list[object], value: int) -> None:
+        self.victim = victim
+        self.value = value
+
+    def __index__(self) -> int:
+        self.victim.clear()
+        return self.value
+
+
+def _self_emptying(values: list[int], *, at: int = 3) -> list[object]:
+    hashes: list[object] = [int(str(value)) for value in values]  # fresh objects, freed with the list
+    hashes[at] = _EmptiesItsList(hashes, values[at])
+    return hashes
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_hash_emptying_its_list_reads_the_list_as_it_was(impl: ModuleType) -> None:
+    prompt = [2**40 + 7919 * k for k in range(300)]
+    index = impl.BlockIndex()
+    hashes = _self_emptying(prompt)
+    assert index.store(0, hashes) == 300
+    assert hashes == []
+    assert index.remove(0, _self_emptying(prompt[:10])) == 10
+    assert index.store(0, _self_emptying(prompt[:10])) == 10
+    depth = np.empty(2)
+    index.leading_blocks(_self_emptying(prompt, at=40), depth)
+    assert depth.tolist() == [300.0, 0.0]
+    load = impl.LoadTable(block_size=16)
+    load.bind(np.zeros((len(impl.LOAD_ROWS), 2)))
+    load.add(1, _self_emptying(prompt), 100, 5.0, 7.0)
+    load.leading_blocks(_self_emptying(prompt), depth)
+    assert depth.tolist() == [0.0, 300.0]
+    out = np.empty((3, 2))
+    curve = impl.Curve(np.array([0.0, 1e6]), np.array([1.0, 2.0]))
+    load.ttft(index, _self_emptying(prompt, at=70), out, curve, 300 * 16, 16, 8192, 0.0, 2.0)
+    assert out[0].tolist() == [300.0, 0.0]
+    load.free(1, _self_emptying(prompt), 7.0)
+    assert len(load) == 0

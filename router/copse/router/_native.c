@@ -208,6 +208,24 @@ static int get_vector(PyObject *obj, Py_buffer *view, const char *name, int writ
     return 0;
 }
 
+/* The hash at `k` of *seq (a list or tuple from PySequence_Fast) as a u64. An exact int is read
+ * in place. Anything else goes through __index__, which may run Python code that mutates a list
+ * (freeing the item array and the items read from it): a list is first replaced by a tuple copy of
+ * itself, which holds its own references, so every hash read is one the sequence held when no
+ * Python code had yet run. */
+static int key_at(PyObject **seq, Py_ssize_t k, uint64_t *out)
+{
+    PyObject *item = PySequence_Fast_GET_ITEM(*seq, k);
+    if (!PyLong_CheckExact(item) && PyList_Check(*seq)) {
+        PyObject *frozen = PyList_AsTuple(*seq);
+        if (!frozen)
+            return -1;
+        Py_SETREF(*seq, frozen);
+        item = PyTuple_GET_ITEM(frozen, k);
+    }
+    return read_u64(item, out);
+}
+
 /* The block hashes of one call as u64 keys, every one checked (held on the stack when few). */
 typedef struct {
     PyObject *fast; /* the PySequence_Fast the keys were read from */
@@ -230,7 +248,6 @@ static int read_hashes(Hashes *h, PyObject *hashes)
     if (!(h->fast = PySequence_Fast(hashes, "block hashes must be iterable")))
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(h->fast);
-    PyObject **items = PySequence_Fast_ITEMS(h->fast);
     if (n > (Py_ssize_t)(sizeof(h->on_stack) / sizeof(h->on_stack[0]))
         && !(h->keys = PyMem_Malloc((size_t)n * sizeof(uint64_t)))) {
         h->keys = h->on_stack;
@@ -239,7 +256,7 @@ static int read_hashes(Hashes *h, PyObject *hashes)
         return -1;
     }
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (read_u64(items[k], &h->keys[k]) < 0) {
+        if (key_at(&h->fast, k, &h->keys[k]) < 0) {
             release_hashes(h);
             return -1;
         }
@@ -470,8 +487,9 @@ static PyObject *BlockIndex_blocks_held(BlockIndexObject *self, PyObject *arg)
     return PyLong_FromSsize_t((size_t)slot < self->table.words * 64 ? self->held[slot] : 0);
 }
 
-/* depth[slot] = leading blocks of `hashes` (a PySequence_Fast) the slot holds, for slots < size. */
-static int walk(const BlockIndexObject *self, PyObject *hashes, double *depth, size_t size)
+/* depth[slot] = leading blocks of *hashes (a PySequence_Fast, see key_at) the slot holds, for
+ * slots < size. */
+static int walk(const BlockIndexObject *self, PyObject **hashes, double *depth, size_t size)
 {
     const Table *t = &self->table;
     size_t words = t->words;
@@ -486,8 +504,7 @@ static int walk(const BlockIndexObject *self, PyObject *hashes, double *depth, s
         active[w] = first >= size ? 0 : size - first >= 64 ? ~(uint64_t)0 : ((uint64_t)1 << (size - first)) - 1;
         any |= active[w] != 0;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(*hashes);
     /* The look-ups miss the cache (the table is megabytes): convert a batch of hashes and prefetch
      * their home entries so that the misses overlap, then walk the batch. */
     enum { BATCH = 32 };
@@ -496,7 +513,7 @@ static int walk(const BlockIndexObject *self, PyObject *hashes, double *depth, s
     while (d < n && any) {
         Py_ssize_t batch = n - d < BATCH ? n - d : BATCH;
         for (Py_ssize_t k = 0; k < batch; k++) {
-            if (read_u64(items[d + k], &keys[k]) < 0)
+            if (key_at(hashes, d + k, &keys[k]) < 0)
                 return -1;
             table_prefetch(t, keys[k]);
         }
@@ -529,7 +546,7 @@ static PyObject *BlockIndex_leading_blocks(BlockIndexObject *self, PyObject *con
     PyObject *hashes;
     if (leading_blocks_args(args, nargs, &out, &hashes) < 0)
         return NULL;
-    int failed = walk(self, hashes, out.buf, (size_t)(out.len / (Py_ssize_t)sizeof(double))) < 0;
+    int failed = walk(self, &hashes, out.buf, (size_t)(out.len / (Py_ssize_t)sizeof(double))) < 0;
     Py_DECREF(hashes);
     PyBuffer_Release(&out);
     if (failed)
@@ -793,16 +810,20 @@ static void Grid_dealloc(GridObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static int grid_ready(const GridObject *self)
+{
+    if (self->values)
+        return 1;
+    PyErr_SetString(PyExc_ValueError, "the grid was not initialised");
+    return 0;
+}
+
 static PyObject *Grid_call(GridObject *self, PyObject *args, PyObject *kwds)
 {
     double active_kv, sequences;
     static char *kwlist[] = {"active_kv", "sequences", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "dd:Grid", kwlist, &active_kv, &sequences))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "dd:Grid", kwlist, &active_kv, &sequences) || !grid_ready(self))
         return NULL;
-    if (!self->values) {
-        PyErr_SetString(PyExc_ValueError, "the grid was not initialised");
-        return NULL;
-    }
     return PyFloat_FromDouble(grid_at(self, active_kv, sequences));
 }
 
@@ -1064,12 +1085,9 @@ static PyObject *LoadTable_refresh(LoadTableObject *self, PyObject *const *args,
         PyErr_SetString(PyExc_TypeError, "itl must be a Curve or a Grid");
         return NULL;
     }
-    if ((by_curve && !curve_ready((CurveObject *)args[1])) || read_doubles(args + 2, v, 3) < 0)
+    if ((by_curve && !curve_ready((CurveObject *)args[1])) || (!by_curve && !grid_ready((GridObject *)args[1]))
+        || read_doubles(args + 2, v, 3) < 0)
         return NULL;
-    if (!by_curve && !((GridObject *)args[1])->values) {
-        PyErr_SetString(PyExc_ValueError, "the grid was not initialised");
-        return NULL;
-    }
     double f0 = v[0], busy_prefill = v[1], busy_kv = v[2];
     PyObject *iterator = PyObject_GetIter(args[0]);
     if (!iterator)
@@ -1078,7 +1096,9 @@ static PyObject *LoadTable_refresh(LoadTableObject *self, PyObject *const *args,
     PyObject *item;
     while ((item = PyIter_Next(iterator))) {
         Py_ssize_t slot;
-        int failed = bound_slot(self, item, &slot) < 0;
+        /* A slot's __index__ may run Python code: the curve or grid is checked after it. */
+        int failed = bound_slot(self, item, &slot) < 0 || (by_curve && !curve_ready((CurveObject *)args[1]))
+                     || (!by_curve && !grid_ready((GridObject *)args[1]));
         Py_DECREF(item);
         if (failed) {
             Py_DECREF(iterator);
@@ -1139,12 +1159,20 @@ static PyObject *LoadTable_ttft(LoadTableObject *self, PyObject *const *args, Py
     }
     double *depth = out.buf, *ttft = depth + size, *uncached = ttft + size;
     PyObject *hashes = PySequence_Fast(args[1], "block hashes must be a sequence");
-    if (!hashes || walk((BlockIndexObject *)args[0], hashes, depth, (size_t)size) < 0) {
+    if (!hashes || walk((BlockIndexObject *)args[0], &hashes, depth, (size_t)size) < 0) {
         Py_XDECREF(hashes);
         PyBuffer_Release(&out);
         return NULL;
     }
     Py_DECREF(hashes);
+    /* The walk may have run Python code (a hash's __index__): the columns and the curve it reads
+     * next must still be the ones checked above. */
+    if (!self->bound || self->size != size || !curve_ready(curve)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "the load table's columns were rebound during ttft()");
+        PyBuffer_Release(&out);
+        return NULL;
+    }
     const double *tokens = row(self, L_PREFILL_TOKENS), *step = row(self, L_STEP_MS);
     const double *prefill = row(self, L_PREFILL_MS), *head_start = row(self, L_HEAD_START);
     const double *head_ms = row(self, L_HEAD_MS);

@@ -4,7 +4,7 @@ The perf model answers one point per call. :class:`PerfTable` samples the model'
 grid (active KV tokens x context length) and interpolates bilinearly, clamping outside the grid
 (the model's own extrapolation is not needed for ranking workers), and samples the prefill curve
 at every multiple of 16 tokens. The compiled load table evaluates these per worker
-(:class:`copse.router._native.Curve` and :class:`~copse.router._native.Grid`, the same arithmetic
+(:class:`copse.router.loops.Curve` and :class:`~copse.router.loops.Grid`, the same arithmetic
 as numpy's); the decode cost of a request evaluates all workers at once with numpy.
 
 :class:`WorkerCosts` keeps the per-worker terms of the routing cost that depend on that worker's
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from copse.router import _native
+from copse.router import _pyloops, loops
 from copse.router.sequences import ActiveSequences
 from copse.workers.perf import PerfModel
 
@@ -52,7 +52,7 @@ class PerfTable:
         self.model = model
         curve_x = np.arange(0.0, max_context + 1.0, float(curve_step))
         curve_y = np.array([model.prefill_curve_ms(float(x)) for x in curve_x])
-        self.prefill_curve = _native.Curve(curve_x, curve_y)
+        self.prefill_curve = loops.Curve(curve_x, curve_y)
         """``F`` (:meth:`PerfModel.prefill_curve_ms`) by token count: exact at multiples of the
         sampling step (block sizes are), linear in between, constant beyond the longest context."""
         self.kv_capacity_tokens = float(model.kv_capacity_tokens)
@@ -70,10 +70,10 @@ class PerfTable:
         )
         # Models whose ITL ignores the context length (the polynomial default) need one axis only.
         self._itl_flat = bool(np.all(self._itl == self._itl[:, :1]))
-        self.itl: _native.Curve | _native.Grid = (
-            _native.Curve(self._active, np.ascontiguousarray(self._itl[:, 0]))
+        self.itl: loops.Curve | loops.Grid = (
+            loops.Curve(self._active, np.ascontiguousarray(self._itl[:, 0]))
             if self._itl_flat
-            else _native.Grid(self._active, self._context, self._itl)
+            else loops.Grid(self._active, self._context, self._itl)
         )
         """Decode step time of one worker: ``itl(active_kv_tokens)`` (a Curve) when the model ignores
         the context length, else ``itl(active_kv_tokens, sequences)`` (a Grid); as :meth:`itl_ms`."""
@@ -87,27 +87,10 @@ class PerfTable:
     def itl_ms(self, active_kv_tokens: FloatArray, sequences: FloatArray) -> FloatArray:
         """Decode step time of each worker holding ``active_kv_tokens`` of KV over ``sequences``
         sequences (their mean context length is the ratio), ms."""
-        active, context = self._active, self._context
         if self._itl_flat:
-            flat: FloatArray = np.interp(active_kv_tokens, active, self._itl[:, 0])
+            flat: FloatArray = np.interp(active_kv_tokens, self._active, self._itl[:, 0])
             return flat
-        context_length = active_kv_tokens / np.maximum(sequences, 1.0)
-        a = np.minimum(np.maximum(active_kv_tokens, active[0]), active[-1])
-        c = np.minimum(np.maximum(context_length, context[0]), context[-1])
-        i = np.minimum(active.searchsorted(a, side="right"), len(active) - 1)
-        j = np.minimum(context.searchsorted(c, side="right"), len(context) - 1)
-        a0 = active[i - 1]
-        c0 = context[j - 1]
-        s = (a - a0) / (active[i] - a0)
-        t = (c - c0) / (context[j] - c0)
-        grid = self._itl
-        g00 = grid[i - 1, j - 1]
-        g01 = grid[i - 1, j]
-        low = g00 + t * (g01 - g00)
-        g10 = grid[i, j - 1]
-        high = g10 + t * (grid[i, j] - g10)
-        out: FloatArray = low + s * (high - low)
-        return out
+        return _pyloops.bilinear(self._active, self._context, self._itl, active_kv_tokens, sequences)
 
 
 class WorkerCosts:

@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from copse.router import _native
+from copse.router import loops
 from copse.router.slots import WorkerSlots
 from copse.workers.protocol import KvCleared, KvDump, KvEvent, KvEventBatch, KvRemoved, KvStored
 
@@ -42,7 +42,7 @@ Overlaps = dict[int, int]
 MAX_BUFFERED_EVENTS = 65536
 
 
-class BlockIndex(_native.BlockIndex):
+class BlockIndex(loops.BlockIndex):
     """The prefix tree: block hash -> the worker slots holding that block (compiled: a hash table
     of bitmasks over slots, see ``_native.c``).
 

@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from copse.router import _native
+from copse.router import loops
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.indexer import Indexer
 from copse.router.sequences import ActiveSequences
@@ -191,7 +191,7 @@ def pick_lowest(
             weights = np.exp(-(masked - low) / (span * temperature))
             cumulative = np.cumsum(weights)
             return int(np.searchsorted(cumulative, rng.random() * float(cumulative[-1]), side="right"))
-    found = _native.lowest(costs, exclusion)
+    found = loops.lowest(costs, exclusion)
     return found if isinstance(found, int) else found[rng.randrange(len(found))]
 
 

@@ -14,7 +14,7 @@ Per-worker figures live in numpy arrays indexed by worker slot, so a policy read
 at once; every change touches only the entries of the worker it concerns, and records that
 worker's slot in :attr:`ActiveSequences.changed` for figures derived from these (the router's
 cost terms, :class:`copse.router.cost.WorkerCosts`). The figures are rows of one array that a
-compiled table (``_native.LoadTable``) updates, which also reference-counts the blocks in use per
+compiled table (``loops.LoadTable``) updates, which also reference-counts the blocks in use per
 (worker, block).
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from copse.router import _native
+from copse.router import loops
 from copse.router.indexer import Overlaps
 
 FloatArray = npt.NDArray[np.float64]
@@ -65,8 +65,10 @@ ROWS = (
     "step_ms",
     "free",
 )
-if ROWS != _native.LOAD_ROWS:  # the compiled module is built from the same tree
-    raise ImportError(f"copse.router._native has load rows {_native.LOAD_ROWS}, expected {ROWS}: rebuild it")
+if ROWS != loops.LOAD_ROWS:  # the compiled module is built from the same tree
+    raise ImportError(
+        f"the router loops ({loops.IMPLEMENTATION}) have load rows {loops.LOAD_ROWS}, not {ROWS}: rebuild"
+    )
 
 
 class ActiveSequences:
@@ -96,7 +98,7 @@ class ActiveSequences:
         self.block_size = block_size
         """Tokens per block, to turn active blocks into KV tokens."""
         self._flights: dict[str, Flight] = {}
-        self._load = _native.LoadTable(block_size=block_size)
+        self._load = loops.LoadTable(block_size=block_size)
         self._pending: list[OrderedDict[str, None]] = []
         self.changed: set[int] = set()
         """Slots whose figures changed since a consumer of derived figures last emptied the set."""
@@ -156,7 +158,7 @@ class ActiveSequences:
         return len(self._pending)
 
     @property
-    def load(self) -> _native.LoadTable:
+    def load(self) -> loops.LoadTable:
         """The compiled table the figures are kept by (bound to :attr:`columns`)."""
         return self._load
 

@@ -1,0 +1,75 @@
+"""Which routing loops run (the compiled ones when built, else the Python ones, with a warning,
+as ``COPSE_ROUTER_NATIVE`` asks), and that both route alike: a replay through the whole router
+reports the same figures to the bit (the loops themselves: tests/router/test_native.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from copse.router import loops
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+
+_UNBUILT = "import sys; sys.modules['copse.router._native'] = None  # as if the extension were not built\n"
+
+
+def _python(code: str, *, native: str | None) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != loops.ENV}
+    if native is not None:
+        env[loops.ENV] = native
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+
+
+def test_the_compiled_loops_run_when_built() -> None:
+    run = _python("from copse.router import loops; print(loops.IMPLEMENTATION)", native=None)
+    assert run.stdout.strip() == "native", run.stderr
+
+
+def test_without_the_extension_the_python_loops_run_and_say_so() -> None:
+    code = _UNBUILT + "from copse.router import loops, indexer; print(loops.IMPLEMENTATION)"
+    run = _python(code, native=None)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "python"
+    assert "the compiled router loops are not built" in run.stderr
+    forced = _python("from copse.router import loops; print(loops.IMPLEMENTATION)", native="0")
+    assert forced.stdout == "python\n"
+
+
+def test_requiring_an_extension_that_is_not_built_fails_by_name() -> None:
+    run = _python(_UNBUILT + "from copse.router import loops", native="1")
+    assert run.returncode != 0
+    assert "COPSE_ROUTER_NATIVE=1 but the compiled router loops are not built" in run.stderr
+    run = _python("from copse.router import loops", native="/nowhere/_native.so")
+    assert "COPSE_ROUTER_NATIVE='/nowhere/_native.so': expected 0, 1 or the path of a built" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--policy", "kv"], ["--policy", "kv", "--temperature", "0.5"], ["--policy", "dynamo"]],
+    ids=["kv", "kv-softmax", "dynamo"],
+)
+def test_the_python_loops_route_as_the_compiled_ones(options: list[str]) -> None:
+    """The router's loops in Python (``COPSE_ROUTER_NATIVE=0``) take the same decisions as the
+    compiled ones: a replay through the whole router reports the same figures to the bit."""
+    args = ["bench", "replay", "--trace", str(MOONCAKE), "--workers", "8", "--limit", "300", "--json"]
+    args += options
+    reports = {}
+    for native in ("1", "0"):
+        run = subprocess.run(
+            [sys.executable, "-c", "from copse.cli import main; main()", *args],
+            env={**os.environ, loops.ENV: native},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr
+        reports[native] = json.loads(run.stdout)
+    assert reports["0"] == reports["1"]
+    assert reports["1"]["requests"] == 300
+    assert reports["1"]["cache_hit_rate"] > 0.0
