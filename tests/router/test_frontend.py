@@ -121,6 +121,61 @@ async def test_bad_input_unknown_model_and_no_workers() -> None:
             await running.close()
 
 
+def _padded_chat(size: int) -> bytes:
+    """A chat request of ``size`` bytes whose prompt is short: JSON whitespace between its fields
+    (what the size limit is about is bytes; a prompt that long would not fit a mock engine)."""
+    head = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})[:-1] + ","
+    tail = '"max_tokens": 3}'
+    return (head + " " * (size - len(head) - len(tail)) + tail).encode()
+
+
+async def test_large_bodies_pass_up_to_the_limit_and_every_error_is_an_openai_error() -> None:
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config(fleet.urls), 1)  # the default limit, 64 MiB
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = _padded_chat(20_000_000)
+                headers = {"Content-Type": "application/json"}
+                url = f"{running.url}/v1/chat/completions"
+                async with http.post(url, data=body, headers=headers) as response:
+                    assert response.status == 200, await response.text()
+                    assert (await response.json())["choices"][0]["message"]["content"]
+                # mocked engines take any size, as trtllm-serve does
+                engine = f"{fleet.urls[0]}/v1/chat/completions"
+                async with http.post(engine, data=body, headers=headers) as response:
+                    assert response.status == 200
+        finally:
+            await running.close()
+        running = await _started(_config(fleet.urls, max_body_bytes=1024 * 1024), 1)
+        try:
+            async with aiohttp.ClientSession() as http:
+                url = f"{running.url}/v1/chat/completions"
+                async with http.post(url, data=_padded_chat(1024 * 1024), headers=headers) as response:
+                    assert response.status == 200  # exactly the limit
+                async with http.post(url, data=_padded_chat(1024 * 1024 + 1), headers=headers) as response:
+                    assert response.status == 413
+                    assert response.content_type == "application/json"
+                    assert await response.json() == {
+                        "object": "error",
+                        "message": "request body over 1048576 bytes (the router's max_body_bytes)",
+                        "type": "RequestTooLargeError",
+                        "param": None,
+                        "code": 413,
+                    }
+                async with http.get(f"{running.url}/v1/chat/completions") as response:
+                    assert response.status == 405
+                    assert (await response.json())["type"] == "MethodNotAllowedError"
+                async with http.post(f"{running.url}/v1/embeddings", json={}) as response:
+                    assert response.status == 404
+                    error = await response.json()
+                    assert error["message"] == "Not Found: POST /v1/embeddings"
+                    assert error["type"] == "NotFoundError"
+            metrics = running.service.metrics.requests
+            assert metrics.labels(status="413")._value.get() == 1
+        finally:
+            await running.close()
+
+
 @pytest.fixture
 async def fake_worker() -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """A worker that is healthy but misbehaves as ``state['mode']`` says."""

@@ -107,6 +107,9 @@ class RouterConfig(_Model):
     """Requests that may wait while every worker is busy; beyond it the router answers 503."""
     block_size: int = Field(default=32, ge=1)
     """Tokens per KV block of the engines (TensorRT-LLM's ``tokens_per_block``)."""
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Largest request body the HTTP frontend reads (a larger one gets 413): long-context and agentic
+    prompts and base64 images run to tens of MB (a 1M-token chat is ~5 MB of text)."""
     nats_url: str | None = None
     """NATS server for KV events and load sharing between router replicas; without it the router
     learns caches from its own decisions (approximate indexer)."""

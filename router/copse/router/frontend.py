@@ -9,7 +9,8 @@
 ``GET /workers``               live workers: draining or not, this router's requests on each
 =============================  ==============================================================
 
-Errors: 400 with the workers' error body naming the field; 404 for a model not served here;
+Errors, every one in the OpenAI error shape: 400 with the workers' error body naming the field;
+404 for a model not served here (or an unknown path); 413 for a body over ``max_body_bytes``;
 503 with ``Retry-After`` when every worker is busy and the queue is full (or the wait in it
 timed out) or no worker is up.
 
@@ -37,6 +38,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from copse.router.config import RouterConfig
@@ -44,6 +46,7 @@ from copse.router.core import Role, Route
 from copse.router.discovery import Source
 from copse.router.migration import MigrationReason, StreamProgress
 from copse.router.service import (
+    GENERATE_PATHS,
     Rejected,
     RoutingService,
     StreamMeter,
@@ -185,7 +188,7 @@ class RouterService(RoutingService):
             use_kv_events=use_kv_events,
             share_load=share_load,
         )
-        self.app = web.Application()
+        self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._openai_errors])
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -201,6 +204,25 @@ class RouterService(RoutingService):
         self._attempts: set[_Attempt] = set()
         """Requests in flight on workers (what dropping a worker or the silence watchdog abandons)."""
         self.on_worker_removed.append(self._abandon_worker)
+
+    @web.middleware
+    async def _openai_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The errors aiohttp raises (a body over ``max_body_bytes``, an unknown path, a wrong
+        method) in the OpenAI error shape of the router's own."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            limit = self.config.max_body_bytes
+            message = (
+                f"request body over {limit} bytes (the router's max_body_bytes)"
+                if exc.status == 413
+                else f"{exc.reason}: {request.method} {request.path}"
+            )
+            if request.path in GENERATE_PATHS:
+                self.metrics.requests.labels(status=str(exc.status)).inc()
+            return error_response(exc.status, message)
 
     async def _on_startup(self, _: web.Application) -> None:
         await self.start()

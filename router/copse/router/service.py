@@ -60,6 +60,7 @@ GENERATE_PATHS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]]
 ERROR_KINDS = {
     400: "BadRequestError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     502: "BadGatewayError",

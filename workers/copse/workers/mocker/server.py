@@ -128,7 +128,8 @@ class EngineServer:
         self._work = asyncio.Event()
         self._ids = itertools.count(1)
         self._loop_task: asyncio.Task[None] | None = None
-        self.app = web.Application()
+        # No request size limit, as trtllm-serve (uvicorn) has none.
+        self.app = web.Application(client_max_size=0)
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
