@@ -7,6 +7,7 @@ a body split across messages, subsets, response streaming), then the picker's ow
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -445,3 +446,22 @@ def test_immediate_status_codes_are_envoy_http_statuses() -> None:
     # The ImmediateResponse status is Envoy's StatusCode enum: its numbers are the HTTP codes.
     for code in (400, 404, 413, 429, 503):
         assert http_status_pb2.StatusCode.Name(code)
+
+
+async def test_a_draining_worker_gets_no_new_request() -> None:
+    async with mock_fleet(engines=2) as fleet:
+        running = await _picker(fleet.urls)
+        picker = _service(running)
+        try:
+            idle, other = (address_of(url) for url in fleet.urls)
+            _load(picker, fleet.urls[1], 2)  # the draining worker is the idle one: it still gets nothing
+            worker_id = picker.addresses()[idle]
+            info = picker.router.workers[worker_id]
+            picker.router.add_worker(dataclasses.replace(info, draining=True), now=picker.now())
+            got = await _exchange(picker, [request_headers("/v1/models", end_of_stream=True)])
+            assert got == expect_route(other, None)
+            body = completion("drain")
+            got = await _exchange(picker, [request_headers(), *request_body(body)])
+            assert got == expect_route(other, body)
+        finally:
+            await running.close()

@@ -231,15 +231,16 @@ class EndpointPicker(RoutingService):
         return frozenset(excluded)
 
     def least_loaded(self, subset: list[str] | None) -> str | None:
-        """Address of the usable worker with the fewest requests in flight (a request that is
-        not a generation: nothing to learn from its prompt)."""
+        """Address of the usable, not draining worker with the fewest requests in flight (a
+        request that is not a generation: nothing to learn from its prompt)."""
         excluded = self._excluded(subset)
         requests = self.router.sequences.requests
         best: tuple[float, str] | None = None
         for address, worker_id in sorted(self.addresses().items()):
             slot = self.router.slots.get(worker_id)
-            if worker_id in excluded or slot is None:
-                continue
+            info = self.router.workers.get(worker_id)
+            if worker_id in excluded or slot is None or info is None or info.draining:
+                continue  # a draining worker takes no new request, even one without a prompt
             load = float(requests[slot]) if slot < len(requests) else 0.0
             if best is None or load < best[0]:
                 best = (load, address)
