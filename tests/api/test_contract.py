@@ -120,3 +120,40 @@ def test_cli_validate_exit_codes() -> None:
     bad = runner.invoke(main, ["api", "validate", str(SEED), str(INVALID[0])])
     assert bad.exit_code == 2
     assert expectation(INVALID[0], "cli") in bad.output
+
+
+DEEPSEEK = REPO / "examples" / "deployment-deepseek-v3-wide-ep.yaml"
+
+
+def test_deepseek_wide_ep_pools_resolve_their_expert_layouts() -> None:
+    prefill, decode = load_deployment(DEEPSEEK).spec.pools()
+    assert prefill.moe is not None and decode.moe is not None
+    # Prefill: DEP8 (EP defaults to the pool's TP), no redundant experts, no load balancer.
+    assert (prefill.tensor_parallelism, prefill.moe.expert_parallelism) == (8, 8)
+    assert prefill.moe.attention_data_parallel
+    assert (prefill.moe.slots, prefill.moe.load_balancer) == (256, False)
+    # Decode: DEP32 with one redundant slot per rank and the online load balancer.
+    assert (decode.tensor_parallelism, decode.moe.expert_parallelism) == (32, 32)
+    assert (decode.moe.slots, decode.moe.layer_updates_per_iter, decode.moe.load_balancer) == (288, 1, True)
+    assert (decode.moe.experts_per_token, decode.moe.hidden_size, decode.moe.layers) == (8, 7168, 58)
+
+
+def test_a_dense_model_has_no_moe_layout() -> None:
+    [pool] = load_deployment(SEED).spec.pools()
+    assert pool.moe is None
+
+
+@pytest.mark.parametrize(
+    ("moe", "expected"),
+    [
+        ({"expertParallelism": 2}, 2),  # TEP: moe_tp 2 x moe_ep 2 over TP 4
+        ({}, 4),  # wide EP: EP = TP
+    ],
+)
+def test_expert_parallelism_defaults_to_the_pools_tp(moe: dict[str, int], expected: int) -> None:
+    shape = {"experts": 64, "expertsPerToken": 4, "hiddenSize": 2048, "layers": 24, **moe}
+    spec = minimal()["spec"]
+    assert isinstance(spec, dict)
+    spec["model"] = {"name": "m", "tensorParallelism": 4, "moe": shape}
+    [pool] = parse_deployment(minimal(**spec), source="test").spec.pools()
+    assert pool.moe is not None and pool.moe.expert_parallelism == expected

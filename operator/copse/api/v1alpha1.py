@@ -91,6 +91,16 @@ class RouterMode(str, schema.Enum):
     EPP = "epp"
 
 
+class MoeBackend(str, schema.Enum):
+    """TensorRT-LLM's MoE kernels (``moe_config.backend``); WIDEEP is its wide expert-parallel one."""
+
+    WIDEEP = "WIDEEP"
+    CUTLASS = "CUTLASS"
+    TRTLLM = "TRTLLM"
+    DEEPGEMM = "DEEPGEMM"
+    CUTEDSL = "CUTEDSL"
+
+
 class Phase(str, schema.Enum):
     PENDING = "Pending"
     PLACING = "Placing"
@@ -128,6 +138,64 @@ class _SpecModel(_Model):
     model_config = ConfigDict(extra="forbid")
 
 
+class MoeSpec(_SpecModel):
+    """A Mixture-of-Experts model and how its experts are spread over each group's GPUs."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.expertsPerToken <= self.experts",
+                    "message": "model.moe.expertsPerToken must not exceed model.moe.experts",
+                }
+            ]
+        },
+    )
+
+    experts: int = Field(ge=1, le=65536, description="Routed experts per MoE layer (DeepSeek-V3: 256).")
+    experts_per_token: int = Field(ge=1, description="Experts each token activates (top-K; DeepSeek-V3: 8).")
+    hidden_size: int = Field(ge=1, description="Hidden size: one token's activation dispatched to an expert.")
+    layers: int = Field(
+        ge=1, description="MoE layers (DeepSeek-V3: 58): one all-to-all dispatch and combine each per step."
+    )
+    activation_bytes: int = Field(
+        default=2, ge=1, le=4, description="Bytes per dispatched activation element (2: BF16, 1: FP8)."
+    )
+    expert_parallelism: Nullable[Parallelism] = Field(
+        default=None,
+        description="EP ranks the experts are spread over; must divide the pool's tensorParallelism "
+        "(defaults to it: wide EP).",
+    )
+    attention_data_parallel: bool = Field(
+        default=False,
+        description="Attention data parallelism (the wide-EP 'DEP' layout): each rank runs attention "
+        "on its own requests, the experts are shared by all-to-all.",
+    )
+    redundant_experts: int = Field(
+        default=0,
+        ge=0,
+        description="Extra expert slots for replicas of hot experts (EPLB); experts + redundant must be "
+        "a multiple of the EP size.",
+    )
+    layer_updates_per_iter: int = Field(
+        default=0,
+        ge=0,
+        description="Layers whose expert placement the online load balancer updates per iteration "
+        "(0: static placement).",
+    )
+    backend: MoeBackend = Field(default=MoeBackend.WIDEEP, description="TensorRT-LLM MoE backend.")
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> MoeSpec:
+        if self.experts_per_token > self.experts:
+            raise ValueError(
+                f"model.moe.expertsPerToken ({self.experts_per_token}) must not exceed "
+                f"model.moe.experts ({self.experts})"
+            )
+        return self
+
+
 class ModelSpec(_SpecModel):
     name: str = Field(min_length=1, description="Model id served by the engines (e.g. a Hugging Face name).")
     tensor_parallelism: Parallelism = Field(
@@ -135,6 +203,9 @@ class ModelSpec(_SpecModel):
     )
     pipeline_parallelism: Parallelism = Field(
         default=1, description="Pipeline stages per group; a group needs TP x PP GPUs."
+    )
+    moe: Nullable[MoeSpec] = Field(
+        default=None, description="Mixture-of-Experts shape and expert parallelism (unset: a dense model)."
     )
 
     @property
@@ -266,6 +337,30 @@ class PoolSpec(_SpecModel):
     pipeline_parallelism: Nullable[Parallelism] = Field(
         default=None, description="Defaults to spec.model.pipelineParallelism."
     )
+    expert_parallelism: Nullable[Parallelism] = Field(
+        default=None, description="Defaults to spec.model.moe.expertParallelism (MoE models only)."
+    )
+    attention_data_parallel: Nullable[bool] = Field(
+        default=None, description="Defaults to spec.model.moe.attentionDataParallel (MoE models only)."
+    )
+    redundant_experts: Nullable[Annotated[int, Field(ge=0)]] = Field(
+        default=None, description="Defaults to spec.model.moe.redundantExperts (MoE models only)."
+    )
+    layer_updates_per_iter: Nullable[Annotated[int, Field(ge=0)]] = Field(
+        default=None, description="Defaults to spec.model.moe.layerUpdatesPerIter (MoE models only)."
+    )
+
+    def moe_overrides(self) -> list[str]:
+        """The MoE fields this pool sets (manifest spelling)."""
+        return [to_camel(name) for name in _MOE_POOL_FIELDS if getattr(self, name) is not None]
+
+
+_MOE_POOL_FIELDS = (
+    "expert_parallelism",
+    "attention_data_parallel",
+    "redundant_experts",
+    "layer_updates_per_iter",
+)
 
 
 class EngineSpec(_SpecModel):
@@ -340,6 +435,32 @@ class PodSpec(_SpecModel):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeLayout:
+    """A pool's MoE model and expert layout, every default resolved."""
+
+    experts: int
+    experts_per_token: int
+    hidden_size: int
+    layers: int
+    activation_bytes: int
+    expert_parallelism: int
+    attention_data_parallel: bool
+    redundant_experts: int
+    layer_updates_per_iter: int
+    backend: MoeBackend
+
+    @property
+    def slots(self) -> int:
+        """Expert slots over all EP ranks: every expert once plus the redundant replicas."""
+        return self.experts + self.redundant_experts
+
+    @property
+    def load_balancer(self) -> bool:
+        """Whether TensorRT-LLM's expert load balancer runs (replica slots, or online updates)."""
+        return self.redundant_experts > 0 or self.layer_updates_per_iter > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupPool:
     """One pool as placement sees it: its role, size and the shape of each group."""
 
@@ -347,6 +468,8 @@ class GroupPool:
     replicas: int
     tensor_parallelism: int
     pipeline_parallelism: int
+    moe: MoeLayout | None = None
+    """Set for a Mixture-of-Experts model."""
 
     @property
     def gpus_per_group(self) -> int:
@@ -354,6 +477,64 @@ class GroupPool:
 
 
 _POOL_RULE = "!has(self.{pool}) || !has(self.scaling) || self.{pool}.replicas <= self.scaling.maxReplicas"
+
+
+def _pool_cel(pool: str, field: str) -> str:
+    """CEL for a pool's value of ``field``: its own, else the model's (the model's default applied)."""
+    model_field = f"self.model.moe.{field}" if field != "tensorParallelism" else f"self.model.{field}"
+    return f"(has(self.{pool}.{field}) ? self.{pool}.{field} : {model_field})"
+
+
+def _moe_rules() -> list[dict[str, str]]:
+    """The MoE cross-field rules as CEL, one per pool (the same checks as ``_check_moe``)."""
+    rules = [
+        {
+            "rule": "!has(self.model.moe) || has(self.prefill) || self.model.tensorParallelism % "
+            "(has(self.model.moe.expertParallelism) ? self.model.moe.expertParallelism : "
+            "self.model.tensorParallelism) == 0",
+            "message": _EP_DIVIDES.format(pool="model.moe"),
+        },
+        {
+            "rule": "!has(self.model.moe) || has(self.prefill) || (self.model.moe.experts + "
+            "self.model.moe.redundantExperts) % (has(self.model.moe.expertParallelism) ? "
+            "self.model.moe.expertParallelism : self.model.tensorParallelism) == 0",
+            "message": _SLOTS_DIVIDE.format(pool="model.moe"),
+        },
+    ]
+    for pool in ("prefill", "decode"):
+        tp = _pool_cel(pool, "tensorParallelism")
+        ep = (
+            f"(has(self.{pool}.expertParallelism) ? self.{pool}.expertParallelism : "
+            f"has(self.model.moe.expertParallelism) ? self.model.moe.expertParallelism : {tp})"
+        )
+        sets_moe = " || ".join(f"has(self.{pool}.{to_camel(name)})" for name in _MOE_POOL_FIELDS)
+        rules += [
+            {
+                "rule": f"!has(self.{pool}) || has(self.model.moe) || !({sets_moe})",
+                "message": _MOE_FIELDS_NEED_MOE.format(pool=pool),
+            },
+            {
+                "rule": f"!has(self.model.moe) || !has(self.{pool}) || {tp} % {ep} == 0",
+                "message": _EP_DIVIDES.format(pool=pool),
+            },
+            {
+                "rule": f"!has(self.model.moe) || !has(self.{pool}) || (self.model.moe.experts + "
+                f"{_pool_cel(pool, 'redundantExperts')}) % {ep} == 0",
+                "message": _SLOTS_DIVIDE.format(pool=pool),
+            },
+        ]
+    return rules
+
+
+_EP_DIVIDES = (
+    "{pool}: the expert-parallel size must divide tensorParallelism (TensorRT-LLM splits TP ranks into "
+    "moe_tp x moe_ep)"
+)
+_SLOTS_DIVIDE = (
+    "{pool}: model.moe.experts + redundantExperts must be a multiple of the expert-parallel size "
+    "(every EP rank holds the same number of expert slots)"
+)
+_MOE_FIELDS_NEED_MOE = "{pool}: expert-parallel settings need spec.model.moe (a Mixture-of-Experts model)"
 
 
 class InferenceDeploymentSpec(_SpecModel):
@@ -383,6 +564,7 @@ class InferenceDeploymentSpec(_SpecModel):
                     "rule": _POOL_RULE.format(pool="decode"),
                     "message": "decode.replicas must not exceed scaling.maxReplicas",
                 },
+                *_moe_rules(),
             ]
         },
     )
@@ -447,7 +629,58 @@ class InferenceDeploymentSpec(_SpecModel):
                 raise ValueError(
                     f"{name} ({replicas}) must not exceed scaling.maxReplicas ({self.scaling.max_replicas})"
                 )
+        self._check_moe()
         return self
+
+    def _check_moe(self) -> None:
+        """The MoE layout of every pool fits its groups (the same rules as the CEL of ``_moe_rules``)."""
+        for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if pool is not None and self.model.moe is None and pool.moe_overrides():
+                raise ValueError(
+                    f"{_MOE_FIELDS_NEED_MOE.format(pool=name)}; {name} sets {', '.join(pool.moe_overrides())}"
+                )
+        for group_pool in self.pools():
+            moe = group_pool.moe
+            if moe is None:
+                continue
+            where = "model.moe" if group_pool.role is Role.WORKER else group_pool.role.value
+            ep, tp = moe.expert_parallelism, group_pool.tensor_parallelism
+            if tp % ep:
+                raise ValueError(
+                    f"{_EP_DIVIDES.format(pool=where)}; expertParallelism {ep}, tensorParallelism {tp}"
+                )
+            if moe.slots % ep:
+                raise ValueError(
+                    f"{_SLOTS_DIVIDE.format(pool=where)}; {moe.experts} + {moe.redundant_experts} "
+                    f"slots over {ep} ranks"
+                )
+
+    def _moe_layout(self, pool: PoolSpec | None, tensor_parallelism: int) -> MoeLayout | None:
+        moe = self.model.moe
+        if moe is None:
+            return None
+
+        def pick(own: _T | None, default: _T) -> _T:
+            return default if own is None else own
+
+        return MoeLayout(
+            experts=moe.experts,
+            experts_per_token=moe.experts_per_token,
+            hidden_size=moe.hidden_size,
+            layers=moe.layers,
+            activation_bytes=moe.activation_bytes,
+            expert_parallelism=pick(
+                pool.expert_parallelism if pool else None, moe.expert_parallelism or tensor_parallelism
+            ),
+            attention_data_parallel=pick(
+                pool.attention_data_parallel if pool else None, moe.attention_data_parallel
+            ),
+            redundant_experts=pick(pool.redundant_experts if pool else None, moe.redundant_experts),
+            layer_updates_per_iter=pick(
+                pool.layer_updates_per_iter if pool else None, moe.layer_updates_per_iter
+            ),
+            backend=moe.backend,
+        )
 
     @property
     def disaggregated(self) -> bool:
@@ -463,17 +696,22 @@ class InferenceDeploymentSpec(_SpecModel):
                     replicas=replicas,
                     tensor_parallelism=self.model.tensor_parallelism,
                     pipeline_parallelism=self.model.pipeline_parallelism,
+                    moe=self._moe_layout(None, self.model.tensor_parallelism),
                 )
             ]
-        return [
-            GroupPool(
-                role=role,
-                replicas=pool.replicas,
-                tensor_parallelism=pool.tensor_parallelism or self.model.tensor_parallelism,
-                pipeline_parallelism=pool.pipeline_parallelism or self.model.pipeline_parallelism,
+        pools = []
+        for role, pool in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode)):
+            tensor_parallelism = pool.tensor_parallelism or self.model.tensor_parallelism
+            pools.append(
+                GroupPool(
+                    role=role,
+                    replicas=pool.replicas,
+                    tensor_parallelism=tensor_parallelism,
+                    pipeline_parallelism=pool.pipeline_parallelism or self.model.pipeline_parallelism,
+                    moe=self._moe_layout(pool, tensor_parallelism),
+                )
             )
-            for role, pool in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode))
-        ]
+        return pools
 
 
 class Condition(_Model):
