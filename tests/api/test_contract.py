@@ -127,7 +127,8 @@ DEEPSEEK = REPO / "examples" / "deployment-deepseek-v3-wide-ep.yaml"
 
 def test_deepseek_wide_ep_pools_resolve_their_expert_layouts() -> None:
     prefill, decode = load_deployment(DEEPSEEK).spec.pools()
-    assert prefill.moe is not None and decode.moe is not None
+    assert prefill.moe is not None
+    assert decode.moe is not None
     # Prefill: DEP8 (EP defaults to the pool's TP), no redundant experts, no load balancer.
     assert (prefill.tensor_parallelism, prefill.moe.expert_parallelism) == (8, 8)
     assert prefill.moe.attention_data_parallel
@@ -156,4 +157,5 @@ def test_expert_parallelism_defaults_to_the_pools_tp(moe: dict[str, int], expect
     assert isinstance(spec, dict)
     spec["model"] = {"name": "m", "tensorParallelism": 4, "moe": shape}
     [pool] = parse_deployment(minimal(**spec), source="test").spec.pools()
-    assert pool.moe is not None and pool.moe.expert_parallelism == expected
+    assert pool.moe is not None
+    assert pool.moe.expert_parallelism == expected

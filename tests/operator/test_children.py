@@ -9,7 +9,7 @@ import click
 import jsonschema
 import yaml
 
-from copse.api import Role
+from copse.api import Role, load_deployment
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
 from copse.router.config import RouterConfig
@@ -221,3 +221,61 @@ def test_epp_mode_makes_an_inference_pool_with_the_router_as_its_endpoint_picker
     http = {obj["kind"]: obj for obj in children.router_objects(make_deployment(replicas=1))}
     assert "InferencePool" not in http
     assert len(http["Role"]["rules"]) == 1
+
+
+DEEPSEEK = REPO / "examples" / "deployment-deepseek-v3-wide-ep.yaml"
+
+
+def test_wide_ep_engine_yaml_per_role() -> None:
+    deployment = load_deployment(DEEPSEEK)
+    data = children.engine_configmap(deployment)["data"]
+    prefill, decode, worker_role = (
+        yaml.safe_load(data[f"{role}.yaml"]) for role in ("prefill", "decode", "worker")
+    )
+    # Context servers: DEP8, no expert load balancer (TensorRT-LLM's wide-EP recipe).
+    assert prefill["moe_expert_parallel_size"] == 8
+    assert prefill["moe_tensor_parallel_size"] == 1
+    assert prefill["enable_attention_dp"] is True
+    assert prefill["moe_config"] == {"backend": "WIDEEP"}
+    assert prefill["disable_overlap_scheduler"] is True
+    # Generation servers: DEP32 with 256 + 32 slots and the online load balancer.
+    assert decode["moe_expert_parallel_size"] == 32
+    assert decode["enable_attention_dp"] is True
+    assert decode["moe_config"] == {
+        "backend": "WIDEEP",
+        "load_balancer": {"num_slots": 288, "layer_updates_per_iter": 1},
+    }
+    assert decode["cache_transceiver_config"]["backend"] == "DEFAULT"
+    # A role without a pool gets the model's own layout at the model's TP.
+    assert worker_role["moe_expert_parallel_size"] == 32
+    assert worker_role["moe_config"] == {"backend": "WIDEEP"}
+
+
+def test_tep_layout_splits_tp_into_moe_tp_and_ep() -> None:
+    moe = {"experts": 64, "expertsPerToken": 4, "hiddenSize": 2048, "layers": 24, "expertParallelism": 2}
+    deployment = make_deployment(model={"name": "m", "tensorParallelism": 8, "moe": moe}, replicas=1)
+    worker_yaml = yaml.safe_load(children.engine_configmap(deployment)["data"]["worker.yaml"])
+    assert (worker_yaml["moe_expert_parallel_size"], worker_yaml["moe_tensor_parallel_size"]) == (2, 4)
+    assert worker_yaml["enable_attention_dp"] is False
+
+
+def test_extra_config_overrides_the_generated_moe_settings_and_dense_models_get_none() -> None:
+    moe = {"experts": 64, "expertsPerToken": 4, "hiddenSize": 2048, "layers": 24}
+    deployment = make_deployment(
+        model={"name": "m", "tensorParallelism": 8, "moe": moe},
+        replicas=1,
+        engine={"extraConfig": {"moe_config": {"backend": "CUTLASS"}}},
+    )
+    worker_yaml = yaml.safe_load(children.engine_configmap(deployment)["data"]["worker.yaml"])
+    assert worker_yaml["moe_config"] == {"backend": "CUTLASS"}
+    dense = yaml.safe_load(children.engine_configmap(make_deployment(replicas=1))["data"]["worker.yaml"])
+    assert not any(key.startswith("moe") or key == "enable_attention_dp" for key in dense)
+
+
+def test_a_changed_expert_layout_rolls_the_groups() -> None:
+    before = load_deployment(DEEPSEEK)
+    after = before.model_copy(deep=True)
+    assert after.spec.decode is not None
+    after.spec.decode.redundant_experts = 64
+    assert children.template_hash(before, Role.DECODE) != children.template_hash(after, Role.DECODE)
+    assert children.template_hash(before, Role.PREFILL) == children.template_hash(after, Role.PREFILL)

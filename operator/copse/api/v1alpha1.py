@@ -485,7 +485,7 @@ def _pool_cel(pool: str, field: str) -> str:
     return f"(has(self.{pool}.{field}) ? self.{pool}.{field} : {model_field})"
 
 
-def _moe_rules() -> list[dict[str, str]]:
+def _moe_rules() -> list[Any]:
     """The MoE cross-field rules as CEL, one per pool (the same checks as ``_check_moe``)."""
     rules = [
         {
@@ -654,6 +654,14 @@ class InferenceDeploymentSpec(_SpecModel):
                     f"{_SLOTS_DIVIDE.format(pool=where)}; {moe.experts} + {moe.redundant_experts} "
                     f"slots over {ep} ranks"
                 )
+
+    def moe_layout(self, role: Role) -> MoeLayout | None:
+        """The expert layout an engine of ``role`` runs: its pool's, or for a role without a pool
+        (a decode engine serving a whole request, say) the model's at the model's TP."""
+        for pool in self.pools():
+            if pool.role is role:
+                return pool.moe
+        return self._moe_layout(None, self.model.tensor_parallelism)
 
     def _moe_layout(self, pool: PoolSpec | None, tensor_parallelism: int) -> MoeLayout | None:
         moe = self.model.moe

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from copse.api import EngineBackend, InferenceDeployment, Role, RouterMode
+from copse.api import EngineBackend, InferenceDeployment, MoeLayout, Role, RouterMode
 from copse.operator import names
 from copse.topology.kube import NODE_CONDITION_TAINTS
 
@@ -91,6 +91,8 @@ def template_hash(deployment: InferenceDeployment, role: Role) -> str:
         "pod": spec.pod.model_dump(mode="json"),
         "coldStart": spec.cold_start.strategy.value,
     }
+    if pool.moe is not None:  # only for MoE models: dense groups keep their hashes
+        shaped["moe"] = dataclasses.asdict(pool.moe)
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -325,6 +327,34 @@ def worker_pods(
     return pods
 
 
+def moe_engine_config(moe: MoeLayout, *, tensor_parallelism: int) -> dict[str, Any]:
+    """TensorRT-LLM's expert-parallel settings (``llm_args.py``) for one role, as its wide-EP
+    recipes write them: EP and MoE-TP sizes (``moe_tp x moe_ep = tp``), attention data
+    parallelism, the MoE backend and, with replica slots or online updates, the expert load
+    balancer (``num_slots`` = experts + redundant, ``layer_updates_per_iter`` 0 = static)."""
+    moe_config: dict[str, Any] = {"backend": moe.backend.value}
+    if moe.load_balancer:
+        moe_config["load_balancer"] = {
+            "num_slots": moe.slots,
+            "layer_updates_per_iter": moe.layer_updates_per_iter,
+        }
+    return {
+        "moe_expert_parallel_size": moe.expert_parallelism,
+        "moe_tensor_parallel_size": tensor_parallelism // moe.expert_parallelism,
+        "enable_attention_dp": moe.attention_data_parallel,
+        "moe_config": moe_config,
+    }
+
+
+def _moe_settings(deployment: InferenceDeployment, role: Role) -> dict[str, Any]:
+    spec = deployment.spec
+    moe = spec.moe_layout(role)
+    if moe is None:
+        return {}
+    pools = {pool.role: pool.tensor_parallelism for pool in spec.pools()}
+    return moe_engine_config(moe, tensor_parallelism=pools.get(role, spec.model.tensor_parallelism))
+
+
 def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
     """TensorRT-LLM's YAML config per role, as ``trtllm-serve --config`` reads it."""
     engine = deployment.spec.engine
@@ -346,6 +376,9 @@ def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
         Role.PREFILL: {**base, **transceiver, "disable_overlap_scheduler": True},
         Role.DECODE: {**base, **transceiver},
     }
+    # Expert layouts differ per role (prefill and decode pools may use other EP sizes); the
+    # manifest's extraConfig (in base) overrides them.
+    configs = {role: {**_moe_settings(deployment, role), **config} for role, config in configs.items()}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
