@@ -2,9 +2,10 @@
 
 Headline: 500 TP=8 groups (spread-across-racks, same-nvswitch-domain) on 222 GB200 NVL72 racks
 of 18 trays x 4 GPUs (15,984 GPUs), one tray per rack cordoned and about 10% of trays partly
-used by other pods. Then how the time grows with the cluster (groups scaled with it), and a
-disaggregated request. Times are the best of ``--repeat`` runs of ``plan()`` on a built
-topology, in CPU time and in wall time (building the topology from Node dicts is separate).
+used by other pods. Then how the time grows with the cluster (groups scaled with it), and
+disaggregated requests, dense and as wide-EP MoE groups. Times are the best of ``--repeat`` runs
+of ``plan()`` on a built topology, in CPU time and in wall time (building the topology from Node
+dicts is separate).
 Also side by side: how many whole NVL72 domains each strategy leaves free, and its total cost.
 
     .venv/bin/python benchmarks/placement_speed.py [--repeat 5]
@@ -18,7 +19,7 @@ import math
 import time
 from collections.abc import Callable
 
-from copse.placement import DECODE, PREFILL, WORKER, PlacementRequest, Plan, plan, pool
+from copse.placement import DECODE, PREFILL, WORKER, ExpertParallel, PlacementRequest, Plan, plan, pool
 from copse.topology import Topology, build_topology, fake
 
 TRAYS = 18
@@ -127,6 +128,35 @@ def main() -> None:
         f"\ndisaggregated 300 x TP4 prefill + 150 x TP8 decode on 222 racks: cpu {best * 1000:.0f} ms, "
         f"wall {wall * 1000:.0f} ms, placed {len(result.groups)}/450, "
         f"{near} groups with their KV partner in the same NVLink domain, score {result.score:.3f}"
+    )
+
+    # Wide EP (DeepSeek-V3, TensorRT-LLM's recipe): DEP8 prefill and DEP32 decode, the all-to-all
+    # in every group's cost; against the same shapes as dense TP groups, measured alternately.
+    def dep(ranks: int) -> ExpertParallel:
+        return ExpertParallel(
+            ranks=ranks, experts_per_token=8, hidden_size=7168, attention_data_parallel=True
+        )
+
+    shapes = {"wide EP": (dep(8), dep(32)), "dense TP": (None, None)}
+    timings: dict[str, tuple[float, float, Plan]] = {}
+    for label, (prefill_moe, decode_moe) in (*shapes.items(), *shapes.items()):
+        request = PlacementRequest(
+            groups=pool(role=PREFILL, replicas=222, tensor_parallelism=8, moe=prefill_moe)
+            + pool(role=DECODE, replicas=222, tensor_parallelism=32, moe=decode_moe),
+            same_domain=True,
+            spread_racks=True,
+        )
+        best, wall, result = _best(args.repeat, functools.partial(plan, topology, request))
+        previous = timings.get(label)
+        timings[label] = (
+            (min(best, previous[0]), min(wall, previous[1]), result) if previous else (best, wall, result)
+        )
+    (moe_cpu, moe_wall, moe_result), (dense_cpu, _, _) = timings["wide EP"], timings["dense TP"]
+    in_domain = sum(group.domain is not None for group in moe_result.groups)
+    print(
+        f"\nwide EP 222 x DEP8 prefill + 222 x DEP32 decode on 222 racks: cpu {moe_cpu * 1000:.0f} ms "
+        f"({moe_cpu / dense_cpu:.2f}x the same shapes dense), wall {moe_wall * 1000:.0f} ms, placed "
+        f"{len(moe_result.groups)}/444, {in_domain} inside one NVLink domain, score {moe_result.score:.3f}"
     )
 
 

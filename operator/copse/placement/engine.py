@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from copse.placement.cost import CostModel, comm_us, kv_us, pod_size, uniform_comm_us, waste
-from copse.placement.model import KV_COUNTERPART, GroupKey, GroupRequest, PlacementRequest
+from copse.placement.model import KV_COUNTERPART, ExpertParallel, GroupKey, GroupRequest, PlacementRequest
 from copse.topology.graph import Topology
 from copse.topology.kube import Toleration
 from copse.topology.links import LinkTier
@@ -32,6 +32,8 @@ BoolArray = npt.NDArray[np.bool_]
 Eligibility = tuple[tuple[Toleration, ...], tuple[tuple[str, str], ...]]
 PodChoice = list[tuple[int, int]]
 """A group's pods as (node index, GPUs), in rank order."""
+Parallel = tuple[int, int, ExpertParallel | None]
+"""What a group's communication cost depends on (:attr:`GroupRequest.parallel`)."""
 
 
 @dataclass
@@ -176,10 +178,10 @@ class Engine:
         """Per role, placed groups spanning domains."""
         self._kv = {tier: kv_us(links=self.links, model=model, tier=tier) for tier in LinkTier}
         self._kv_table = np.array([self._kv[tier] for tier in LinkTier], dtype=np.float64)
-        self._comm_cache: dict[tuple[int, int, int, int], float] = {}
+        self._comm_cache: dict[tuple[Parallel, int], float] = {}
         self._pod_sizes: dict[int, IntArray] = {}
-        self._shapes: dict[tuple[int, int], _Shape] = {}
-        self._terms: dict[tuple[int, int, Eligibility], _CachedTerms] = {}
+        self._shapes: dict[Parallel, _Shape] = {}
+        self._terms: dict[tuple[Parallel, Eligibility], _CachedTerms] = {}
 
     # -- eligibility ------------------------------------------------------------------------
 
@@ -211,7 +213,7 @@ class Engine:
 
     def single_domain_comm(self, group: GroupRequest, pod_gpus: int) -> float:
         """Comm cost of the group as equal pods of ``pod_gpus`` inside one NVLink domain."""
-        key = (group.tensor_parallelism, group.pipeline_parallelism, pod_gpus, group.gpus)
+        key = (group.parallel, pod_gpus)
         cost = self._comm_cache.get(key)
         if cost is None:
             pods = group.gpus // pod_gpus
@@ -223,12 +225,13 @@ class Engine:
                 pods=pods,
                 pod_gpus=pod_gpus,
                 between=LinkTier.DOMAIN,
+                moe=group.moe,
             )
             self._comm_cache[key] = cost
         return cost
 
     def _shape(self, group: GroupRequest) -> _Shape:
-        key = (group.tensor_parallelism, group.pipeline_parallelism)
+        key = group.parallel
         shape = self._shapes.get(key)
         if shape is None:
             sizes = self.pod_sizes(group.gpus)
@@ -279,7 +282,7 @@ class Engine:
 
         The arrays are valid until the next state change.
         """
-        key = (group.tensor_parallelism, group.pipeline_parallelism, group.eligibility)
+        key = (group.parallel, group.eligibility)
         cached = self._terms.get(key)
         if cached is None:
             feasible, fragmentation, taken = self._rows(group, slice(None))
@@ -550,6 +553,7 @@ class Engine:
             pipeline_parallelism=group.pipeline_parallelism,
             pod_gpus=[gpus for _, gpus in choice],
             tier=[[self.tier(a, b) for b in nodes] for a in nodes],
+            moe=group.moe,
         )
 
     def fragmentation_delta(self, choice: PodChoice, sign: int) -> float:

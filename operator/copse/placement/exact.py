@@ -15,6 +15,7 @@ Exponential by nature: for tests and benchmarks on a dozen nodes, never for real
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from copse.placement.model import (
     DECODE,
     PREFILL,
     WORKER,
+    ExpertParallel,
     GroupPlacement,
     GroupRequest,
     PlacementRequest,
@@ -195,7 +197,9 @@ def random_instance(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any
 
     2-3 racks, 1-2 NVLink partitions per rack, 2-4 trays of 4 GPUs per partition, some trays
     cordoned and some GPUs taken by other pods; 2-4 groups, aggregated or disaggregated,
-    TP 2-8, sometimes PP 2; affinity and spread policies vary.
+    TP 2-8, sometimes PP 2; affinity and spread policies vary. About a third are Mixture-of-
+    Experts groups (DeepSeek-V3's top-8 of hidden 7168; wide EP or EP = TP / 2, attention data
+    parallel or not), drawn from a stream of their own so the other instances stay as they were.
     """
     rng = random.Random(seed)
     cliques = rng.choice([1, 1, 2])
@@ -222,4 +226,16 @@ def random_instance(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any
         tp = rng.choice([2, 4, 4, 8, 8])
         pp = 2 if tp <= 4 and rng.random() < 0.25 else 1
         groups = pool(role=WORKER, replicas=rng.randint(2, 4), tensor_parallelism=tp, pipeline_parallelism=pp)
+    moe_rng = random.Random(f"moe-{seed}")
+    if moe_rng.random() < 0.35:
+        layouts = {
+            (role, tp): ExpertParallel(
+                ranks=tp if tp < 4 or moe_rng.random() < 0.7 else tp // 2,
+                experts_per_token=8,
+                hidden_size=7168,
+                attention_data_parallel=moe_rng.random() < 0.5,
+            )
+            for role, tp in sorted({(g.role, g.tensor_parallelism) for g in groups})
+        }
+        groups = tuple(dataclasses.replace(g, moe=layouts[g.role, g.tensor_parallelism]) for g in groups)
     return nodes, pods, PlacementRequest(groups=groups, same_domain=same_domain, spread_racks=spread)

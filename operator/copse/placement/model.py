@@ -24,6 +24,28 @@ GroupKey = tuple[str, int]
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertParallel:
+    """A Mixture-of-Experts group's expert parallelism: what its all-to-all moves per MoE layer."""
+
+    ranks: int
+    """EP size: ranks the experts are spread over (a token's experts lie on other ranks)."""
+    experts_per_token: int
+    """Experts each token activates (top-K): copies of its activation dispatched per layer."""
+    hidden_size: int
+    """Elements of one token's activation."""
+    activation_bytes: int = 2
+    """Bytes per element dispatched (2: BF16)."""
+    attention_data_parallel: bool = False
+    """Attention runs per rank on its own requests: with EP = TP (the DEP layout) no
+    tensor-parallel all-reduce is left."""
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "experts_per_token", "hidden_size", "activation_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"expert parallelism: {name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupRequest:
     """One TP group to place: ``tensor_parallelism x pipeline_parallelism`` GPUs, all or none."""
 
@@ -35,8 +57,15 @@ class GroupRequest:
     """Taints the group's pods tolerate (so may use tainted or cordoned nodes)."""
     node_selector: tuple[tuple[str, str], ...] = ()
     """Labels every node of the group must carry, as sorted (key, value) pairs."""
+    moe: ExpertParallel | None = None
+    """Set for a Mixture-of-Experts group: its all-to-all is part of its communication cost."""
 
     def __post_init__(self) -> None:
+        if self.moe is not None and self.tensor_parallelism % self.moe.ranks:
+            raise ValueError(
+                f"group {self.role}-{self.replica}: EP size {self.moe.ranks} must divide "
+                f"TP={self.tensor_parallelism}"
+            )
         if self.tensor_parallelism < 1 or self.pipeline_parallelism < 1:
             raise ValueError(
                 f"group {self.role}-{self.replica}: parallelism must be >= 1, got "
@@ -59,9 +88,14 @@ class GroupRequest:
         return (self.tolerations, self.node_selector)
 
     @property
-    def shape(self) -> tuple[str, int, int, tuple[Any, ...]]:
+    def parallel(self) -> tuple[int, int, ExpertParallel | None]:
+        """What the communication cost depends on: groups with the same one cost the same where they go."""
+        return (self.tensor_parallelism, self.pipeline_parallelism, self.moe)
+
+    @property
+    def shape(self) -> tuple[str, tuple[int, int, ExpertParallel | None], tuple[Any, ...]]:
         """Groups of the same shape are interchangeable: same cost wherever they swap."""
-        return (self.role, self.tensor_parallelism, self.pipeline_parallelism, self.eligibility)
+        return (self.role, self.parallel, self.eligibility)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +128,7 @@ def pool(
     pipeline_parallelism: int = 1,
     tolerations: Sequence[Toleration] = (),
     node_selector: Mapping[str, str] | None = None,
+    moe: ExpertParallel | None = None,
 ) -> tuple[GroupRequest, ...]:
     """Groups ``role``-0 .. ``role``-(replicas-1) of one shape."""
     return tuple(
@@ -104,6 +139,7 @@ def pool(
             pipeline_parallelism=pipeline_parallelism,
             tolerations=tuple(tolerations),
             node_selector=tuple(sorted((node_selector or {}).items())),
+            moe=moe,
         )
         for replica in range(replicas)
     )
@@ -142,7 +178,8 @@ class GroupCost:
     """
 
     comm: float
-    """Ring all-reduce estimate per step (plus pipeline hand-offs)."""
+    """Ring all-reduce estimate per step (plus pipeline hand-offs), plus one MoE layer's
+    all-to-all for MoE groups."""
     kv: float
     """KV transfer to the nearest group of the counterpart role (disaggregated only)."""
     spread: float

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from copse.api.v1alpha1 import AffinityPolicy, AntiAffinityPolicy, InferenceDeploymentSpec, Role
-from copse.placement.model import GroupRequest, PlacementRequest
+from copse.placement.model import ExpertParallel, GroupRequest, PlacementRequest
 from copse.topology.kube import Toleration
 
 
@@ -32,6 +32,18 @@ def request_from_spec(
     groups: list[GroupRequest] = []
     for group_pool in spec.pools():
         indices = range(group_pool.replicas) if replicas is None else replicas.get(group_pool.role, ())
+        moe = group_pool.moe
+        expert_parallel = (
+            None
+            if moe is None
+            else ExpertParallel(
+                ranks=moe.expert_parallelism,
+                experts_per_token=moe.experts_per_token,
+                hidden_size=moe.hidden_size,
+                activation_bytes=moe.activation_bytes,
+                attention_data_parallel=moe.attention_data_parallel,
+            )
+        )
         groups += [
             GroupRequest(
                 role=group_pool.role.value,
@@ -40,6 +52,7 @@ def request_from_spec(
                 pipeline_parallelism=group_pool.pipeline_parallelism,
                 tolerations=tolerations,
                 node_selector=node_selector,
+                moe=expert_parallel,
             )
             for index in sorted(indices)
         ]
