@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from copse.workers.moe import MoeConfig
+
 Role = Literal["aggregated", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("aggregated", "prefill", "decode")
 
@@ -42,6 +44,8 @@ class EngineConfig:
     """Seeds generated token ids. An id depends on the seed, its position in the sequence and the
     sequence's first token only (like greedy decoding: not on the batch or the engine), so runs are
     reproducible and a sequence continued on another engine of the same seed goes on identically."""
+    moe: MoeConfig | None = None
+    """An expert-parallel Mixture-of-Experts engine: its all-to-all and slowest rank add to every step."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):

@@ -18,7 +18,9 @@ while the budget, ``max_num_seqs`` and the free blocks allow; a sequence's prefi
 applied when it is admitted. A sequence samples a token when a step brings its computed tokens
 up to its length; the first such token is its first token.
 
-Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup * decode_speedup)``.
+Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup * decode_speedup)``;
+an expert-parallel engine (``EngineConfig.moe``) stretches it by its slowest rank's share of the
+step's expert activations and adds the all-to-all (:mod:`copse.workers.moe.step`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 from copse.workers.mocker.blocks import BlockHolder, BlockManager, trusted_model
 from copse.workers.mocker.config import EngineConfig
+from copse.workers.moe import MoeStep
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.hashing import hash_blocks
 from copse.workers.protocol.kv_events import DumpBlock, KvDump, KvEvent, KvEventData
@@ -90,6 +93,7 @@ class Request(BlockHolder):
         "arrival_ms",
         "awaiting_first",
         "cached_tokens",
+        "expert_row",
         "finish_ms",
         "first_scheduled_ms",
         "first_token_ms",
@@ -153,6 +157,8 @@ class Request(BlockHolder):
         self.awaiting_first = False
         """Admitted after a KV transfer; its given first token comes out at the end of this step."""
         self.state: RequestState = "waiting"
+        self.expert_row = 0
+        """Row of the request's expert shares in the engine's MoE state (MoE engines only)."""
 
     def token_slice(self, start: int, stop: int) -> np.ndarray:
         """Token ids ``[start, stop)`` of prompt followed by output."""
@@ -285,6 +291,10 @@ class Engine:
         self._decode_tokens = 0
         self._speed = config.speedup_ratio
         self._decode_speed = config.speedup_ratio * config.decode_speedup_ratio
+        self.moe = None if config.moe is None else MoeStep(config.moe, seed=config.seed)
+        """The expert-parallel state of an MoE engine (placement, loads, totals); None when dense."""
+        self._moe_factor = 1.0
+        self._moe_ms = 0.0
         self.capacity_tokens = num_blocks * config.block_size
         """KV tokens the engine holds."""
         # cumulative counters (metrics)
@@ -371,6 +381,9 @@ class Engine:
             hashes=chained,
             tokens_hashes=local,
         )
+        if self.moe is not None:
+            # The mocked model routes by content: the first block sets the request's expert shares.
+            request.expert_row = self.moe.row(chained[0] if chained else None)
         self.requests[request_id] = request
         self.prompt_tokens_total += prompt_len
         if transferred_first_token is None:
@@ -525,6 +538,11 @@ class Engine:
                 self.perf.decode_itl_ms(active_kv_tokens=decode_kv, context_length=decode_kv / decodes)
                 / self._decode_speed
             )
+        moe = self.moe
+        if moe is not None:
+            terms = moe.terms([r.expert_row for r, n in scheduled if n], [n for _, n in scheduled if n])
+            self._moe_factor, self._moe_ms = terms.factor, terms.all_to_all_ms / self._speed
+            duration = duration * self._moe_factor + self._moe_ms
         end = now_ms + duration
         steps = 1
         self._step_ends = []
@@ -532,6 +550,10 @@ class Engine:
             steps, end = self._fuse_decodes(
                 end, horizon_ms=horizon_ms, decode_kv=decode_kv, decodes=decodes, limit=fuse_limit
             )
+        if moe is not None:
+            # Fused steps share the batch, so their MoE terms: each is base x factor + all-to-all.
+            total = end - now_ms
+            moe.record(steps=steps, base_ms=(total - steps * self._moe_ms) / self._moe_factor, step_ms=total)
         self._steps = steps
         self._decodes = decodes
         self._prefill_tokens = sum(n for n, _ in chunks) if chunks else 0
@@ -552,8 +574,11 @@ class Engine:
         ends = [end]
         append = ends.append
         # step k (k = 1, 2, ...) computes the KV of decode_kv + k * decodes tokens
+        factor, extra = self._moe_factor, self._moe_ms
         for active in range(decode_kv + decodes, decode_kv + limit * decodes, decodes):
-            step_end = end + itl(active_kv_tokens=active, context_length=active / decodes) / speed
+            step_end = (
+                end + itl(active_kv_tokens=active, context_length=active / decodes) / speed * factor + extra
+            )
             if step_end > horizon_ms:
                 break
             end = step_end
