@@ -97,13 +97,21 @@ def test_idle_workers_tie_and_ties_are_spread() -> None:
 
 
 def test_every_policy_is_registered_and_routes() -> None:
-    assert set(POLICIES) == {"kv", "round_robin", "random", "least_loaded", "prefix_only", "dynamo"}
+    assert set(POLICIES) == {
+        "kv",
+        "kv_expert",
+        "round_robin",
+        "random",
+        "least_loaded",
+        "prefix_only",
+        "dynamo",
+    }
     for name in POLICIES:
         router = _router(name)
         route = router.submit(_request("r", PROMPT), now=0.0)
         assert route is not None
         assert route.worker_id in router.workers
-    with pytest.raises(ValueError, match="unknown routing policy 'nope'; known: dynamo, kv"):
+    with pytest.raises(ValueError, match="unknown routing policy .nope.; known: dynamo, kv, kv_expert"):
         _router("nope")
 
 

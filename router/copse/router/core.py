@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
+from copse.router.experts import ExpertTracker
 from copse.router.indexer import Indexer, RadixIndexer
 from copse.router.policies import (
     KvPolicy,
@@ -40,6 +41,7 @@ from copse.router.policies import (
 )
 from copse.router.sequences import ActiveSequences
 from copse.router.slots import WorkerSlots
+from copse.workers.moe import ExpertPlacement, MoeConfig
 from copse.workers.perf import PerfModel
 
 BoolArray = npt.NDArray[np.bool_]
@@ -174,6 +176,7 @@ class Router:
         use_kv_events: bool = True,
         share_load: bool = False,
         seed: int | None = None,
+        moe: MoeConfig | None = None,
     ) -> None:
         self.settings = settings
         self.thresholds = thresholds or Thresholds()
@@ -200,6 +203,8 @@ class Router:
             busy_kv_tokens=self.thresholds.busy_kv_fraction * self.perf.kv_capacity_tokens,
         )
         self.rng = random.Random(seed)
+        self.experts = None if moe is None else ExpertTracker(moe)
+        """Expert placement and in-flight expert load per worker (Mixture-of-Experts models)."""
         self.workers: dict[str, WorkerInfo] = {}
         self._roles = {role: np.zeros(0, dtype=bool) for role in Role}
         self._role_count = dict.fromkeys(Role, 0)
@@ -251,6 +256,8 @@ class Router:
         lost = {key.removesuffix("\x00prefill") for key in self.sequences.drop_worker(slot)}
         for request_id in lost:
             self._routes.pop(request_id, None)
+        if self.experts is not None:
+            self.experts.reset_worker(slot)
         if self.radix is not None:
             self.radix.forget(worker_id)
         else:
@@ -319,12 +326,26 @@ class Router:
         route = self._routes.pop(request_id, None)
         if route is None:
             return []
+        if self.experts is not None:
+            self.experts.remove(request_id)
         self.sequences.free(request_id, now=now)
         self._share(PeerChange(op="free", key=request_id))
         prefill_key = _prefill_key(request_id)
         if route.prefill_worker_id is not None and self.sequences.free(prefill_key, now=now) is not None:
             self._share(PeerChange(op="free", key=prefill_key))
         return self._drain(now=now)
+
+    def report_experts(self, request_id: str, counts: Sequence[int] | npt.NDArray[np.int64]) -> None:
+        """The routed-expert counts an engine reports for ``request_id`` as it ends (call before
+        :meth:`finish`); ignored for a dense model."""
+        if self.experts is not None:
+            self.experts.report(request_id, counts)
+
+    def set_expert_placement(self, worker_id: str, placement: ExpertPlacement) -> None:
+        """The expert placement worker ``worker_id`` reports (ignored for a dense model)."""
+        slot = self.slots.get(worker_id)
+        if self.experts is not None and slot is not None:
+            self.experts.set_placement(slot, placement)
 
     def _share(self, change: PeerChange) -> None:
         if self.outbox is not None:
@@ -395,6 +416,7 @@ class Router:
             settings=self.settings,
             rng=self.rng,
             now=now,
+            experts=self.experts,
         )
 
     def _try_route(self, request: RouteRequest, *, now: float, exclude: frozenset[str]) -> Route | None:
@@ -543,6 +565,8 @@ class Router:
             kv_tokens=kv_extra,
             now=now,
         )
+        if output and self.experts is not None:
+            self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
         self.costs.refresh()
         total_blocks = math.ceil((request.prompt_tokens + (request.max_tokens if output else 0)) / bs)
         self.indexer.on_routed(slot, request.hashes, total_blocks=total_blocks)

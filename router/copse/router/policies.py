@@ -11,6 +11,10 @@ operations however many workers there are. A policy returns the slot of its choi
   worker's decode step, which is how decode load slows a prefill), plus ``decode_weight`` x its
   decode time (output tokens x the decode step time once its KV joins the worker's; weight 0 by
   default, see ``SelectionSettings``). The minimum wins; a softmax temperature spreads near-ties.
+* ``kv_expert``: ``kv``'s predicted time to first token plus ``expert_weight`` x the request's
+  decode time on each worker, each step stretched by the slowest EP rank for the expert load in
+  flight there plus the request's expected experts, and the all-to-all added
+  (:mod:`copse.router.experts`); ``kv`` for a dense model.
 * ``dynamo``: NVIDIA Dynamo's default cost, ``overlap_weight x prefill blocks + decode blocks``
   with weight 1, exact ties to the worker holding fewest blocks.
 * ``prefix_only``: the longest cached prefix, ties at random.
@@ -31,6 +35,7 @@ import numpy.typing as npt
 
 from copse.router import loops
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
+from copse.router.experts import ExpertTracker
 from copse.router.indexer import Indexer
 from copse.router.sequences import ActiveSequences
 
@@ -66,6 +71,9 @@ class SelectionSettings:
     decode part of every prefill step (see benchmarks/RESULTS.md for the measured effect)."""
     overlap_weight: float = 1.0
     """Weight of prefill blocks in the ``dynamo`` cost."""
+    expert_weight: float = 1.0
+    """Weight of the request's predicted decode time with the MoE layers (``Selection.moe_decode_ms``)
+    against its time to first token in the ``kv_expert`` cost."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,6 +95,8 @@ class Selection:
     rng: random.Random
     now: float
     """Seconds on the caller's clock (the backlog of a worker decays with it)."""
+    experts: ExpertTracker | None = None
+    """Expert placement and load per worker (Mixture-of-Experts deployments)."""
     _overlaps: FloatArray | None = None
     _ttft: FloatArray | None = None
     _uncached: FloatArray | None = None
@@ -150,6 +160,21 @@ class Selection:
         out: FloatArray = osl * self.perf.itl_ms(kv_after, seq.requests + 1.0)
         return out
 
+    def moe_decode_ms(self) -> FloatArray:
+        """Predicted decode time of the request on each expert-parallel worker: its output tokens
+        times that worker's step once the request joined it (``decode_ms``'s balanced step,
+        stretched by the slowest EP rank for the expert load in flight there plus the request's
+        expected experts, plus the all-to-all; :meth:`ExpertTracker.moe_ms`), ms. Needs
+        :attr:`experts`."""
+        request, seq, experts = self.request, self.sequences, self.experts
+        if experts is None:
+            raise ValueError("moe_decode_ms needs the expert tracker of a Mixture-of-Experts deployment")
+        kv = seq.kv_tokens()
+        step_ms = self.perf.itl_ms(kv + request.prompt_tokens + request.max_tokens, seq.requests + 1.0)
+        key = request.hashes[0] if request.hashes else None
+        out: FloatArray = request.max_tokens * (step_ms + experts.moe_ms(key, step_ms))
+        return out
+
     def latency_ms(self) -> FloatArray:
         """Predicted time to first token plus (weighted) decode time on each worker, ms."""
         weight = self.settings.decode_weight
@@ -204,6 +229,19 @@ class KvPolicy:
             selection.exclusion,
             temperature=selection.settings.temperature,
             rng=selection.rng,
+        )
+
+
+class KvExpertPolicy:
+    """``kv``'s predicted time to first token plus ``expert_weight`` x the request's predicted
+    decode time with the MoE layers (``Selection.moe_decode_ms``); ``kv`` for a dense model."""
+
+    def choose(self, selection: Selection) -> int:
+        costs = selection.latency_ms()
+        if selection.experts is not None:
+            costs = costs + selection.settings.expert_weight * selection.moe_decode_ms()
+        return pick_lowest(
+            costs, selection.exclusion, temperature=selection.settings.temperature, rng=selection.rng
         )
 
 
@@ -273,6 +311,7 @@ class RoundRobinPolicy:
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "kv": KvPolicy,
+    "kv_expert": KvExpertPolicy,
     "dynamo": DynamoPolicy,
     "prefix_only": PrefixOnlyPolicy,
     "least_loaded": LeastLoadedPolicy,

@@ -1,0 +1,146 @@
+"""Expert-aware routing: learned class profiles, in-flight expert load per worker, placements
+engines report, the kv_expert policy, and the rebalancer's proposal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from copse.router.core import Role, Router, WorkerInfo
+from copse.router.experts import ExpertTracker
+from copse.router.policies import RouteRequest, SelectionSettings
+from copse.workers.moe import ExpertPlacement, MoeConfig, static_placement
+from copse.workers.perf import PolynomialPerfModel
+from copse.workers.protocol import block_hashes
+
+BS = 16
+PERF = PolynomialPerfModel()
+# 16 experts over 4 ranks (4 each), top-2: small enough to reason about.
+SMALL = MoeConfig(experts=16, experts_per_token=2, hidden_size=1024, layers=4, expert_parallelism=4)
+
+
+def counts(*experts: int, total: int = 1000) -> np.ndarray:
+    """Activation counts spread evenly over ``experts``."""
+    values = np.zeros(16)
+    values[list(experts)] = total / len(experts)
+    return values
+
+
+def prompt(cls: int, salt: int) -> list[int]:
+    """A class's shared first block (16 tokens), then tokens of the request's own."""
+    return [1000 + cls] * BS + [(salt * 31 + i) % 997 + 2000 for i in range(BS)]
+
+
+def request(rid: str, tokens: list[int], max_tokens: int = 100) -> RouteRequest:
+    return RouteRequest(
+        request_id=rid,
+        hashes=block_hashes(tokens, block_size=BS),
+        prompt_tokens=len(tokens),
+        max_tokens=max_tokens,
+    )
+
+
+def key(cls: int) -> int:
+    return block_hashes(prompt(cls, 0), block_size=BS)[0]
+
+
+def test_expected_experts_are_learned_per_class_from_engine_reports() -> None:
+    tracker = ExpertTracker(SMALL)
+    assert np.allclose(tracker.expected(None), 1 / 16), "nothing reported: every expert alike"
+    tracker.add("a", slot=0, key=key(0))
+    tracker.report("a", counts(0, 1))
+    tracker.remove("a")
+    assert np.allclose(tracker.expected(key(0)), counts(0, 1) / 1000)
+    # An unseen class gets the activations of everything reported so far.
+    tracker.add("b", slot=0, key=key(1))
+    tracker.report("b", counts(4, 5))
+    assert np.allclose(tracker.expected(key(7)), (counts(0, 1) + counts(4, 5)) / 2000)
+
+
+def test_in_flight_load_follows_the_placement_engines_report() -> None:
+    tracker = ExpertTracker(SMALL)
+    tracker.add("a", slot=0, key=None)
+    tracker.report("a", counts(0, 1))  # teaches the model-wide shares; "a" was charged uniform
+    tracker.add("b", slot=1, key=None)  # now expected on experts 0 and 1: rank 0 of the default placement
+    assert np.allclose(tracker.loads()[1], [2, 0, 0, 0])
+    # The engine moved expert 1 to rank 3 (and 12 to rank 0): the load in flight moves with it.
+    slots = [list(rank) for rank in static_placement(experts=16, ranks=4).slots]
+    slots[0][1], slots[3][0] = 12, 1
+    tracker.set_placement(1, ExpertPlacement(slots=tuple(map(tuple, slots)), experts=16))
+    assert np.allclose(tracker.loads()[1], [1, 0, 0, 1])
+    tracker.remove("b")
+    assert np.allclose(tracker.loads()[1], 0)
+    with pytest.raises(ValueError, match="does not match"):
+        tracker.set_placement(0, static_placement(experts=16, ranks=2))
+
+
+def _router(policy: str) -> Router:
+    router = Router(perf=PERF, settings=SelectionSettings(block_size=BS), policy=policy, seed=1, moe=SMALL)
+    for name in ("w0", "w1"):
+        router.add_worker(WorkerInfo(worker_id=name, role=Role.WORKER), now=0.0)
+    return router
+
+
+def _teach(router: Router) -> None:
+    """Class 0 uses experts 0-1 (rank 0), class 1 experts 4-5 (rank 1)."""
+    for cls, experts in ((0, (0, 1)), (1, (4, 5))):
+        route = router.submit(request(f"teach{cls}", prompt(cls, 99)), now=0.0)
+        assert route is not None
+        router.report_experts(route.request_id, counts(*experts))
+        router.finish(route.request_id, now=0.0)
+
+
+@pytest.mark.parametrize("cls", [0, 1])
+def test_kv_expert_sends_a_class_where_its_ranks_are_cold(cls: int) -> None:
+    router = _router("kv_expert")
+    _teach(router)
+    tracker = router.experts
+    assert tracker is not None
+    slots = {name: router.slots.get(name) for name in ("w0", "w1")}
+    # w0 decodes class 0 (its rank 0 hot), w1 class 1 (its rank 1 hot), as the tracker sees it.
+    for i in range(4):
+        tracker.add(f"busy0-{i}", slot=slots["w0"] or 0, key=key(0))
+        tracker.add(f"busy1-{i}", slot=slots["w1"] or 0, key=key(1))
+    route = router.submit(request("new", prompt(cls, 500)), now=0.0)
+    assert route is not None
+    assert route.worker_id == ("w1" if cls == 0 else "w0"), "where the class's own rank is cold"
+
+
+def test_expert_blind_kv_ignores_the_expert_load() -> None:
+    blind = _router("kv")
+    _teach(blind)
+    assert blind.experts is not None, "the tracker follows the load for every policy"
+    for i in range(3):
+        blind.submit(request(f"a{i}", prompt(0, i)), now=0.0)
+    assert blind.experts.loads().sum() == pytest.approx(3 * 2)
+
+
+def test_dense_routers_have_no_tracker_and_kv_expert_is_kv() -> None:
+    router = Router(perf=PERF, settings=SelectionSettings(block_size=BS), policy="kv_expert", seed=1)
+    router.add_worker(WorkerInfo(worker_id="w0", role=Role.WORKER), now=0.0)
+    assert router.experts is None
+    route = router.submit(request("r", prompt(0, 1)), now=0.0)
+    assert route is not None
+    router.report_experts("r", counts(0))  # ignored
+    router.set_expert_placement("w0", static_placement(experts=16, ranks=4))  # ignored
+
+
+def test_a_worker_that_leaves_forgets_its_expert_load() -> None:
+    router = _router("kv_expert")
+    route = router.submit(request("r", prompt(0, 1)), now=0.0)
+    assert route is not None
+    assert router.experts is not None
+    assert router.experts.loads().sum() > 0
+    router.remove_worker(route.worker_id)
+    assert router.experts.loads().sum() == 0
+
+
+def test_the_rebalancer_proposes_replicas_of_what_a_worker_served() -> None:
+    tracker = ExpertTracker(SMALL)
+    tracker.add("r", slot=0, key=None)
+    tracker.report("r", counts(0, total=900) + counts(*range(16), total=100))
+    proposal = tracker.proposal(0, slots=20)
+    assert proposal.slots_per_rank == 5
+    assert proposal.replicas()[0] == 4, "the hot expert on every rank, never twice on one"
+    assert all(len(set(rank)) == 5 for rank in proposal.slots)
+    assert len(proposal.global_assignments()) == 20
