@@ -42,6 +42,13 @@ def _table(report: ReplayReport) -> str:
         f"throughput {report.throughput_tok_s:,.0f} output tokens/s",
         f"simulated {report.simulated_s:,.0f} s in {report.wall_s:,.1f} s",
     ]
+    if report.moe is not None:
+        lines.insert(
+            -1,
+            f"MoE: all-to-all {report.moe.all_to_all_bytes_per_token / 1e6:,.1f} MB per output token; "
+            f"hottest EP rank {report.moe.imbalance:.3f}x the mean; MoE terms {report.moe.moe_share:.1%} "
+            f"of step time; {report.moe.rebalances} expert re-placements",
+        )
     return "\n".join(lines)
 
 
@@ -62,6 +69,25 @@ def _table(report: ReplayReport) -> str:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="Router softmax temperature.")
+@click.option(
+    "--decode-weight",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Weight of the request's predicted decode time in the kv cost.",
+)
+@click.option(
+    "--expert-weight",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Weight of the predicted decode time with the MoE layers in the kv_expert cost.",
+)
+@click.option(
+    "--no-expert-reports",
+    is_flag=True,
+    help="MoE engines report no per-request expert counts (ablation of kv_expert's expert knowledge).",
+)
 @click.option("--queue-size", type=int, default=Thresholds().queue_size, show_default=True)
 @click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
 @click.option(
@@ -81,6 +107,9 @@ def replay_command(
     engine_config: Path | None,
     seed: int,
     temperature: float,
+    decode_weight: float,
+    expert_weight: float,
+    no_expert_reports: bool,
     queue_size: int,
     limit: int | None,
     live: bool,
@@ -97,13 +126,23 @@ def replay_command(
             raise _fail(f"{name} must be at least 1, got {value}")
     if not (speedup > 0 and math.isfinite(speedup)):
         raise _fail(f"--speedup must be a positive number, got {speedup}")
-    if temperature < 0:
-        raise _fail(f"--temperature must not be negative, got {temperature}")
+    for option, weight in (
+        ("--temperature", temperature),
+        ("--decode-weight", decode_weight),
+        ("--expert-weight", expert_weight),
+    ):
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise _fail(f"{option} must be a non-negative number, got {weight}")
     try:
         trace = load_trace(trace_path, fmt=fmt, trace_block_size=trace_block_size)
         engines = load_engine_setup(engine_config)
     except (TraceError, EngineConfigError) as exc:
         raise _fail(str(exc)) from exc
+    if live and engines.config.moe is not None:
+        raise _fail(
+            f"{engine_config}: MoE engines replay on the virtual clock only "
+            "(mocked engines over HTTP report no expert counts to the router)"
+        )
     if limit is not None:
         trace = trace[:limit]
     settings = ReplaySettings(
@@ -113,6 +152,9 @@ def replay_command(
         seed=seed,
         trace_block_size=trace_block_size,
         temperature=temperature,
+        decode_weight=decode_weight,
+        expert_weight=expert_weight,
+        expert_reports=not no_expert_reports,
         thresholds=Thresholds(queue_size=queue_size),
         engines=engines,
     )
@@ -128,6 +170,52 @@ def replay_command(
         except ValueError as exc:
             raise _fail(str(exc)) from exc
     click.echo(json.dumps(report.as_json()) if as_json else _table(report))
+
+
+@bench.command("moe-workload")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Mooncake JSONL to write.")
+@click.option("--requests", type=int, default=4000, show_default=True)
+@click.option("--rate", type=float, default=20.0, show_default=True, help="Mean arrivals per second.")
+@click.option(
+    "--class-weights",
+    default="0.4,0.3,0.2,0.1",
+    show_default=True,
+    help="Share of requests per class, comma-separated (one class each).",
+)
+@click.option(
+    "--prefix-blocks", type=int, default=4, show_default=True, help="System-prompt blocks per class."
+)
+@click.option("--output-mean", type=float, default=300.0, show_default=True, help="Mean output tokens.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def moe_workload(
+    *,
+    out: Path,
+    requests: int,
+    rate: float,
+    class_weights: str,
+    prefix_blocks: int,
+    output_mean: float,
+    seed: int,
+) -> None:
+    """Write a synthetic Mixture-of-Experts workload: request classes with their own system prompts
+    (so, to the mocked model, their own expert preferences), Poisson arrivals, as Mooncake JSONL."""
+    from copse.sim.moe import MoeWorkload, generate, write_jsonl  # noqa: PLC0415
+
+    try:
+        weights = tuple(float(part) for part in class_weights.split(","))
+        workload = MoeWorkload(
+            requests=requests,
+            rate=rate,
+            class_weights=weights,
+            prefix_blocks=prefix_blocks,
+            output_mean=output_mean,
+            seed=seed,
+        )
+    except ValueError as exc:
+        raise _fail(f"--class-weights/--requests/--rate: {exc}") from exc
+    with out.open("w") as handle:
+        write_jsonl(generate(workload), handle)
+    click.echo(f"wrote {requests} requests in {len(weights)} classes to {out}", err=True)
 
 
 @click.command()

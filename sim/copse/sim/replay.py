@@ -38,6 +38,7 @@ from copse.workers.mocker import (
     Simulator,
     StepOutput,
 )
+from copse.workers.moe import MoeConfig
 from copse.workers.perf import PerfModel, load_perf_model
 from copse.workers.protocol.hashing import hash_blocks
 
@@ -79,6 +80,18 @@ def load_engine_setup(path: str | Path | None) -> EngineSetup:
         raise EngineConfigError(
             f"{path}: unknown key(s) {', '.join(unknown)}; known: perf_profile, {', '.join(sorted(known))}"
         )
+    moe = raw.pop("moe", None)
+    if moe is not None:
+        moe_known = {field.name for field in dataclasses.fields(MoeConfig)}
+        if not isinstance(moe, dict) or set(moe) - moe_known:
+            unknown_moe = sorted(set(moe) - moe_known) if isinstance(moe, dict) else [repr(moe)]
+            raise EngineConfigError(
+                f"{path}: moe: unknown key(s) {', '.join(unknown_moe)}; known: {', '.join(sorted(moe_known))}"
+            )
+        try:
+            raw["moe"] = MoeConfig(**moe)
+        except (TypeError, ValueError) as exc:
+            raise EngineConfigError(f"{path}: {exc}") from exc
     try:
         config = EngineConfig(**raw)
     except (TypeError, ValueError) as exc:
@@ -110,6 +123,11 @@ class ReplaySettings:
     """Softmax temperature of the router's selection."""
     decode_weight: float = 0.0
     """Weight of predicted decode time in the ``kv`` cost."""
+    expert_weight: float = 1.0
+    """Weight of the predicted decode time with the MoE layers in the ``kv_expert`` cost."""
+    expert_reports: bool = True
+    """MoE engines report each finished request's routed-expert counts to the router (off: the
+    router expects every request to use the experts alike; an ablation of ``kv_expert``)."""
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
     engines: EngineSetup = dataclasses.field(default_factory=EngineSetup)
 
@@ -136,6 +154,29 @@ class Distribution:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class MoeReport:
+    """What the expert-parallel engines of a replay did (Mixture-of-Experts engines only)."""
+
+    all_to_all_bytes_per_token: float
+    """Bytes the EP ranks sent each other (every MoE layer, dispatch and combine) per output token:
+    prompt tokens prefilled count too, cached ones do not."""
+    imbalance: float
+    """Activations on the most loaded EP rank over the mean rank's, over every step (1: balanced)."""
+    moe_share: float
+    """Share of the engines' step time the MoE terms took (slowest rank's stretch and all-to-all)."""
+    rebalances: int
+    """Expert placements the engines' online load balancers made."""
+
+    def as_json(self) -> dict[str, float]:
+        return {
+            "all_to_all_bytes_per_token": self.all_to_all_bytes_per_token,
+            "imbalance": self.imbalance,
+            "moe_share": self.moe_share,
+            "rebalances": self.rebalances,
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReplayReport:
     """What a replay measured."""
 
@@ -155,10 +196,13 @@ class ReplayReport:
     preemptions: int
     simulated_s: float
     wall_s: float
+    moe: MoeReport | None = None
 
     def as_json(self) -> dict[str, Any]:
-        """The report in the documented ``--json`` shape."""
+        """The report in the documented ``--json`` shape (``moe`` only for MoE engines)."""
+        extra = {} if self.moe is None else {"moe": self.moe.as_json()}
         return {
+            **extra,
             "policy": self.policy,
             "workers": self.workers,
             "requests": self.requests,
@@ -221,10 +265,12 @@ def replay(
             max_num_batched_tokens=engine_config.max_num_batched_tokens,
             temperature=settings.temperature,
             decode_weight=settings.decode_weight,
+            expert_weight=settings.expert_weight,
         ),
         policy=settings.policy,
         thresholds=settings.thresholds,
         seed=settings.seed,
+        moe=engine_config.moe,
     )
     radix = router.radix
     assert radix is not None
@@ -241,11 +287,17 @@ def replay(
     pending: dict[str, _Pending] = {}
     failed = 0
 
+    placements = [-1] * len(engines)
+
     def sync_events() -> None:
-        for engine in engines:
+        for index, engine in enumerate(engines):
             events = engine.drain_kv_events()
             if events:
                 radix.apply_events(engine.worker_id, epoch=engine.epoch, events=events)
+            # An MoE engine reports its expert placement when its load balancer moves experts.
+            if engine.moe is not None and engine.moe.version != placements[index]:
+                placements[index] = engine.moe.version
+                router.set_expert_placement(engine.worker_id, engine.moe.placement)
 
     def dispatch(routes: list[Route]) -> None:
         nonlocal failed
@@ -263,8 +315,9 @@ def replay(
                 failed += 1
                 dispatch(router.finish(route.request_id, now=simulator.now_ms / 1000.0))
 
-    def on_step(_: int, output: StepOutput) -> None:
+    def on_step(engine_index: int, output: StepOutput) -> None:
         now = output.end_ms / 1000.0
+        moe = engines[engine_index].moe
         released: list[Route] = []
         for request in output.advanced:
             if request.num_output == 1:
@@ -276,6 +329,10 @@ def replay(
             index = int(request.request_id)
             finish[index] = output.end_ms
             outputs[index] = request.num_output
+            if moe is not None and settings.expert_reports:
+                # The engine's routed-expert counts of the tokens it computed for the request.
+                computed = request.prompt_len - max(request.cached_tokens, 0) + request.num_output
+                router.report_experts(request.request_id, moe.activations(request.expert_row, computed))
             released += router.finish(request.request_id, now=now)
         if released:
             sync_events()
@@ -329,4 +386,19 @@ def replay(
         preemptions=sum(engine.preemptions_total for engine in engines),
         simulated_s=simulator.now_ms / 1000.0,
         wall_s=time.perf_counter() - started,
+        moe=_moe_report(engines, output_tokens=float(outputs[done].sum())),
+    )
+
+
+def _moe_report(engines: Sequence[Engine], *, output_tokens: float) -> MoeReport | None:
+    states = [engine.moe for engine in engines if engine.moe is not None]
+    if not states or output_tokens <= 0:
+        return None
+    mean = sum(state.mean_total for state in states)
+    step_ms = sum(state.step_ms for state in states)
+    return MoeReport(
+        all_to_all_bytes_per_token=sum(state.all_to_all_bytes for state in states) / output_tokens,
+        imbalance=sum(state.hot_total for state in states) / mean if mean > 0 else math.nan,
+        moe_share=sum(state.moe_ms for state in states) / step_ms if step_ms > 0 else 0.0,
+        rebalances=sum(state.version for state in states),
     )

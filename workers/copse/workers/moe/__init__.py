@@ -4,7 +4,7 @@ parallel engine adds (all-to-all, the slowest rank's imbalance). Pure numpy, no 
 
 from copse.workers.moe.placement import ExpertPlacement, eplb, static_placement
 from copse.workers.moe.popularity import ExpertPopularity, skewed_popularity
-from copse.workers.moe.step import MoeConfig, MoeStep, step_terms
+from copse.workers.moe.step import MoeConfig, MoeStep, moe_terms, step_terms
 
 __all__ = [
     "ExpertPlacement",
@@ -12,6 +12,7 @@ __all__ = [
     "MoeConfig",
     "MoeStep",
     "eplb",
+    "moe_terms",
     "skewed_popularity",
     "static_placement",
     "step_terms",

@@ -6,8 +6,9 @@ replicas of hot ones; a token for a replicated expert goes to one of its replica
 replica takes an equal share of that expert's tokens.
 
 :func:`eplb` is the DeepSeek EPLB heuristic (what TensorRT-LLM's offline ``generate_eplb_config.py``
-and online balancer aim at): give each extra slot to the expert with the most load per replica,
-then pack replicas, heaviest first, onto the least-loaded rank that has a free slot.
+and online balancer aim at): give each extra slot to the expert with the most load per replica
+(at most one replica per rank), then pack replicas, heaviest first, onto the least-loaded rank
+that has a free slot and does not hold that expert yet.
 """
 
 from __future__ import annotations
@@ -96,10 +97,14 @@ def eplb(load: FloatArray, *, ranks: int, slots: int) -> ExpertPlacement:
     replicas = np.ones(experts, dtype=np.int64)
     heap = [(-float(load[e]), e) for e in range(experts)]
     heapq.heapify(heap)
-    for _ in range(slots - experts):
+    for spare in range(slots - experts):
+        if not heap:  # every expert on every rank: the rest replicate round-robin
+            replicas[spare % experts] += 1
+            continue
         _, expert = heapq.heappop(heap)
         replicas[expert] += 1
-        heapq.heappush(heap, (-float(load[expert] / replicas[expert]), expert))
+        if replicas[expert] < ranks:  # a second copy on one rank would balance nothing
+            heapq.heappush(heap, (-float(load[expert] / replicas[expert]), expert))
     items = sorted(
         ((float(load[e] / replicas[e]), e) for e in range(experts) for _ in range(int(replicas[e]))),
         key=lambda item: (-item[0], item[1]),

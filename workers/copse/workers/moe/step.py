@@ -126,21 +126,30 @@ class StepTerms(NamedTuple):
     """Mean activations per rank."""
 
 
-def step_terms(config: MoeConfig, rank_loads: FloatArray) -> StepTerms:
-    """:class:`StepTerms` of a step whose ranks carry ``rank_loads`` token-expert activations."""
-    mean = float(rank_loads.mean()) if len(rank_loads) else 0.0
-    if mean <= 0.0:
-        return StepTerms(1.0, 0.0, 0.0, 0.0)
-    hot = float(rank_loads.max())
-    factor = 1.0 + config.expert_share * (hot / mean - 1.0)
+def moe_terms(config: MoeConfig, rank_loads: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """The stretch factor and the all-to-all time (ms) of steps whose ranks carry ``rank_loads``
+    token-expert activations (last axis: the EP ranks; any leading axes, e.g. one per worker)."""
+    mean = rank_loads.mean(axis=-1)
+    hot = rank_loads.max(axis=-1)
+    active = mean > 0.0
+    factor = np.where(active, 1.0 + config.expert_share * (hot / np.where(active, mean, 1.0) - 1.0), 1.0)
     ep = config.expert_parallelism
     if ep == 1:
-        return StepTerms(factor, 0.0, hot, mean)
+        return factor, np.zeros_like(factor)
     copies = hot * (ep - 1) / ep
     per_layer_us = 2 * config.link_latency_us + copies * config.bytes_per_copy / (
         config.link_bandwidth_gbps * 1e3
     )
-    return StepTerms(factor, config.layers * per_layer_us / 1000.0, hot, mean)
+    all_to_all_ms = np.where(active, config.layers * per_layer_us / 1000.0, 0.0)
+    return factor, all_to_all_ms
+
+
+def step_terms(config: MoeConfig, rank_loads: FloatArray) -> StepTerms:
+    """:class:`StepTerms` of a step whose ranks carry ``rank_loads`` token-expert activations."""
+    if not len(rank_loads):
+        return StepTerms(1.0, 0.0, 0.0, 0.0)
+    factor, all_to_all_ms = moe_terms(config, rank_loads)
+    return StepTerms(float(factor), float(all_to_all_ms), float(rank_loads.max()), float(rank_loads.mean()))
 
 
 class MoeStep:
