@@ -111,7 +111,7 @@ def test_every_policy_is_registered_and_routes() -> None:
         route = router.submit(_request("r", PROMPT), now=0.0)
         assert route is not None
         assert route.worker_id in router.workers
-    with pytest.raises(ValueError, match="unknown routing policy .nope.; known: dynamo, kv, kv_expert"):
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'; known: dynamo, kv, kv_expert"):
         _router("nope")
 
 
