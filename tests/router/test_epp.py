@@ -341,7 +341,7 @@ def picker_of(running: RunningRouter) -> EndpointPicker:
 
 async def test_oversized_body_is_413_and_large_bodies_stream_back_in_chunks() -> None:
     async with mock_fleet(engines=1) as fleet:
-        running = await _picker(fleet.urls, max_body_bytes=200_000)
+        running = await _picker(fleet.urls, settings={"max_body_bytes": 200_000})
         picker = _service(running)
         try:
             long_prompt = "word " * 30_000  # 150 kB: three chunks back to the gateway

@@ -86,8 +86,6 @@ class EppSettings(_Model):
     gateway retries when the chosen one fails before answering. Only for gateways that follow the
     list (Envoy's override_host load balancing policy; an ORIGINAL_DST cluster takes a single
     address, so keep 0 there)."""
-    max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
-    """Largest request body the picker buffers; a larger one gets 413."""
 
 
 class RouterConfig(_Model):
@@ -108,8 +106,9 @@ class RouterConfig(_Model):
     block_size: int = Field(default=32, ge=1)
     """Tokens per KV block of the engines (TensorRT-LLM's ``tokens_per_block``)."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    """Largest request body the HTTP frontend reads (a larger one gets 413): long-context and agentic
-    prompts and base64 images run to tens of MB (a 1M-token chat is ~5 MB of text)."""
+    """Largest request body the router reads, over HTTP or as an endpoint picker (a larger one gets
+    413): long-context and agentic prompts and base64 images run to tens of MB (a 1M-token chat is
+    ~5 MB of text)."""
     nats_url: str | None = None
     """NATS server for KV events and load sharing between router replicas; without it the router
     learns caches from its own decisions (approximate indexer)."""

@@ -15,8 +15,9 @@ through the gateway. The protocol (the Inference Extension's proposal 004, v1.0.
 * ``x-gateway-destination-endpoint-subset`` in the filter metadata ``envoy.lb.subset_hint`` (a
   list, or one comma-separated string) restricts the choice to those endpoints;
 * errors are ``ImmediateResponse`` s with an OpenAI error body: 400 for a body that is not a
-  valid request, 404 for another model, 413 past ``max_body_bytes``, 503 when no worker is ready
-  (or none of the subset), 429 when the workers are saturated and the request is shed;
+  valid request, 404 for another model, 413 past the router's ``max_body_bytes``, 503 when no
+  worker is ready (or none of the subset), 429 when the workers are saturated and the request is
+  shed;
 * response headers: ``x-gateway-destination-endpoint-served`` in the metadata ``envoy.lb`` names
   the worker that answered; when it is a fallback the request's load moves there;
 * response body: passed back unchanged, read on the way (first token, output tokens, ``[DONE]``);
@@ -300,8 +301,9 @@ class Exchange:
             return self._on_request_headers(message)
         if kind == "request_body":
             chunk = message.request_body
-            if len(self.body) + len(chunk.body) > self.picker.settings.max_body_bytes:
-                return self._reject(413, f"request body exceeds {self.picker.settings.max_body_bytes} bytes")
+            limit = self.picker.config.max_body_bytes
+            if len(self.body) + len(chunk.body) > limit:
+                return self._reject(413, f"request body exceeds {limit} bytes (max_body_bytes)")
             self.body += chunk.body
             return await self._decide(trailers=False) if chunk.end_of_stream else []
         if kind == "request_trailers":
