@@ -7,13 +7,14 @@ from pathlib import Path
 
 import click
 import jsonschema
+import pytest
 import yaml
 
-from copse.api import Role, load_deployment
+from copse.api import EngineBackend, Role, load_deployment
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
 from copse.router.config import RouterConfig
-from copse.workers.cli import kv_relay, mock, worker
+from copse.workers.cli import _moe_config, kv_relay, mock, worker
 
 from .conftest import make_deployment
 
@@ -279,3 +280,34 @@ def test_a_changed_expert_layout_rolls_the_groups() -> None:
     after.spec.decode.redundant_experts = 64
     assert children.template_hash(before, Role.DECODE) != children.template_hash(after, Role.DECODE)
     assert children.template_hash(before, Role.PREFILL) == children.template_hash(after, Role.PREFILL)
+
+
+def test_mock_backend_engines_of_an_moe_model_are_moe_groups_on_their_placed_link() -> None:
+    deployment = load_deployment(DEEPSEEK).model_copy(deep=True)
+    deployment.spec.engine.backend = EngineBackend.MOCK
+    decode = tuple((f"n{i}", 4) for i in range(8))
+    inside = GroupLayout(role=Role.DECODE, replica=0, pods=decode, domain="r0.0", rack="r0", cost=0.0)
+    split = GroupLayout(role=Role.DECODE, replica=0, pods=decode, domain=None, rack="r0", cost=0.0)
+    configs = []
+    for layout in (inside, split):
+        command = children.worker_pods(deployment, layout, cold_start_source=None)[0]["spec"]["containers"][
+            0
+        ]["command"]
+        context = mock.make_context("mock", command[3:])
+        configs.append(_moe_config(context.params["moe_json"]))
+    near, far = configs
+    assert near is not None
+    assert far is not None
+    assert (near.expert_parallelism, near.slots, near.rebalance_steps) == (32, 288, 58)
+    assert (near.link_bandwidth_gbps, far.link_bandwidth_gbps) == (900.0, 50.0), "NVLink 5 vs the NICs"
+    prefill = GroupLayout(
+        role=Role.PREFILL, replica=0, pods=(("p", 4), ("q", 4)), domain="d", rack="r", cost=0
+    )
+    command = children.worker_pods(deployment, prefill, cold_start_source=None)[0]["spec"]["containers"][0][
+        "command"
+    ]
+    prefill_moe = _moe_config(mock.make_context("mock", command[3:]).params["moe_json"])
+    assert prefill_moe is not None
+    assert (prefill_moe.expert_parallelism, prefill_moe.rebalance_steps) == (8, 0)
+    with pytest.raises(click.BadParameter, match="unknown key"):
+        _moe_config('{"experts": 8, "colour": 1}')

@@ -19,6 +19,7 @@ import yaml
 from copse.api import EngineBackend, InferenceDeployment, MoeLayout, Role, RouterMode
 from copse.operator import names
 from copse.topology.kube import NODE_CONDITION_TAINTS
+from copse.topology.links import LinkTable, LinkTier
 
 #: Images used when the manifest names none. The TensorRT-LLM release image carries
 #: trtllm-serve, MPI and the copse KV relay is pip-installed on top (see README, Images).
@@ -170,6 +171,7 @@ def _engine_command(
             # Worker ids (what KV events carry) must be unique across pods: prefix them with the pod.
             "--worker-prefix", leader,
             *nats,
+            *_mock_moe(pool.moe, layout),
             *engine.args,
         ]  # fmt: skip
     serve = [
@@ -198,6 +200,30 @@ def _engine_command(
         "-mca", "plm_rsh_args", f"-p {SSH_PORT}",
         "trtllm-llmapi-launch", *serve,
     ]  # fmt: skip
+
+
+def _mock_moe(moe: MoeLayout | None, layout: GroupLayout) -> list[str]:
+    """``copse worker mock --moe``: the pool's expert layout, its online balancer's period in
+    steps (every layer once in ``layers / layer_updates_per_iter`` steps) and the bandwidth of the
+    slowest link between the group's ranks where placement put them."""
+    if moe is None:
+        return []
+    links = LinkTable()
+    tier = LinkTier.DOMAIN if layout.domain is not None else LinkTier.RACK if layout.rack else LinkTier.BEYOND
+    link = links[tier]
+    settings = {
+        "experts": moe.experts,
+        "experts_per_token": moe.experts_per_token,
+        "hidden_size": moe.hidden_size,
+        "layers": moe.layers,
+        "activation_bytes": moe.activation_bytes,
+        "expert_parallelism": moe.expert_parallelism,
+        "redundant_experts": moe.redundant_experts,
+        "rebalance_steps": -(-moe.layers // moe.layer_updates_per_iter) if moe.layer_updates_per_iter else 0,
+        "link_bandwidth_gbps": link.bandwidth_gbps,
+        "link_latency_us": link.latency_us,
+    }
+    return ["--moe", json.dumps(settings, sort_keys=True)]
 
 
 def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[dict[str, Any]]:

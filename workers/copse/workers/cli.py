@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from copse.workers.mocker.config import ROLES, EngineConfig
 from copse.workers.mocker.server import MockFleetSettings, start_fleet
+from copse.workers.moe import MoeConfig
 from copse.workers.nats_io import KvEventPublisher
 from copse.workers.perf import PerfModel, ProfileError, load_perf_model, save_profile
 from copse.workers.protocol.subjects import subject_token
@@ -35,6 +38,22 @@ def _check_token(value: str, option: str) -> str:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint=option) from exc
     return value
+
+
+def _moe_config(text: str | None) -> MoeConfig | None:
+    if text is None:
+        return None
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise TypeError(f"expected a JSON object, got {type(fields).__name__}")
+        known = {field.name for field in dataclasses.fields(MoeConfig)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise TypeError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return MoeConfig(**fields)
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--moe") from exc
 
 
 async def _until_signalled(stop: asyncio.Event) -> None:
@@ -95,6 +114,13 @@ _PERF_OPTIONS = [
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds generated token ids.")
 @click.option(
+    "--moe",
+    "moe_json",
+    default=None,
+    help="Make every engine an expert-parallel MoE group: a JSON object of MoeConfig fields "
+    '(e.g. \'{"experts": 256, "experts_per_token": 8, "expert_parallelism": 32}\').',
+)
+@click.option(
     "--virtual-clock", is_flag=True, help="Steps take no wall time (each engine keeps its own time)."
 )
 @click.option(
@@ -127,6 +153,7 @@ def mock(
     kv_bytes_per_token: int,
     kv_bandwidth_gbps: float,
     seed: int,
+    moe_json: str | None,
     virtual_clock: bool,
     nats_url: str | None,
     namespace: str,
@@ -158,6 +185,7 @@ def mock(
         kv_bytes_per_token=kv_bytes_per_token,
         kv_transfer_bandwidth_gbps=kv_bandwidth_gbps,
         seed=seed,
+        moe=_moe_config(moe_json),
     )
     settings = MockFleetSettings(
         engines=engines,
