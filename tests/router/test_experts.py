@@ -144,3 +144,26 @@ def test_the_rebalancer_proposes_replicas_of_what_a_worker_served() -> None:
     assert proposal.replicas()[0] == 4, "the hot expert on every rank, never twice on one"
     assert all(len(set(rank)) == 5 for rank in proposal.slots)
     assert len(proposal.global_assignments()) == 20
+
+
+@pytest.mark.parametrize("cls", [0, 1])
+def test_kv_expert_picks_the_decode_worker_where_the_class_is_cold(cls: int) -> None:
+    router = Router(
+        perf=PERF, settings=SelectionSettings(block_size=BS), policy="kv_expert", seed=1, moe=SMALL
+    )
+    for name, role in (("p0", Role.PREFILL), ("d0", Role.DECODE), ("d1", Role.DECODE)):
+        router.add_worker(WorkerInfo(worker_id=name, role=role, locality="rack"), now=0.0)
+    tracker = router.experts
+    assert tracker is not None
+    for c, experts in ((0, (0, 1)), (1, (4, 5))):
+        tracker.add(f"teach{c}", slot=0, key=key(c))
+        tracker.report(f"teach{c}", counts(*experts))
+        tracker.remove(f"teach{c}")
+    for i in range(4):
+        tracker.add(f"busy0-{i}", slot=router.slots.get("d0") or 0, key=key(0))
+        tracker.add(f"busy1-{i}", slot=router.slots.get("d1") or 0, key=key(1))
+    long_prompt = prompt(cls, 7) + [(i * 13) % 997 + 3000 for i in range(4000)]
+    route = router.submit(request("new", long_prompt), now=0.0)
+    assert route is not None
+    assert route.prefill_worker_id == "p0"
+    assert route.worker_id == ("d1" if cls == 0 else "d0")

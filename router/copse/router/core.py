@@ -501,9 +501,15 @@ class Router:
             self.disagg.transfer_ms(request.prompt_tokens, near=True),
             self.disagg.transfer_ms(request.prompt_tokens, near=False),
         )
-        if self.policy_name == "kv":
+        if self.policy_name == "kv" or (self.policy_name == "kv_expert" and self.experts is None):
             d_slot = pick_lowest(
                 decode.decode_ms() + transfer, decode_free.exclusion, temperature=0.0, rng=self.rng
+            )
+        elif self.policy_name == "kv_expert":
+            # The decode worker by its decode time with the MoE layers: where the expert load in
+            # flight leaves this request's experts on cold ranks.
+            d_slot = pick_lowest(
+                decode.moe_decode_ms() + transfer, decode_free.exclusion, temperature=0.0, rng=self.rng
             )
         else:
             d_slot = self.policy.choose(decode)

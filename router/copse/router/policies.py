@@ -14,7 +14,8 @@ operations however many workers there are. A policy returns the slot of its choi
 * ``kv_expert``: ``kv``'s predicted time to first token plus ``expert_weight`` x the request's
   decode time on each worker, each step stretched by the slowest EP rank for the expert load in
   flight there plus the request's expected experts, and the all-to-all added
-  (:mod:`copse.router.experts`); ``kv`` for a dense model.
+  (:mod:`copse.router.experts`); ``kv`` for a dense model. In disaggregated routing the decode
+  worker is picked by that decode time plus the KV transfer.
 * ``dynamo``: NVIDIA Dynamo's default cost, ``overlap_weight x prefill blocks + decode blocks``
   with weight 1, exact ties to the worker holding fewest blocks.
 * ``prefix_only``: the longest cached prefix, ties at random.
