@@ -9,12 +9,17 @@ import click
 import jsonschema
 import pytest
 import yaml
+from aiohttp import web
 
 from copse.api import EngineBackend, Role, load_deployment
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
 from copse.router.config import RouterConfig
+from copse.router.discovery import StaticSource
+from copse.router.frontend import RouterService
+from copse.router.tokens import MockTokenizer
 from copse.workers.cli import _moe_config, kv_relay, mock, worker
+from copse.workers.perf import PolynomialPerfModel
 
 from .conftest import make_deployment
 
@@ -142,6 +147,18 @@ def test_mock_backend_command_is_what_the_mocker_accepts() -> None:
     assert mock_context.params["worker_prefix"] == "llama-prefill-0-0"
 
 
+def _router_app(config: RouterConfig) -> web.Application:
+    """The HTTP application a router with ``config`` serves (not started)."""
+    service = RouterService(
+        config,
+        source=StaticSource([]),
+        perf=PolynomialPerfModel(),
+        tokenizer=MockTokenizer(),
+        use_kv_events=False,
+    )
+    return service.app
+
+
 def test_router_command_and_config_are_what_the_router_accepts() -> None:
     deployment = make_deployment(replicas=1)
     objects = {obj["kind"]: obj for obj in children.router_objects(deployment)}
@@ -149,6 +166,13 @@ def test_router_command_and_config_are_what_the_router_accepts() -> None:
     assert container["command"][:3] == ["copse", "router", "run"]
     config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
     assert config.model == "meta-llama/Llama-3-70B"
+    probe = container["readinessProbe"]["httpGet"]
+    assert probe["port"] == config.port
+    served = {route.resource.canonical for route in _router_app(config).router.routes() if route.resource}
+    assert probe["path"] == "/ready"
+    assert probe["path"] in served
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > config.drain_timeout_s
 
 
 def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:

@@ -508,6 +508,8 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
                 },
                 "spec": {
                     "serviceAccountName": name,
+                    # On SIGTERM the router drains for drain_timeout_s (25 s) within this.
+                    "terminationGracePeriodSeconds": 30,
                     "tolerations": [
                         t.model_dump(mode="json", exclude_none=True) for t in spec.pod.tolerations
                     ],
@@ -555,7 +557,9 @@ def _router_ports(epp: bool) -> dict[str, Any]:
     if not epp:
         return {
             "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
-            "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
+            # Ready once it has a worker, their caches and its peers' load (a restarted replica
+            # gets no traffic blind), not while draining.
+            "readinessProbe": {"httpGet": {"path": "/ready", "port": ROUTER_PORT}, "periodSeconds": 2},
         }
     return {
         "ports": [

@@ -154,6 +154,14 @@ class RouterConfig(_Model):
     """Slow or failed probes in a row before a worker that still accepts connections is dropped."""
     peer_timeout_s: float = Field(default=5.0, gt=0)
     """A peer router silent this long is considered gone and its load forgotten."""
+    nats_reconnect_max_s: float = Field(default=8.0, gt=0)
+    """Longest wait between attempts to reach NATS (the wait doubles from 0.25 s up to it)."""
+    recovery_timeout_s: float = Field(default=15.0, gt=0)
+    """Longest a starting router waits for its workers' KV dumps, a NATS connection and its peers'
+    load snapshots before it reports ready anyway (serving with what it has)."""
+    drain_timeout_s: float = Field(default=25.0, ge=0)
+    """On SIGTERM, how long the router keeps serving what is in flight (not ready meanwhile) before
+    it exits; below the pod's terminationGracePeriodSeconds (30 by default)."""
     kv_transfer: DisaggSettings = Field(default_factory=DisaggSettings)
     """What moving KV from a prefill to a decode worker costs (disaggregated routing)."""
     seed: int | None = None

@@ -615,6 +615,40 @@ class Router:
             self.sequences.free(key, now=now)
         return self._drain(now=now)
 
+    def own_flights(self) -> list[tuple[str, FlightRecord, bool]]:
+        """What this router itself has charged workers, for a peer replica's snapshot: per charge
+        its key, what was charged and whether it is still prefilling."""
+        flights = []
+        for request_id, route in self._routes.items():
+            keys = (
+                (request_id,) if route.prefill_worker_id is None else (request_id, _prefill_key(request_id))
+            )
+            for key in keys:
+                flight = self.sequences.get(key)
+                if flight is None:
+                    continue
+                record = FlightRecord(
+                    worker_id=self.slots.worker_id(flight.slot),
+                    hashes=flight.hashes,
+                    prefill_tokens=flight.prefill_tokens,
+                    prefill_ms=flight.prefill_ms,
+                    kv_tokens=flight.kv_tokens,
+                )
+                flights.append((key, record, flight.prefilling))
+        return flights
+
+    def load_peer_snapshot(
+        self, peer: str, flights: Sequence[tuple[str, FlightRecord, bool]], *, now: float
+    ) -> list[Route]:
+        """Replace what is known of ``peer``'s load with its snapshot (:meth:`own_flights` there);
+        returns queued requests it lets through."""
+        self.forget_peer(peer, now=now)
+        for key, record, prefilling in flights:
+            self.apply_peer(PeerChange(op="add", key=key, record=record), peer=peer, now=now)
+            if not prefilling:
+                self.sequences.prefill_done(f"{peer}/{key}", now=now)
+        return self._drain(now=now)
+
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
         """Drop every charge made by ``peer`` (it stopped or restarted)."""
         prefix = f"{peer}/"

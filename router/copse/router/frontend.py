@@ -5,6 +5,7 @@
 ``POST /v1/chat/completions``  OpenAI chat completions, SSE with ``stream``
 ``GET /v1/models``             the served model
 ``GET /health``                200 while at least one worker is usable, else 503
+``GET /ready``                 200 once the router has a picture of caches and peers (readiness probe)
 ``GET /metrics``               Prometheus (:mod:`copse.router.metrics`)
 ``GET /workers``               live workers: draining or not, this router's requests on each
 =============================  ==============================================================
@@ -195,6 +196,7 @@ class RouterService(RoutingService):
                 web.post("/v1/chat/completions", self._chat),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
+                web.get("/ready", self._ready),
                 web.get("/metrics", self._metrics),
                 web.get("/workers", self._workers),
             ]
@@ -271,10 +273,22 @@ class RouterService(RoutingService):
     # -- HTTP ---------------------------------------------------------------------------------
 
     async def _completions(self, http: web.Request) -> web.StreamResponse:
-        return await self._generate(http, CompletionRequest, "/v1/completions")
+        return await self._counted(http, CompletionRequest, "/v1/completions")
 
     async def _chat(self, http: web.Request) -> web.StreamResponse:
-        return await self._generate(http, ChatCompletionRequest, "/v1/chat/completions")
+        return await self._counted(http, ChatCompletionRequest, "/v1/chat/completions")
+
+    async def _counted(
+        self,
+        http: web.Request,
+        model: type[CompletionRequest] | type[ChatCompletionRequest],
+        path: str,
+    ) -> web.StreamResponse:
+        self.in_flight += 1
+        try:
+            return await self._generate(http, model, path)
+        finally:
+            self.in_flight -= 1
 
     async def _generate(
         self,
@@ -587,6 +601,12 @@ class RouterService(RoutingService):
 
     async def _workers(self, _: web.Request) -> web.Response:
         return web.json_response({"workers": self.workers_report()})
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        ready, waiting = self.readiness()
+        if ready:
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "waiting_for": waiting}, status=503)
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -17,7 +17,9 @@ slots, which is what a routing decision uses.
 applied in ``event_id`` order per engine incarnation (``epoch``); a gap, a new incarnation that
 does not start at event 1, or events from a worker never seen before (the router started after
 it) drop what is known of that worker and ask for a dump (:class:`ResyncNeeded`); events that
-arrive meanwhile are buffered and replayed after the dump.
+arrive meanwhile are buffered and replayed after the dump. While no events can arrive (the NATS
+connection is down) it is put in *learning* mode: what the router routes is added to the index,
+as the approximate indexer does (without the evictions it cannot see), until dumps replace it.
 """
 
 from __future__ import annotations
@@ -114,11 +116,13 @@ class _Stream:
 class RadixIndexer:
     """The exact indexer: a :class:`BlockIndex` driven by each worker's KV event stream."""
 
-    __slots__ = ("_streams", "index", "slots", "stats")
+    __slots__ = ("_streams", "index", "learning", "slots", "stats")
 
     def __init__(self, slots: WorkerSlots) -> None:
         self.slots = slots
         self.index = BlockIndex()
+        self.learning = False
+        """Add routed prompts to the index (no events arrive: approximate mode)."""
         self._streams: dict[str, _Stream] = {}
         self.stats: dict[str, int] = {"events": 0, "blocks": 0, "resyncs": 0, "duplicates": 0, "stale": 0}
 
@@ -131,7 +135,10 @@ class RadixIndexer:
         return self.index.blocks_held(slot)
 
     def on_routed(self, slot: int, hashes: Sequence[int], *, total_blocks: int) -> None:
-        """Nothing to learn: the worker's events will say what it cached."""
+        """Nothing to learn while the worker's events say what it cached; in learning mode, the
+        prompt is assumed cached where it was sent."""
+        if self.learning:
+            self.index.store(slot, hashes)
 
     def awaiting_dump(self, worker_id: str) -> bool:
         """Whether a dump of ``worker_id`` is awaited (its blocks are unknown meanwhile)."""

@@ -5,7 +5,9 @@ messages on the deployment's subject. A gap in a worker's event ids, a new engin
 that does not start at event 1, or a worker first heard mid-stream makes the indexer drop that
 worker's blocks and ask for a dump (NATS request on the worker's dump subject, falling back to
 the worker's ``GET /kv_dump``), retried until it arrives or the worker goes away. A newly usable
-worker is also asked for a dump, so an idle worker's cache is known before its first event.
+worker is also asked for a dump, so an idle worker's cache is known before its first event, and
+so is every worker each time the NATS connection is made (again): events published while it was
+down are lost. Dumps come over HTTP while NATS is down.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from nats.errors import Error as NatsError
 from pydantic import ValidationError
 
 from copse.router.indexer import RadixIndexer
+from copse.router.nats_link import NatsLink
 from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
 from copse.workers.nats_io import request_dump
@@ -35,7 +38,7 @@ class KvEventSync(Subscriber):
     def __init__(
         self,
         service: RoutingService,
-        nc: NATS,
+        link: NatsLink,
         *,
         namespace: str,
         deployment: str,
@@ -45,7 +48,7 @@ class KvEventSync(Subscriber):
         radix = service.router.radix
         if radix is None:
             raise ValueError("KV event sync needs a router built with use_kv_events=True")
-        super().__init__(nc, subject=kv_events_subject(namespace=namespace, deployment=deployment))
+        super().__init__(link, subject=kv_events_subject(namespace=namespace, deployment=deployment))
         self.radix: RadixIndexer = radix
         self.service = service
         self.namespace = namespace
@@ -55,14 +58,24 @@ class KvEventSync(Subscriber):
         self._pending: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
-        """Subscribe, and ask each newly usable worker for its cache."""
-        await super().start()
+        """Subscribe (on every connection), and ask each newly usable worker for its cache."""
         self.service.on_worker_added.append(
             lambda worker_id, _url: self.resync(worker_id, reason="discovered")
         )
+        self.service.readiness_checks.append(self.waiting_for)
+        await super().start()
+
+    async def on_connect(self, nc: NATS) -> None:
+        """Subscribe, then ask every worker for its cache: events sent meanwhile were lost."""
+        await super().on_connect(nc)
+        for worker_id in list(self.service.router.workers):
+            self.resync(worker_id, reason="connected")
+
+    def waiting_for(self) -> str | None:
+        """The dumps asked for and not loaded yet (``None``: none)."""
+        return f"KV dumps of {len(self._pending)} workers" if self._pending else None
 
     async def stop(self) -> None:
-        await super().stop()
         for task in self._pending.values():
             task.cancel()
 
@@ -110,16 +123,18 @@ class KvEventSync(Subscriber):
             self._pending.pop(worker_id, None)
 
     async def _fetch(self, worker_id: str) -> KvDump | None:
-        try:
-            return await request_dump(
-                self._nc,
-                namespace=self.namespace,
-                deployment=self.deployment,
-                worker_id=worker_id,
-                timeout_s=self._dump_timeout_s,
-            )
-        except (TimeoutError, NatsError, ValidationError) as exc:
-            log.info("dump of %s over NATS failed (%r); trying its HTTP endpoint", worker_id, exc)
+        nc = self.link.nc
+        if nc is not None:
+            try:
+                return await request_dump(
+                    nc,
+                    namespace=self.namespace,
+                    deployment=self.deployment,
+                    worker_id=worker_id,
+                    timeout_s=self._dump_timeout_s,
+                )
+            except (TimeoutError, NatsError, ValidationError) as exc:
+                log.info("dump of %s over NATS failed (%r); trying its HTTP endpoint", worker_id, exc)
         url = self.service.worker_url(worker_id)
         if url is None:
             return None

@@ -99,6 +99,23 @@ class RouterMetrics:
             f"{PREFIX}_workers", "Workers the router may use, by role.", ["role"], registry=r
         )
         self.peers = Gauge(f"{PREFIX}_peers", "Other router replicas heard from recently.", registry=r)
+        self.peer_snapshots = Counter(
+            f"{PREFIX}_peer_snapshots",
+            "Load snapshots asked of peer replicas (a new or restarted peer, or lost messages), by result.",
+            ["result"],
+            registry=r,
+        )
+        self.nats_connected = Gauge(
+            f"{PREFIX}_nats_connected",
+            "1 while connected to NATS (exact mode: KV events, shared load); 0 in approximate mode.",
+            registry=r,
+        )
+        self.ready = Gauge(
+            f"{PREFIX}_ready",
+            "1 once the router has a picture of the workers' caches and its peers' load (or gave up"
+            " waiting after recovery_timeout_s), 0 before and while draining.",
+            registry=r,
+        )
         r.register(_WorkerLoad(router))
 
 

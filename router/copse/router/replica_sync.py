@@ -5,19 +5,31 @@ prefill tokens and time, KV tokens; first token; end) on the deployment's load s
 mirrors what its peers publish into its own load tracker. Replicas also publish a heartbeat;
 a peer silent for ``peer_timeout_s`` is forgotten with everything it charged (it stopped, or
 its messages are not arriving). A peer's prefill backlog decays from when its message arrived.
+
+Messages are numbered per sender. A replica that hears a peer it does not know (it just started,
+or the peer did, or they lost each other) or sees a gap in a peer's numbers (messages lost, e.g.
+while NATS was down: a replica that cannot publish still numbers what it drops) asks that peer
+for a *snapshot* of its in-flight charges (NATS request on the peer's snapshot subject), holds
+the peer's messages meanwhile, loads the snapshot and replays the held messages numbered after
+it. So a replica that starts or restarts while others run knows their load before it reports
+ready (:meth:`ReplicaSync.waiting_for`): it listens two heartbeats for peers and waits for their
+snapshots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.core import FlightRecord, PeerChange
+from copse.router.nats_link import NatsLink
 from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
 from copse.workers.protocol.subjects import subject_token
@@ -28,6 +40,12 @@ log = logging.getLogger(__name__)
 def load_subject(*, namespace: str, deployment: str) -> str:
     """Subject on which the router replicas of one deployment share their load."""
     return f"copse.router.load.{subject_token(namespace)}.{subject_token(deployment)}"
+
+
+def snapshot_subject(*, namespace: str, deployment: str, router_id: str) -> str:
+    """Subject on which one router replica answers snapshot requests."""
+    scope = f"{subject_token(namespace)}.{subject_token(deployment)}"
+    return f"copse.router.snapshot.{scope}.{subject_token(router_id)}"
 
 
 class _Wire(BaseModel):
@@ -53,87 +71,156 @@ class LoadMessage(_Wire):
 
     router: str
     """Id of the replica that sent it."""
+    seq: int = 0
+    """Its number among the sender's messages (1, 2, ...); 0 from a sender that does not number."""
     changes: list[WireChange]
     """Empty for a heartbeat."""
 
 
-def encode_changes(router_id: str, changes: list[PeerChange]) -> bytes:
+class SnapshotFlight(_Wire):
+    key: str
+    record: WireRecord
+    prefilling: bool
+
+
+class Snapshot(_Wire):
+    """A replica's answer to a snapshot request: everything it has in flight."""
+
+    router: str
+    seq: int
+    """Number of the last load message it had sent when it took the snapshot."""
+    flights: list[SnapshotFlight]
+
+
+def _wire(record: FlightRecord) -> WireRecord:
+    return WireRecord(
+        worker_id=record.worker_id,
+        hashes=list(record.hashes),
+        prefill_tokens=record.prefill_tokens,
+        prefill_ms=record.prefill_ms,
+        kv_tokens=record.kv_tokens,
+    )
+
+
+def _record(wire: WireRecord) -> FlightRecord:
+    return FlightRecord(
+        worker_id=wire.worker_id,
+        hashes=wire.hashes,
+        prefill_tokens=wire.prefill_tokens,
+        prefill_ms=wire.prefill_ms,
+        kv_tokens=wire.kv_tokens,
+    )
+
+
+def encode_changes(router_id: str, changes: list[PeerChange], *, seq: int = 0) -> bytes:
     """The wire form of ``changes``."""
     wire = [
         WireChange(
-            op=change.op,
-            key=change.key,
-            record=None
-            if change.record is None
-            else WireRecord(
-                worker_id=change.record.worker_id,
-                hashes=list(change.record.hashes),
-                prefill_tokens=change.record.prefill_tokens,
-                prefill_ms=change.record.prefill_ms,
-                kv_tokens=change.record.kv_tokens,
-            ),
+            op=change.op, key=change.key, record=None if change.record is None else _wire(change.record)
         )
         for change in changes
     ]
-    return LoadMessage(router=router_id, changes=wire).model_dump_json().encode()
+    return LoadMessage(router=router_id, seq=seq, changes=wire).model_dump_json().encode()
 
 
-def decode_changes(data: bytes) -> tuple[str, list[PeerChange]]:
-    """``(router id, changes)`` of a message; ``ValidationError`` for a malformed one."""
+def decode_message(data: bytes) -> tuple[str, int, list[PeerChange]]:
+    """``(router id, seq, changes)`` of a message; ``ValidationError``/``ValueError`` for a malformed one."""
     message = LoadMessage.model_validate_json(data)
     changes = []
     for change in message.changes:
         if change.op not in ("add", "prefilled", "free"):
             raise ValueError(f"unknown load change {change.op!r}")
-        record = change.record
         changes.append(
             PeerChange(
                 op=change.op,  # type: ignore[arg-type]
                 key=change.key,
-                record=None
-                if record is None
-                else FlightRecord(
-                    worker_id=record.worker_id,
-                    hashes=record.hashes,
-                    prefill_tokens=record.prefill_tokens,
-                    prefill_ms=record.prefill_ms,
-                    kv_tokens=record.kv_tokens,
-                ),
+                record=None if change.record is None else _record(change.record),
             )
         )
-    return message.router, changes
+    return message.router, message.seq, changes
+
+
+def decode_changes(data: bytes) -> tuple[str, list[PeerChange]]:
+    """``(router id, changes)`` of a message; ``ValidationError`` for a malformed one."""
+    router_id, _seq, changes = decode_message(data)
+    return router_id, changes
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    """What this replica knows of one peer."""
+
+    heard: float
+    """When it was last heard (service clock)."""
+    seq: int = 0
+    """Number of its last message applied."""
+    synced: bool = False
+    """Its snapshot was loaded (else its messages are held)."""
+    held: list[tuple[int, list[PeerChange]]] = dataclasses.field(default_factory=list)
 
 
 class ReplicaSync(Subscriber):
-    """Publishes this replica's load changes and mirrors its peers'."""
+    """Publishes this replica's load changes and mirrors its peers' (see the module documentation)."""
 
     def __init__(
         self,
         service: RoutingService,
-        nc: NATS,
+        link: NatsLink,
         *,
         namespace: str,
         deployment: str,
         router_id: str,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
+        snapshot_timeout_s: float = 2.0,
     ) -> None:
         if service.router.outbox is None:
             raise ValueError("replica sync needs a router built with share_load=True")
-        super().__init__(nc, subject=load_subject(namespace=namespace, deployment=deployment))
+        super().__init__(link, subject=load_subject(namespace=namespace, deployment=deployment))
         self.service = service
         self.router_id = router_id
+        self.namespace = namespace
+        self.deployment = deployment
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
-        self.peers: dict[str, float] = {}
-        """Peer id -> when it was last heard (service clock)."""
-        self._sending: asyncio.Task[None] | None = None
+        self._snapshot_timeout_s = snapshot_timeout_s
+        self.peers: dict[str, _Peer] = {}
+        self._seq = 0
+        """Number of the last load message sent (or dropped while disconnected)."""
+        self._listen_until: float | None = None
+        """End of the first listening window for peers (``None`` before the first connection)."""
         self._wake = asyncio.Event()
+        self._syncs: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await super().start()
+        self.service.readiness_checks.append(self.waiting_for)
         self.service.on_changes.append(self._wake.set)
         self.service.add_task(asyncio.create_task(self._run(), name="replica-sync"))
+
+    async def stop(self) -> None:
+        for task in self._syncs:
+            task.cancel()
+
+    async def on_connect(self, nc: NATS) -> None:
+        await super().on_connect(nc)
+        subject = snapshot_subject(
+            namespace=self.namespace, deployment=self.deployment, router_id=self.router_id
+        )
+        await nc.subscribe(subject, cb=self._answer_snapshot)
+        if self._listen_until is None:
+            self._listen_until = self.service.now() + 2 * self._heartbeat_s
+
+    def waiting_for(self) -> str | None:
+        """What this replica still waits for before it knows its peers' load (``None``: nothing)."""
+        if self._listen_until is None:
+            return None  # the NATS link says it is not connected
+        if self.service.now() < self._listen_until:
+            return "peer routers' heartbeats"
+        syncing = sorted(peer for peer, state in self.peers.items() if not state.synced)
+        return f"load snapshots of peer routers {', '.join(syncing)}" if syncing else None
+
+    # -- publishing ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -148,36 +235,128 @@ class ReplicaSync(Subscriber):
                 self._forget_silent_peers()
 
     async def flush(self, *, heartbeat: bool = False) -> None:
-        """Publish pending changes (or an empty heartbeat)."""
+        """Publish pending changes (or an empty heartbeat). Without a connection they are dropped,
+        numbered all the same: peers see the gap and ask for a snapshot."""
         outbox = self.service.router.outbox
         assert outbox is not None
         if not outbox and not heartbeat:
             return
         changes = list(outbox)
         outbox.clear()
-        await self._nc.publish(self.subject, encode_changes(self.router_id, changes))
+        self._seq += 1
+        nc = self.link.nc
+        if nc is None:
+            return
+        try:
+            await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=self._seq))
+        except (NatsError, OSError) as exc:
+            log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
+
+    async def _answer_snapshot(self, msg: Msg) -> None:
+        await self.flush()  # what the snapshot holds is then all sent, up to its number
+        flights = [
+            SnapshotFlight(key=key, record=_wire(record), prefilling=prefilling)
+            for key, record, prefilling in self.service.router.own_flights()
+        ]
+        snapshot = Snapshot(router=self.router_id, seq=self._seq, flights=flights)
+        with contextlib.suppress(NatsError, OSError):
+            await msg.respond(snapshot.model_dump_json().encode())
+
+    # -- mirroring ----------------------------------------------------------------------------
 
     def _forget_silent_peers(self) -> None:
         now = self.service.now()
-        for peer, seen in list(self.peers.items()):
-            if now - seen > self._peer_timeout_s:
-                log.warning("router replica %s silent for %.1f s: forgetting its load", peer, now - seen)
+        for peer, state in list(self.peers.items()):
+            if now - state.heard > self._peer_timeout_s:
+                log.warning(
+                    "router replica %s silent for %.1f s: forgetting its load", peer, now - state.heard
+                )
                 del self.peers[peer]
                 self.service.released(self.service.router.forget_peer(peer, now=now))
         self.service.metrics.peers.set(len(self.peers))
 
     async def on_message(self, msg: Msg) -> None:
         try:
-            peer, changes = decode_changes(msg.data)
+            peer, seq, changes = decode_message(msg.data)
         except (ValidationError, ValueError) as exc:
             log.warning("ignoring a malformed load message: %s", exc)
             return
         if peer == self.router_id:
             return
         now = self.service.now()
-        if peer not in self.peers:
-            log.info("router replica %s joined", peer)
-        self.peers[peer] = now
-        self.service.metrics.peers.set(len(self.peers))
+        state = self.peers.get(peer)
+        if state is None:
+            log.info("router replica %s joined: asking for its load snapshot", peer)
+            state = self.peers[peer] = _Peer(heard=now)
+            self.service.metrics.peers.set(len(self.peers))
+            self._start_sync(peer, state)
+        state.heard = now
+        if not state.synced:
+            state.held.append((seq, changes))
+            return
+        if seq and seq <= state.seq:
+            return  # already in its snapshot
+        if seq and seq != state.seq + 1:
+            log.warning(
+                "router replica %s: messages %d..%d lost; asking for its load snapshot",
+                peer,
+                state.seq + 1,
+                seq - 1,
+            )
+            state.synced = False
+            state.held = [(seq, changes)]
+            self._start_sync(peer, state)
+            return
+        state.seq = seq
+        self._apply(peer, changes, now=now)
+
+    def _apply(self, peer: str, changes: list[PeerChange], *, now: float) -> None:
+        router = self.service.router
         for change in changes:
-            self.service.released(self.service.router.apply_peer(change, peer=peer, now=now))
+            self.service.released(router.apply_peer(change, peer=peer, now=now))
+
+    def _start_sync(self, peer: str, state: _Peer) -> None:
+        task = asyncio.create_task(self._sync(peer, state), name=f"peer-snapshot-{peer}")
+        self._syncs.add(task)
+        task.add_done_callback(self._syncs.discard)
+
+    async def _sync(self, peer: str, state: _Peer) -> None:
+        snapshot = await self._request_snapshot(peer)
+        if self.peers.get(peer) is not state:
+            return  # forgotten meanwhile
+        now = self.service.now()
+        base = 0
+        if snapshot is not None:
+            flights = [(flight.key, _record(flight.record), flight.prefilling) for flight in snapshot.flights]
+            self.service.released(self.service.router.load_peer_snapshot(peer, flights, now=now))
+            base = snapshot.seq
+            self.service.metrics.peer_snapshots.labels(result="loaded").inc()
+        else:
+            self.service.metrics.peer_snapshots.labels(result="failed").inc()
+        held, state.held = state.held, []
+        state.seq = base
+        for seq, changes in held:
+            if seq and seq <= base:
+                continue
+            self._apply(peer, changes, now=now)
+            state.seq = max(state.seq, seq)
+        state.synced = True
+
+    async def _request_snapshot(self, peer: str) -> Snapshot | None:
+        nc = self.link.nc
+        if nc is None:
+            return None
+        subject = snapshot_subject(namespace=self.namespace, deployment=self.deployment, router_id=peer)
+        try:
+            reply = await nc.request(subject, b"", timeout=self._snapshot_timeout_s)
+            snapshot = Snapshot.model_validate_json(reply.data)
+        except (NatsError, OSError, TimeoutError, ValidationError) as exc:
+            log.warning(
+                "no load snapshot from router replica %s (%r): mirroring its messages only", peer, exc
+            )
+            return None
+        if snapshot.router != peer:
+            log.warning("snapshot of %s answered by %s: ignored", peer, snapshot.router)
+            return None
+        log.info("router replica %s: loaded its snapshot (%d in flight)", peer, len(snapshot.flights))
+        return snapshot

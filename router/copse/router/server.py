@@ -7,12 +7,11 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import uuid
 
-import nats
 from aiohttp import web
-from nats.aio.client import Client as NATS
 
 from copse.router.config import InferencePoolDiscovery, KubernetesDiscovery, RouterConfig
 from copse.router.discovery import (
@@ -26,6 +25,7 @@ from copse.router.discovery import (
 from copse.router.epp import EndpointPicker, PickerServer, start_picker
 from copse.router.frontend import RouterService
 from copse.router.kv_sync import KvEventSync
+from copse.router.nats_link import NatsLink
 from copse.router.replica_sync import ReplicaSync
 from copse.router.service import RoutingService
 from copse.router.tokens import load_tokenizer
@@ -45,7 +45,8 @@ class RunningRouter:
     """Base URL of its HTTP server: the OpenAI API, or an endpoint picker's metrics ("" without)."""
     picker: PickerServer | None
     """The endpoint picker's gRPC server (``None`` for the HTTP frontend)."""
-    nc: NATS | None
+    link: NatsLink | None
+    """The NATS connection (kept up in the background), when the config names a server."""
     kv_sync: KvEventSync | None
     replica_sync: ReplicaSync | None
     pod_api: KubeAioPodApi | None
@@ -59,6 +60,20 @@ class RunningRouter:
         shown = f"[{host}]" if ":" in host else host
         return f"{shown}:{self.picker.grpc_port}"
 
+    async def drain(self, timeout_s: float) -> None:
+        """Stop being ready (load balancers send new requests elsewhere; those that still come are
+        served) and wait up to ``timeout_s`` for the requests in flight to end."""
+        service = self.service
+        service.draining = True
+        service.readiness()
+        log.info("draining: %d requests in flight, waiting up to %g s", service.in_flight, timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while service.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if service.in_flight:
+            log.warning("drain timeout: %d requests still in flight are cut", service.in_flight)
+
     async def close(self) -> None:
         if self.kv_sync is not None:
             await self.kv_sync.stop()
@@ -68,8 +83,8 @@ class RunningRouter:
             await self.runner.cleanup()
         if self.picker is not None:
             await self.picker.stop()
-        if self.nc is not None:
-            await self.nc.drain()
+        if self.link is not None:
+            await self.link.close()
         if self.pod_api is not None:
             await self.pod_api.close()
 
@@ -100,9 +115,12 @@ async def start_router(
             source = InferencePoolSource(pod_api, namespace=discovery.namespace, name=discovery.name)
     else:
         source = StaticSource(discovery.workers)
-    nc = await nats.connect(config.nats_url) if config.nats_url else None
+    router_id = router_id or default_router_id()
+    link = None
+    if config.nats_url:
+        link = NatsLink(config.nats_url, name=router_id, backoff_max_s=config.nats_reconnect_max_s)
     service: RoutingService
-    synced = nc is not None
+    synced = link is not None
     if config.epp is not None:
         service = EndpointPicker(
             config,
@@ -118,18 +136,22 @@ async def start_router(
             config, source=source, perf=perf, tokenizer=tokenizer, use_kv_events=synced, share_load=synced
         )
     kv_sync = replica_sync = None
-    if nc is not None:
-        kv_sync = KvEventSync(service, nc, namespace=config.namespace, deployment=config.deployment)
+    if link is not None:
+        link_url = config.nats_url
+        link.on_state = service.set_nats_connected
+        service.readiness_checks.append(lambda: None if link.connected else f"a NATS connection ({link_url})")
+        kv_sync = KvEventSync(service, link, namespace=config.namespace, deployment=config.deployment)
         await kv_sync.start()
         replica_sync = ReplicaSync(
             service,
-            nc,
+            link,
             namespace=config.namespace,
             deployment=config.deployment,
-            router_id=router_id or default_router_id(),
+            router_id=router_id,
             peer_timeout_s=config.peer_timeout_s,
         )
         await replica_sync.start()
+        await link.start()
     runner = picker = None
     if isinstance(service, EndpointPicker):
         picker = await start_picker(service, host=config.host)
@@ -148,7 +170,7 @@ async def start_router(
         runner=runner,
         url=url,
         picker=picker,
-        nc=nc,
+        link=link,
         kv_sync=kv_sync,
         replica_sync=replica_sync,
         pod_api=owned_api,
@@ -156,9 +178,9 @@ async def start_router(
 
 
 async def serve(config: RouterConfig) -> None:
-    """Run a router until cancelled."""
+    """Run a router until SIGTERM or SIGINT, then drain it (see :meth:`RunningRouter.drain`)."""
     running = await start_router(config)
-    mode = "KV events + replica sync over NATS" if running.nc is not None else "approximate (no NATS)"
+    mode = "KV events + replica sync over NATS" if running.link is not None else "approximate (no NATS)"
     if running.picker is not None:
         log.info(
             "endpoint picker for %s: ext_proc on %s (metrics %s; policy %s, %s)",
@@ -172,7 +194,12 @@ async def serve(config: RouterConfig) -> None:
         log.info(
             "router for %s listening on %s (policy %s, %s)", config.model, running.url, config.policy, mode
         )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        await running.drain(config.drain_timeout_s)
     finally:
         await running.close()

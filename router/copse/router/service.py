@@ -242,6 +242,15 @@ class RoutingService:
         """Callbacks ``(worker_id)`` run when a worker is dropped (abandon what runs on it)."""
         self.on_changes: list[Callable[[], object]] = []
         """Callbacks run after the core changed in-flight load (replica sync flushes its outbox)."""
+        self.readiness_checks: list[Callable[[], str | None]] = []
+        """Each says what a starting router still waits for before it has a picture of the workers'
+        caches and its peers' load (``None``: nothing more)."""
+        self.draining = False
+        """Shutting down: not ready, finishing what is in flight."""
+        self.in_flight = 0
+        """Requests this router is answering (what a drain waits for; its frontend counts them)."""
+        self._started_at = 0.0
+        self._recovered = False
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -255,6 +264,7 @@ class RoutingService:
         """Open the worker HTTP session, start discovery and the health probes."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout)
+        self._started_at = self.now()
         self._tasks.append(asyncio.create_task(self.source.run(self._on_discovery), name="discovery"))
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="health-probes"))
 
@@ -521,6 +531,43 @@ class RoutingService:
             }
             for key, live in sorted(self._live.items())
         ]
+
+    def set_nats_connected(self, connected: bool) -> None:
+        """Exact mode while NATS is connected (KV events keep the index); approximate mode while it
+        is not (the index learns from this router's own decisions)."""
+        if self.router.radix is not None:
+            self.router.radix.learning = not connected
+        self.metrics.nats_connected.set(1 if connected else 0)
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        """Whether the router should get traffic, and if not what it waits for: a usable worker, and
+        once after starting, a picture of the workers' caches and its peers' load (until
+        ``recovery_timeout_s``: then it serves with what it has); never while draining."""
+        waiting = []
+        if self.draining:
+            waiting.append("nothing: it is shutting down")
+        if not self.router.workers:
+            waiting.append("a usable worker")
+        if not self._recovered:
+            recovering = [reason for check in self.readiness_checks if (reason := check()) is not None]
+            unprobed = sum(1 for key in self._endpoints if key not in self._failures)
+            if unprobed:
+                recovering.append(f"the first health probe of {unprobed} discovered workers")
+            if not recovering and self.router.workers:
+                self._recovered = True
+                log.info("router ready: it knows the workers' caches and its peers' load")
+            elif recovering and self.now() - self._started_at > self.config.recovery_timeout_s:
+                self._recovered = True
+                log.warning(
+                    "router ready after recovery_timeout_s (%g s) without: %s",
+                    self.config.recovery_timeout_s,
+                    "; ".join(recovering),
+                )
+            else:
+                waiting.extend(recovering)
+        ready = not waiting
+        self.metrics.ready.set(1 if ready else 0)
+        return ready, waiting
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """HTTP status and body of a health answer: 200 while at least one worker is usable."""

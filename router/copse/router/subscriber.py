@@ -6,24 +6,27 @@ import abc
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+
+from copse.router.nats_link import NatsLink
 
 
 class Subscriber(abc.ABC):
-    """One subscription on ``subject``: :meth:`start` subscribes :meth:`on_message`, :meth:`stop` ends it."""
+    """One subscription on ``subject``, made again on every connection of ``link`` (it ends with the
+    connection): :meth:`start` registers it (subscribing at once when connected), :meth:`on_message`
+    handles its messages."""
 
-    def __init__(self, nc: NATS, *, subject: str) -> None:
-        self._nc = nc
+    def __init__(self, link: NatsLink, *, subject: str) -> None:
+        self.link = link
         self.subject = subject
-        self._subscription: Subscription | None = None
 
     async def start(self) -> None:
-        self._subscription = await self._nc.subscribe(self.subject, cb=self.on_message)
+        self.link.on_connect.append(self.on_connect)
+        if self.link.nc is not None:
+            await self.on_connect(self.link.nc)
 
-    async def stop(self) -> None:
-        if self._subscription is not None:
-            await self._subscription.unsubscribe()
-            self._subscription = None
+    async def on_connect(self, nc: NATS) -> None:
+        """Subscribe on a new connection (subclasses extend it to resync)."""
+        await nc.subscribe(self.subject, cb=self.on_message)
 
     @abc.abstractmethod
     async def on_message(self, msg: Msg) -> None:

@@ -11,13 +11,12 @@ import socket
 from pathlib import Path
 
 import click
-import nats
 from prometheus_client import CollectorRegistry, start_http_server
 
 from copse.workers.mocker.config import ROLES, EngineConfig
 from copse.workers.mocker.server import MockFleetSettings, start_fleet
 from copse.workers.moe import MoeConfig
-from copse.workers.nats_io import KvEventPublisher
+from copse.workers.nats_io import KvEventPublisher, connect
 from copse.workers.perf import PerfModel, ProfileError, load_perf_model, save_profile
 from copse.workers.protocol.subjects import subject_token
 from copse.workers.relay import run_relay
@@ -197,7 +196,7 @@ def mock(
     )
 
     async def serve() -> None:
-        connection = await nats.connect(nats_url) if nats_url else None
+        connection = await connect(nats_url) if nats_url else None
         publisher = (
             KvEventPublisher(connection, namespace=namespace, deployment=deployment) if connection else None
         )

@@ -5,15 +5,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from pydantic import ValidationError
 
 from copse.workers.protocol.kv_events import KvDump, KvDumpRequest, KvEvent, KvEventBatch
 from copse.workers.protocol.subjects import kv_dump_subject, kv_events_subject
 
 log = logging.getLogger(__name__)
+
+RECONNECT_WAIT_S = 1
+"""Seconds between attempts to reach a NATS server that went away."""
+
+
+async def connect(url: str) -> NATS:
+    """A connection for publishing KV events that outlives NATS restarts: it retries every
+    :data:`RECONNECT_WAIT_S` for ever (the first connection too) and resubscribes when back."""
+    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S)
 
 
 class KvEventPublisher:
@@ -30,7 +41,14 @@ class KvEventPublisher:
         if not events:
             return
         batch = KvEventBatch.model_construct(worker_id=worker_id, epoch=epoch, events=tuple(events))
-        await self._nc.publish(self.subject, batch.model_dump_json().encode())
+        try:
+            await self._nc.publish(self.subject, batch.model_dump_json().encode())
+        except (NatsError, OSError) as exc:
+            # NATS is away longer than its send buffer lasts: the events are lost; subscribers see
+            # the gap in event ids and ask for a dump. The engine keeps serving.
+            log.warning(
+                "KV events %d..%d of %s not sent: %r", events[0].event_id, events[-1].event_id, worker_id, exc
+            )
 
     async def serve_dumps(self, *, worker_id: str, dump: Callable[[], KvDump]) -> Subscription:
         """Answer :class:`KvDumpRequest` messages on the worker's dump subject with ``dump()``."""

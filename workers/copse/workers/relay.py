@@ -21,12 +21,11 @@ import time
 from collections.abc import Sequence
 
 import httpx
-import nats
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import TypeAdapter, ValidationError
 
 from copse.workers import metrics as names
-from copse.workers.nats_io import KvEventPublisher
+from copse.workers.nats_io import KvEventPublisher, connect
 from copse.workers.protocol.hashing import chain_hash, tokens_hashes
 from copse.workers.protocol.kv_events import (
     DumpBlock,
@@ -147,7 +146,7 @@ async def run_relay(
     """Poll the engine every ``interval_s`` (immediately again while it has events) until ``stop``."""
     stop = stop or asyncio.Event()
     relay = KvRelay(worker_id=worker_id, block_size=block_size, epoch=time.time_ns(), registry=registry)
-    connection = await nats.connect(nats_url)
+    connection = await connect(nats_url)
     publisher = KvEventPublisher(connection, namespace=namespace, deployment=deployment)
     await publisher.serve_dumps(worker_id=worker_id, dump=relay.dump)
     url = engine_url.rstrip("/") + "/kv_cache_events"

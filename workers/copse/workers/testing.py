@@ -23,11 +23,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import nats
-
 from copse.workers.mocker.config import EngineConfig
 from copse.workers.mocker.server import MockFleet, MockFleetSettings, start_fleet
-from copse.workers.nats_io import KvEventPublisher
+from copse.workers.nats_io import KvEventPublisher, connect
 from copse.workers.perf import PerfModel, PolynomialPerfModel
 
 _LISTENING = re.compile(rb"Listening for client connections on [^\s:]+:(\d+)")
@@ -48,16 +46,17 @@ def nats_server_binary() -> str:
 
 
 @contextlib.contextmanager
-def nats_server(*, timeout_s: float = 15.0) -> Iterator[str]:
-    """Run a throwaway ``nats-server`` on 127.0.0.1 and a free port; yields its URL."""
+def nats_server(*, port: int | None = None, timeout_s: float = 15.0) -> Iterator[str]:
+    """Run a throwaway ``nats-server`` on 127.0.0.1 and ``port`` (a free one when ``None``); yields
+    its URL."""
     process = subprocess.Popen(
-        [nats_server_binary(), "--addr", "127.0.0.1", "--port", "-1"],
+        [nats_server_binary(), "--addr", "127.0.0.1", "--port", str(port or -1)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
     assert process.stderr is not None
     deadline = time.monotonic() + timeout_s
-    port: int | None = None
+    listening: int | None = None
     log: list[bytes] = []
     try:
         while time.monotonic() < deadline:
@@ -67,12 +66,12 @@ def nats_server(*, timeout_s: float = 15.0) -> Iterator[str]:
             log.append(line)
             match = _LISTENING.search(line)
             if match:
-                port = int(match.group(1))
-            if _READY in line and port is not None:
+                listening = int(match.group(1))
+            if _READY in line and listening is not None:
                 break
         else:
             raise TimeoutError(f"nats-server not ready after {timeout_s} s: {b''.join(log).decode()}")
-        yield f"nats://127.0.0.1:{port}"
+        yield f"nats://127.0.0.1:{listening}"
     finally:
         process.terminate()
         try:
@@ -96,7 +95,7 @@ async def mock_fleet(
     model_name: str = "mock-model",
 ) -> AsyncIterator[MockFleet]:
     """Mocked engines on free ports of 127.0.0.1, publishing KV events when ``nats_url`` is given."""
-    connection = await nats.connect(nats_url) if nats_url is not None else None
+    connection = await connect(nats_url) if nats_url is not None else None
     publisher = (
         KvEventPublisher(connection, namespace=namespace, deployment=deployment)
         if connection is not None

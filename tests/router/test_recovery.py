@@ -1,0 +1,278 @@
+"""Router restarts and outages: NATS coming and going (approximate mode, then resync), replicas
+that start while others run (peer load snapshots), readiness, and draining on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from typing import Any
+
+import aiohttp
+import nats
+from nats.aio.msg import Msg
+
+from copse.router.config import RouterConfig, parse_config
+from copse.router.core import FlightRecord, PeerChange
+from copse.router.policies import RouteRequest
+from copse.router.replica_sync import (
+    Snapshot,
+    SnapshotFlight,
+    WireRecord,
+    encode_changes,
+    load_subject,
+    snapshot_subject,
+)
+from copse.router.server import RunningRouter, start_router
+from copse.workers.protocol import block_hashes
+from copse.workers.testing import mock_fleet, nats_server
+
+from .conftest import eventually
+
+MODEL = "mock-model"
+PROMPT = list(range(2000, 2000 + 640))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _config(urls: list[str], nats_url: str, deployment: str, **extra: Any) -> RouterConfig:
+    raw: dict[str, Any] = {
+        "model": MODEL,
+        "port": 0,
+        "block_size": 32,
+        "nats_url": nats_url,
+        "deployment": deployment,
+        "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
+        "health_interval_s": 0.05,
+        "nats_reconnect_max_s": 0.5,
+        "seed": 3,
+    }
+    raw.update(extra)
+    return parse_config(raw, source="test")
+
+
+async def _ready(running: RunningRouter) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http, http.get(f"{running.url}/ready") as response:
+        body: dict[str, Any] = await response.json()
+        return response.status, body
+
+
+async def _is_ready(running: RunningRouter) -> bool:
+    return (await _ready(running))[0] == 200
+
+
+async def _complete(running: RunningRouter, prompt: list[int]) -> None:
+    async with aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        async with http.post(f"{running.url}/v1/completions", json=body) as response:
+            assert response.status == 200
+
+
+def _holders(running: RunningRouter, prompt: list[int]) -> dict[str, int]:
+    router = running.service.router
+    overlaps = router.indexer.overlaps(block_hashes(prompt, block_size=32))
+    return {router.slots.worker_id(slot): depth for slot, depth in overlaps.items()}
+
+
+async def test_without_nats_the_router_serves_approximately_and_resyncs_when_it_comes() -> None:
+    port = _free_port()
+    url = f"nats://127.0.0.1:{port}"
+    async with mock_fleet(engines=2) as fleet:  # engines without NATS: their dumps come over HTTP
+        running = await start_router(
+            _config(fleet.urls, url, "late", recovery_timeout_s=1.0), router_id="late"
+        )
+        try:
+            metrics = running.service.metrics
+            await eventually(lambda: len(running.service.router.workers) == 2)
+            status, body = await _ready(running)
+            assert status == 503
+            assert f"a NATS connection ({url})" in body["waiting_for"]
+            assert metrics.nats_connected._value.get() == 0
+            await _complete(running, PROMPT)  # served meanwhile, learning from its own decision
+            learned = _holders(running, PROMPT)
+            assert list(learned.values()) == [20]
+            await eventually(lambda: _is_ready(running), timeout_s=5)  # gave up waiting for NATS
+            with nats_server(port=port):
+                await eventually(lambda: metrics.nats_connected._value.get() == 1)
+                assert metrics.kv_resyncs.labels(reason="connected")._value.get() == 2
+                radix = running.service.router.radix
+                assert radix is not None
+                await eventually(
+                    lambda: not any(radix.awaiting_dump(w) for w in running.service.router.workers)
+                )
+                assert not radix.learning
+                # the dumps say what the engines really hold: the whole prompt where it was served
+                assert _holders(running, PROMPT) == learned
+            await eventually(lambda: metrics.nats_connected._value.get() == 0)
+            assert radix.learning
+            await _complete(running, PROMPT)  # and it keeps serving
+        finally:
+            await running.close()
+
+
+async def test_nats_restarting_under_a_router_and_engines_loses_nothing_for_good() -> None:
+    port = _free_port()
+    url = f"nats://127.0.0.1:{port}"
+    server = contextlib.ExitStack()
+    server.enter_context(nats_server(port=port))
+    try:
+        async with mock_fleet(engines=2, nats_url=url, deployment="restart") as fleet:
+            running = await start_router(_config(fleet.urls, url, "restart"), router_id="restart")
+            try:
+                metrics = running.service.metrics
+                await eventually(lambda: len(running.service.router.workers) == 2)
+                assert metrics.nats_connected._value.get() == 1
+                await _complete(running, PROMPT)
+                await eventually(lambda: bool(_holders(running, PROMPT)))
+                server.close()  # NATS goes away under the running engines and router
+                await eventually(lambda: metrics.nats_connected._value.get() == 0)
+                await _complete(running, PROMPT)
+                server.enter_context(nats_server(port=port))
+                await eventually(lambda: metrics.nats_connected._value.get() == 1, timeout_s=15)
+                other = list(range(9000, 9000 + 320))
+                await _complete(running, other)
+                # KV events flow again: the router learns the new prompt from the engine's event
+                await eventually(lambda: list(_holders(running, other).values()) == [10], timeout_s=15)
+                assert metrics.kv_resyncs.labels(reason="connected")._value.get() >= 2
+            finally:
+                await running.close()
+    finally:
+        server.close()
+
+
+async def test_a_replica_starting_while_another_runs_knows_its_load_before_it_is_ready(nats_url: str) -> None:
+    async with mock_fleet(engines=2, nats_url=nats_url, deployment="peers") as fleet:
+        one = await start_router(_config(fleet.urls, nats_url, "peers"), router_id="one")
+        try:
+            await eventually(lambda: len(one.service.router.workers) == 2)
+            held = RouteRequest(
+                request_id="held", hashes=block_hashes(PROMPT, block_size=32), prompt_tokens=640, max_tokens=5
+            )
+            route = one.service.router.submit(held, now=time.monotonic())
+            assert route is not None
+            one.service.router.prefill_done("held", now=time.monotonic())
+            one.service.released([])
+            two = await start_router(_config(fleet.urls, nats_url, "peers"), router_id="two")
+            try:
+                status, body = await _ready(two)
+                assert status == 503
+                assert any("peer routers" in reason for reason in body["waiting_for"])
+                await eventually(lambda: _is_ready(two))
+                # what "one" had in flight before "two" existed, from its snapshot
+                mirror = two.service.router
+                slot = mirror.slots.slot(route.worker_id)
+                assert mirror.sequences.requests[slot] == 1
+                assert mirror.sequences.prefilling[slot] == 0  # its first token had come
+                assert two.service.metrics.peer_snapshots.labels(result="loaded")._value.get() == 1
+                one.service.router.finish("held", now=time.monotonic())
+                one.service.released([])
+                await eventually(lambda: mirror.sequences.requests[slot] == 0)
+            finally:
+                await two.close()
+        finally:
+            await one.close()
+
+
+async def test_lost_messages_of_a_peer_bring_a_new_snapshot(nats_url: str) -> None:
+    """A fake peer numbers its messages 1, 2, then 5 (3 and 4 lost); its snapshot is the truth."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await start_router(_config(fleet.urls, nats_url, "gaps"), router_id="me")
+        nc = await nats.connect(nats_url)
+        try:
+            await eventually(lambda: len(running.service.router.workers) == 1)
+            (worker,) = running.service.router.workers
+            wire = WireRecord(
+                worker_id=worker,
+                hashes=block_hashes(PROMPT, block_size=32),
+                prefill_tokens=640,
+                prefill_ms=9.0,
+                kv_tokens=8.0,
+            )
+            record = FlightRecord(**wire.model_dump())
+            state: dict[str, SnapshotFlight] = {}  # the fake peer's in-flight charges
+            sent = 0
+            snapshots = 0
+
+            async def answer(msg: Msg) -> None:
+                nonlocal snapshots
+                snapshots += 1
+                snapshot = Snapshot(router="fake", seq=sent, flights=list(state.values()))
+                await msg.respond(snapshot.model_dump_json().encode())
+
+            await nc.subscribe(
+                snapshot_subject(namespace="default", deployment="gaps", router_id="fake"), cb=answer
+            )
+
+            async def send(*changes: PeerChange, seq: int, lost: bool = False) -> None:
+                nonlocal sent
+                for change in changes:
+                    if change.op == "add":
+                        state[change.key] = SnapshotFlight(key=change.key, record=wire, prefilling=True)
+                    else:
+                        state.pop(change.key, None)
+                sent = seq
+                if not lost:
+                    message = encode_changes("fake", list(changes), seq=seq)
+                    await nc.publish(load_subject(namespace="default", deployment="gaps"), message)
+
+            sync = running.replica_sync
+            assert sync is not None
+            held = running.service.router.sequences
+
+            def mirrored() -> list[str]:
+                return sorted(key for key in ("fake/a", "fake/b", "fake/c") if key in held)
+
+            await send(PeerChange(op="add", key="a", record=record), seq=1)
+            await eventually(lambda: "fake" in sync.peers and sync.peers["fake"].synced)
+            assert snapshots == 1  # a peer heard for the first time is asked for its snapshot
+            assert mirrored() == ["fake/a"]
+            await send(PeerChange(op="add", key="b", record=record), seq=2)
+            await eventually(lambda: mirrored() == ["fake/a", "fake/b"])
+            await send(PeerChange(op="free", key="a"), PeerChange(op="free", key="b"), seq=3, lost=True)
+            await send(PeerChange(op="add", key="c", record=record), seq=4, lost=True)
+            await send(seq=5)  # a heartbeat after the gap
+            await eventually(lambda: snapshots == 2)
+            await eventually(lambda: mirrored() == ["fake/c"])
+            assert running.service.metrics.peer_snapshots.labels(result="loaded")._value.get() == 2
+        finally:
+            await nc.drain()
+            await running.close()
+
+
+async def test_a_draining_router_is_not_ready_and_finishes_its_streams() -> None:
+    async with mock_fleet(engines=1) as fleet:
+        config = parse_config(
+            {
+                "model": MODEL,
+                "port": 0,
+                "block_size": 32,
+                "discovery": {"kind": "static", "workers": [{"url": fleet.urls[0]}]},
+                "health_interval_s": 0.05,
+            },
+            source="test",
+        )
+        running = await start_router(config, router_id="drain")
+        try:
+            await eventually(lambda: _is_ready(running))
+            async with aiohttp.ClientSession() as http:
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "stream": True}
+                async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                    first = await response.content.readline()
+                    assert first.startswith(b"data:")
+                    drain = asyncio.create_task(running.drain(10.0))
+                    await eventually(lambda: running.service.draining)
+                    status, body = await _ready(running)
+                    assert status == 503
+                    assert body["waiting_for"] == ["nothing: it is shutting down"]
+                    assert not drain.done()  # the stream is still going
+                    rest = await response.read()
+                assert rest.rstrip().endswith(b"data: [DONE]")
+            await asyncio.wait_for(drain, 5)
+        finally:
+            await running.close()
