@@ -44,6 +44,7 @@ def nats_url() -> Iterator[str]:
 async def _router(urls: list[str], **extra: Any) -> AsyncIterator[RunningRouter]:
     raw: dict[str, Any] = {
         "model": MODEL,
+        "engine": "mock",
         "port": 0,
         "block_size": 32,
         "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},

@@ -111,6 +111,7 @@ async def test_static_source_reports_its_list() -> None:
     config = parse_config(
         {
             "model": "m",
+            "engine": "mock",
             "discovery": {"kind": "static", "workers": [{"url": "http://127.0.0.1:1", "role": "decode"}]},
         },
         source="t",
@@ -125,6 +126,7 @@ async def test_static_source_reports_its_list() -> None:
 
 OPERATOR_CONFIG = {
     "model": "llama",
+    "engine": "mock",
     "host": "0.0.0.0",
     "port": 8080,
     "policy": "kv",

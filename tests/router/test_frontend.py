@@ -24,6 +24,7 @@ MODEL = "mock-model"
 def _config(urls: list[str], **extra: Any) -> RouterConfig:
     raw: dict[str, Any] = {
         "model": MODEL,
+        "engine": "mock",
         "port": 0,
         "block_size": 32,
         "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},

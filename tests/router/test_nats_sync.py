@@ -26,6 +26,7 @@ PROMPT = list(range(1000, 1000 + 640))
 def _config(urls: list[str], nats_url: str, deployment: str, **extra: Any) -> RouterConfig:
     raw: dict[str, Any] = {
         "model": MODEL,
+        "engine": "mock",
         "port": 0,
         "block_size": 32,
         "nats_url": nats_url,

@@ -34,6 +34,22 @@ def router() -> None:
     "--worker", "workers", multiple=True, help="Static worker URL (repeatable); implies static discovery."
 )
 @click.option("--model", default=None, help="Model name served.")
+@click.option(
+    "--engine",
+    type=click.Choice(["trtllm", "mock"]),
+    default=None,
+    help="What serves behind the router: trtllm-serve or copse's mocked engines (decides tokenization).",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory with tokenizer.json and tokenizer_config.json (required with --engine trtllm).",
+)
+@click.option("--kv-capacity-tokens", type=int, default=None, help="KV cache size of one engine, tokens.")
+@click.option(
+    "--perf-profile", type=click.Path(path_type=Path), default=None, help="Engines' perf profile (NPZ/JSON)."
+)
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Listen port (default 8080; 0 = any free port).")
 @click.option("--policy", type=click.Choice(sorted(POLICIES)), default=None)
@@ -64,6 +80,10 @@ def run_command(
     config_path: Path | None,
     workers: tuple[str, ...],
     model: str | None,
+    engine: str | None,
+    tokenizer: Path | None,
+    kv_capacity_tokens: int | None,
+    perf_profile: Path | None,
     host: str | None,
     port: int | None,
     policy: str | None,
@@ -97,6 +117,10 @@ def run_command(
         raw, source = loaded, str(config_path)
     overrides = {
         "model": model,
+        "engine": engine,
+        "tokenizer": tokenizer,
+        "kv_capacity_tokens": kv_capacity_tokens,
+        "perf_profile": perf_profile,
         "host": host,
         "port": port,
         "policy": policy,

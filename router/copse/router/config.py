@@ -88,6 +88,10 @@ class EppSettings(_Model):
     address, so keep 0 there)."""
 
 
+EngineKind = Literal["trtllm", "mock"]
+"""What serves behind a router."""
+
+
 class RouterConfig(_Model):
     """Everything ``copse router run`` needs."""
 
@@ -117,13 +121,21 @@ class RouterConfig(_Model):
     namespace: str = "default"
     """Namespace part of the NATS subjects (taken from Kubernetes discovery when set there)."""
     discovery: Discovery
+    engine: EngineKind
+    """What serves behind the router: ``trtllm`` (a real ``trtllm-serve``) or ``mock`` (copse's
+    mocked engines). It decides how text prompts are tokenized and where the engines' KV capacity
+    comes from; there is no default, so a router never guesses."""
     tokenizer: Path | None = None
-    """Local tokenizer file (Hugging Face ``tokenizer.json``) for text prompts; without it text is
-    tokenized like the mocked engines do."""
+    """Model directory holding the engines' ``tokenizer.json`` and ``tokenizer_config.json`` (and
+    ``chat_template.jinja`` when the model has one): required with ``engine: trtllm`` (text and chat
+    prompts are tokenized as ``trtllm-serve`` does); mocked engines use copse's byte tokenizer."""
     perf_profile: Path | None = None
-    """Perf profile of the engines (NPZ/JSON); the polynomial default model without it."""
+    """Perf profile of the engines (NPZ/JSON, ``copse planner profile``): predicted TTFT/ITL and,
+    unless ``kv_capacity_tokens`` says otherwise, the KV capacity; copse's polynomial model without it."""
     kv_capacity_tokens: int | None = Field(default=None, ge=1)
-    """KV cache size of one engine, tokens; from ``/worker_info`` or the perf model without it."""
+    """KV cache size of one engine, tokens (busy threshold, approximate cache size, latency model):
+    with ``engine: trtllm`` this or a perf profile is required (TensorRT-LLM sizes its cache from free
+    GPU memory, which only the engine knows); mocked engines run copse's default model without it."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     """Engines' per-step token budget (prefill steps a prompt needs)."""
     decode_weight: float = Field(default=0.0, ge=0.0)
@@ -186,6 +198,29 @@ class RouterConfig(_Model):
             self.namespace = discovery.namespace
         return self
 
+    @model_validator(mode="after")
+    def _engine_needs(self) -> RouterConfig:
+        if self.engine == "mock":
+            if self.tokenizer is not None:
+                raise ValueError(
+                    "tokenizer: mocked engines tokenize with copse's byte tokenizer; "
+                    "a model tokenizer is for engine: trtllm"
+                )
+            return self
+        if self.tokenizer is None:
+            raise ValueError(
+                "tokenizer: required with engine: trtllm; text and chat prompts must be tokenized as "
+                "trtllm-serve does, or the router's block hashes never match the engines' KV events "
+                "(the operator sets it from spec.router.tokenizer)"
+            )
+        if self.kv_capacity_tokens is None and self.perf_profile is None:
+            raise ValueError(
+                "kv_capacity_tokens: required with engine: trtllm unless perf_profile gives it; "
+                "busy thresholds and the latency model need the engines' real KV cache size "
+                "(the operator sets it from spec.router.kvCapacityTokens)"
+            )
+        return self
+
     def selection(self) -> SelectionSettings:
         """The cost-function settings."""
         return SelectionSettings(
@@ -207,8 +242,11 @@ class RouterConfig(_Model):
 def _describe(exc: ValidationError, *, source: str) -> str:
     parts = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "(root)"
         message = str(error["msg"]).removeprefix("Value error, ")
+        if not error["loc"]:  # a cross-field rule: its message names the fields
+            parts.append(f"{source}: {message}")
+            continue
+        where = ".".join(str(part) for part in error["loc"])
         parts.append(f"{source}: {where}: {message} (got {error.get('input')!r})")
     return "\n".join(parts)
 

@@ -55,7 +55,7 @@ from copse.router.service import (
     error_body,
     usage_tokens,
 )
-from copse.router.tokens import Tokenizer
+from copse.router.tokens import PromptTokenizer
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
@@ -177,7 +177,7 @@ class RouterService(RoutingService):
         *,
         source: Source,
         perf: PerfModel,
-        tokenizer: Tokenizer,
+        tokenizer: PromptTokenizer,
         use_kv_events: bool,
         share_load: bool = False,
     ) -> None:

@@ -100,7 +100,13 @@ async def start_router(
     """Start a router for ``config``; ``pod_api`` replaces the Kubernetes client (tests).
     Raises ``ValueError`` for unusable settings (perf profile, tokenizer, ports)."""
     perf = load_perf_model(config.perf_profile, kv_capacity_tokens=config.kv_capacity_tokens)
-    tokenizer = load_tokenizer(config.tokenizer)
+    if config.engine == "trtllm" and config.perf_profile is None:
+        log.warning(
+            "no perf_profile: predicted TTFT uses copse's generic latency model scaled to %d KV tokens; "
+            "profile the engines (copse planner profile) and set spec.router.perfProfile for real figures",
+            perf.kv_capacity_tokens,
+        )
+    tokenizer = load_tokenizer(config)
     owned_api: KubeAioPodApi | None = None
     discovery = config.discovery
     source: Source

@@ -37,7 +37,7 @@ from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, WorkerI
 from copse.router.discovery import Endpoint, Source
 from copse.router.metrics import RouterMetrics
 from copse.router.policies import RouteRequest
-from copse.router.tokens import Tokenizer, prompt_tokens
+from copse.router.tokens import PromptTokenizer, prompt_tokens
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.hashing import block_hashes
 from copse.workers.protocol.openai_api import (
@@ -206,7 +206,7 @@ class RoutingService:
         *,
         source: Source,
         perf: PerfModel,
-        tokenizer: Tokenizer,
+        tokenizer: PromptTokenizer,
         use_kv_events: bool,
         share_load: bool = False,
     ) -> None:
@@ -498,7 +498,10 @@ class RoutingService:
             served = self.config.model
             message = f"model {request.model!r} is not served here (GET /v1/models lists {served!r})"
             raise Rejected(404, message, param="model")
-        tokens = prompt_tokens(request, self.tokenizer)
+        try:
+            tokens = prompt_tokens(request, self.tokenizer)
+        except RequestError as exc:  # the model's chat template refused the chat
+            raise Rejected(400, exc.message, param=exc.param) from exc
         if not tokens:
             raise Rejected(400, "prompt holds no tokens", param="prompt")
         route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=request.requested_tokens())

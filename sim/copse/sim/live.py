@@ -161,6 +161,7 @@ async def live_replay(
             config = parse_config(
                 {
                     "model": MODEL,
+                    "engine": "mock",
                     "port": 0,
                     "policy": settings.policy,
                     "temperature": settings.temperature,

@@ -69,7 +69,7 @@ from copse.workers.protocol.openai_api import (
     new_completion_id,
     parse_request,
 )
-from copse.workers.protocol.tokenizer import encode, render_chat, token_text
+from copse.workers.protocol.tokenizer import chat_tokens, encode, token_text
 
 log = logging.getLogger(__name__)
 
@@ -448,7 +448,7 @@ class EngineServer:
         if body.prompt_token_ids is not None:
             tokens = body.prompt_token_ids
         else:
-            tokens = encode(render_chat((m.role, m.text()) for m in body.messages))
+            tokens = chat_tokens(body.turns(), add_generation_prompt=body.add_generation_prompt)
         return await self._serve(http, body, tokens)
 
     # housekeeping -----------------------------------------------------------------------------

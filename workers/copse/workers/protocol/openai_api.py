@@ -205,16 +205,20 @@ class ChatMessage(BaseModel):
         return parts
 
     def text(self) -> str:
-        """The message content as plain text."""
+        """The message content as plain text: text parts joined with newlines, as ``trtllm-serve``
+        flattens them before its chat template sees them (``serve/chat_utils.py``
+        ``parse_chat_message_content_parts``); no content is the empty string."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. The chat-template fields and their defaults are
+    ``trtllm-serve``'s (``serve/openai_protocol.py``): the generation prompt is added, and no
+    special tokens are added on top of what the template renders."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     prompt_token_ids: list[int] | None = None
@@ -223,6 +227,16 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    """Render the header of the assistant's turn after the messages."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens (e.g. BOS) on top of what the chat template renders."""
+    chat_template: str | None = None
+    """A Jinja template (or the name of one of the model's templates) replacing the model's own."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (they override the special tokens of the same name)."""
+    documents: list[dict[str, str]] | None = None
+    """Documents the template may render (retrieval-augmented generation)."""
 
     @field_validator("logprobs", mode="after")
     @classmethod
@@ -240,6 +254,10 @@ class ChatCompletionRequest(_GenerationRequest):
         if not tokens:
             raise ValueError("prompt_token_ids must not be empty")
         return tokens
+
+    def turns(self) -> list[tuple[str, str]]:
+        """``(role, text)`` of every message, as a chat template renders them."""
+        return [(message.role, message.text()) for message in self.messages]
 
     def requested_tokens(self) -> int:
         if self.max_completion_tokens is not None:

@@ -1,12 +1,15 @@
 """The deterministic tokenizer and chat template of mocked engines.
 
 A router must turn a text prompt into exactly the token ids the engine will cache, so both use
-the functions here when the engine is a mocker (a real ``trtllm-serve`` needs its model's own
-tokenizer; send token-id prompts to avoid the question).
+the functions here when the engine is a mocker (a router in front of a real ``trtllm-serve``
+uses the model's own tokenizer and chat template instead: :mod:`copse.router.tokens`).
+Mocked engines accept but ignore a request's ``chat_template``, ``chat_template_kwargs``,
+``documents`` and ``add_special_tokens`` (this tokenizer has no special tokens).
 
 * :func:`encode`: words (``\\w+``) and single punctuation characters are tokens; a token's id is
   ``RESERVED_IDS + XXH3-64(utf-8 bytes, seed 1337) % (VOCAB_SIZE - RESERVED_IDS)``.
-* :func:`render_chat`: ``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``.
+* :func:`render_chat`: ``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n`` (the
+  generation prompt, unless a request asks for none).
 * :func:`token_text`: the text a mocked engine emits for a generated id (from a small lexicon;
   not the inverse of :func:`encode`).
 """
@@ -119,9 +122,16 @@ def encode(text: str) -> list[int]:
     ]
 
 
-def render_chat(messages: Iterable[tuple[str, str]]) -> str:
-    """The prompt text of a chat given as ``(role, content)`` pairs, ready for the assistant's turn."""
-    return "".join(f"<|{role}|>\n{content}\n" for role, content in messages) + "<|assistant|>\n"
+def render_chat(messages: Iterable[tuple[str, str]], *, add_generation_prompt: bool = True) -> str:
+    """The prompt text of a chat given as ``(role, content)`` pairs, ready for the assistant's turn
+    when ``add_generation_prompt``."""
+    turns = "".join(f"<|{role}|>\n{content}\n" for role, content in messages)
+    return turns + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def chat_tokens(turns: Iterable[tuple[str, str]], *, add_generation_prompt: bool) -> list[int]:
+    """Token ids of a chat given as ``(role, content)`` pairs: what a mocked engine caches."""
+    return encode(render_chat(turns, add_generation_prompt=add_generation_prompt))
 
 
 def token_text(token_id: int) -> str:
