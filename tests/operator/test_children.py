@@ -4,26 +4,29 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 import jsonschema
 import pytest
 import yaml
 from aiohttp import web
+from pydantic import ValidationError
 
-from copse.api import EngineBackend, Role, load_deployment
+from copse.api import EngineBackend, InferenceDeployment, Role, load_deployment, parse_deployment
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
 from copse.router.config import RouterConfig
 from copse.router.discovery import StaticSource
 from copse.router.frontend import RouterService
-from copse.router.tokens import MockTokenizer
+from copse.router.tokens import MockPromptTokenizer
 from copse.workers.cli import _moe_config, kv_relay, mock, worker
 from copse.workers.perf import PolynomialPerfModel
 
 from .conftest import make_deployment
 
 REPO = Path(__file__).resolve().parents[2]
+ONE_NODE = GroupLayout(role=Role.WORKER, replica=0, pods=(("gpu-a", 8),), domain="d", rack="r", cost=0.0)
 TWO_NODES = GroupLayout(
     role=Role.WORKER, replica=1, pods=(("gpu-a", 4), ("gpu-b", 4)), domain="rack1.0", rack="rack1", cost=0.25
 )
@@ -68,7 +71,9 @@ def test_single_node_group_runs_trtllm_serve_with_its_role_config() -> None:
     [pod] = children.worker_pods(deployment, layout, cold_start_source=None)
     command = pod["spec"]["containers"][0]["command"]
     assert command[:2] == ["trtllm-serve", "meta-llama/Llama-3-70B"]
-    assert command[command.index("--config") + 1] == "/etc/copse/engine/prefill.yaml"
+    # The long-standing flag (--config is a late-2025 alias of it), so any image version reads it.
+    assert "--config" not in command
+    assert command[command.index("--extra_llm_api_options") + 1] == "/etc/copse/engine/prefill.yaml"
     config = children.engine_configmap(deployment)
     prefill = yaml.safe_load(config["data"]["prefill.yaml"])
     decode = yaml.safe_load(config["data"]["decode.yaml"])
@@ -76,6 +81,82 @@ def test_single_node_group_runs_trtllm_serve_with_its_role_config() -> None:
     assert "disable_overlap_scheduler" not in decode
     assert prefill["kv_cache_config"]["enable_block_reuse"] is True
     assert prefill["kv_cache_config"]["tokens_per_block"] == 32
+
+
+SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+
+
+def test_seed_engine_yaml_has_metrics_and_deep_merges_extra_config() -> None:
+    """The design documents' manifest with a user's extraConfig: TensorRT-LLM's metrics are on,
+    the user's free_gpu_memory_fraction does not switch off block reuse or KV events, and the
+    user's own keys win."""
+    body = yaml.safe_load(SEED.read_text())
+    body["metadata"].update(namespace="serving", uid="uid-1")
+    body["spec"]["engine"] = {
+        "extraConfig": {
+            "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "dtype": "fp8"},
+            "cuda_graph_config": {"max_batch_size": 256, "enable_padding": True},
+            "enable_chunked_prefill": False,
+        }
+    }
+    deployment = parse_deployment(body, source=str(SEED))
+    engine_yaml = children.engine_configmap(deployment)["data"]["worker.yaml"]
+    config = yaml.safe_load(engine_yaml)
+    assert config["return_perf_metrics"] is True
+    assert config["enable_iter_perf_stats"] is True
+    assert config["kv_cache_config"] == {
+        "enable_block_reuse": True,
+        "event_buffer_max_size": children.KV_EVENT_BUFFER,
+        "free_gpu_memory_fraction": 0.85,
+        "tokens_per_block": 32,
+        "dtype": "fp8",
+    }
+    assert config["cuda_graph_config"] == {"max_batch_size": 256, "enable_padding": True}
+    assert config["enable_chunked_prefill"] is False  # the user's key wins
+    assert {issue.reason for issue in children.routing_issues(deployment)} == {
+        "TokenizerMissing",
+        "KVCapacityMissing",
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "router", "reason"),
+    [
+        ({"kv_cache_config": {"enable_block_reuse": False}}, {}, "BlockReuseDisabled"),
+        ({"kv_cache_config": {"event_buffer_max_size": 0}}, {"natsUrl": "nats://n:4222"}, "KVEventsDisabled"),
+        ({"kv_cache_config": {"tokens_per_block": 64}}, {}, "BlockSizeMismatch"),
+    ],
+)
+def test_settings_that_break_routing_are_accepted_and_reported(
+    extra: dict[str, Any], router: dict[str, Any], reason: str
+) -> None:
+    ready = {"tokenizer": {"configMap": "t"}, "kvCapacityTokens": 100_000}
+    deployment = make_deployment(
+        prefill={"replicas": 1},
+        decode={"replicas": 1},
+        engine={"extraConfig": extra},
+        router={**ready, **router},
+    )
+    issues = children.routing_issues(deployment)
+    assert [issue.reason for issue in issues] == [reason, reason]  # prefill and decode engines
+    assert "spec.engine.extraConfig" in issues[0].message
+    config = yaml.safe_load(children.engine_configmap(deployment)["data"]["prefill.yaml"])
+    assert deep_get(config, extra) == extra  # accepted as the user wrote it
+    assert children.routing_issues(make_deployment(replicas=1, router=ready)) == []
+    without_events = make_deployment(
+        replicas=1, engine={"extraConfig": {"kv_cache_config": {"event_buffer_max_size": 0}}}, router=ready
+    )
+    assert children.routing_issues(without_events) == []  # no NATS: no relay reads the events
+    mocked = make_deployment(replicas=1, engine={"backend": "mock", "extraConfig": extra})
+    assert children.routing_issues(mocked) == []
+
+
+def deep_get(config: dict[str, Any], shape: dict[str, Any]) -> Any:
+    """The values of ``config`` at the leaves of ``shape``."""
+    return {
+        key: deep_get(config[key], value) if isinstance(value, dict) else config[key]
+        for key, value in shape.items()
+    }
 
 
 def test_image_and_command_are_overridable() -> None:
@@ -153,26 +234,93 @@ def _router_app(config: RouterConfig) -> web.Application:
         config,
         source=StaticSource([]),
         perf=PolynomialPerfModel(),
-        tokenizer=MockTokenizer(),
+        tokenizer=MockPromptTokenizer(),
         use_kv_events=False,
     )
     return service.app
 
 
-def test_router_command_and_config_are_what_the_router_accepts() -> None:
-    deployment = make_deployment(replicas=1)
+def _router(deployment: InferenceDeployment) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The router's pod spec and its config as the router reads it (raw)."""
     objects = {obj["kind"]: obj for obj in children.router_objects(deployment)}
-    container = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    return pod, yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"])
+
+
+def test_router_config_describes_the_real_engine_and_mounts_its_tokenizer() -> None:
+    deployment = make_deployment(
+        replicas=1,
+        engine={"maxBatchTokens": 16384, "blockSize": 64},
+        router={
+            "tokenizer": {
+                "volume": {"persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}},
+                "path": "hub/models--meta-llama--Llama-3-70B/snapshots/abc123",
+            },
+            "perfProfile": {"configMap": "llama-profile", "key": "gb200.npz"},
+            "kvCapacityTokens": 2_000_000,
+        },
+    )
+    pod, raw = _router(deployment)
+    [container] = pod["containers"]
     assert container["command"][:3] == ["copse", "router", "run"]
-    config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
+    config = RouterConfig.model_validate(raw)
     assert config.model == "meta-llama/Llama-3-70B"
+    assert config.engine == "trtllm"
+    assert (config.block_size, config.max_num_batched_tokens, config.kv_capacity_tokens) == (
+        64,
+        16384,
+        2_000_000,
+    )
+    assert (
+        str(config.tokenizer)
+        == f"{children.TOKENIZER_DIR}/hub/models--meta-llama--Llama-3-70B/snapshots/abc123"
+    )
+    assert str(config.perf_profile) == f"{children.PERF_PROFILE_DIR}/gb200.npz"
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes["tokenizer"]["persistentVolumeClaim"] == {"claimName": "model-cache", "readOnly": True}
+    assert volumes["perf-profile"]["configMap"] == {"name": "llama-profile"}
+    mounts = {mount["name"]: mount for mount in container["volumeMounts"]}
+    assert mounts["tokenizer"] == {"name": "tokenizer", "mountPath": children.TOKENIZER_DIR, "readOnly": True}
+    assert mounts["perf-profile"]["mountPath"] == children.PERF_PROFILE_DIR
+    from_config_map = make_deployment(replicas=1, router={"tokenizer": {"configMap": "llama-tokenizer"}})
+    pod, raw = _router(from_config_map)
+    assert raw["tokenizer"] == children.TOKENIZER_DIR
+    assert {"name": "tokenizer", "configMap": {"name": "llama-tokenizer"}} in pod["volumes"]
+
+
+def test_the_routers_readiness_probe_is_a_path_it_serves() -> None:
+    deployment = make_deployment(
+        replicas=1, router={"tokenizer": {"configMap": "t"}, "kvCapacityTokens": 100_000}
+    )
+    pod, raw = _router(deployment)
+    [container] = pod["containers"]
+    config = RouterConfig.model_validate(raw)
     probe = container["readinessProbe"]["httpGet"]
     assert probe["port"] == config.port
     served = {route.resource.canonical for route in _router_app(config).router.routes() if route.resource}
     assert probe["path"] == "/ready"
     assert probe["path"] in served
-    pod = objects["Deployment"]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] > config.drain_timeout_s
+
+
+def test_a_trtllm_router_without_tokenizer_or_capacity_refuses_naming_the_field() -> None:
+    _, raw = _router(make_deployment(replicas=1))
+    with pytest.raises(ValidationError, match="tokenizer: required with engine: trtllm"):
+        RouterConfig.model_validate(raw)
+    _, raw = _router(make_deployment(replicas=1, router={"tokenizer": {"configMap": "t"}}))
+    with pytest.raises(ValidationError, match="kv_capacity_tokens: required with engine: trtllm"):
+        RouterConfig.model_validate(raw)
+
+
+def test_mocked_engines_and_their_router_share_the_kv_capacity() -> None:
+    deployment = make_deployment(replicas=1, engine={"backend": "mock"}, router={"kvCapacityTokens": 65536})
+    pod, raw = _router(deployment)
+    config = RouterConfig.model_validate(raw)
+    assert (config.engine, config.tokenizer, config.kv_capacity_tokens) == ("mock", None, 65536)
+    assert [volume["name"] for volume in pod["volumes"]] == ["config"]
+    [worker_pod] = children.worker_pods(deployment, ONE_NODE, cold_start_source=None)
+    command = worker_pod["spec"]["containers"][0]["command"]
+    assert mock.make_context("mock", command[3:]).params["kv_capacity_tokens"] == 65536
 
 
 def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:

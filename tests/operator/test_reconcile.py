@@ -94,8 +94,16 @@ async def test_seed_deployment_lands_one_group_per_rack() -> None:
     pods = harness.pods()
     assert len(pods) == 4  # TP=8 on 4-GPU trays: two pods per group
     assert all(not p["spec"].get("schedulingGates") and p["status"]["phase"] == "Running" for p in pods)
-    conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conditions == {"Placed": "True", "Ready": "True", "PlacementInfeasible": "False"}
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert {kind: c["status"] for kind, c in conditions.items()} == {
+        "Placed": "True",
+        "Ready": "True",
+        "PlacementInfeasible": "False",
+        # The seed manifest names no tokenizer or KV capacity for its TensorRT-LLM router.
+        "KVRouting": "False",
+    }
+    assert conditions["KVRouting"]["reason"] == "TokenizerMissing"
+    assert "spec.router.tokenizer" in conditions["KVRouting"]["message"]
     body = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
     assert body["spec"]["replicas"] == 2, "spec.replicas written once, so /scale reads the real count"
     assert status["observedGeneration"] == 2, "that write is generation 2"
@@ -103,8 +111,14 @@ async def test_seed_deployment_lands_one_group_per_rack() -> None:
     assert status["selector"] == (
         "app.kubernetes.io/component=worker,copse.dev/deployment=llama,copse.dev/leader=true,copse.dev/role=worker"
     )
-    assert Counter(reason for _, reason, _ in harness.kube.events)["Placed"] == 2
-    assert Counter(reason for _, reason, _ in harness.kube.events)["ReplicasDefaulted"] == 1
+    reasons = Counter(reason for _, reason, _ in harness.kube.events)
+    assert reasons["Placed"] == 2
+    assert reasons["ReplicasDefaulted"] == 1
+    assert reasons["KVRoutingDegraded"] == 1  # once, not on every pass
+    harness.update_spec(router={"tokenizer": {"configMap": "llama-tokenizer"}, "kvCapacityTokens": 500_000})
+    await harness.settle()
+    [routing] = [c for c in harness.status["conditions"] if c["type"] == "KVRouting"]
+    assert (routing["status"], routing["reason"]) == ("True", "Supported")
     assert ("ConfigMap", NAMESPACE, "llama-engine") in harness.kube.objects
     assert ("Deployment", NAMESPACE, "llama-router") in harness.kube.objects
 

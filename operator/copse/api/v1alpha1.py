@@ -385,7 +385,83 @@ class EngineSpec(_SpecModel):
         default=0.9, gt=0, le=1, description="Share of free GPU memory the engine gives to the KV cache."
     )
     extra_config: FreeForm = Field(
-        default_factory=dict, description="Merged into the engine's YAML config (--config) verbatim."
+        default_factory=dict,
+        description="TensorRT-LLM LLM-API settings deep-merged into the engine YAML "
+        "(trtllm-serve --extra_llm_api_options); your keys win, and settings that defeat KV-aware "
+        "routing are reported in the KVRouting condition.",
+    )
+
+
+#: A directory inside a volume: relative, segments starting with a letter, digit or underscore
+#: (so no ``..``, no absolute path, no hidden directories).
+RELATIVE_PATH_PATTERN = r"^([A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*)?$"
+
+
+_CONFIGMAP_PATH = "router.tokenizer.path is a directory inside a volume; a ConfigMap's keys are the files"
+
+
+class TokenizerSource(_SpecModel):
+    # Where the router finds the model's tokenizer files (tokenizer.json, tokenizer_config.json,
+    # chat_template.jinja when the model has one); the router never downloads them.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.configMap) != has(self.volume)",
+                    "message": "router.tokenizer: set exactly one of configMap and volume",
+                },
+                {
+                    "rule": "!has(self.volume) || size(self.volume) == 1",
+                    "message": "router.tokenizer.volume: one volume source (e.g. persistentVolumeClaim)",
+                },
+                {
+                    "rule": "!has(self.configMap) || !has(self.path) || self.path == ''",
+                    "message": _CONFIGMAP_PATH,
+                },
+            ]
+        },
+    )
+
+    config_map: Nullable[str] = Field(
+        default=None,
+        min_length=1,
+        description="ConfigMap holding the tokenizer files as keys (a ConfigMap holds at most 1 MiB).",
+    )
+    volume: Nullable[FreeForm] = Field(
+        default=None,
+        description="A Kubernetes volume source holding the model files, e.g. the model cache "
+        "({persistentVolumeClaim: {claimName: ..., readOnly: true}}, nfs, hostPath, csi).",
+    )
+    path: str = Field(
+        default="",
+        pattern=RELATIVE_PATH_PATTERN,
+        description="Directory of the tokenizer files inside the volume "
+        "(e.g. hub/models--meta-llama--Llama-3.1-70B-Instruct/snapshots/<revision>).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenizerSource:
+        if (self.config_map is None) == (self.volume is None):
+            raise ValueError("router.tokenizer: set exactly one of configMap and volume")
+        if self.config_map is not None and self.path:
+            raise ValueError(_CONFIGMAP_PATH)
+        if self.volume is not None and len(self.volume) != 1:
+            raise ValueError(
+                "router.tokenizer.volume: one volume source (e.g. persistentVolumeClaim), "
+                f"got {sorted(self.volume)}"
+            )
+        return self
+
+
+class PerfProfileSource(_SpecModel):
+    config_map: str = Field(
+        min_length=1, description="ConfigMap holding the profile (binaryData for NPZ, data for JSON)."
+    )
+    key: str = Field(
+        default="profile.npz",
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key of the profile in the ConfigMap; .json is read as JSON, anything else as NPZ.",
     )
 
 
@@ -408,6 +484,23 @@ class RouterSpec(_SpecModel):
     image: Nullable[str] = Field(default=None, description="Router image; defaults to copse's.")
     nats_url: Nullable[str] = Field(
         default=None, description="NATS for KV events and replica sync; without it the router approximates."
+    )
+    tokenizer: Nullable[TokenizerSource] = Field(
+        default=None,
+        description="The model's tokenizer files (tokenizer.json, tokenizer_config.json, "
+        "chat_template.jinja), so the router hashes text and chat prompts as trtllm-serve tokenizes "
+        "them; never downloaded; "
+        "a trtllm router without it refuses to start.",
+    )
+    perf_profile: Nullable[PerfProfileSource] = Field(
+        default=None,
+        description="The engines' perf profile (copse planner profile): the router's latency model; "
+        "a generic model without it.",
+    )
+    kv_capacity_tokens: Nullable[PositiveInt] = Field(
+        default=None,
+        description="KV cache of one engine in tokens (TensorRT-LLM logs it at start-up), for busy "
+        "thresholds and the latency model; required for trtllm unless the perf profile carries it.",
     )
 
 
@@ -477,6 +570,14 @@ class GroupPool:
 
 
 _POOL_RULE = "!has(self.{pool}) || !has(self.scaling) || self.{pool}.replicas <= self.scaling.maxReplicas"
+_MOCK_RULE = (
+    "!has(self.engine) || self.engine.backend != 'mock' || !has(self.router) "
+    "|| (!has(self.router.tokenizer) && !has(self.router.perfProfile))"
+)
+_MOCK_MESSAGE = (
+    "router.tokenizer and router.perfProfile describe a real engine; "
+    "engine.backend mock runs copse's byte tokenizer and perf model"
+)
 
 
 def _pool_cel(pool: str, field: str) -> str:
@@ -565,6 +666,10 @@ class InferenceDeploymentSpec(_SpecModel):
                     "message": "decode.replicas must not exceed scaling.maxReplicas",
                 },
                 *_moe_rules(),
+                {
+                    "rule": _MOCK_RULE,
+                    "message": _MOCK_MESSAGE,
+                },
             ]
         },
     )
@@ -620,6 +725,10 @@ class InferenceDeploymentSpec(_SpecModel):
             raise ValueError(
                 "spec.replicas is for aggregated serving; set prefill.replicas and decode.replicas instead"
             )
+        if self.engine.backend is EngineBackend.MOCK and (
+            self.router.tokenizer is not None or self.router.perf_profile is not None
+        ):
+            raise ValueError(_MOCK_MESSAGE)
         for name, replicas in (
             ("spec.replicas", self.replicas),
             ("prefill.replicas", self.prefill.replicas if self.prefill else None),

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -36,6 +36,8 @@ INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 SSH_PORT = 2222
 ENGINE_CONFIG_DIR = "/etc/copse/engine"
 ROUTER_CONFIG_DIR = "/etc/copse/router"
+TOKENIZER_DIR = "/var/lib/copse/tokenizer"
+PERF_PROFILE_DIR = "/etc/copse/perf-profile"
 GPU_RESOURCE = "nvidia.com/gpu"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
@@ -154,6 +156,12 @@ def _engine_command(
             # The mocker runs the whole group in the leader; followers only hold the GPUs.
             return ["sleep", "infinity"]
         nats = ["--nats", spec.router.nats_url] if spec.router.nats_url else []
+        # The router sizes its busy thresholds with the same figure (see router_config).
+        capacity = (
+            ["--kv-capacity-tokens", str(spec.router.kv_capacity_tokens)]
+            if spec.router.kv_capacity_tokens
+            else []
+        )
         leader = names.pod_name(names.group_name(deployment.metadata.name, layout.role, layout.replica), 0)
         return [
             "copse", "worker", "mock",
@@ -172,6 +180,7 @@ def _engine_command(
             "--worker-prefix", leader,
             *nats,
             *_mock_moe(pool.moe, layout),
+            *capacity,
             *engine.args,
         ]  # fmt: skip
     serve = [
@@ -183,7 +192,8 @@ def _engine_command(
         "--pp_size", str(pool.pipeline_parallelism),
         "--max_num_tokens", str(engine.max_batch_tokens),
         "--max_batch_size", str(engine.max_num_sequences),
-        "--config", f"{ENGINE_CONFIG_DIR}/{layout.role.value}.yaml",
+        # The long-standing flag: --config is only an alias of it in releases after late 2025.
+        "--extra_llm_api_options", f"{ENGINE_CONFIG_DIR}/{layout.role.value}.yaml",
         *engine.args,
     ]  # fmt: skip
     if len(layout.pods) == 1:
@@ -381,30 +391,128 @@ def _moe_settings(deployment: InferenceDeployment, role: Role) -> dict[str, Any]
     return moe_engine_config(moe, tensor_parallelism=pools.get(role, spec.model.tensor_parallelism))
 
 
-def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
-    """TensorRT-LLM's YAML config per role, as ``trtllm-serve --config`` reads it."""
+#: Events the engine buffers between two drains of ``/kv_cache_events`` by the relay.
+KV_EVENT_BUFFER = 1024
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``override`` on top: nested mappings merge key by key, anything else
+    (scalars, lists, a mapping replacing a scalar) is replaced by the override's value."""
+    merged = dict(base)
+    for key, value in override.items():
+        below = merged.get(key)
+        if isinstance(below, Mapping) and isinstance(value, Mapping):
+            merged[key] = deep_merge(below, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def engine_configs(deployment: InferenceDeployment) -> dict[Role, dict[str, Any]]:
+    """TensorRT-LLM's LLM-API settings per role, as ``trtllm-serve --extra_llm_api_options`` reads
+    them (every key is a field of ``tensorrt_llm/llmapi/llm_args.py``): KV block reuse and an event
+    buffer (the relay feeds the router's index from ``/kv_cache_events``), chunked prefill,
+    ``return_perf_metrics`` (mounts ``/prometheus/metrics``) and ``enable_iter_perf_stats`` (the
+    iteration gauges: queue, running requests, KV use); a cache transceiver for disaggregated pools
+    and no overlap scheduler on context servers, as TensorRT-LLM's disaggregated docs ask. Then
+    ``spec.engine.extraConfig`` deep-merged on top: the user wins on every key they set
+    (:func:`routing_issues` reports the ones that break KV-aware routing)."""
     engine = deployment.spec.engine
     base: dict[str, Any] = {
         "kv_cache_config": {
             "enable_block_reuse": True,
-            # Events feed the router's KV index through the copse relay.
-            "event_buffer_max_size": 1024,
+            "event_buffer_max_size": KV_EVENT_BUFFER,
             "free_gpu_memory_fraction": engine.kv_cache_free_gpu_memory_fraction,
             "tokens_per_block": engine.block_size,
         },
         "enable_chunked_prefill": True,
-        **engine.extra_config,
+        "return_perf_metrics": True,
+        "enable_iter_perf_stats": True,
     }
     transceiver = {"cache_transceiver_config": {"backend": "DEFAULT", "max_tokens_in_buffer": 8192}}
-    configs = {
+    roles = {
         Role.WORKER: base,
-        # Context servers run without the overlap scheduler, as TensorRT-LLM's disaggregated docs ask.
         Role.PREFILL: {**base, **transceiver, "disable_overlap_scheduler": True},
         Role.DECODE: {**base, **transceiver},
     }
-    # Expert layouts differ per role (prefill and decode pools may use other EP sizes); the
-    # manifest's extraConfig (in base) overrides them.
-    configs = {role: {**_moe_settings(deployment, role), **config} for role, config in configs.items()}
+    # Expert layouts differ per role (prefill and decode pools may use other EP sizes).
+    return {
+        role: deep_merge({**_moe_settings(deployment, role), **config}, engine.extra_config)
+        for role, config in roles.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoutingIssue:
+    """A setting the deployment asked for that defeats KV-aware routing; accepted, and reported."""
+
+    reason: str
+    message: str
+
+
+def routing_issues(deployment: InferenceDeployment) -> list[RoutingIssue]:
+    """What in the deployment breaks KV-aware routing on a real engine: block reuse off (nothing
+    is reused, whatever the router picks), no KV event buffer while a relay reads events (the
+    router's index stays empty), a ``tokens_per_block`` other than ``spec.engine.blockSize`` (the
+    router and relay hash other blocks than the engine caches), and a router that cannot start
+    (no tokenizer, no KV capacity). Mocked engines ignore the engine YAML and have neither problem."""
+    spec = deployment.spec
+    if spec.engine.backend is EngineBackend.MOCK:
+        return []
+    issues: list[RoutingIssue] = []
+    for role, config in engine_configs(deployment).items():
+        if role not in {pool.role for pool in spec.pools()}:
+            continue
+        cache = config.get("kv_cache_config")
+        cache = cache if isinstance(cache, Mapping) else {}
+        where = f"{role.value} engines (spec.engine.extraConfig)"
+        if cache.get("enable_block_reuse") is False:
+            issues.append(
+                RoutingIssue(
+                    reason="BlockReuseDisabled",
+                    message=f"{where}: kv_cache_config.enable_block_reuse is false, so no prefix is reused",
+                )
+            )
+        buffer = cache.get("event_buffer_max_size")
+        if spec.router.nats_url and not (isinstance(buffer, int) and buffer > 0):
+            issues.append(
+                RoutingIssue(
+                    reason="KVEventsDisabled",
+                    message=f"{where}: kv_cache_config.event_buffer_max_size is {buffer!r}; "
+                    "the engine emits no KV events and the router's index stays empty",
+                )
+            )
+        block = cache.get("tokens_per_block")
+        if block != spec.engine.block_size:
+            issues.append(
+                RoutingIssue(
+                    reason="BlockSizeMismatch",
+                    message=f"{where}: kv_cache_config.tokens_per_block is {block!r} but "
+                    f"spec.engine.blockSize (what the router and relay hash) is {spec.engine.block_size}",
+                )
+            )
+    if spec.router.tokenizer is None:
+        issues.append(
+            RoutingIssue(
+                reason="TokenizerMissing",
+                message="spec.router.tokenizer is not set: the router cannot tokenize text prompts "
+                "as trtllm-serve does and refuses to start",
+            )
+        )
+    if spec.router.kv_capacity_tokens is None and spec.router.perf_profile is None:
+        issues.append(
+            RoutingIssue(
+                reason="KVCapacityMissing",
+                message="spec.router.kvCapacityTokens (or a perfProfile) is not set: the router does not "
+                "know the engines' KV cache size and refuses to start",
+            )
+        )
+    return issues
+
+
+def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
+    """The ConfigMap of :func:`engine_configs`, one ``<role>.yaml`` per role."""
+    configs = engine_configs(deployment)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -420,17 +528,24 @@ def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
 
 
 def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
-    """The router's settings for this deployment, in the router's own config format."""
+    """The router's settings for this deployment, in the router's own config format: the engines
+    it routes to (kind, block size, step token budget, KV capacity, perf profile) and where the
+    model's tokenizer is mounted (:func:`router_volumes`). A ``trtllm`` deployment without
+    ``spec.router.tokenizer`` or a KV capacity yields a config the router refuses at start-up,
+    naming the field (the ``KVRouting`` condition says so too)."""
     spec = deployment.spec
+    router = spec.router
     config: dict[str, Any] = {
         "model": spec.model.name,
+        "engine": "mock" if spec.engine.backend is EngineBackend.MOCK else "trtllm",
         "host": "0.0.0.0",
         "port": ROUTER_PORT,
-        "policy": spec.router.policy.value,
-        "temperature": spec.router.temperature,
-        "queue_size": spec.router.queue_size,
+        "policy": router.policy.value,
+        "temperature": router.temperature,
+        "queue_size": router.queue_size,
         "block_size": spec.engine.block_size,
-        "nats_url": spec.router.nats_url,
+        "max_num_batched_tokens": spec.engine.max_batch_tokens,
+        "nats_url": router.nats_url,
         "deployment": deployment.metadata.name,
         "discovery": {
             "kind": "kubernetes",
@@ -439,7 +554,13 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
             "port": ENGINE_PORT,
         },
     }
-    if spec.router.mode is RouterMode.EPP:
+    if router.kv_capacity_tokens is not None:
+        config["kv_capacity_tokens"] = router.kv_capacity_tokens
+    if router.tokenizer is not None:
+        config["tokenizer"] = "/".join(part for part in (TOKENIZER_DIR, router.tokenizer.path) if part)
+    if router.perf_profile is not None:
+        config["perf_profile"] = f"{PERF_PROFILE_DIR}/{router.perf_profile.key}"
+    if router.mode is RouterMode.EPP:
         config["epp"] = {
             "grpc_port": EPP_PORT,
             "health_port": EPP_HEALTH_PORT,
@@ -479,6 +600,27 @@ def inference_pool(deployment: InferenceDeployment) -> dict[str, Any]:
     }
 
 
+def router_volumes(deployment: InferenceDeployment) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(volumes, mounts)`` of the router pod beyond its config: the tokenizer's volume (a
+    ConfigMap, or the user's volume source such as the model-cache claim) and the perf profile's
+    ConfigMap, read-only."""
+    router = deployment.spec.router
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if router.tokenizer is not None:
+        source = (
+            {"configMap": {"name": router.tokenizer.config_map}}
+            if router.tokenizer.config_map is not None
+            else dict(router.tokenizer.volume or {})
+        )
+        volumes.append({"name": "tokenizer", **source})
+        mounts.append({"name": "tokenizer", "mountPath": TOKENIZER_DIR, "readOnly": True})
+    if router.perf_profile is not None:
+        volumes.append({"name": "perf-profile", "configMap": {"name": router.perf_profile.config_map}})
+        mounts.append({"name": "perf-profile", "mountPath": PERF_PROFILE_DIR, "readOnly": True})
+    return volumes, mounts
+
+
 def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
     """ConfigMap, Deployment and Service of the router in front of this deployment's workers."""
     spec = deployment.spec
@@ -493,6 +635,7 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
     }
     config_digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
     epp = spec.router.mode is RouterMode.EPP
+    extra_volumes, extra_mounts = router_volumes(deployment)
     router_deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -525,10 +668,13 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
                                 f"{ROUTER_CONFIG_DIR}/router.yaml",
                             ],
                             **_router_ports(epp),
-                            "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_DIR}],
+                            "volumeMounts": [
+                                {"name": "config", "mountPath": ROUTER_CONFIG_DIR},
+                                *extra_mounts,
+                            ],
                         }
                     ],
-                    "volumes": [{"name": "config", "configMap": {"name": name}}],
+                    "volumes": [{"name": "config", "configMap": {"name": name}}, *extra_volumes],
                 },
             },
         },

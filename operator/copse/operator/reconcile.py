@@ -17,7 +17,7 @@ from typing import Any
 
 from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
 from copse.operator import names
-from copse.operator.children import GroupLayout, template_hash
+from copse.operator.children import GroupLayout, RoutingIssue, routing_issues, template_hash
 from copse.operator.planning import Placer
 from copse.operator.state import GroupState, ObservedGroup
 
@@ -297,6 +297,15 @@ def reconcile(
             decision.events.append(
                 Event(type="Warning", reason="NodeNotReady", message=f"group {group_name}: {message}")
             )
+    issues = routing_issues(deployment)
+    routing_message = "; ".join(issue.message for issue in issues)
+    routing_before = next((c for c in previous.get("conditions", []) if c.get("type") == "KVRouting"), None)
+    if issues and (
+        routing_before is None
+        or routing_before.get("status") != "False"
+        or routing_before.get("message") != routing_message
+    ):
+        decision.events.append(Event(type="Warning", reason="KVRoutingDegraded", message=routing_message))
     decision.cold_start_source = _cold_start_source(deployment, live)
     decision.status = _status(
         deployment=deployment,
@@ -310,6 +319,7 @@ def reconcile(
         now=now,
         generation=generation,
         previous_conditions=previous.get("conditions", []),
+        routing=issues,
     )
     in_flight = decision.restart or decision.remove or decision.place or decision.lift_gates
     if waits:
@@ -356,6 +366,7 @@ def _status(
     now: datetime,
     generation: int | None,
     previous_conditions: Sequence[Mapping[str, Any]],
+    routing: Sequence[RoutingIssue],
 ) -> dict[str, Any]:
     name = deployment.metadata.name
     layouts = [g.layout for g in groups if g.layout is not None] + list(placed)
@@ -407,6 +418,9 @@ def _status(
          f"{ready_total}/{desired_total} groups ready"),
         ("PlacementInfeasible", bool(unplaced), "NotEnoughCapacity" if unplaced else "Feasible",
          infeasible or "every group fits"),
+        # Settings that defeat KV-aware routing: accepted as written, reported here and as an Event.
+        ("KVRouting", not routing, routing[0].reason if routing else "Supported",
+         "; ".join(issue.message for issue in routing) or "engines and router support KV-aware routing"),
     )  # fmt: skip
     conditions = [
         _condition(kind, ok, reason=reason, message=message, generation=generation, now=now,
