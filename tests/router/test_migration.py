@@ -188,6 +188,7 @@ async def flaky(engine_url: str, *, name: str) -> AsyncIterator[Flaky]:
 def _config(workers: list[dict[str, Any]], **extra: Any) -> RouterConfig:
     raw: dict[str, Any] = {
         "model": MODEL,
+        "engine": "mock",
         "port": 0,
         "block_size": 32,
         "discovery": {"kind": "static", "workers": workers},
