@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from e2e.operator_harness import (
     REPO,
     Operator,
@@ -62,6 +63,44 @@ def test_seed_becomes_two_tp8_groups_on_two_racks(
         "service/llama-router",
     ):
         kubectl.get(kind, namespace=namespace)
+
+
+def test_real_engine_settings_survive_the_api_server_and_are_reported(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    """Nested extraConfig and a tokenizer volume source reach the operator intact (a free-form field
+    the API server pruned would lose them), are merged into the engine YAML and mounted in the
+    router, and a setting that defeats KV routing is reported, not refused."""
+    claim = {"persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}}
+    manifest = seed(
+        "tuned",
+        engine={
+            "extraConfig": {
+                "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": False}
+            }
+        },
+        router={"tokenizer": {"volume": claim, "path": "hub/llama"}, "kvCapacityTokens": 1_000_000},
+    )
+    kubectl.apply(manifest, namespace=namespace)
+
+    def routing() -> dict[str, Any]:
+        conditions = status(kubectl, "tuned", namespace).get("conditions", [])
+        return next((c for c in conditions if c["type"] == "KVRouting"), {})
+
+    wait_until("the KVRouting condition", lambda: bool(routing()), operator=operator)
+    assert (routing()["status"], routing()["reason"]) == ("False", "BlockReuseDisabled")
+    stored = kubectl.get("idep/tuned", namespace=namespace)
+    assert stored["spec"]["engine"]["extraConfig"]["kv_cache_config"]["free_gpu_memory_fraction"] == 0.85
+    assert stored["spec"]["router"]["tokenizer"]["volume"] == claim
+    engine = yaml.safe_load(kubectl.get("configmap/tuned-engine", namespace=namespace)["data"]["worker.yaml"])
+    assert engine["kv_cache_config"]["free_gpu_memory_fraction"] == 0.85
+    assert engine["kv_cache_config"]["event_buffer_max_size"] > 0  # merged, not replaced
+    assert engine["return_perf_metrics"] is True
+    router = kubectl.get("deployment/tuned-router", namespace=namespace)
+    volumes = router["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tokenizer", **claim} in volumes
+    events = kubectl.items("events", "--field-selector", "involvedObject.name=tuned", namespace=namespace)
+    assert "KVRoutingDegraded" in {event["reason"] for event in events}
 
 
 def test_disaggregated_pools_land_close(kubectl: Kubectl, namespace: str, operator: Operator) -> None:

@@ -16,7 +16,9 @@ from typing import Annotated, Any, TypeVar
 import pydantic
 from kube_custom_resource import schema
 from kube_custom_resource.custom_resource import CustomResource
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, GetJsonSchemaHandler, field_validator, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 from pydantic.alias_generators import to_camel
 
 GROUP = "copse.dev"
@@ -32,8 +34,27 @@ DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?$"
 _T = TypeVar("_T")
 #: ``nullable: true`` in the CRD instead of an ``anyOf`` with null, which is not structural.
 Nullable = Annotated[_T | None, schema.Nullable]
-#: A free-form object the API server must not prune.
-FreeForm = Annotated[dict[str, Any], schema.XKubernetesPreserveUnknownFields]
+
+
+class _Subtree:
+    """``x-kubernetes-preserve-unknown-fields`` for a whole free-form subtree. pydantic writes
+    ``additionalProperties: true`` for ``dict[str, Any]``, which the API server reads as an empty
+    schema for every value: nested objects would then be pruned (a strict client is told
+    ``unknown field "....kv_cache_config.free_gpu_memory_fraction"``). Without it the flag covers
+    everything below."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        json_schema = handler.resolve_ref_schema(handler(core_schema))
+        json_schema.pop("additionalProperties", None)
+        json_schema["x-kubernetes-preserve-unknown-fields"] = True
+        return json_schema
+
+
+#: A free-form object the API server must not prune, nested objects included.
+FreeForm = Annotated[dict[str, Any], _Subtree]
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -412,10 +433,6 @@ class TokenizerSource(_SpecModel):
                     "message": "router.tokenizer: set exactly one of configMap and volume",
                 },
                 {
-                    "rule": "!has(self.volume) || size(self.volume) == 1",
-                    "message": "router.tokenizer.volume: one volume source (e.g. persistentVolumeClaim)",
-                },
-                {
                     "rule": "!has(self.configMap) || !has(self.path) || self.path == ''",
                     "message": _CONFIGMAP_PATH,
                 },
@@ -430,7 +447,9 @@ class TokenizerSource(_SpecModel):
     )
     volume: Nullable[FreeForm] = Field(
         default=None,
-        description="A Kubernetes volume source holding the model files, e.g. the model cache "
+        min_length=1,
+        max_length=1,
+        description="One Kubernetes volume source holding the model files, e.g. the model cache "
         "({persistentVolumeClaim: {claimName: ..., readOnly: true}}, nfs, hostPath, csi).",
     )
     path: str = Field(
@@ -446,11 +465,6 @@ class TokenizerSource(_SpecModel):
             raise ValueError("router.tokenizer: set exactly one of configMap and volume")
         if self.config_map is not None and self.path:
             raise ValueError(_CONFIGMAP_PATH)
-        if self.volume is not None and len(self.volume) != 1:
-            raise ValueError(
-                "router.tokenizer.volume: one volume source (e.g. persistentVolumeClaim), "
-                f"got {sorted(self.volume)}"
-            )
         return self
 
 
