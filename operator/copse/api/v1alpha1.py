@@ -17,9 +17,9 @@ import pydantic
 from kube_custom_resource import schema
 from kube_custom_resource.custom_resource import CustomResource
 from pydantic import ConfigDict, Field, GetJsonSchemaHandler, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
-from pydantic.alias_generators import to_camel
 
 GROUP = "copse.dev"
 VERSION = "v1alpha1"
