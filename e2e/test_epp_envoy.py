@@ -48,6 +48,7 @@ async def _router(
 ) -> AsyncIterator[RunningRouter]:
     raw: dict[str, Any] = {
         "model": MODEL,
+        "engine": "mock",
         "port": 0,
         "block_size": 32,
         "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},

@@ -35,6 +35,7 @@ MODEL = "mock-model"
 async def _picker(urls: list[str], *, settings: dict[str, Any] | None = None, **epp: Any) -> RunningRouter:
     raw: dict[str, Any] = {
         "model": MODEL,
+        "engine": "mock",
         "block_size": 32,
         "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
         "health_interval_s": 0.05,

@@ -65,7 +65,7 @@ from copse.router.service import (
     error_body,
     usage_tokens,
 )
-from copse.router.tokens import Tokenizer
+from copse.router.tokens import PromptTokenizer
 from copse.workers.perf import PerfModel
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class EndpointPicker(RoutingService):
         settings: EppSettings,
         source: Source,
         perf: PerfModel,
-        tokenizer: Tokenizer,
+        tokenizer: PromptTokenizer,
         use_kv_events: bool,
         share_load: bool = False,
     ) -> None:
