@@ -358,7 +358,9 @@ def test_worker_pods_leave_not_ready_nodes_only_when_the_operator_moves_the_gang
 
 
 def test_epp_mode_makes_an_inference_pool_with_the_router_as_its_endpoint_picker() -> None:
-    deployment = make_deployment(replicas=1, router={"mode": "epp"})
+    deployment = make_deployment(
+        replicas=1, router={"mode": "epp", "tokenizer": {"configMap": "t"}, "kvCapacityTokens": 100_000}
+    )
     objects = {obj["kind"]: obj for obj in children.router_objects(deployment)}
     pool = objects["InferencePool"]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
