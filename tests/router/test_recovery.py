@@ -44,6 +44,7 @@ def _free_port() -> int:
 def _config(urls: list[str], nats_url: str, deployment: str, **extra: Any) -> RouterConfig:
     raw: dict[str, Any] = {
         "model": MODEL,
+        "engine": "mock",
         "port": 0,
         "block_size": 32,
         "nats_url": nats_url,
@@ -250,6 +251,7 @@ async def test_a_draining_router_is_not_ready_and_finishes_its_streams() -> None
         config = parse_config(
             {
                 "model": MODEL,
+                "engine": "mock",
                 "port": 0,
                 "block_size": 32,
                 "discovery": {"kind": "static", "workers": [{"url": fleet.urls[0]}]},
