@@ -332,7 +332,7 @@ async def test_past_the_migration_limit_the_stream_ends_with_an_error_event() ->
             events = await _stream(running.url, path, body)
         finally:
             await running.close()
-    assert len(_text(events)[1]) == 4  # two chunks from each worker
+    assert 4 <= len(_text(events)[1]) < 20  # two chunks (of a token or more) from each worker
     assert events[-1]["error"]["code"] == 502
     assert "migration_limit 1" in events[-1]["error"]["message"]
     assert "[DONE]" not in events
@@ -367,5 +367,7 @@ async def test_a_failed_decode_worker_continues_through_prefill_again() -> None:
     assert [_text(events) for events in results] == [_text(events) for events in references]
     assert bad.requests >= 1
     assert running.service.metrics.migrations.labels(reason="disconnected")._value.get() == bad.requests
-    # each continuation re-entered through prefill, with the prompt and the 3 tokens carried over
-    assert prefill.servers[0].engine.prompt_tokens_total == 4 * 2048 + bad.requests * (2048 + 3)
+    # each continuation re-entered through prefill, with the prompt and the tokens carried over
+    # (3 chunks: 3 tokens, or more when the engine's chunks carry several)
+    carried = prefill.servers[0].engine.prompt_tokens_total - 4 * 2048 - bad.requests * 2048
+    assert 3 * bad.requests <= carried < 12 * bad.requests
