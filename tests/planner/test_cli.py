@@ -97,7 +97,8 @@ def test_dry_run_table_and_plot(tmp_path: Path, profile: Path) -> None:
     )
     assert code == 0
     assert out.splitlines()[0].split()[:4] == ["time", "requests", "predicted", "prefill"]
-    assert "SLO attainment:" in out
+    assert "analytic estimate" in out
+    assert "estimated SLO attainment:" in out
     assert "GPU-hours:" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -64,7 +64,9 @@ def replay(
 def test_json_has_exactly_the_documented_shape(linear: CapacityModel) -> None:
     document = replay(linear, [50.0, 60.0, 0.0]).as_json()
     assert set(document) == {"intervals", "summary"}
+    assert document["summary"]["method"] == "analytic estimate"
     assert set(document["summary"]) == {
+        "method",
         "gpu_hours",
         "static_peak_gpu_hours",
         "slo_attainment",

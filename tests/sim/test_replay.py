@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -11,8 +12,17 @@ import pytest
 from click.testing import CliRunner
 
 from copse.sim.cli import bench
-from copse.sim.replay import EngineConfigError, ReplaySettings, load_engine_setup, replay
+from copse.sim.replay import (
+    EngineConfigError,
+    KvEventChannel,
+    ReplaySettings,
+    RouterModel,
+    load_engine_setup,
+    replay,
+)
 from copse.sim.trace import TokenSynth, TraceError, TraceRequest, load_trace
+from copse.workers.perf import PolynomialPerfModel, save_profile
+from copse.workers.protocol.kv_events import KvCleared, KvEvent
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 
@@ -149,3 +159,74 @@ def test_bench_replay_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
     bad = runner.invoke(bench, ["replay", "--trace", str(MOONCAKE), "--speedup", "0"])
     assert bad.exit_code == 2
     assert "--speedup must be a positive number" in bad.stderr
+
+
+def test_kv_event_channel_applies_whole_batches_in_order_after_the_lag() -> None:
+    applied: list[tuple[int, list[KvEvent]]] = []
+    channel = KvEventChannel(lag_ms=50.0, apply=lambda source, events: applied.append((source, events)))
+    first = [KvEvent(event_id=1, data=KvCleared()), KvEvent(event_id=2, data=KvCleared())]
+    second = [KvEvent(event_id=1, data=KvCleared())]
+    channel.publish(at_ms=10.0, source=0, events=first)
+    channel.publish(at_ms=30.0, source=1, events=second)
+    assert channel.deliver(59.9) == 0
+    assert applied == []
+    assert channel.deliver(60.0) == 1  # published at 10 ms, here at 60 ms: the whole batch at once
+    assert applied == [(0, first)]
+    assert len(channel) == 1
+    assert channel.deliver(1000.0) == 1
+    assert applied == [(0, first), (1, second)]
+    with pytest.raises(ValueError, match="non-negative"):
+        KvEventChannel(lag_ms=-1.0, apply=lambda source, events: None)
+
+
+def _follow_up_trace(gap_ms: float) -> list[TraceRequest]:
+    """A long request, then one sharing its first three blocks ``gap_ms`` later."""
+    return [
+        TraceRequest(timestamp_ms=0.0, input_length=1800, output_length=400, hash_ids=(0, 1, 2, 3)),
+        TraceRequest(timestamp_ms=gap_ms, input_length=1800, output_length=20, hash_ids=(0, 1, 2, 4)),
+    ]
+
+
+def test_the_router_only_sees_a_cache_once_its_events_arrive() -> None:
+    exact = ReplaySettings(workers=2, engine_noise=0.0, router_model=RouterModel(source="exact"))
+    # The follow-up arrives 300 ms after the first: its prefix is cached on worker 0 by then.
+    heard = replay(_follow_up_trace(300.0), dataclasses.replace(exact, kv_event_lag_ms=0.0))
+    late = replay(_follow_up_trace(300.0), dataclasses.replace(exact, kv_event_lag_ms=1000.0))
+    assert heard.cache_hit_rate == pytest.approx(1536 / 3600)  # routed to the cache
+    assert late.cache_hit_rate == 0.0  # not heard of yet: the idle worker looks best
+
+
+def test_replays_with_noise_and_a_measured_router_model_are_deterministic() -> None:
+    trace = _shared_prefix_trace(20)
+    settings = ReplaySettings(workers=3, seed=5, engine_noise=0.2)
+    first = replay(trace, settings)
+    assert first.as_json() == replay(trace, settings).as_json()
+    quiet = replay(trace, dataclasses.replace(settings, engine_noise=0.0))
+    assert quiet.ttft_ms != first.ttft_ms
+    oracle = replay(trace, dataclasses.replace(settings, router_model=RouterModel(source="exact")))
+    assert oracle.requests == first.requests == 20
+
+
+def test_bench_replay_cli_takes_the_router_model_lag_noise_and_decode_weight(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["replay", "--trace", str(MOONCAKE), "--workers", "2", "--limit", "20", "--speedup", "50"]
+    extra = ["--router-profile", "exact", "--router-prefill-scale", "0.7", "--kv-event-lag-ms", "20"]
+    result = runner.invoke(bench, [*args, *extra, "--engine-noise", "0.1", "--decode-weight", "0.1"])
+    assert result.exit_code == 0, result.output
+    assert "router model exact, prefill x0.7, KV events 20 ms late, engine step noise 0.1" in result.stdout
+    profile = tmp_path / "p.npz"
+    save_profile(PolynomialPerfModel(), profile, points=8)
+    from_file = runner.invoke(bench, [*args, "--router-profile", str(profile)])
+    assert from_file.exit_code == 0, from_file.output
+    assert "router model given" in from_file.stdout
+    missing = runner.invoke(bench, [*args, "--router-profile", str(tmp_path / "none.npz")])
+    assert missing.exit_code == 2
+    assert "none.npz: no such profile file" in missing.stderr
+    for flag, value in (
+        ("--kv-event-lag-ms", "-1"),
+        ("--router-prefill-scale", "0"),
+        ("--engine-noise", "nan"),
+    ):
+        bad = runner.invoke(bench, [*args, flag, value])
+        assert bad.exit_code == 2
+        assert flag in bad.stderr

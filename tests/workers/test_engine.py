@@ -314,3 +314,60 @@ def test_a_submit_cuts_fused_decode_steps_at_the_next_step_end() -> None:
     out = engine.end_step()
     assert (out.steps, out.decode_tokens, out.end_ms) == (2, 2, two)
     assert engine.requests["a"].num_output == 3
+
+
+def _noisy_run(*, cv: float, seed: int, fuse: bool) -> list[tuple[object, ...]]:
+    config = EngineConfig(
+        block_size=16, num_blocks=150, max_num_batched_tokens=512, seed=seed, step_time_cv=cv
+    )
+    engines = [Engine(worker_id=f"w{i}", config=config, perf=PERF) for i in range(2)]
+    sim = Simulator(engines, fuse_decode=fuse, fuse_until_submit=fuse)
+    rng = np.random.default_rng(5)
+    for i in range(40):
+        sim.run_until(float(i * 30))
+        prompt = rng.integers(256, 400, int(rng.integers(20, 400))).tolist()
+        sim.submit(i % 2, request_id=f"r{i}", tokens=prompt, max_tokens=int(rng.integers(1, 100)))
+    sim.run()
+    return [dataclasses.astuple(o) for o in sorted(sim.outcomes, key=lambda o: o.request_id)]
+
+
+def test_step_noise_is_seeded_and_fused_steps_keep_it_exact() -> None:
+    exact = _noisy_run(cv=0.0, seed=1, fuse=True)
+    noisy = _noisy_run(cv=0.1, seed=1, fuse=True)
+    assert noisy == _noisy_run(cv=0.1, seed=1, fuse=True)  # deterministic
+    assert noisy == _noisy_run(cv=0.1, seed=1, fuse=False)  # fusion draws the same factor per step
+    assert noisy != exact
+    assert noisy != _noisy_run(cv=0.1, seed=2, fuse=True)  # another seed, other factors
+
+
+def test_step_noise_has_mean_one_and_the_given_spread() -> None:
+    engine = _engine(step_time_cv=0.2, seed=4)
+    engine.add_request(request_id="a", tokens=_prompt(100), max_tokens=3000, now_ms=0.0)
+    durations, now = [], 0.0
+    while engine.requests:
+        end = engine.begin_step(now)
+        assert end is not None
+        durations.append(end - now)
+        engine.end_step()
+        now = end
+    exact = [PERF.decode_itl_ms(active_kv_tokens=100 + k, context_length=100 + k) for k in range(1, 3000)]
+    factors = np.array(durations[1:]) / np.array(exact)
+    assert factors.mean() == pytest.approx(1.0, abs=0.02)
+    assert factors.std() / factors.mean() == pytest.approx(0.2, rel=0.1)
+
+
+def test_an_engine_added_later_serves_like_one_there_from_the_start() -> None:
+    def run(*, late: bool) -> list[tuple[object, ...]]:
+        config = EngineConfig(block_size=16, num_blocks=150, seed=2)
+        first = Engine(worker_id="w0", config=config, perf=PERF)
+        second = Engine(worker_id="w1", config=config, perf=PERF)
+        sim = Simulator([first] if late else [first, second])
+        sim.submit(0, request_id="a", tokens=_prompt(300), max_tokens=50)
+        sim.run_until(100.0)
+        index = sim.add_engine(second) if late else 1
+        assert sim.engines[index] is second
+        sim.submit(index, request_id="b", tokens=_prompt(300, salt=1), max_tokens=50)
+        sim.run()
+        return [dataclasses.astuple(o) for o in sorted(sim.outcomes, key=lambda o: o.request_id)]
+
+    assert run(late=True) == run(late=False)

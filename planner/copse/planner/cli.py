@@ -23,8 +23,9 @@ from copse.workers.perf import PerfModel, ProfileError, load_perf_model, load_pr
 DEFAULT_TRACE_INTERVAL_S = 60.0
 
 
-def _config(path: Path | None, **overrides: object) -> PlannerConfig:
-    """The planner config file (or the defaults) with the options given on the command line."""
+def config_from_options(path: Path | None, **overrides: object) -> PlannerConfig:
+    """The planner config file (or the defaults) with the options given on the command line
+    (exits 2 naming the file and field when it is invalid)."""
     try:
         config = load_config(path)
     except ConfigError as exc:
@@ -64,7 +65,7 @@ def _observations(metrics: Path | None, trace: Path | None, interval: float | No
     return observations
 
 
-def _limits(
+def limits_from_options(
     *,
     deployment: Path | None,
     aggregated: bool,
@@ -76,6 +77,8 @@ def _limits(
     gpus_per_replica: int,
     scale_down_delay: float | None,
 ) -> Limits:
+    """Targets and bounds from a deployment manifest or the command line, the options given
+    overriding the manifest (exits 2 naming what is wrong)."""
     overrides: dict[str, object] = {}
     if deployment is not None:
         try:
@@ -180,13 +183,13 @@ def dry_run_command(
     from copse.planner.report import format_summary, format_table  # noqa: PLC0415
     from copse.planner.report import plot as write_plot  # noqa: PLC0415
 
-    config = _config(config_path, predictor=predictor, startup_delay_s=startup_delay)
+    config = config_from_options(config_path, predictor=predictor, startup_delay_s=startup_delay)
     try:
         perf = load_profile(profile, gpus_per_engine=gpus_per_replica)
     except ProfileError as exc:
         fail(str(exc))
     observations = _observations(metrics, trace, interval)
-    limits = _limits(
+    limits = limits_from_options(
         deployment=deployment,
         aggregated=aggregated,
         ttft_ms=ttft_ms,
@@ -312,7 +315,9 @@ def run(
     pools every interval."""
     import asyncio  # noqa: PLC0415
 
-    config = _config(config_path, predictor=predictor, interval_s=interval, metrics_port=metrics_port)
+    config = config_from_options(
+        config_path, predictor=predictor, interval_s=interval, metrics_port=metrics_port
+    )
     if prometheus is not None:
         config = config.model_copy(
             update={"prometheus": config.prometheus.model_copy(update={"url": prometheus})}

@@ -32,6 +32,14 @@ from copse.planner.policy import Limits, ScaleDownGate, clamp, fit_budget
 _CORRECTION_STEPS = 30
 
 
+def queues_of(obs: Observation, limits: Limits) -> dict[Role, float]:
+    """Requests waiting per pool in an observation (absent gauges count as empty queues)."""
+    queues = {limits.front: obs.queue_depth or 0.0}
+    if limits.disaggregated:
+        queues[Role.DECODE] = obs.decode_queue_depth or 0.0
+    return queues
+
+
 def workload_of(load: LoadForecast | Observation, *, scale: float = 1.0) -> Workload:
     """The workload of a forecast or an observed interval, its rate multiplied by ``scale``."""
     return Workload(
@@ -153,6 +161,28 @@ class Planner:
             smoothed = (1 - alpha) * getattr(corrections, field) + alpha * solved
             corrections = dataclasses.replace(corrections, **{field: min(max(smoothed, low), high)})
         return corrections
+
+    # --- the live loop's two moves ------------------------------------------------------------
+
+    def step(self, obs: Observation, *, current: Mapping[Role, int]) -> Decision:
+        """At an interval boundary: learn from the interval ``obs`` that just ended (served by the
+        ``current`` replicas, starting ones included) and decide for the next one."""
+        self.observe(obs, replicas=current)
+        return self.decide(
+            now=obs.end, current=current, queues=queues_of(obs, self.limits), inflight=obs.inflight
+        )
+
+    def fast_path(
+        self, *, now: float, current: Mapping[Role, int], queues: Mapping[Role, float]
+    ) -> Decision | None:
+        """Between intervals: ``None`` unless some queue exceeds ``queue_depth`` per replica; then
+        a decision that only adds capacity (removing is for the forecast, at the interval)."""
+        trigger = self.limits.queue_depth
+        if all(queues.get(role, 0.0) < trigger * max(count, 1) for role, count in current.items()):
+            return None
+        decision = self.decide(now=now, current=current, queues=queues)
+        grown = {role: max(count, current[role]) for role, count in decision.target.items()}
+        return dataclasses.replace(decision, target=grown)
 
     # --- deciding ---------------------------------------------------------------------------
 

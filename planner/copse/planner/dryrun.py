@@ -33,6 +33,10 @@ from copse.planner.core import Decision, Planner, workload_of
 from copse.planner.observations import Observation
 from copse.planner.policy import Limits, clamp, fit_budget
 
+#: What the dry run's figures are: the capacity model's estimates, no request simulated (``copse bench
+#: planner`` simulates every request).
+METHOD = "analytic estimate"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IntervalResult:
@@ -83,6 +87,7 @@ class Summary:
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "method": METHOD,
             "gpu_hours": round(self.gpu_hours, 4),
             "static_peak_gpu_hours": round(self.static_peak_gpu_hours, 4),
             "slo_attainment": round(self.slo_attainment, 6),

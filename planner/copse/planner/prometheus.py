@@ -185,13 +185,5 @@ class PrometheusSource:
         }
 
 
-def queues_of(obs: Observation, limits: Limits) -> dict[Role, float]:
-    """Requests waiting per pool in an observation (absent gauges count as empty queues)."""
-    queues = {limits.front: obs.queue_depth or 0.0}
-    if limits.disaggregated:
-        queues[Role.DECODE] = obs.decode_queue_depth or 0.0
-    return queues
-
-
 def _fraction(value: float | None) -> float | None:
     return None if value is None else min(max(value, 0.0), 1.0)

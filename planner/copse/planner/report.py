@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from copse.api import Role
-from copse.planner.dryrun import DryRunResult, IntervalResult
+from copse.planner.dryrun import METHOD, DryRunResult, IntervalResult
 
 #: Above this many intervals the table shows only scaling events and misses.
 FULL_TABLE_ROWS = 48
@@ -41,8 +41,8 @@ def format_table(result: DryRunResult) -> str:
         "predicted",
         *(role.value for role in roles),
         "GPUs",
-        "TTFT ms",
-        "ITL ms",
+        "est TTFT ms",
+        "est ITL ms",
         "SLO",
     ]
     start = rows[0].timestamp
@@ -77,8 +77,10 @@ def format_summary(result: DryRunResult) -> str:
     ratio = summary.gpu_hours / summary.static_peak_gpu_hours if summary.static_peak_gpu_hours else 0.0
     return "\n".join(
         [
+            f"{METHOD}: the capacity model's p99 per interval, no request simulated "
+            "(copse bench planner simulates them)",
             f"targets: TTFT p99 <= {limits.ttft_ms:g} ms, ITL p99 <= {limits.itl_ms:g} ms",
-            f"SLO attainment: {summary.slo_attainment:.1%} of {len(result.intervals)} intervals "
+            f"estimated SLO attainment: {summary.slo_attainment:.1%} of {len(result.intervals)} intervals "
             f"(static peak deployment: {summary.static_slo_attainment:.1%})",
             f"GPU-hours: {summary.gpu_hours:,.1f} planned vs {summary.static_peak_gpu_hours:,.1f} "
             f"static peak ({static}): {ratio:.2f}x",
@@ -110,7 +112,8 @@ def plot(result: DryRunResult, path: Path) -> None:
     load.set_ylabel("requests / interval")
     load.legend(loc="upper left")
     load.set_title(
-        f"SLO attainment {result.summary.slo_attainment:.1%}, GPU-hours {result.summary.gpu_hours:,.1f} "
+        f"{METHOD}: SLO attainment {result.summary.slo_attainment:.1%}, "
+        f"GPU-hours {result.summary.gpu_hours:,.1f} "
         f"vs {result.summary.static_peak_gpu_hours:,.1f} static peak"
     )
     colours = {Role.PREFILL: "tab:blue", Role.DECODE: "tab:green", Role.WORKER: "tab:purple"}

@@ -24,7 +24,7 @@ from copse.planner.core import Decision, Planner
 from copse.planner.metrics import PlannerMetrics
 from copse.planner.observations import Observation
 from copse.planner.policy import Limits
-from copse.planner.prometheus import PrometheusError, PrometheusSource, queues_of
+from copse.planner.prometheus import PrometheusError, PrometheusSource
 from copse.workers.perf import PerfModel
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,7 @@ class Runner:
         async with self._lock:
             deployment = await self.actuator.fetch()
             planner = self._sync(Limits.from_spec(deployment.spec))
-            current = replicas_of(deployment)
-            planner.observe(obs, replicas=current)
-            decision = planner.decide(
-                now=obs.end, current=current, queues=queues_of(obs, planner.limits), inflight=obs.inflight
-            )
+            decision = planner.step(obs, current=replicas_of(deployment))
             await self._apply(decision, deployment)
             return decision
 
@@ -113,15 +109,9 @@ class Runner:
         async with self._lock:
             deployment = await self.actuator.fetch()
             planner = self._sync(Limits.from_spec(deployment.spec))
-            current = replicas_of(deployment)
-            trigger = planner.limits.queue_depth
-            if all(queues.get(role, 0.0) < trigger * max(count, 1) for role, count in current.items()):
-                return None
-            decision = planner.decide(now=now, current=current, queues=queues)
-            # Between intervals only add: removing is for the forecast, at the interval.
-            grown = {role: max(count, current[role]) for role, count in decision.target.items()}
-            decision = dataclasses.replace(decision, target=grown)
-            await self._apply(decision, deployment)
+            decision = planner.fast_path(now=now, current=replicas_of(deployment), queues=queues)
+            if decision is not None:
+                await self._apply(decision, deployment)
             return decision
 
     async def _apply(self, decision: Decision, deployment: InferenceDeployment) -> None:

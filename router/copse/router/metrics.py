@@ -17,10 +17,11 @@ from copse.router.core import Router
 PREFIX = "copse_router"
 
 #: Latency buckets (seconds) spanning a fast decode step to a long queued prefill.
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: Inter-token latency buckets (seconds).
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 #: Prompt-length buckets (tokens), powers of two from a chat turn to a 256k context.
-_PROMPT_LENGTH = tuple(float(2**k) for k in range(6, 19))
+PROMPT_LENGTH_BUCKETS = tuple(float(2**k) for k in range(6, 19))
 
 
 class RouterMetrics:
@@ -35,19 +36,19 @@ class RouterMetrics:
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "Time from request arrival to its first streamed token.",
-            buckets=_LATENCY,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             f"{PREFIX}_inter_token_latency_seconds",
             "Mean gap between streamed tokens of a request.",
-            buckets=_ITL,
+            buckets=ITL_BUCKETS,
             registry=r,
         )
         self.duration = Histogram(
             f"{PREFIX}_request_duration_seconds",
             "Time from request arrival to its last byte.",
-            buckets=_LATENCY,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -56,7 +57,7 @@ class RouterMetrics:
         self.prompt_length = Histogram(
             f"{PREFIX}_prompt_length_tokens",
             "Prompt length of routed requests (the planner sizes prefill for its p90).",
-            buckets=_PROMPT_LENGTH,
+            buckets=PROMPT_LENGTH_BUCKETS,
             registry=r,
         )
         self.output_tokens = Counter(

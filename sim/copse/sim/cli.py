@@ -6,14 +6,28 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import click
 from tqdm import tqdm
 
 from copse.router.core import Thresholds
 from copse.router.policies import POLICIES
-from copse.sim.replay import EngineConfigError, ReplayReport, ReplaySettings, load_engine_setup, replay
+from copse.sim.replay import (
+    DEFAULT_ENGINE_NOISE,
+    DEFAULT_KV_EVENT_LAG_MS,
+    EngineConfigError,
+    ReplayReport,
+    ReplaySettings,
+    RouterModel,
+    load_engine_setup,
+    replay,
+)
 from copse.sim.trace import TRACE_FORMATS, TraceError, TraceFormat, load_trace
+from copse.workers.perf import PerfModel, ProfileError, load_profile
+
+if TYPE_CHECKING:
+    from copse.sim.twin import TwinReport
 
 
 def _fail(message: str) -> SystemExit:
@@ -88,6 +102,34 @@ def _table(report: ReplayReport) -> str:
     is_flag=True,
     help="MoE engines report no per-request expert counts (ablation of kv_expert's expert knowledge).",
 )
+@click.option(
+    "--router-profile",
+    default="measured",
+    show_default=True,
+    help="The router's perf model: 'measured' (profiled from the noisy engines), 'exact' (the "
+    "engines' own model: an oracle), or a profile file (NPZ/JSON).",
+)
+@click.option(
+    "--router-prefill-scale",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="The router believes prefill takes this times as long as its profile says (0.7: 30%% faster).",
+)
+@click.option(
+    "--engine-noise",
+    type=float,
+    default=DEFAULT_ENGINE_NOISE,
+    show_default=True,
+    help="Coefficient of variation of every engine step's time (seeded).",
+)
+@click.option(
+    "--kv-event-lag-ms",
+    type=float,
+    default=DEFAULT_KV_EVENT_LAG_MS,
+    show_default=True,
+    help="Delay from an engine step's end to its KV events reaching the router.",
+)
 @click.option("--queue-size", type=int, default=Thresholds().queue_size, show_default=True)
 @click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
 @click.option(
@@ -110,6 +152,10 @@ def replay_command(
     decode_weight: float,
     expert_weight: float,
     no_expert_reports: bool,
+    router_profile: str,
+    router_prefill_scale: float,
+    engine_noise: float,
+    kv_event_lag_ms: float,
     queue_size: int,
     limit: int | None,
     live: bool,
@@ -126,17 +172,28 @@ def replay_command(
             raise _fail(f"{name} must be at least 1, got {value}")
     if not (speedup > 0 and math.isfinite(speedup)):
         raise _fail(f"--speedup must be a positive number, got {speedup}")
-    for option, weight in (
+    for name, number in (
         ("--temperature", temperature),
         ("--decode-weight", decode_weight),
         ("--expert-weight", expert_weight),
+        ("--engine-noise", engine_noise),
+        ("--kv-event-lag-ms", kv_event_lag_ms),
     ):
-        if not (weight >= 0 and math.isfinite(weight)):
-            raise _fail(f"{option} must be a non-negative number, got {weight}")
+        if not (number >= 0 and math.isfinite(number)):
+            raise _fail(f"{name} must be a non-negative number, got {number}")
+    if not (router_prefill_scale > 0 and math.isfinite(router_prefill_scale)):
+        raise _fail(f"--router-prefill-scale must be a positive number, got {router_prefill_scale}")
     try:
         trace = load_trace(trace_path, fmt=fmt, trace_block_size=trace_block_size)
         engines = load_engine_setup(engine_config)
-    except (TraceError, EngineConfigError) as exc:
+        source: Literal["measured", "exact"] | PerfModel
+        if router_profile == "measured":
+            source = "measured"
+        elif router_profile == "exact":
+            source = "exact"
+        else:  # the engines' cache size is the router's configuration, whatever the file says
+            source = load_profile(router_profile, kv_capacity_tokens=engines.perf.kv_capacity_tokens)
+    except (TraceError, EngineConfigError, ProfileError) as exc:
         raise _fail(str(exc)) from exc
     if live and engines.config.moe is not None:
         raise _fail(
@@ -157,6 +214,9 @@ def replay_command(
         expert_reports=not no_expert_reports,
         thresholds=Thresholds(queue_size=queue_size),
         engines=engines,
+        engine_noise=engine_noise,
+        kv_event_lag_ms=kv_event_lag_ms,
+        router_model=RouterModel(source=source, prefill_scale=router_prefill_scale),
     )
     with tqdm(total=len(trace), unit="req", file=sys.stderr, disable=None, desc=policy) as bar:
         try:
@@ -169,7 +229,15 @@ def replay_command(
                 report = replay(trace, settings, progress=bar.update)
         except ValueError as exc:
             raise _fail(str(exc)) from exc
-    click.echo(json.dumps(report.as_json()) if as_json else _table(report))
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+        return
+    if not live:
+        click.echo(
+            f"router model {settings.router_model.describe()}, KV events {kv_event_lag_ms:g} ms late, "
+            f"engine step noise {engine_noise:g} (CV)"
+        )
+    click.echo(_table(report))
 
 
 @bench.command("moe-workload")
@@ -270,3 +338,205 @@ def synth(
         with output.open("w") as handle:
             write_jsonl(requests, handle)
         click.echo(f"wrote {len(requests)} requests to {output}", err=True)
+
+
+def _twin_summary(report: TwinReport, *, ttft_ms: float, itl_ms: float) -> str:
+    who = "static fleet" if report.predictor is None else f"planner ({report.predictor})"
+    lines = [
+        f"{who}, start-up delay {report.startup_delay_s:g} s: {report.requests:,} requests, "
+        f"{report.failed} refused",
+        f"SLO (TTFT <= {ttft_ms:g} ms and ITL <= {itl_ms:g} ms): {report.slo_attainment:.2%} of requests, "
+        f"{report.interval_attainment:.2%} of intervals",
+        f"GPU-hours {report.gpu_hours:,.2f} (mean {report.mean_replicas:.2f} replicas, peak "
+        f"{report.peak_replicas}), {report.scaling_events} scaling events",
+        f"TTFT ms p50 {report.ttft_ms.p50:,.0f} p99 {report.ttft_ms.p99:,.0f}; "
+        f"ITL ms p50 {report.itl_ms.p50:,.1f} p99 {report.itl_ms.p99:,.1f}",
+        f"simulated {report.simulated_s:,.0f} s in {report.wall_s:,.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+def _interval_table(report: TwinReport) -> str:
+    lines = [
+        f"{'start s':>9}{'arrivals':>9}{'serving':>8}{'held':>6}{'TTFT p99':>10}{'ITL p99':>9}  ok  forecast"
+    ]
+    for row in report.intervals:
+        forecast = "" if row.forecast is None else f"{row.forecast:,.0f}"
+        lines.append(
+            f"{row.start_s:>9,.0f}{row.arrivals:>9}{row.serving:>8}{row.held:>6}{row.ttft_p99_ms:>10,.0f}"
+            f"{row.itl_p99_ms:>9,.1f}  {'yes' if row.slo_ok else 'NO ':<4}{forecast}"
+        )
+    return "\n".join(lines)
+
+
+@bench.command("planner")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path), help="Serve this request trace.")
+@click.option("--format", "fmt", type=click.Choice(TRACE_FORMATS), default="mooncake", show_default=True)
+@click.option(
+    "--speedup", type=float, default=1.0, show_default=True, help="Divide the trace's arrival times."
+)
+@click.option(
+    "--metrics",
+    type=click.Path(path_type=Path),
+    help="Or a load recording (the planner's metrics format): arrivals at its rates.",
+)
+@click.option(
+    "--shapes",
+    type=click.Path(path_type=Path),
+    help="Mooncake trace whose requests (lengths, shared prefixes) the --metrics arrivals get, in order.",
+)
+@click.option(
+    "--peak-rate", type=float, help="Scale the --metrics rates so the busiest interval has this req/s."
+)
+@click.option("--max-isl", type=int, help="Leave out --shapes requests with longer prompts.")
+@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="p99 TTFT target, ms.")
+@click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="p99 ITL target, ms.")
+@click.option(
+    "--deployment", type=click.Path(path_type=Path), help="Take targets and bounds from a manifest."
+)
+@click.option(
+    "--interval", type=click.FloatRange(min=1), default=60.0, show_default=True, help="Seconds per decision."
+)
+@click.option(
+    "--predictor", help="Load predictor by name, as copse planner takes it (default: the config's)."
+)
+@click.option(
+    "--startup-delay", type=click.FloatRange(min=0), help="Seconds from adding a replica to it serving."
+)
+@click.option("--scale-down-delay", type=click.FloatRange(min=0), help="Seconds the need must stay lower.")
+@click.option("--min-replicas", type=click.IntRange(min=1), help="Fewest replicas (default 1).")
+@click.option("--max-replicas", type=click.IntRange(min=1), help="Most replicas (default 16).")
+@click.option("--gpu-budget", type=click.IntRange(min=1), help="Most GPUs the pool may use.")
+@click.option(
+    "--initial-replicas", type=click.IntRange(min=1), help="Replicas serving at the start (default: min)."
+)
+@click.option(
+    "--static",
+    "static_replicas",
+    type=click.IntRange(min=1),
+    help="No planner: this many replicas throughout (a static deployment).",
+)
+@click.option(
+    "--warmup",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds before results count.",
+)
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
+@click.option("--policy", type=click.Choice(sorted(POLICIES)), default="kv", show_default=True)
+@click.option("--engine-config", type=click.Path(path_type=Path), help="YAML/JSON engine settings.")
+@click.option("--engine-noise", type=float, default=DEFAULT_ENGINE_NOISE, show_default=True)
+@click.option("--kv-event-lag-ms", type=float, default=DEFAULT_KV_EVENT_LAG_MS, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--intervals", "show_intervals", is_flag=True, help="Also print every interval.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def planner_command(
+    *,
+    trace_path: Path | None,
+    fmt: TraceFormat,
+    speedup: float,
+    metrics: Path | None,
+    shapes: Path | None,
+    peak_rate: float | None,
+    max_isl: int | None,
+    ttft_ms: float | None,
+    itl_ms: float | None,
+    deployment: Path | None,
+    interval: float,
+    predictor: str | None,
+    startup_delay: float | None,
+    scale_down_delay: float | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    gpu_budget: int | None,
+    initial_replicas: int | None,
+    static_replicas: int | None,
+    warmup: float,
+    config_path: Path | None,
+    policy: str,
+    engine_config: Path | None,
+    engine_noise: float,
+    kv_event_lag_ms: float,
+    seed: int,
+    show_intervals: bool,
+    as_json: bool,
+) -> None:
+    """The planner in closed loop with a simulated fleet: every interval it sizes the fleet from the
+    metrics it would read in a cluster; replicas start after the start-up delay and drain before
+    they go; the router routes every request; TTFT and ITL are measured per request. With
+    --static N, a fixed fleet instead (what the planner is compared with)."""
+    from copse.planner.cli import config_from_options, limits_from_options  # noqa: PLC0415
+    from copse.planner.predictors import PREDICTORS  # noqa: PLC0415
+    from copse.planner.recording import RecordingError, read_metrics  # noqa: PLC0415
+    from copse.sim.load import synthesize  # noqa: PLC0415
+    from copse.sim.twin import TwinSettings, run_twin  # noqa: PLC0415
+
+    if (trace_path is None) == (metrics is None):
+        raise _fail("give exactly one of --trace FILE or --metrics FILE (with --shapes FILE)")
+    if predictor is not None and predictor not in PREDICTORS:
+        raise _fail(f"unknown predictor {predictor!r}; known: {', '.join(sorted(PREDICTORS))}")
+    if metrics is not None and shapes is None:
+        raise _fail("--metrics needs --shapes FILE: the trace whose requests the arrivals get")
+    for name, number in (("--engine-noise", engine_noise), ("--kv-event-lag-ms", kv_event_lag_ms)):
+        if not (number >= 0 and math.isfinite(number)):
+            raise _fail(f"{name} must be a non-negative number, got {number}")
+    for name, positive in (("--speedup", speedup), ("--peak-rate", peak_rate)):
+        if positive is not None and not (positive > 0 and math.isfinite(positive)):
+            raise _fail(f"{name} must be a positive number, got {positive}")
+    config = config_from_options(config_path, predictor=predictor, startup_delay_s=startup_delay)
+    limits = limits_from_options(
+        deployment=deployment,
+        aggregated=True,
+        ttft_ms=ttft_ms,
+        itl_ms=itl_ms,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        gpu_budget=gpu_budget,
+        gpus_per_replica=1,
+        scale_down_delay=scale_down_delay,
+    )
+    try:
+        engines = load_engine_setup(engine_config)
+        end_s: float | None = None
+        if metrics is not None:
+            assert shapes is not None
+            recording = read_metrics(metrics)
+            peak = max(obs.rate for obs in recording)
+            scale = 1.0 if peak_rate is None or peak <= 0 else peak_rate / peak
+            trace = synthesize(
+                recording, load_trace(shapes), seed=seed, scale=scale, max_input_length=max_isl
+            )
+            end_s = recording[-1].end - recording[0].timestamp
+        else:
+            assert trace_path is not None
+            trace = load_trace(trace_path, fmt=fmt)
+        settings = TwinSettings(
+            fleet=ReplaySettings(
+                policy=policy,
+                workers=static_replicas or initial_replicas or max(limits.min_replicas, 1),
+                speedup=speedup,
+                seed=seed,
+                engines=engines,
+                engine_noise=engine_noise,
+                kv_event_lag_ms=kv_event_lag_ms,
+            ),
+            limits=limits,
+            planner=None if static_replicas else config,
+            interval_s=interval,
+            warmup_s=warmup,
+        )
+    except (TraceError, EngineConfigError, RecordingError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    total = end_s if end_s is not None else trace[-1].timestamp_ms / 1000.0 / speedup
+    with tqdm(total=round(total), unit="s", file=sys.stderr, disable=None, desc="simulated") as bar:
+        try:
+            report = run_twin(trace, settings, end_s=end_s, progress=bar.update)
+        except ValueError as exc:
+            raise _fail(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+        return
+    if show_intervals:
+        click.echo(_interval_table(report))
+    click.echo(_twin_summary(report, ttft_ms=limits.ttft_ms, itl_ms=limits.itl_ms))

@@ -1,9 +1,16 @@
 """Trace replay: the router and N mocked engines on one virtual clock (a discrete-event simulation).
 
 Every arrival of the trace (timestamps divided by ``speedup``) is routed by the real routing core
-with the chosen policy and submitted to a mocked engine (:mod:`copse.workers.mocker`); the engines'
-KV events reach the router's indexer before each decision; first tokens and finishes reach its load
-tracker as they happen on the virtual clock. The same trace, settings and seed give the same report.
+with the chosen policy and submitted to a mocked engine (:mod:`copse.workers.mocker`); first
+tokens and finishes reach its load tracker as they happen on the virtual clock. The same trace,
+settings and seed give the same report.
+
+The router is not the simulator's oracle. It predicts with its own perf model
+(:class:`RouterModel`: by default a profile measured from noisy engines, :mod:`copse.sim.profiler`,
+optionally mis-specified), the engines' step times vary around their model (``engine_noise``),
+and KV events reach the router's indexer the way NATS delivers them: each engine publishes the
+events of a step as one batch when the step ends, and the batch is applied ``kv_event_lag_ms``
+later. Every policy sees the same indexer and the same load tracker.
 
 Engines use the trace's block size (one trace hash id = one KV block) unless the engine config
 sets ``block_size``, which must then divide it so that prefixes shared in the trace are shared
@@ -17,11 +24,13 @@ The cache hit rate is the share of prompt tokens the engines found in their pref
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +38,7 @@ import yaml
 
 from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, Thresholds, WorkerInfo
 from copse.router.policies import RouteRequest, SelectionSettings
+from copse.sim.profiler import ScaledPerfModel, measure_profile
 from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.mocker import (
     Engine,
@@ -41,6 +51,7 @@ from copse.workers.mocker import (
 from copse.workers.moe import MoeConfig
 from copse.workers.perf import PerfModel, load_perf_model
 from copse.workers.protocol.hashing import hash_blocks
+from copse.workers.protocol.kv_events import KvEvent
 
 
 class EngineConfigError(ValueError):
@@ -106,6 +117,55 @@ def load_engine_setup(path: str | Path | None) -> EngineSetup:
     return EngineSetup(config=config, perf=perf, block_size_set=block_size_set)
 
 
+#: Step-time variation of the engines of a replay, unless told otherwise.
+DEFAULT_ENGINE_NOISE = 0.05
+#: KV event delay of a replay, unless told otherwise: half the KV relay's 100 ms poll of
+#: ``trtllm-serve`` (an event waits for the next poll), NATS delivery on a LAN adding little.
+DEFAULT_KV_EVENT_LAG_MS = 50.0
+
+
+@functools.lru_cache(maxsize=8)
+def _measured(config: EngineConfig, perf: PerfModel) -> PerfModel:
+    """The profile of engines of ``config`` (once per config: replays of several policies share it)."""
+    return measure_profile(config=config, perf=perf)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouterModel:
+    """The perf model the router predicts with."""
+
+    source: Literal["measured", "exact"] | PerfModel = "measured"
+    """``measured``: profiled from the replay's engines, noise and all (what a deployment has);
+    ``exact``: the engines' own model (an oracle no deployment has); or a given model."""
+    prefill_scale: float = 1.0
+    """The router believes prefill takes this times as long as ``source`` says (0.7: 30 % faster)."""
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_scale > 0 and math.isfinite(self.prefill_scale)):
+            raise ValueError(f"prefill_scale must be a positive number, got {self.prefill_scale}")
+
+    def resolve(self, *, config: EngineConfig, perf: PerfModel) -> PerfModel:
+        """The router's model for engines of ``config`` timed by ``perf``."""
+        if self.source == "measured":
+            base: PerfModel = _measured(config, perf)
+        elif self.source == "exact":
+            base = perf
+        else:
+            assert not isinstance(self.source, str)
+            base = self.source
+        return (
+            base
+            if self.prefill_scale == 1.0
+            else ScaledPerfModel(base=base, prefill_scale=self.prefill_scale)
+        )
+
+    def describe(self) -> str:
+        name = self.source if isinstance(self.source, str) else "given"
+        if self.prefill_scale == 1.0:
+            return name
+        return f"{name}, prefill x{self.prefill_scale:g}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplaySettings:
     """One replay."""
@@ -130,6 +190,20 @@ class ReplaySettings:
     router expects every request to use the experts alike; an ablation of ``kv_expert``)."""
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
     engines: EngineSetup = dataclasses.field(default_factory=EngineSetup)
+    engine_noise: float = DEFAULT_ENGINE_NOISE
+    """Coefficient of variation of the engines' step times (replaces the engine config's
+    ``step_time_cv``, as ``seed`` replaces its seed)."""
+    kv_event_lag_ms: float = DEFAULT_KV_EVENT_LAG_MS
+    """Delay from the end of an engine step to its KV events reaching the router's indexer."""
+    router_model: RouterModel = dataclasses.field(default_factory=RouterModel)
+    """What the router believes about the engines' speed."""
+
+    def engine_config(self) -> EngineConfig:
+        """The engines' config as replayed: the trace's block size unless set, this noise."""
+        config = self.engines.config
+        if not self.engines.block_size_set:
+            config = dataclasses.replace(config, block_size=self.trace_block_size)
+        return dataclasses.replace(config, step_time_cv=self.engine_noise, seed=self.seed)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -214,6 +288,36 @@ class ReplayReport:
         }
 
 
+class KvEventChannel:
+    """KV event batches on their way from the engines to the router, as NATS delivers them: a batch
+    published at ``t`` is applied whole at ``t + lag_ms``, batches in publishing order."""
+
+    def __init__(self, *, lag_ms: float, apply: Callable[[int, list[KvEvent]], None]) -> None:
+        """``apply(source, events)`` hands one batch to the router's indexer."""
+        if not (lag_ms >= 0 and math.isfinite(lag_ms)):
+            raise ValueError(f"the KV event lag must be a non-negative number of ms, got {lag_ms}")
+        self.lag_ms = lag_ms
+        self._apply = apply
+        self._in_flight: deque[tuple[float, int, list[KvEvent]]] = deque()
+
+    def publish(self, *, at_ms: float, source: int, events: list[KvEvent]) -> None:
+        """Send a batch at ``at_ms`` (times never decrease from one call to the next)."""
+        self._in_flight.append((at_ms + self.lag_ms, source, events))
+
+    def deliver(self, now_ms: float) -> int:
+        """Apply every batch that has arrived by ``now_ms``; returns how many."""
+        in_flight, delivered = self._in_flight, 0
+        while in_flight and in_flight[0][0] <= now_ms:
+            _, source, events = in_flight.popleft()
+            self._apply(source, events)
+            delivered += 1
+        return delivered
+
+    def __len__(self) -> int:
+        """Batches still on their way."""
+        return len(self._in_flight)
+
+
 @dataclasses.dataclass(slots=True)
 class _Pending:
     index: int
@@ -221,6 +325,245 @@ class _Pending:
     hashes: list[int]
     local: list[int]
     max_tokens: int
+
+
+class Fleet:
+    """Mocked engines behind the real router on one virtual clock, serving the requests of a trace.
+
+    The caller moves the clock (:meth:`run_until`), makes trace requests arrive (:meth:`arrive`),
+    and may add engines and drain them; per-request times land in the arrays (ms, NaN until they
+    happen; indexed like the trace). An engine being drained takes no new requests (the router has
+    forgotten it) and finishes those it has; :attr:`retired_ms` says when it had none left.
+    """
+
+    def __init__(self, trace: Sequence[TraceRequest], settings: ReplaySettings, *, engines: int) -> None:
+        """``engines`` serve from the start. Raises ``ValueError`` for unusable settings."""
+        self.settings = settings
+        self.trace = trace
+        config = settings.engine_config()
+        block_size = config.block_size
+        if settings.trace_block_size % block_size:
+            raise ValueError(
+                f"engine block_size {block_size} must divide the trace block size "
+                f"{settings.trace_block_size}, or prefixes shared in the trace would not be shared by "
+                "the engines"
+            )
+        if not settings.speedup > 0:
+            raise ValueError(f"speedup must be positive, got {settings.speedup}")
+        self._config = config
+        self._perf = settings.engines.perf
+        self.router_perf = settings.router_model.resolve(config=config, perf=self._perf)
+        """The perf model the router predicts with (and a planner would size with)."""
+        self.router = Router(
+            perf=self.router_perf,
+            settings=SelectionSettings(
+                block_size=block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                temperature=settings.temperature,
+                decode_weight=settings.decode_weight,
+                expert_weight=settings.expert_weight,
+            ),
+            policy=settings.policy,
+            thresholds=settings.thresholds,
+            seed=settings.seed,
+            moe=config.moe,
+        )
+        radix = self.router.radix
+        assert radix is not None
+        self._radix = radix
+        self.simulator = Simulator([], on_step=self._on_step, fuse_until_submit=True)
+        self.channel = KvEventChannel(lag_ms=settings.kv_event_lag_ms, apply=self._apply_events)
+        self._synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
+        self._index_of: dict[str, int] = {}
+        n = len(trace)
+        self.arrival_ms = np.array([r.timestamp_ms / settings.speedup for r in trace])
+        self.routed_ms = np.full(n, np.nan)
+        self.first_ms = np.full(n, np.nan)
+        self.finish_ms = np.full(n, np.nan)
+        self.failed_ms = np.full(n, np.nan)
+        """When a request was refused (router queue full, or the engine refused it)."""
+        self.outputs = np.zeros(n)
+        self.prompts = np.array([r.input_length for r in trace], dtype=np.float64)
+        self.cached = np.zeros(n)
+        """Prompt tokens the engine found cached."""
+        self.predicted_cached = np.zeros(n)
+        """Prompt tokens the router predicted the chosen engine held."""
+        self._pending: dict[str, _Pending] = {}
+        self._placements: list[int] = []
+        """Expert placement version each MoE engine last reported to the router."""
+        self.draining: set[int] = set()
+        self.retired_ms: dict[int, float] = {}
+        for _ in range(engines):
+            self.add_engine()
+
+    @property
+    def now_ms(self) -> float:
+        return self.simulator.now_ms
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self.simulator.engines
+
+    @property
+    def failed(self) -> int:
+        return int(np.count_nonzero(~np.isnan(self.failed_ms)))
+
+    def add_engine(self) -> int:
+        """A new engine serving from now; returns its index."""
+        index = len(self.simulator.engines)
+        config = dataclasses.replace(self._config, seed=self._config.seed * 1_000_003 + index)
+        engine = Engine(worker_id=f"worker-{index}", config=config, perf=self._perf)
+        self.simulator.add_engine(engine)
+        self._index_of[engine.worker_id] = index
+        self._placements.append(-1)
+        routes = self.router.add_worker(
+            WorkerInfo(worker_id=engine.worker_id, role=Role.WORKER), now=self.now_ms / 1000.0
+        )
+        if engine.moe is not None:  # a new engine reports its expert placement at once
+            self._placements[index] = engine.moe.version
+            self.router.set_expert_placement(engine.worker_id, engine.moe.placement)
+        self._dispatch(routes)
+        return index
+
+    def drain(self, index: int) -> None:
+        """Take engine ``index`` out of routing (as the router does for a pod labelled
+        ``copse.dev/draining``: no new requests, its load and cache still known); it finishes the
+        requests it has, then retires and the router forgets it."""
+        engine = self.simulator.engines[index]
+        info = WorkerInfo(worker_id=engine.worker_id, role=Role.WORKER, draining=True)
+        self._dispatch(self.router.add_worker(info, now=self.now_ms / 1000.0))
+        if engine.has_work():
+            self.draining.add(index)
+        else:
+            self._retire(index, self.now_ms)
+
+    def _retire(self, index: int, at_ms: float) -> None:
+        self.router.remove_worker(self.simulator.engines[index].worker_id)
+        self.retired_ms[index] = at_ms
+
+    def run_until(self, t_ms: float) -> None:
+        self.simulator.run_until(t_ms)
+        self.channel.deliver(t_ms)
+
+    def run(self) -> None:
+        """Run until every engine is idle."""
+        self.simulator.run()
+
+    def arrive(self, index: int) -> None:
+        """Request ``index`` of the trace arrives now."""
+        request = self.trace[index]
+        tokens = self._synth.tokens(request.hash_ids, request.input_length)
+        hashes, local = hash_blocks(tokens, block_size=self._config.block_size)
+        request_id = str(index)
+        self._pending[request_id] = _Pending(
+            index=index, tokens=tokens, hashes=hashes, local=local, max_tokens=request.output_length
+        )
+        route_request = RouteRequest(
+            request_id=request_id,
+            hashes=hashes,
+            prompt_tokens=request.input_length,
+            max_tokens=request.output_length,
+        )
+        try:
+            route = self.router.submit(route_request, now=self.now_ms / 1000.0)
+        except (QueueFull, NoWorkers):
+            self._pending.pop(request_id)
+            self.failed_ms[index] = self.now_ms
+            return
+        if route is not None:
+            self._dispatch([route])
+
+    def _apply_events(self, index: int, events: list[KvEvent]) -> None:
+        engine = self.simulator.engines[index]
+        if engine.worker_id in self.router.workers:  # a retired engine's events find nobody listening
+            self._radix.apply_events(engine.worker_id, epoch=engine.epoch, events=events)
+
+    def _dispatch(self, routes: list[Route]) -> None:
+        for route in routes:
+            item = self._pending.pop(route.request_id)
+            now = self.now_ms
+            try:
+                self.simulator.submit(
+                    self._index_of[route.worker_id],
+                    request_id=route.request_id,
+                    tokens=item.tokens,
+                    max_tokens=item.max_tokens,
+                    block_hashes=(item.hashes, item.local),
+                )
+            except (RequestRejected, EngineOverloaded):
+                self.failed_ms[item.index] = now
+                self._dispatch(self.router.finish(route.request_id, now=now / 1000.0))
+                continue
+            self.routed_ms[item.index] = now
+            self.predicted_cached[item.index] = route.cached_tokens
+
+    def _on_step(self, index: int, output: StepOutput) -> None:
+        engine = self.simulator.engines[index]
+        events = engine.drain_kv_events()
+        if events:  # the step's events, published as one batch when it ends
+            self.channel.publish(at_ms=output.end_ms, source=index, events=events)
+        router = self.router
+        moe = engine.moe
+        # An MoE engine reports its expert placement when its load balancer moves experts.
+        if moe is not None and moe.version != self._placements[index] and engine.worker_id in router.workers:
+            self._placements[index] = moe.version
+            router.set_expert_placement(engine.worker_id, moe.placement)
+        now = output.end_ms / 1000.0
+        released: list[Route] = []
+        for request in output.advanced:
+            if request.num_output == 1:
+                i = int(request.request_id)
+                self.first_ms[i] = output.end_ms
+                self.cached[i] = max(request.cached_tokens, 0)
+                released += router.prefill_done(request.request_id, now=now)
+        for request in output.finished:
+            i = int(request.request_id)
+            self.finish_ms[i] = output.end_ms
+            self.outputs[i] = request.num_output
+            if moe is not None and self.settings.expert_reports:
+                # The engine's routed-expert counts of the tokens it computed for the request.
+                computed = request.prompt_len - max(request.cached_tokens, 0) + request.num_output
+                router.report_experts(request.request_id, moe.activations(request.expert_row, computed))
+            released += router.finish(request.request_id, now=now)
+        if released:
+            self.channel.deliver(output.end_ms)
+            self._dispatch(released)
+        if index in self.draining and not engine.has_work():
+            self.draining.discard(index)
+            self._retire(index, output.end_ms)
+
+    def report(
+        self, *, started: float, workers: int, window: npt.NDArray[np.bool_] | None = None
+    ) -> ReplayReport:
+        """What the requests (those in ``window``, else all) measured; ``started`` is the
+        ``time.perf_counter()`` the run began at."""
+        done = ~np.isnan(self.finish_ms)
+        if window is not None:
+            done &= window
+        arrival, first, finish, outputs = self.arrival_ms, self.first_ms, self.finish_ms, self.outputs
+        ttft = first - arrival
+        e2e = finish - arrival
+        with np.errstate(invalid="ignore", divide="ignore"):
+            itl = np.where(outputs > 1, (finish - first) / (outputs - 1), np.nan)
+        span_s = (
+            (float(np.nanmax(finish[done])) - float(arrival[done].min())) / 1000.0 if done.any() else math.nan
+        )
+        failed = ~np.isnan(self.failed_ms)
+        return ReplayReport(
+            policy=self.settings.policy,
+            workers=workers,
+            requests=int(done.sum()),
+            ttft_ms=Distribution.of(ttft[done]),
+            itl_ms=Distribution.of(itl[done]),
+            e2e_ms=Distribution.of(e2e[done]),
+            cache_hit_rate=float(self.cached[done].sum() / self.prompts[done].sum()) if done.any() else 0.0,
+            throughput_tok_s=float(outputs[done].sum() / span_s) if done.any() and span_s > 0 else 0.0,
+            failed=int((failed & window).sum()) if window is not None else int(failed.sum()),
+            preemptions=sum(engine.preemptions_total for engine in self.simulator.engines),
+            simulated_s=self.now_ms / 1000.0,
+            wall_s=time.perf_counter() - started,
+            moe=_moe_report(self.simulator.engines, output_tokens=float(outputs[done].sum())),
+        )
 
 
 def replay(
@@ -235,159 +578,17 @@ def replay(
     Raises ``ValueError`` when the engine block size does not divide the trace block size.
     """
     started = time.perf_counter()
-    engine_config = settings.engines.config
-    if not settings.engines.block_size_set:
-        engine_config = dataclasses.replace(engine_config, block_size=settings.trace_block_size)
-    perf = settings.engines.perf
-    block_size = engine_config.block_size
-    if settings.trace_block_size % block_size:
-        raise ValueError(
-            f"engine block_size {block_size} must divide the trace block size {settings.trace_block_size}, "
-            "or prefixes shared in the trace would not be shared by the engines"
-        )
     if settings.workers < 1:
         raise ValueError(f"workers must be at least 1, got {settings.workers}")
-    if not settings.speedup > 0:
-        raise ValueError(f"speedup must be positive, got {settings.speedup}")
-    engines = [
-        Engine(
-            worker_id=f"worker-{i}",
-            config=dataclasses.replace(engine_config, seed=settings.seed * 1_000_003 + i),
-            perf=perf,
-        )
-        for i in range(settings.workers)
-    ]
-    index_of = {engine.worker_id: i for i, engine in enumerate(engines)}
-    router = Router(
-        perf=perf,
-        settings=SelectionSettings(
-            block_size=block_size,
-            max_num_batched_tokens=engine_config.max_num_batched_tokens,
-            temperature=settings.temperature,
-            decode_weight=settings.decode_weight,
-            expert_weight=settings.expert_weight,
-        ),
-        policy=settings.policy,
-        thresholds=settings.thresholds,
-        seed=settings.seed,
-        moe=engine_config.moe,
-    )
-    radix = router.radix
-    assert radix is not None
-    for engine in engines:
-        router.add_worker(WorkerInfo(worker_id=engine.worker_id, role=Role.WORKER), now=0.0)
-
-    n = len(trace)
-    arrival = np.array([r.timestamp_ms / settings.speedup for r in trace])
-    first = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
-    outputs = np.zeros(n)
-    prompts = np.array([r.input_length for r in trace], dtype=np.float64)
-    cached = np.zeros(n)
-    pending: dict[str, _Pending] = {}
-    failed = 0
-
-    placements = [-1] * len(engines)
-
-    def sync_events() -> None:
-        for index, engine in enumerate(engines):
-            events = engine.drain_kv_events()
-            if events:
-                radix.apply_events(engine.worker_id, epoch=engine.epoch, events=events)
-            # An MoE engine reports its expert placement when its load balancer moves experts.
-            if engine.moe is not None and engine.moe.version != placements[index]:
-                placements[index] = engine.moe.version
-                router.set_expert_placement(engine.worker_id, engine.moe.placement)
-
-    def dispatch(routes: list[Route]) -> None:
-        nonlocal failed
-        for route in routes:
-            item = pending.pop(route.request_id)
-            try:
-                simulator.submit(
-                    index_of[route.worker_id],
-                    request_id=route.request_id,
-                    tokens=item.tokens,
-                    max_tokens=item.max_tokens,
-                    block_hashes=(item.hashes, item.local),
-                )
-            except (RequestRejected, EngineOverloaded):
-                failed += 1
-                dispatch(router.finish(route.request_id, now=simulator.now_ms / 1000.0))
-
-    def on_step(engine_index: int, output: StepOutput) -> None:
-        now = output.end_ms / 1000.0
-        moe = engines[engine_index].moe
-        released: list[Route] = []
-        for request in output.advanced:
-            if request.num_output == 1:
-                index = int(request.request_id)
-                first[index] = output.end_ms
-                cached[index] = max(request.cached_tokens, 0)
-                released += router.prefill_done(request.request_id, now=now)
-        for request in output.finished:
-            index = int(request.request_id)
-            finish[index] = output.end_ms
-            outputs[index] = request.num_output
-            if moe is not None and settings.expert_reports:
-                # The engine's routed-expert counts of the tokens it computed for the request.
-                computed = request.prompt_len - max(request.cached_tokens, 0) + request.num_output
-                router.report_experts(request.request_id, moe.activations(request.expert_row, computed))
-            released += router.finish(request.request_id, now=now)
-        if released:
-            sync_events()
-            dispatch(released)
-
-    simulator = Simulator(engines, on_step=on_step, fuse_until_submit=True)
-    synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
-    for index, request in enumerate(trace):
-        simulator.run_until(float(arrival[index]))
-        sync_events()
-        tokens = synth.tokens(request.hash_ids, request.input_length)
-        hashes, local = hash_blocks(tokens, block_size=block_size)
-        request_id = str(index)
-        pending[request_id] = _Pending(
-            index=index, tokens=tokens, hashes=hashes, local=local, max_tokens=request.output_length
-        )
-        route_request = RouteRequest(
-            request_id=request_id,
-            hashes=hashes,
-            prompt_tokens=request.input_length,
-            max_tokens=request.output_length,
-        )
-        try:
-            route = router.submit(route_request, now=simulator.now_ms / 1000.0)
-        except (QueueFull, NoWorkers):
-            pending.pop(request_id)
-            failed += 1
-            route = None
-        if route is not None:
-            dispatch([route])
+    fleet = Fleet(trace, settings, engines=settings.workers)
+    arrival = fleet.arrival_ms
+    for index in range(len(trace)):
+        fleet.run_until(float(arrival[index]))
+        fleet.arrive(index)
         if progress is not None:
             progress(1)
-    simulator.run()
-
-    done = ~np.isnan(finish)
-    ttft = first - arrival
-    e2e = finish - arrival
-    with np.errstate(invalid="ignore", divide="ignore"):
-        itl = np.where(outputs > 1, (finish - first) / (outputs - 1), np.nan)
-    span_s = (float(np.nanmax(finish)) - float(arrival[0])) / 1000.0 if done.any() else math.nan
-    return ReplayReport(
-        policy=settings.policy,
-        workers=settings.workers,
-        requests=int(done.sum()),
-        ttft_ms=Distribution.of(ttft[done]),
-        itl_ms=Distribution.of(itl[done]),
-        e2e_ms=Distribution.of(e2e[done]),
-        cache_hit_rate=float(cached[done].sum() / prompts[done].sum()) if done.any() else 0.0,
-        throughput_tok_s=float(outputs[done].sum() / span_s) if done.any() and span_s > 0 else 0.0,
-        failed=failed,
-        preemptions=sum(engine.preemptions_total for engine in engines),
-        simulated_s=simulator.now_ms / 1000.0,
-        wall_s=time.perf_counter() - started,
-        moe=_moe_report(engines, output_tokens=float(outputs[done].sum())),
-    )
+    fleet.run()
+    return fleet.report(started=started, workers=settings.workers)
 
 
 def _moe_report(engines: Sequence[Engine], *, output_tokens: float) -> MoeReport | None:

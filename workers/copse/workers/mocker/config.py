@@ -41,11 +41,15 @@ class EngineConfig:
     kv_transfer_bandwidth_gbps: float = 64.0
     """GB/s of a prefill-to-decode KV transfer (Dynamo's mocker default); delay = bytes / bandwidth."""
     seed: int = 0
-    """Seeds generated token ids. An id depends on the seed, its position in the sequence and the
-    sequence's first token only (like greedy decoding: not on the batch or the engine), so runs are
-    reproducible and a sequence continued on another engine of the same seed goes on identically."""
+    """Seeds generated token ids and step-time noise. An id depends on the seed, its position in the
+    sequence and the sequence's first token only (like greedy decoding: not on the batch or the
+    engine), so runs are reproducible and a sequence continued on another engine of the same seed
+    goes on identically."""
     moe: MoeConfig | None = None
     """An expert-parallel Mixture-of-Experts engine: its all-to-all and slowest rank add to every step."""
+    step_time_cv: float = 0.0
+    """Coefficient of variation of step times: each step's time is multiplied by a log-normal factor
+    of mean 1 (kernels, clocks and host jitter make real steps vary; 0: exactly the perf model)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
@@ -56,6 +60,8 @@ class EngineConfig:
         for name in ("speedup_ratio", "decode_speedup_ratio", "kv_transfer_bandwidth_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if not 0.0 <= self.step_time_cv < 10.0:
+            raise ValueError(f"step_time_cv={self.step_time_cv} must lie in [0, 10)")
         if self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token={self.kv_bytes_per_token} must not be negative")
         if self.role not in ROLES:

@@ -20,7 +20,9 @@ up to its length; the first such token is its first token.
 
 Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup * decode_speedup)``;
 an expert-parallel engine (``EngineConfig.moe``) stretches it by its slowest rank's share of the
-step's expert activations and adds the all-to-all (:mod:`copse.workers.moe.step`).
+step's expert activations and adds the all-to-all (:mod:`copse.workers.moe.step`). With
+``step_time_cv`` set, the step then takes its noise factor: factor ``k`` of a seeded table for the
+engine's ``k``-th step, so fused and step-by-step runs stay identical.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ _SAMPLE_MASK = _SAMPLE_TABLE - 1
 _OFFSET_MULTIPLIER = 2654435761
 """Knuth's multiplicative hash spreads first tokens over the table."""
 
+#: Step-time noise cycles through a seeded table of this many factors per engine seed.
+_NOISE_TABLE = 1 << 14
+_NOISE_MASK = _NOISE_TABLE - 1
+
 _EVENT_FIELDS = frozenset(("event_id", "data"))
 
 
@@ -62,6 +68,14 @@ _EVENT_FIELDS = frozenset(("event_id", "data"))
 def _sample_table(seed: int) -> tuple[int, ...]:
     """Token ids engines of one seed generate, shared by all of them (a thousand engines, one table)."""
     return tuple(np.random.default_rng(seed).integers(RESERVED_IDS, VOCAB_SIZE, _SAMPLE_TABLE).tolist())
+
+
+@functools.lru_cache(maxsize=256)
+def _noise_table(seed: int, cv: float) -> tuple[float, ...]:
+    """Step-time factors of the engines of one seed: log-normal, mean 1, coefficient of variation ``cv``."""
+    sigma2 = math.log1p(cv * cv)
+    rng = np.random.default_rng((seed, 0x6E6F6973))  # a stream of its own, apart from the token samples
+    return tuple(rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), _NOISE_TABLE).tolist())
 
 
 def _extend_cyclic(out: list[int], table: tuple[int, ...], *, start: int, count: int) -> None:
@@ -279,6 +293,9 @@ class Engine:
         self._pending_events: list[KvEvent] = []
         self._last_event_id = 0
         self._samples = _sample_table(config.seed)
+        self._noise = _noise_table(config.seed, config.step_time_cv) if config.step_time_cv else None
+        self._step_count = 0
+        """Steps run so far (indexes the noise table)."""
         self._busy_until: float | None = None
         self._step_start = 0.0
         self._scheduled: list[tuple[Request, int]] = []
@@ -543,6 +560,8 @@ class Engine:
             terms = moe.terms([r.expert_row for r, n in scheduled if n], [n for _, n in scheduled if n])
             self._moe_factor, self._moe_ms = terms.factor, terms.all_to_all_ms / self._speed
             duration = duration * self._moe_factor + self._moe_ms
+        if self._noise is not None:
+            duration *= self._noise[self._step_count & _NOISE_MASK]
         end = now_ms + duration
         steps = 1
         self._step_ends = []
@@ -571,14 +590,16 @@ class Engine:
             horizon_ms = min(horizon_ms, *(r.ready_ms for r in self._transfers))
         itl = self.perf.decode_itl_ms
         speed = self._decode_speed
+        noise = self._noise
         ends = [end]
         append = ends.append
         # step k (k = 1, 2, ...) computes the KV of decode_kv + k * decodes tokens
         factor, extra = self._moe_factor, self._moe_ms
         for active in range(decode_kv + decodes, decode_kv + limit * decodes, decodes):
-            step_end = (
-                end + itl(active_kv_tokens=active, context_length=active / decodes) / speed * factor + extra
-            )
+            step = itl(active_kv_tokens=active, context_length=active / decodes) / speed * factor + extra
+            if noise is not None:
+                step *= noise[(self._step_count + len(ends)) & _NOISE_MASK]
+            step_end = end + step
             if step_end > horizon_ms:
                 break
             end = step_end
@@ -655,6 +676,7 @@ class Engine:
                     self._finish(request, end)
                     finished.append(request)
             self.generation_tokens_total += len(advanced)
+        self._step_count += steps
         if finished:
             self.running = [r for r in self.running if r.state == "running"]
         output = StepOutput(

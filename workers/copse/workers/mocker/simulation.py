@@ -67,6 +67,16 @@ class Simulator:
         self._step_entry: list[tuple[float, int, int, bool] | None] = [None] * len(self.engines)
         """Each engine's heap entry for the end of its step in progress."""
 
+    def add_engine(self, engine: Engine) -> int:
+        """Add an engine at the current time (a replica that finished starting); returns its index.
+        Engines are never removed: one that drained simply stays idle, which costs nothing."""
+        self.engines.append(engine)
+        self._wake.append(math.inf)
+        self._step_entry.append(None)
+        index = len(self.engines) - 1
+        self._kick(index)
+        return index
+
     def submit(
         self,
         engine_index: int,

@@ -1,0 +1,468 @@
+"""The closed-loop twin: the SLA planner sizing a fleet of mocked engines behind the real router,
+every request simulated on the virtual clock.
+
+What runs is what runs in a cluster, minus the cluster:
+
+* Every ``interval_s`` the planner (:class:`copse.planner.core.Planner`, the live loop's
+  :meth:`~copse.planner.core.Planner.step`) learns from the interval that ended and decides the
+  replicas. It sees what it would see in a cluster, the router's Prometheus series over the
+  interval (:func:`observe`): requests answered, prompt and output tokens, the router's
+  *predicted* hit rate, and the p90 prompt length and p99 TTFT and ITL read from the router's
+  histogram buckets with Prometheus' ``histogram_quantile``; queue and batch gauges at the end
+  of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
+  path adds capacity only).
+* A replica added starts serving ``startup_delay_s`` after the decision (it holds its GPUs from
+  the decision on). A replica removed first cancels one still starting (newest first), else
+  drains the newest serving engine: the router stops sending it requests at once, it finishes
+  the ones it has, and its GPUs are released when it is empty.
+* The router routes every request with its own measured perf model, KV events arrive late, the
+  engines' steps are noisy (:class:`~copse.sim.replay.ReplaySettings`); the planner sizes with
+  the same measured profile the router uses.
+
+Results count from ``warmup_s`` (the planner learns the load first) to the end of the load:
+per request, TTFT and mean ITL against the targets (a refused request misses); per interval,
+the p99 of the requests that arrived in it; GPU-hours of every replica held, starting and
+draining ones included. Without a planner (``planner=None``) the fleet stays at its initial size:
+the static deployments the planner is compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from copse.api import Role
+from copse.planner.capacity import CapacityModel
+from copse.planner.config import PlannerConfig
+from copse.planner.core import Decision, Planner
+from copse.planner.observations import Observation
+from copse.planner.policy import Limits
+from copse.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PROMPT_LENGTH_BUCKETS
+from copse.sim.replay import Distribution, Fleet, ReplaySettings
+from copse.sim.trace import TraceRequest
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def histogram_quantile(q: float, values: FloatArray, buckets: Sequence[float]) -> float | None:
+    """Prometheus' ``histogram_quantile(q, ...)`` over a histogram with upper bounds ``buckets``
+    (plus +Inf) that observed ``values``: linear within the bucket holding rank ``q x count``
+    (from 0 for the first bucket), the highest finite bound when that bucket is +Inf; ``None``
+    without observations."""
+    if not len(values):
+        return None
+    bounds = np.asarray(buckets, dtype=np.float64)
+    counts = np.searchsorted(bounds, values, side="left")  # bucket index: first bound >= value
+    cumulative = np.cumsum(np.bincount(counts, minlength=len(bounds) + 1))
+    rank = q * len(values)
+    bucket = int(np.searchsorted(cumulative, rank, side="left"))
+    if bucket >= len(bounds):
+        return float(bounds[-1])
+    lower = float(bounds[bucket - 1]) if bucket > 0 else 0.0
+    below = float(cumulative[bucket - 1]) if bucket > 0 else 0.0
+    inside = float(cumulative[bucket]) - below
+    return lower + (float(bounds[bucket]) - lower) * (rank - below) / inside
+
+
+def _in(times: FloatArray, start: float, end: float) -> npt.NDArray[np.bool_]:
+    return (times >= start) & (times < end)
+
+
+def _queued(fleet: Fleet) -> float:
+    """The planner's queue_depth gauge: the router's queue plus every engine's waiting requests."""
+    return float(fleet.router.queued + sum(engine.num_waiting for engine in fleet.engines))
+
+
+def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) -> Observation:
+    """What the planner's Prometheus queries return for ``[start_ms, end_ms)``: the router's counters
+    and histograms over the window, the queue and batch gauges at its end."""
+    answered = _in(fleet.finish_ms, start_ms, end_ms) | _in(fleet.failed_ms, start_ms, end_ms)
+    finished = _in(fleet.finish_ms, start_ms, end_ms)
+    routed = _in(fleet.routed_ms, start_ms, end_ms)
+    first = _in(fleet.first_ms, start_ms, end_ms)
+    requests = float(answered.sum())
+    prompt_tokens = float(fleet.prompts[routed].sum())
+    outputs = fleet.outputs[finished]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        itl = (fleet.finish_ms[finished] - fleet.first_ms[finished]) / (outputs - 1)
+    itl = itl[outputs > 1]
+    ttft = fleet.first_ms[first] - fleet.arrival_ms[first]
+    ttft_s = histogram_quantile(quantile, ttft / 1000.0, LATENCY_BUCKETS)
+    itl_s = histogram_quantile(quantile, itl / 1000.0, ITL_BUCKETS)
+    return Observation(
+        timestamp=start_ms / 1000.0,
+        duration_s=(end_ms - start_ms) / 1000.0,
+        num_requests=requests,
+        # ratios of increases: no answered request, no mean (PromQL's 0/0 or x/0)
+        isl=prompt_tokens / requests if requests else None,
+        osl=float(outputs.sum()) / requests if requests else None,
+        isl_p90=histogram_quantile(0.9, fleet.prompts[routed], PROMPT_LENGTH_BUCKETS),
+        kv_hit_rate=float(fleet.predicted_cached[routed].sum()) / prompt_tokens if prompt_tokens else None,
+        ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
+        itl_ms=None if itl_s is None else itl_s * 1000.0,
+        queue_depth=_queued(fleet),
+        inflight=float(sum(len(engine.running) for engine in fleet.engines)),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TwinSettings:
+    """One closed-loop run."""
+
+    fleet: ReplaySettings
+    """Routing and engines; ``workers`` replicas serve at the start."""
+    limits: Limits
+    """Targets and bounds of the deployment (aggregated workers)."""
+    planner: PlannerConfig | None = dataclasses.field(default_factory=PlannerConfig)
+    """The planner's configuration (predictor, start-up delay, ...); ``None``: a static fleet."""
+    interval_s: float = 60.0
+    """Seconds between the planner's decisions."""
+    warmup_s: float = 0.0
+    """Load simulated before results count (the planner learns it; the fleet settles)."""
+
+    def __post_init__(self) -> None:
+        if self.limits.roles != (Role.WORKER,):
+            raise ValueError("the twin simulates aggregated workers only (limits.roles must be (worker,))")
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be positive, got {self.interval_s}")
+        if self.warmup_s < 0:
+            raise ValueError(f"warmup_s must not be negative, got {self.warmup_s}")
+        if self.fleet.workers < 1:
+            raise ValueError(f"the fleet starts with at least 1 worker, got {self.fleet.workers}")
+
+    @property
+    def startup_delay_s(self) -> float:
+        """From a scale-up decision to the new replica serving (the planner knows it too)."""
+        return 0.0 if self.planner is None else self.planner.startup_delay_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IntervalRow:
+    """One planner interval of the measured part of a run."""
+
+    start_s: float
+    arrivals: int
+    serving: int
+    """Replicas serving at the interval's start."""
+    held: int
+    """Replicas holding GPUs at the interval's start (starting and draining ones included)."""
+    ttft_p99_ms: float
+    """p99 TTFT of the requests arriving in the interval (refused ones count as infinite)."""
+    itl_p99_ms: float
+    """p99 of their mean ITL."""
+    slo_ok: bool
+    forecast: float | None
+    """Requests the planner forecast for the interval (``None`` for a static fleet)."""
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TwinReport:
+    """What a closed-loop (or static) run measured over its results window."""
+
+    predictor: str | None
+    """``None`` for a static fleet."""
+    startup_delay_s: float
+    requests: int
+    """Requests that arrived in the results window."""
+    failed: int
+    slo_attainment: float
+    """Share of those requests whose TTFT and mean ITL both met the targets."""
+    interval_attainment: float
+    """Share of intervals (with arrivals) whose p99 TTFT and p99 ITL met the targets."""
+    gpu_hours: float
+    mean_replicas: float
+    """Replicas holding GPUs, time-averaged."""
+    peak_replicas: int
+    scaling_events: int
+    """Decisions in the results window that changed the replica count."""
+    ttft_ms: Distribution
+    itl_ms: Distribution
+    intervals: list[IntervalRow]
+    simulated_s: float
+    wall_s: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "predictor": self.predictor,
+            "startup_delay_s": self.startup_delay_s,
+            "requests": self.requests,
+            "failed": self.failed,
+            "slo_attainment": self.slo_attainment,
+            "interval_attainment": self.interval_attainment,
+            "gpu_hours": self.gpu_hours,
+            "mean_replicas": self.mean_replicas,
+            "peak_replicas": self.peak_replicas,
+            "scaling_events": self.scaling_events,
+            "ttft_ms": self.ttft_ms.as_dict(),
+            "itl_ms": self.itl_ms.as_dict(),
+            "intervals": [row.as_json() for row in self.intervals],
+        }
+
+
+@dataclasses.dataclass(slots=True)
+class Replica:
+    """One replica of the deployment."""
+
+    launched_ms: float
+    """When it was decided (GPUs held from then)."""
+    ready_ms: float
+    engine: int | None = None
+    """Its engine in the fleet once serving."""
+    ended_ms: float | None = None
+    """When its GPUs were released (cancelled while starting, or drained)."""
+
+
+class Replicas:
+    """The deployment's replicas over time: starting, serving, draining, gone."""
+
+    def __init__(self, fleet: Fleet, *, initial: int) -> None:
+        self.fleet = fleet
+        self.all = [Replica(launched_ms=0.0, ready_ms=0.0, engine=i) for i in range(initial)]
+
+    def held(self) -> int:
+        """Replicas the deployment asks for (the spec's count): starting or serving."""
+        return sum(1 for r in self.all if r.ended_ms is None and not self._draining(r))
+
+    def serving(self) -> int:
+        return sum(
+            1 for r in self.all if r.engine is not None and r.ended_ms is None and not self._draining(r)
+        )
+
+    def holding_gpus(self, now_ms: float) -> int:
+        self.settle()
+        return sum(1 for r in self.all if r.launched_ms <= now_ms and r.ended_ms is None)
+
+    def _draining(self, replica: Replica) -> bool:
+        return replica.engine is not None and replica.engine in self.fleet.draining
+
+    def settle(self) -> None:
+        """Release the GPUs of drained engines."""
+        for replica in self.all:
+            if replica.ended_ms is None and replica.engine is not None:
+                retired = self.fleet.retired_ms.get(replica.engine)
+                if retired is not None:
+                    replica.ended_ms = retired
+
+    def next_ready_ms(self) -> float:
+        waiting = [r.ready_ms for r in self.all if r.engine is None and r.ended_ms is None]
+        return min(waiting, default=math.inf)
+
+    def start_ready(self, now_ms: float) -> None:
+        for replica in self.all:
+            if replica.engine is None and replica.ended_ms is None and replica.ready_ms <= now_ms:
+                replica.engine = self.fleet.add_engine()
+
+    def apply(self, target: int, *, now_ms: float, startup_delay_s: float) -> None:
+        held = self.held()
+        for _ in range(target - held):
+            self.all.append(Replica(launched_ms=now_ms, ready_ms=now_ms + startup_delay_s * 1000.0))
+        if startup_delay_s == 0:
+            self.start_ready(now_ms)
+        excess = held - target
+        for replica in reversed(self.all):  # newest first: cancel start-ups, then drain
+            if excess <= 0:
+                break
+            if replica.ended_ms is not None or self._draining(replica):
+                continue
+            if replica.engine is None:
+                replica.ended_ms = now_ms
+            else:
+                self.fleet.drain(replica.engine)
+            excess -= 1
+        self.settle()
+
+    def peak(self, *, start_ms: float, end_ms: float) -> int:
+        """Most replicas holding GPUs at once within ``[start_ms, end_ms)``."""
+        self.settle()
+        changes = []
+        for replica in self.all:
+            ended = end_ms if replica.ended_ms is None else replica.ended_ms
+            begun = max(replica.launched_ms, start_ms)
+            if begun < min(ended, end_ms):
+                changes += [(begun, 1), (ended, -1)]
+        held = most = 0
+        for _, change in sorted(changes):  # at equal times a release (-1) sorts before a launch
+            held += change
+            most = max(most, held)
+        return most
+
+    def gpu_seconds(self, *, start_ms: float, end_ms: float, gpus: int) -> float:
+        self.settle()
+        total = 0.0
+        for replica in self.all:
+            ended = end_ms if replica.ended_ms is None else min(replica.ended_ms, end_ms)
+            total += max(0.0, ended - max(replica.launched_ms, start_ms))
+        return total / 1000.0 * gpus
+
+
+def run_twin(
+    trace: Sequence[TraceRequest],
+    settings: TwinSettings,
+    *,
+    end_s: float | None = None,
+    progress: Callable[[float], object] | None = None,
+) -> TwinReport:
+    """Serve ``trace`` (timestamps in ms from the load's start, divided by the fleet's speedup)
+    under the planner, or statically; the load ends at ``end_s`` (default: the last arrival).
+    ``progress`` gets the simulated seconds of each interval as it completes."""
+    started = time.perf_counter()
+    if not trace:
+        raise ValueError("no requests to serve")
+    fleet = Fleet(trace, settings.fleet, engines=settings.fleet.workers)
+    arrival = fleet.arrival_ms
+    end_ms = float(arrival[-1]) if end_s is None else end_s * 1000.0
+    warmup_ms = settings.warmup_s * 1000.0
+    if warmup_ms >= end_ms:
+        raise ValueError(f"the warm-up ({settings.warmup_s:g} s) covers the whole load ({end_ms / 1000:g} s)")
+    limits = settings.limits
+    replicas = Replicas(fleet, initial=settings.fleet.workers)
+    planner: Planner | None = None
+    if settings.planner is not None:
+        capacity = CapacityModel(
+            fleet.router_perf,
+            quantile=settings.planner.quantile,
+            max_num_seqs=limits.max_num_seqs,
+            isl_scv=settings.planner.isl_scv,
+        )
+        planner = Planner(
+            config=settings.planner, limits=limits, capacity=capacity, interval_s=settings.interval_s
+        )
+    interval_ms = settings.interval_s * 1000.0
+    poll_ms = math.inf if settings.planner is None else settings.planner.fast_path_poll_s * 1000.0
+    boundary = interval_ms
+    poll = poll_ms
+    next_arrival = 0
+    decisions: list[tuple[float, Decision, int]] = []  # (time ms, decision, held before)
+    starts: list[tuple[float, int, int]] = [(0.0, replicas.serving(), replicas.held())]
+    delay = settings.startup_delay_s
+
+    def decide(decision: Decision, now_ms: float) -> None:
+        decisions.append((now_ms, decision, replicas.held()))
+        replicas.apply(decision.target[Role.WORKER], now_ms=now_ms, startup_delay_s=delay)
+
+    while True:
+        upcoming = float(arrival[next_arrival]) if next_arrival < len(arrival) else math.inf
+        ready = replicas.next_ready_ms()
+        now = min(
+            upcoming,
+            ready if ready <= end_ms else math.inf,
+            boundary if boundary <= end_ms else math.inf,
+            poll if poll < boundary and poll <= end_ms else math.inf,
+        )
+        if now == math.inf:
+            break
+        fleet.run_until(now)
+        if ready <= now:
+            replicas.start_ready(now)
+        if boundary <= now:
+            if planner is not None:
+                obs = observe(
+                    fleet, start_ms=boundary - interval_ms, end_ms=boundary, quantile=planner.config.quantile
+                )
+                decide(planner.step(obs, current={Role.WORKER: replicas.held()}), now)
+            starts.append((boundary, replicas.serving(), replicas.held()))
+            if progress is not None:
+                progress(settings.interval_s)
+            poll = boundary + poll_ms
+            boundary += interval_ms
+        elif poll <= now:
+            assert planner is not None
+            queues = {Role.WORKER: _queued(fleet)}
+            fast = planner.fast_path(now=now / 1000.0, current={Role.WORKER: replicas.held()}, queues=queues)
+            if fast is not None:
+                decide(fast, now)
+            poll += poll_ms
+        if upcoming <= now:
+            fleet.arrive(next_arrival)
+            next_arrival += 1
+    fleet.run()
+    replicas.settle()
+    return _report(
+        fleet=fleet,
+        settings=settings,
+        replicas=replicas,
+        decisions=decisions,
+        starts=starts,
+        warmup_ms=warmup_ms,
+        end_ms=end_ms,
+        started=started,
+    )
+
+
+def _report(
+    *,
+    fleet: Fleet,
+    settings: TwinSettings,
+    replicas: Replicas,
+    decisions: list[tuple[float, Decision, int]],
+    starts: list[tuple[float, int, int]],
+    warmup_ms: float,
+    end_ms: float,
+    started: float,
+) -> TwinReport:
+    limits = settings.limits
+    arrival = fleet.arrival_ms
+    window = (arrival >= warmup_ms) & (arrival < end_ms)
+    ttft = fleet.first_ms - arrival
+    outputs = fleet.outputs
+    with np.errstate(invalid="ignore", divide="ignore"):
+        itl = np.where(outputs > 1, (fleet.finish_ms - fleet.first_ms) / (outputs - 1), 0.0)
+    done = ~np.isnan(fleet.finish_ms)
+    ok = done & (ttft <= limits.ttft_ms) & (itl <= limits.itl_ms)
+    rows: list[IntervalRow] = []
+    forecasts = {round(t): d.next_forecast for t, d, _ in decisions if d.next_forecast is not None}
+    interval_ms = settings.interval_s * 1000.0
+    for start_ms, serving, held in starts:
+        if start_ms < warmup_ms or start_ms >= end_ms:
+            continue
+        members = window & (arrival >= start_ms) & (arrival < start_ms + interval_ms)
+        count = int(members.sum())
+        if not count:
+            continue
+        # a refused or unfinished request counts as an infinite latency
+        ttft_p99 = float(np.percentile(np.where(done[members], ttft[members], np.inf), 99, method="higher"))
+        itl_p99 = float(np.percentile(np.where(done[members], itl[members], np.inf), 99, method="higher"))
+        forecast = forecasts.get(round(start_ms))
+        rows.append(
+            IntervalRow(
+                start_s=start_ms / 1000.0,
+                arrivals=count,
+                serving=serving,
+                held=held,
+                ttft_p99_ms=ttft_p99,
+                itl_p99_ms=itl_p99,
+                slo_ok=ttft_p99 <= limits.ttft_ms and itl_p99 <= limits.itl_ms,
+                forecast=None if forecast is None else forecast.num_requests,
+            )
+        )
+    gpus = limits.gpus_per_replica[Role.WORKER]
+    seconds = replicas.gpu_seconds(start_ms=warmup_ms, end_ms=end_ms, gpus=gpus)
+    span_s = (end_ms - warmup_ms) / 1000.0
+    measured = [d for t, d, held in decisions if warmup_ms <= t < end_ms and d.target[Role.WORKER] != held]
+    requests = int(window.sum())
+    return TwinReport(
+        predictor=None if settings.planner is None else settings.planner.predictor,
+        startup_delay_s=settings.startup_delay_s,
+        requests=requests,
+        failed=int((window & ~np.isnan(fleet.failed_ms)).sum()),
+        slo_attainment=float((ok & window).sum()) / requests if requests else math.nan,
+        interval_attainment=sum(row.slo_ok for row in rows) / len(rows) if rows else math.nan,
+        gpu_hours=seconds / 3600.0,
+        mean_replicas=seconds / gpus / span_s,
+        peak_replicas=replicas.peak(start_ms=warmup_ms, end_ms=end_ms),
+        scaling_events=len(measured),
+        ttft_ms=Distribution.of(ttft[window & done]),
+        itl_ms=Distribution.of(np.where(outputs > 1, itl, np.nan)[window & done]),
+        intervals=rows,
+        simulated_s=fleet.now_ms / 1000.0,
+        wall_s=time.perf_counter() - started,
+    )

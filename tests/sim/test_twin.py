@@ -1,0 +1,221 @@
+"""The closed-loop twin: what the planner observes, replicas starting late and draining before
+they go, and the planner and static fleets end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from copse.api import Role
+from copse.planner.config import PlannerConfig
+from copse.planner.observations import Observation
+from copse.planner.policy import AGGREGATED, Limits
+from copse.planner.recording import write_metrics_jsonl
+from copse.sim.cli import bench
+from copse.sim.load import arrival_times_s, shapes_in_order, synthesize
+from copse.sim.replay import Fleet, ReplaySettings, RouterModel
+from copse.sim.trace import TraceRequest
+from copse.sim.twin import Replicas, TwinSettings, histogram_quantile, observe, run_twin
+
+EXACT = ReplaySettings(
+    workers=1, engine_noise=0.0, kv_event_lag_ms=0.0, router_model=RouterModel(source="exact")
+)
+LIMITS = Limits(
+    roles=AGGREGATED, gpus_per_replica={Role.WORKER: 1}, ttft_ms=2000.0, itl_ms=50.0, max_replicas=8
+)
+
+
+def _requests(times_s: list[float], *, isl: int = 1500, osl: int = 50) -> list[TraceRequest]:
+    return [
+        TraceRequest(
+            timestamp_ms=t * 1000.0,
+            input_length=isl,
+            output_length=osl,
+            hash_ids=tuple(100 * i + k for k in range(-(-isl // 512))),
+        )
+        for i, t in enumerate(times_s)
+    ]
+
+
+def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
+    buckets = (1.0, 2.0, 4.0)
+    values = np.array([0.5, 1.5, 1.5, 3.0])
+    # rank 0.5 x 4 = 2 falls in (1, 2], which holds ranks 1..3: 1 + (2 - 1) x (2 - 1) / 2
+    assert histogram_quantile(0.5, values, buckets) == pytest.approx(1.5)
+    assert histogram_quantile(0.25, values, buckets) == pytest.approx(1.0)  # first bucket starts at 0
+    assert histogram_quantile(0.99, np.array([0.5, 9.0]), buckets) == 4.0  # the +Inf bucket: highest bound
+    assert histogram_quantile(0.9, np.array([]), buckets) is None
+
+
+def test_the_planner_observes_what_the_routers_series_would_say() -> None:
+    trace = _requests([0.0, 0.5, 1.0, 1.5], osl=20)
+    fleet = Fleet(trace, EXACT, engines=2)
+    for i in range(len(trace)):
+        fleet.run_until(float(fleet.arrival_ms[i]))
+        fleet.arrive(i)
+    fleet.run_until(60_000.0)
+    obs = observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99)
+    assert obs.num_requests == 4
+    assert obs.isl == 1500
+    assert obs.osl == 20
+    assert obs.isl_p90 is not None
+    assert 1024 < obs.isl_p90 <= 2048  # read from the 1024-2048 bucket
+    ttft = fleet.first_ms - fleet.arrival_ms
+    assert obs.ttft_ms is not None
+    assert obs.ttft_ms >= float(ttft.max())  # the bucket's bound, not the value
+    assert obs.queue_depth == 0
+    assert obs.inflight == 0
+    empty = observe(fleet, start_ms=60_000.0, end_ms=120_000.0, quantile=0.99)
+    assert (empty.num_requests, empty.isl, empty.ttft_ms) == (0, None, None)
+
+
+def test_a_replica_serves_only_after_the_startup_delay() -> None:
+    fleet = Fleet(_requests([0.0]), EXACT, engines=1)
+    replicas = Replicas(fleet, initial=1)
+    replicas.apply(3, now_ms=10_000.0, startup_delay_s=120.0)
+    assert (replicas.held(), replicas.serving(), len(fleet.engines)) == (3, 1, 1)
+    assert replicas.next_ready_ms() == 130_000.0
+    fleet.run_until(129_999.0)
+    replicas.start_ready(129_999.0)
+    assert replicas.serving() == 1
+    fleet.run_until(130_000.0)
+    replicas.start_ready(130_000.0)
+    assert (replicas.serving(), len(fleet.engines), len(fleet.router.workers)) == (3, 3, 3)
+    # GPUs were held from the decision on, starting time included
+    assert replicas.gpu_seconds(start_ms=0.0, end_ms=130_000.0, gpus=1) == pytest.approx(130.0 + 2 * 120.0)
+    # scaling down cancels a replica still starting before it drains a serving one
+    replicas.apply(5, now_ms=130_000.0, startup_delay_s=60.0)
+    replicas.apply(4, now_ms=131_000.0, startup_delay_s=60.0)
+    assert (replicas.held(), replicas.serving()) == (4, 3)
+
+
+def test_a_removed_replica_drains_before_its_gpus_are_released() -> None:
+    trace = _requests([0.0, 0.1, 5.0], osl=400)
+    fleet = Fleet(trace, EXACT, engines=2)
+    replicas = Replicas(fleet, initial=2)
+    fleet.arrive(0)
+    fleet.run_until(100.0)
+    fleet.arrive(1)
+    engine_of = {}
+    for i in (0, 1):
+        route = fleet.router.route_of(str(i))
+        assert route is not None
+        engine_of[i] = int(route.worker_id.removeprefix("worker-"))
+    assert set(engine_of.values()) == {0, 1}  # one request on each engine
+    on_1 = next(i for i, engine in engine_of.items() if engine == 1)
+    fleet.run_until(1000.0)
+    replicas.apply(1, now_ms=1000.0, startup_delay_s=0.0)  # drains the newest: engine 1
+    assert fleet.router.workers["worker-1"].draining  # no new requests, its load still counted
+    assert fleet.router.in_flight("worker-1") == 1
+    assert 1 in fleet.draining
+    assert replicas.held() == 1
+    fleet.run_until(5000.0)
+    fleet.arrive(2)  # only engine 0 takes new requests now
+    fleet.run()
+    replicas.settle()
+    assert fleet.engines[1].requests_finished_total == 1  # engine 0 took the late request
+    assert fleet.engines[0].requests_finished_total == 2
+    finished_on_1 = fleet.finish_ms[on_1]
+    assert not np.isnan(finished_on_1)  # the drained engine finished what it had
+    assert fleet.retired_ms[1] == finished_on_1 > 1000.0  # and released its GPUs only then
+    assert "worker-1" not in fleet.router.workers  # then the router forgot it
+    seconds = replicas.gpu_seconds(start_ms=0.0, end_ms=60_000.0, gpus=1)
+    assert seconds == pytest.approx(60.0 + finished_on_1 / 1000.0)
+
+
+def test_arrivals_follow_the_recorded_rate_and_shapes_repeat_with_fresh_ids() -> None:
+    observations = [
+        Observation(timestamp=100.0 + 600.0 * i, duration_s=600.0, num_requests=n, isl=1.0, osl=1.0)
+        for i, n in enumerate((600.0, 3000.0, 600.0))
+    ]
+    times = arrival_times_s(observations, seed=1)
+    assert np.array_equal(times, arrival_times_s(observations, seed=1))
+    counts = np.histogram(times, bins=[0, 600, 1200, 1800])[0]
+    # a ramp between the interval midpoints, not a step: the middle interval lends to its neighbours
+    # (900, 2400, 900 expected; the total is kept)
+    assert 700 < counts[0] < 1300
+    assert 2000 < counts[1] < 2900
+    assert 700 < counts[2] < 1300
+    assert len(times) == pytest.approx(4200, rel=0.05)
+    shapes = _requests([0.0, 1.0], isl=600)
+    picked = shapes_in_order(shapes, 5)
+    assert [r.hash_ids[0] for r in picked] == [0, 100, 102, 202, 204]  # ids 0..101, each pass 102 higher
+    with pytest.raises(ValueError, match="at most 100 prompt tokens"):
+        shapes_in_order(shapes, 1, max_input_length=100)
+    trace = synthesize(observations, shapes, seed=1, scale=0.1)
+    assert len(trace) == pytest.approx(420, rel=0.15)
+
+
+def test_the_planner_scales_the_fleet_with_the_load_and_a_static_fleet_does_not() -> None:
+    # 2 req/s for 10 minutes, then 12 req/s: one engine cannot hold it
+    times = list(np.arange(0.0, 600.0, 0.5)) + list(np.arange(600.0, 1200.0, 1 / 12))
+    trace = _requests([float(t) for t in times], isl=6000, osl=100)
+    planner = PlannerConfig(predictor="constant", startup_delay_s=120.0)
+    settings = TwinSettings(fleet=EXACT, limits=LIMITS, planner=planner, interval_s=60.0)
+    report = run_twin(trace, settings)
+    assert report.peak_replicas > 1
+    grown = [row for row in report.intervals if row.held > row.serving]
+    assert grown  # replicas held while starting
+    first = grown[0]
+    later = [row for row in report.intervals if row.start_s >= first.start_s + 120.0]
+    assert later[0].serving > first.serving  # serving once the start-up delay has passed
+    static = run_twin(trace, TwinSettings(fleet=EXACT, limits=LIMITS, planner=None, interval_s=60.0))
+    assert (static.peak_replicas, static.scaling_events) == (1, 0)
+    assert static.gpu_hours == pytest.approx(1200.0 / 3600.0, rel=0.01)
+    assert report.slo_attainment > static.slo_attainment
+    assert report.gpu_hours > static.gpu_hours
+    assert report.as_json() == run_twin(trace, settings).as_json()  # deterministic
+
+
+def test_bench_planner_cli(tmp_path: Path) -> None:
+    recording = tmp_path / "load.jsonl"
+    observations = [
+        Observation(timestamp=60.0 * i, duration_s=60.0, num_requests=n, isl=2000.0, osl=50.0)
+        for i, n in enumerate((60.0, 120.0, 240.0, 120.0))
+    ]
+    with recording.open("w") as handle:
+        write_metrics_jsonl(observations, handle)
+    shapes = tmp_path / "shapes.jsonl"
+    shapes.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": i, "input_length": 1200, "output_length": 30, "hash_ids": [0, 1, 100 + i]}
+            )
+            + "\n"
+            for i in range(50)
+        )
+    )
+    runner = CliRunner()
+    args = [
+        "planner",
+        "--metrics",
+        str(recording),
+        "--shapes",
+        str(shapes),
+        "--ttft-ms",
+        "1000",
+        "--itl-ms",
+        "50",
+    ]
+    result = runner.invoke(bench, [*args, "--predictor", "constant", "--startup-delay", "60", "--intervals"])
+    assert result.exit_code == 0, result.output
+    assert "planner (constant), start-up delay 60 s" in result.stdout
+    assert "SLO (TTFT <= 1000 ms and ITL <= 50 ms)" in result.stdout
+    static = runner.invoke(bench, [*args, "--static", "2", "--json"])
+    assert static.exit_code == 0, static.output
+    report = json.loads(static.stdout)
+    assert report["predictor"] is None
+    assert report["gpu_hours"] == pytest.approx(2 * 240 / 3600)
+    for bad, message in (
+        ([], "give exactly one of --trace FILE or --metrics FILE"),
+        (["--metrics", str(recording)], "--metrics needs --shapes FILE"),
+        ([*args[1:], "--predictor", "oracle"], "unknown predictor 'oracle'"),
+        ([*args[1:], "--warmup", "1000"], "covers the whole load"),
+    ):
+        failed = runner.invoke(bench, ["planner", *bad])
+        assert failed.exit_code == 2, failed.output
+        assert message in failed.stderr
