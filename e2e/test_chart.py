@@ -4,6 +4,7 @@ cluster of the session (objects are asserted, not processes: kwok nodes run no i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any
 import click
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from copse.cluster import Kubectl, binaries_for
 from copse.operator import cli as operator_cli
@@ -224,6 +226,33 @@ def test_every_optional_part_renders() -> None:
         "copse.dev/leader": "true",
     }
     assert matches(pod_monitor["spec"]["selector"], worker_leader)
+    # TensorRT-LLM <= 1.2 names its request metrics without the trtllm_ prefix: the worker endpoint
+    # renames them (Prometheus anchors relabel regexes), and leaves 1.3's prefixed names alone.
+    [engines] = [e for e in pod_monitor["spec"]["podMetricsEndpoints"] if e["path"] == "/prometheus/metrics"]
+    [rename] = engines["metricRelabelings"]
+    assert (rename["sourceLabels"], rename["targetLabel"], rename["action"]) == (
+        ["__name__"],
+        "__name__",
+        "replace",
+    )
+
+    def relabelled(name: str) -> str:
+        match = re.fullmatch(rename["regex"], name)
+        return match.expand(rename["replacement"].replace("$1", r"\1")) if match else name
+
+    old_names = [
+        "request_success_total",
+        "e2e_request_latency_seconds_bucket",
+        "time_to_first_token_seconds_sum",
+        "time_per_output_token_seconds_count",
+        "request_queue_time_seconds_bucket",
+        "kv_cache_hit_rate",
+        "kv_cache_utilization",
+    ]
+    assert [relabelled(name) for name in old_names] == [f"trtllm_{name}" for name in old_names]
+    fixture = (REPO / "tests" / "fixtures" / "trtllm_prometheus_metrics.txt").read_text()
+    current = {sample.name for family in text_string_to_metric_families(fixture) for sample in family.samples}
+    assert all(relabelled(name) == name for name in current)
 
     dashboards = {
         name: obj

@@ -80,7 +80,7 @@ async def test_ttft_and_itl_in_metrics_follow_the_perf_model_on_a_virtual_clock(
         )
         assert reply.status_code == 200
         assert reply.json()["usage"]["completion_tokens"] == 3
-        metrics = (await http.get("/metrics")).text
+        metrics = (await http.get("/prometheus/metrics")).text
         ttft = PERF.prefill_ms(new_tokens=1000) / 1000
         itl = [PERF.decode_itl_ms(active_kv_tokens=n, context_length=n) / 1000 for n in (1001, 1002)]
         values = {
@@ -94,7 +94,18 @@ async def test_ttft_and_itl_in_metrics_follow_the_perf_model_on_a_virtual_clock(
         assert values["trtllm_prompt_tokens_total"] == 1000
         assert values["trtllm_generation_tokens_total"] == 3
         assert 'trtllm_num_requests_running{engine_type="aggregated",model_name="mock-model"} 0.0' in metrics
-        assert "trtllm_kv_cache_utilization" in (await http.get("/prometheus/metrics")).text
+        assert "trtllm_kv_cache_utilization" in metrics
+        # GET /metrics: TensorRT-LLM's JSON iteration stats since the last call.
+        stats = (await http.get("/metrics")).json()
+        assert [entry["iter"] for entry in stats] == list(range(1, len(stats) + 1))
+        assert sum(entry["numCompletedRequests"] for entry in stats) == 1
+        first = stats[0]
+        assert first["iterLatencyMS"] == pytest.approx(ttft * 1000)
+        assert first["inflightBatchingStats"]["numScheduledRequests"] == 1
+        kv = stats[-1]["kvCacheStats"]
+        assert kv["tokensPerBlock"] == 32
+        assert kv["usedNumBlocks"] + kv["freeNumBlocks"] == kv["maxNumBlocks"]
+        assert (await http.get("/metrics")).json() == []  # drained
 
 
 @pytest.mark.parametrize(

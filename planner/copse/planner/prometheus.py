@@ -6,10 +6,12 @@ into every install. Forty lines of ``httpx.AsyncClient`` do it and test with res
 
 The default queries read the router's request-level series (``copse_router_*``: every request of
 a deployment passes its router, so request counts, prompt and output lengths and latencies do not
-depend on which engine serves) and the engines' queue/batch gauges (``trtllm_*``, which the mocker
-exports under the same names). ``{selector}`` picks one deployment's series (the chart's
-PodMonitor labels them ``namespace``, ``deployment``, ``role``), ``{window}`` is the decision
-interval and ``{quantile}`` the SLO quantile.
+depend on which engine serves) and the engines' queue/batch gauges (TensorRT-LLM's
+``num_requests_waiting``/``num_requests_running``, with or without the ``trtllm_`` prefix; the
+mocker exports the same names). ``tests/planner/test_trtllm_metrics.py`` evaluates them against
+a ``/prometheus/metrics`` text built from ``tensorrt_llm/metrics/collector.py``. ``{selector}``
+picks one deployment's series (the chart's PodMonitor labels them ``namespace``, ``deployment``,
+``role``), ``{window}`` is the decision interval and ``{quantile}`` the SLO quantile.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from copse.planner.observations import Observation
 from copse.planner.policy import Limits
 
 #: PromQL per observation field. Ratios of increases are window means; NaN (0/0) means no traffic.
+#: Engine gauges are matched as ``{__name__=~"(trtllm_)?<name>"}``: ``trtllm_<name>`` as
+#: ``collector.py`` exports them since TensorRT-LLM 1.3 (and copse's mocked engines), or the bare
+#: name (the prefix came with 1.3; dropping it again was proposed upstream). They exist only with
+#: ``enable_iter_perf_stats`` (the operator sets it) and from 1.3 on: with an older engine these
+#: fields read as absent (the queue falls back to the router's own).
 DEFAULT_QUERIES: dict[str, str] = {
     "num_requests": "sum(increase(copse_router_requests_total{{{selector}}}[{window}]))",
     "isl": (
@@ -54,10 +61,11 @@ DEFAULT_QUERIES: dict[str, str] = {
     ),
     "queue_depth": (
         "(sum(copse_router_queue_depth{{{selector}}}) or vector(0))"
-        ' + (sum(trtllm_num_requests_waiting{{{selector},role=~"prefill|worker"}}) or vector(0))'
+        ' + (sum({{__name__=~"(trtllm_)?num_requests_waiting",{selector},role=~"prefill|worker"}})'
+        " or vector(0))"
     ),
-    "decode_queue_depth": 'sum(trtllm_num_requests_waiting{{{selector},role="decode"}})',
-    "inflight": 'sum(trtllm_num_requests_running{{{selector},role=~"decode|worker"}})',
+    "decode_queue_depth": 'sum({{__name__=~"(trtllm_)?num_requests_waiting",{selector},role="decode"}})',
+    "inflight": 'sum({{__name__=~"(trtllm_)?num_requests_running",{selector},role=~"decode|worker"}})',
 }
 
 

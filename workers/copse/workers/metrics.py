@@ -37,25 +37,20 @@ RELAY_DROPPED_BLOCKS = "copse_kv_relay_dropped_blocks"
 RELAY_POLL_ERRORS = "copse_kv_relay_poll_errors"
 """Counter (``_total``): failed polls of the engine's ``/kv_cache_events``."""
 
-LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-)
-"""Histogram buckets (seconds) of every latency above."""
+REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+"""Buckets (seconds) of the end-to-end and queue-time histograms (``collector.py``'s defaults)."""
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""Buckets (seconds) of the time-to-first-token histogram (``collector.py``'s defaults)."""
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+"""Buckets (seconds) of the time-per-output-token histogram (``collector.py``'s defaults)."""
 LABELS = ("model_name", "engine_type")
 """Labels of every engine metric (TensorRT-LLM's)."""

@@ -7,7 +7,8 @@ Per engine (one port each):
 ``POST /v1/chat/completions``  OpenAI chat completions (mock chat template and tokenizer, or token ids)
 ``GET /v1/models``             the served model name
 ``GET /health``                200 when the engine loop runs
-``GET /metrics``               Prometheus, TensorRT-LLM names (also at ``/prometheus/metrics``)
+``GET /prometheus/metrics``    Prometheus: TensorRT-LLM's names, types, labels and buckets
+``GET /metrics``               JSON iteration stats since the last call (drained), as TensorRT-LLM
 ``POST /kv_cache_events``      drains TensorRT-LLM-format KV events (each returned once)
 ``GET /kv_dump``               copse :class:`~copse.workers.protocol.kv_events.KvDump` (resync)
 ``GET /worker_info``           worker id, role, block size and limits (for static router lists)
@@ -33,8 +34,10 @@ import json
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -44,7 +47,7 @@ from pydantic import BaseModel
 from copse.workers.mocker.clock import Clock, RealClock, VirtualClock
 from copse.workers.mocker.config import EngineConfig
 from copse.workers.mocker.engine import Engine, EngineOverloaded, Request, RequestRejected, StepOutput
-from copse.workers.mocker.telemetry import EngineMetrics
+from copse.workers.mocker.telemetry import EngineMetrics, iteration_stats
 from copse.workers.nats_io import KvEventPublisher
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.openai_api import (
@@ -75,6 +78,8 @@ log = logging.getLogger(__name__)
 
 TRTLLM_EVENT_BUFFER = 1024
 """Events kept for ``POST /kv_cache_events`` (TensorRT-LLM's ``event_buffer_max_size`` as Dynamo sets it)."""
+ITERATION_STATS_KEPT = 1000
+"""Iteration stats kept between two ``GET /metrics`` (TensorRT-LLM keeps a bounded queue too)."""
 RETRY_AFTER_S = 1
 """``Retry-After`` of a 503: one second, about the time a full batch takes to turn over."""
 
@@ -124,6 +129,8 @@ class EngineServer:
         self.clock = clock
         self.publisher = publisher
         self.metrics = EngineMetrics(engine, model_name=model_name)
+        self._iterations: deque[dict[str, Any]] = deque(maxlen=ITERATION_STATS_KEPT)
+        self._iteration = 0
         self._streams: dict[str, _Stream] = {}
         self._work = asyncio.Event()
         self._ids = itertools.count(1)
@@ -136,7 +143,7 @@ class EngineServer:
                 web.post("/v1/chat/completions", self._chat),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
-                web.get("/metrics", self._metrics),
+                web.get("/metrics", self._iteration_stats),
                 web.get("/prometheus/metrics", self._metrics),
                 web.post("/kv_cache_events", self._kv_cache_events),
                 web.get("/kv_dump", self._kv_dump),
@@ -192,6 +199,8 @@ class EngineServer:
 
     def _deliver(self, output: StepOutput) -> None:
         metrics = self.metrics
+        self._iteration += 1
+        self._iterations.append(iteration_stats(self.engine, output, iteration=self._iteration))
         for request in output.advanced:
             stream = self._streams.get(request.request_id)
             if stream is None:
@@ -465,6 +474,11 @@ class EngineServer:
         if self._loop_task is None or self._loop_task.done():
             return web.Response(status=503, text="engine loop not running")
         return web.Response(status=200)
+
+    async def _iteration_stats(self, _: web.Request) -> web.Response:
+        stats = list(self._iterations)
+        self._iterations.clear()
+        return web.json_response(stats)
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(
