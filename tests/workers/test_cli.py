@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -72,6 +74,54 @@ def test_mock_serves_several_engines_until_sigterm() -> None:
             )
             assert reply.json()["usage"]["completion_tokens"] == 2
         process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+
+
+def _stops_listening(url: str, *, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+        except httpx.ConnectError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_mock_on_sigterm_finishes_the_stream_in_flight_and_takes_nothing_new() -> None:
+    """What a worker pod does when it is deleted: the kubelet sends SIGTERM, and the engine lets
+    its streams end before it exits (the pod's termination grace bounds the wait)."""
+    command = [sys.executable, "-c", "from copse.cli import main; main()", "worker", "mock"]
+    process = subprocess.Popen(
+        [*command, "--port-base", "0", "--decode-speedup-ratio", "0.2", "--drain-timeout", "60"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    try:
+        url = ""
+        for line in process.stdout:
+            found = re.search(r"1 engine\(s\) on (http://\S+) \.\.", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url, "mock never reported its engine"
+        body = {"model": "m", "prompt": list(range(100, 400)), "max_tokens": 16, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            process.send_signal(signal.SIGTERM)
+            assert "SIGTERM" in process.stdout.readline(), "the engine says it is draining"
+            assert _stops_listening(url), "a draining engine takes no new connection"
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        tokens = [json.loads(line[5:])["choices"][0]["text"] for line in rest[:-1]]
+        assert len(tokens) == 15, "the stream in flight ran to its end"
         assert process.wait(timeout=20) == 0
     finally:
         if process.poll() is None:

@@ -55,11 +55,20 @@ def _moe_config(text: str | None) -> MoeConfig | None:
         raise click.BadParameter(str(exc), param_hint="--moe") from exc
 
 
-async def _until_signalled(stop: asyncio.Event) -> None:
+async def _until_signalled(stop: asyncio.Event) -> signal.Signals:
+    """Wait for SIGINT or SIGTERM (or ``stop``); returns the signal (SIGINT when stopped)."""
     loop = asyncio.get_running_loop()
+    received = signal.SIGINT
+
+    def on(sig: signal.Signals) -> None:
+        nonlocal received
+        received = sig
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on, sig)
     await stop.wait()
+    return received
 
 
 @click.group()
@@ -129,6 +138,13 @@ _PERF_OPTIONS = [
     "--namespace", default="default", show_default=True, help="Kubernetes namespace (NATS subject)."
 )
 @click.option("--deployment", default="mock", show_default=True, help="Deployment name (NATS subject).")
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="On SIGTERM, stop listening and wait this long (s) for the requests in flight to finish.",
+)
 @_PERF_OPTIONS[0]
 @_PERF_OPTIONS[1]
 @_PERF_OPTIONS[2]
@@ -157,6 +173,7 @@ def mock(
     nats_url: str | None,
     namespace: str,
     deployment: str,
+    drain_timeout: float,
     perf_profile: Path | None,
     gpus_per_engine: int | None,
     kv_capacity_tokens: int | None,
@@ -193,6 +210,7 @@ def mock(
         model_name=model_name,
         worker_prefix=worker_prefix,
         virtual_clock=virtual_clock,
+        drain_timeout_s=drain_timeout,
     )
 
     async def serve() -> None:
@@ -206,7 +224,10 @@ def mock(
             raise click.UsageError(f"cannot listen on {host} from port {port_base}: {exc}") from exc
         click.echo(f"{engines} engine(s) on {fleet.urls[0]} .. {fleet.urls[-1]}")
         try:
-            await _until_signalled(asyncio.Event())
+            if await _until_signalled(asyncio.Event()) is signal.SIGTERM:
+                # How a pod stops: finish what is in flight, take nothing new (Ctrl-C stops at once).
+                click.echo(f"SIGTERM: finishing requests in flight (at most {drain_timeout:g} s)")
+                await fleet.drain()
         finally:
             await fleet.close()
             if connection is not None:

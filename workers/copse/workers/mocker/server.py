@@ -536,6 +536,9 @@ class MockFleetSettings:
     """Worker ids are ``<prefix>-<port>``, unique per host."""
     virtual_clock: bool = False
     """Run steps without sleeping (see :class:`VirtualClock`)."""
+    drain_timeout_s: float = 300.0
+    """Longest :meth:`MockFleet.drain` waits for in-flight requests (a pod's termination grace
+    ends sooner anyway, with SIGKILL)."""
 
 
 class MockFleet:
@@ -555,6 +558,12 @@ class MockFleet:
         refused) and its open connections drop."""
         await self.servers[index].stop()
         await self._runners[index].cleanup()
+
+    async def drain(self) -> None:
+        """What SIGTERM does: stop listening, let the requests in flight finish (up to the
+        fleet's ``drain_timeout_s``, then they are cancelled), close the connections. The engine
+        loops keep running meanwhile; :meth:`close` stops them after."""
+        await asyncio.gather(*(runner.cleanup() for runner in self._runners))
 
     async def close(self) -> None:
         """Stop every engine loop and close every listener."""
@@ -597,7 +606,12 @@ async def start_fleet(
                 engine=engine, model_name=settings.model_name, clock=clock, publisher=publisher
             )
             server.url = f"http://{settings.host}:{port}"
-            runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+            runner = web.AppRunner(
+                server.app,
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=settings.drain_timeout_s,
+            )
             await runner.setup()
             runners.append(runner)
             await web.SockSite(runner, sock).start()
