@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -189,3 +193,80 @@ def unresponsive(kubectl: Kubectl, node: str) -> Iterator[None]:
                 "--type=strategic", "--patch", json.dumps({"status": {"conditions": [
                     {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]}}),
             )  # fmt: skip
+
+
+def loopback_cidr() -> tuple[str, str]:
+    """Two random loopback /24s (``127.a.b.0/24``, ``127.a.b+1.0/24``) for nodes' ``spec.podCIDR``:
+    kwok hands a node's pods IPs from its podCIDR, so processes of this machine can serve them."""
+    a, b = random.randint(1, 254), random.randrange(0, 254, 2)
+    return f"127.{a}.{b}.0/24", f"127.{a}.{b + 1}.0/24"
+
+
+@dataclasses.dataclass
+class _Process:
+    pod: str
+    process: subprocess.Popen[bytes]
+    url: str
+    """Where the process serves (its metrics are read just before it is killed)."""
+
+
+class LocalKubelet:
+    """Runs chosen kwok pods' containers as processes of this machine, bound to the pods' IPs
+    (loopback addresses, see :func:`loopback_cidr`), and kills each one the moment its pod is
+    deleted, with SIGKILL and no grace: anything the pod still served is cut, so a removal that
+    did not wait shows. Just before the kill it reads the engine's ``/metrics``."""
+
+    def __init__(self, kubectl: Kubectl, namespace: str, *, logs: Path) -> None:
+        self.kubectl = kubectl
+        self.namespace = namespace
+        self.logs = logs
+        self.processes: dict[str, _Process] = {}
+        self.killed: dict[str, str] = {}
+        """Pod name -> what its process's ``/metrics`` said just before the kill."""
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="local-kubelet", daemon=True)
+
+    def run(self, pod: str, argv: list[str], *, url: str, env: dict[str, str] | None = None) -> None:
+        """Start ``argv`` for ``pod`` (``copse`` means this interpreter's ``copse.cli``)."""
+        if argv[0] == "copse":
+            argv = [sys.executable, "-m", "copse.cli", *argv[1:]]
+        with (self.logs / f"{pod}.log").open("ab") as sink:
+            process = subprocess.Popen(
+                argv, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        self.processes[pod] = _Process(pod=pod, process=process, url=url)
+        if not self._watcher.is_alive():
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            running = [p for p in self.processes.values() if p.pod not in self.killed]
+            if running:
+                pods = self.kubectl.items("pods", namespace=self.namespace)
+                alive = {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
+                for process in running:
+                    if process.pod not in alive:
+                        self._kill(process)
+            self._stop.wait(0.2)
+
+    def _kill(self, process: _Process) -> None:
+        try:
+            with urllib.request.urlopen(f"{process.url}/metrics", timeout=5) as response:
+                metrics = response.read().decode()
+        except OSError as error:
+            metrics = f"unreadable: {error}"
+        process.process.kill()
+        process.process.wait()
+        self.killed[process.pod] = metrics
+
+    def tail(self, pod: str, lines: int = 30) -> str:
+        return "\n".join((self.logs / f"{pod}.log").read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=10)
+        for process in self.processes.values():
+            if process.process.poll() is None:
+                process.process.kill()
+                process.process.wait()

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from e2e.operator_harness import (
     REPO,
+    LocalKubelet,
     Operator,
+    loopback_cidr,
     seed,
     status,
     unresponsive,
@@ -20,6 +25,7 @@ from e2e.operator_harness import (
     wait_until,
     worker_pods,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from copse.api import API_VERSION, KIND
 from copse.cluster import Kubectl
@@ -131,7 +137,9 @@ def test_disaggregated_pools_land_close(kubectl: Kubectl, namespace: str, operat
 
 
 def test_scale_subresource_and_pool_patches(kubectl: Kubectl, namespace: str, operator: Operator) -> None:
-    kubectl.apply(seed("scaled", replicas=1), namespace=namespace)
+    # kwok's router pods have fake IPs, with no router to ask what is in flight: remove at once
+    # (test_a_scale_down_during_streams_drains_the_group_before_deleting_it runs real routers).
+    kubectl.apply(seed("scaled", replicas=1, disruption={"drainTimeout": "0s"}), namespace=namespace)
     wait_running(kubectl, "scaled", namespace, operator)
     kubectl.run("scale", "idep/scaled", "--replicas=3", f"--namespace={namespace}")
     wait_until(
@@ -420,7 +428,8 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(
 def test_a_changed_template_rolls_one_group_at_a_time(
     kubectl: Kubectl, namespace: str, operator: Operator
 ) -> None:
-    kubectl.apply(seed("rolling"), namespace=namespace)
+    # No real router to ask about in-flight requests here: old groups go at once.
+    kubectl.apply(seed("rolling", disruption={"drainTimeout": "0s"}), namespace=namespace)
     wait_running(kubectl, "rolling", namespace, operator)
     selector = f"{names.LABEL_GROUP},{names.selector_string(names.worker_selector('rolling'))}"
 
@@ -473,3 +482,184 @@ def test_the_liveness_endpoint_reports_the_reconcile_loop(operator: Operator) ->
 
     wait_until("the liveness endpoint to answer 200", answered, operator=operator)
     assert set(answers[-1]["reconciler"]) == {"queued", "oldest_due_s", "pass_running_s"}
+
+
+class _Stream:
+    """A streamed completion through the router, read on its own thread."""
+
+    def __init__(self, url: str, *, prompt: list[int], max_tokens: int) -> None:
+        self.body = {"model": "mock-model", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        self.url = url
+        self.started = threading.Event()
+        self.events: list[str] = []
+        self.ended_at: float | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body, timeout=120) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        self.events.append(line[5:].strip())
+                        self.started.set()
+        except BaseException as error:  # reported by the test, not lost on the thread
+            self.error = error
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+
+    @property
+    def tokens(self) -> int:
+        return sum(1 for event in self.events[:-1] if json.loads(event)["choices"][0]["text"])
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in Prometheus text (0 when absent)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def test_a_scale_down_during_streams_drains_the_group_before_deleting_it(
+    kubectl: Kubectl, kubeconfig: Path, namespace: str, operator: Operator, tmp_path: Path
+) -> None:
+    """Real mock engines and the real router serve the deployment's kwok pods: the pods live on
+    nodes whose podCIDR is a loopback range, and a local kubelet runs their containers there
+    (killing each at once when its pod is deleted). Two streams run, one per group; a scale-down
+    marks one group draining, the router sends it nothing new, and the operator deletes it only
+    once the router reports its stream over."""
+    pool = f"drain-{namespace[-6:]}"
+    nodes = gpu_nodes(racks=1, trays_per_rack=2, prefix=pool)
+    for node, cidr in zip(nodes, loopback_cidr(), strict=True):
+        node["metadata"]["labels"]["copse.dev/test-pool"] = pool
+        node["spec"]["podCIDR"] = cidr
+    kubectl.apply(nodes)
+    kubelet = LocalKubelet(kubectl, namespace, logs=tmp_path)
+    try:
+        selector = {"copse.dev/test-pool": pool}
+        manifest = seed(
+            "drained",
+            replicas=2,
+            model={"name": "mock-model", "tensorParallelism": 4},
+            placement={"affinityPolicy": "same-nvswitch-domain", "antiAffinityPolicy": "none"},
+            engine={"backend": "mock", "args": ["--decode-speedup-ratio", "0.1"]},
+            router={"policy": "round_robin", "nodeSelector": selector},
+            pod={"nodeSelector": selector},
+            disruption={"drainTimeout": "120s"},
+        )
+        kubectl.apply(manifest, namespace=namespace)
+        wait_running(kubectl, "drained", namespace, operator)
+
+        def router_pods() -> list[dict[str, Any]]:
+            pods = kubectl.items("pods", "-l", "app.kubernetes.io/component=router", namespace=namespace)
+            return [pod for pod in pods if pod.get("status", {}).get("podIP")]
+
+        wait_until("the router pod to run", lambda: len(router_pods()) == 1, operator=operator)
+        [router_pod] = router_pods()
+        leaders = {pod["metadata"]["name"]: pod for pod in worker_pods(kubectl, "drained", namespace)}
+        assert len(leaders) == 2, "TP=4 on 4-GPU trays: one pod per group"
+        for name, pod in leaders.items():
+            ip = pod["status"]["podIP"]
+            assert ip.startswith("127."), f"{name} got {ip}: kwok should use its node's podCIDR"
+            argv = list(pod["spec"]["containers"][0]["command"])
+            argv[argv.index("--host") + 1] = ip
+            kubelet.run(name, argv, url=f"http://{ip}:8000")
+        config = yaml.safe_load(
+            kubectl.get("configmap", "drained-router", namespace=namespace)["data"]["router.yaml"]
+        )
+        router_ip = router_pod["status"]["podIP"]
+        config["host"] = router_ip
+        (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+        router = f"http://{router_ip}:8080"
+        kubelet.run(
+            router_pod["metadata"]["name"],
+            ["copse", "router", "run", "--config", str(tmp_path / "router.yaml")],
+            url=router,
+            env={"KUBECONFIG": str(kubeconfig)},
+        )
+
+        def report() -> dict[str, dict[str, Any]]:
+            try:
+                answer = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
+            except httpx.HTTPError:
+                return {}
+            return {entry["key"]: entry for entry in answer}
+
+        wait_until("the router to use both engines", lambda: set(report()) == set(leaders), operator=operator)
+
+        streams = [
+            _Stream(router, prompt=list(range(1000 * i, 1000 * i + 300)), max_tokens=150) for i in (1, 2)
+        ]
+        for stream in streams:
+            assert stream.started.wait(30)
+            assert stream.error is None, stream.error
+        assert {entry["in_flight"] for entry in report().values()} == {1}, "one stream on each group"
+        kubectl.run("scale", "idep/drained", "--replicas=1", f"--namespace={namespace}")
+
+        def draining() -> list[str]:
+            pods = kubectl.items("pods", "-l", "copse.dev/draining=true", namespace=namespace)
+            return [pod["metadata"]["name"] for pod in pods]
+
+        wait_until("a group to be marked draining", lambda: bool(draining()), operator=operator)
+        [victim] = draining()
+        wait_until(
+            "the router to stop sending the draining group requests",
+            lambda: report().get(victim, {}).get("draining") is True,
+            operator=operator,
+        )
+        assert report()[victim]["in_flight"] == 1
+        assert all(stream.ended_at is None for stream in streams), (
+            "the streams outlast the start of the drain"
+        )
+        assert victim not in kubelet.killed
+        extra = httpx.post(
+            f"{router}/v1/completions",
+            json={"model": "mock-model", "prompt": [1, 2, 3], "max_tokens": 2},
+            timeout=30,
+        )
+        assert extra.status_code == 200, "the other group takes new requests"
+
+        for stream in streams:
+            stream.thread.join(timeout=60)
+            assert stream.error is None, stream.error
+            assert stream.events[-1] == "[DONE]"
+            assert stream.tokens == 150, "every stream ran to its end"
+        wait_until(
+            "the drained group's pod to be deleted", lambda: victim in kubelet.killed, operator=operator
+        )
+        engine = kubelet.killed[victim]
+        assert _metric(engine, "trtllm_num_requests_running") == 0, "nothing ran on it when it was deleted"
+        assert _metric(engine, "trtllm_request_success_total") == 1, (
+            "it finished its stream and got nothing new"
+        )
+        router_metrics = httpx.get(f"{router}/metrics", timeout=5).text
+        assert _metric(router_metrics, "copse_router_migrations_total") == 0, (
+            "no stream moved to another worker"
+        )
+        events = kubectl.items(
+            "events", "--field-selector", "involvedObject.name=drained", namespace=namespace
+        )
+        drains = [event["message"] for event in events if event["reason"] in {"Draining", "Drained"}]
+        group = victim.rsplit("-", 1)[0]
+        assert (
+            f"group {group} drains before removal (scale-down): the router sends it no new requests; it "
+            "goes once those in flight end"
+        ) in drains
+        assert any(message.startswith(f"group {group}: drained after ") for message in drains), drains
+        wait_until(
+            "one group left, serving",
+            lambda: (
+                status(kubectl, "drained", namespace).get("ready") == "worker 1/1"
+                and len(worker_pods(kubectl, "drained", namespace)) == 1
+            ),
+            operator=operator,
+        )
+    finally:
+        kubelet.stop()
+        kubectl.run("delete", "nodes", *(node["metadata"]["name"] for node in nodes), "--wait=false")

@@ -199,7 +199,11 @@ def test_router_discovers_leaders_of_this_deployment() -> None:
     )
     assert config["policy"] == "kv"
     assert objects["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "llama-router"
+    assert "nodeSelector" not in objects["Deployment"]["spec"]["template"]["spec"]
     assert objects["Role"]["rules"][0]["verbs"] == ["get", "list", "watch"]
+    pinned = make_deployment(replicas=1, router={"nodeSelector": {"copse.dev/node-pool": "cpu"}})
+    [router] = [obj for obj in children.router_objects(pinned) if obj["kind"] == "Deployment"]
+    assert router["spec"]["template"]["spec"]["nodeSelector"] == {"copse.dev/node-pool": "cpu"}
 
 
 def test_long_names_stay_valid() -> None:

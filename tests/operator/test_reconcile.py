@@ -109,7 +109,8 @@ async def test_seed_deployment_lands_one_group_per_rack() -> None:
     assert status["observedGeneration"] == 2, "that write is generation 2"
     assert status["replicas"] == 2
     assert status["selector"] == (
-        "app.kubernetes.io/component=worker,copse.dev/deployment=llama,copse.dev/leader=true,copse.dev/role=worker"
+        "app.kubernetes.io/component=worker,copse.dev/deployment=llama,copse.dev/leader=true,"
+        "copse.dev/role=worker,!copse.dev/draining"
     )
     reasons = Counter(reason for _, reason, _ in harness.kube.events)
     assert reasons["Placed"] == 2
@@ -322,12 +323,15 @@ async def test_scale_up_then_down_frees_whole_domains() -> None:
 
 
 def selected(harness: Harness) -> list[dict[str, Any]]:
-    """Pods the scale subresource's selector selects (equality terms only, as it writes them)."""
-    terms = dict(term.split("=") for term in harness.status["selector"].split(","))
+    """Pods the scale subresource's selector selects (its ``k=v`` and ``!k`` terms)."""
+    terms = harness.status["selector"].split(",")
+    equal = dict(term.split("=") for term in terms if not term.startswith("!"))
+    absent = [term[1:] for term in terms if term.startswith("!")]
     return [
         p
         for p in harness.pods()
-        if all(p["metadata"]["labels"].get(k) == v for k, v in terms.items())
+        if all(p["metadata"]["labels"].get(k) == v for k, v in equal.items())
+        and not any(k in p["metadata"]["labels"] for k in absent)
         and not p["metadata"].get("deletionTimestamp")
     ]
 

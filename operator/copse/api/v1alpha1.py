@@ -318,7 +318,7 @@ class ScalingSpec(_SpecModel):
 
 
 class DisruptionSpec(_SpecModel):
-    """How groups ride out node trouble."""
+    """How groups ride out node trouble, and leave without cutting the requests they serve."""
 
     not_ready_grace: str = Field(
         default="300s",
@@ -328,7 +328,15 @@ class DisruptionSpec(_SpecModel):
         "Failed or deleted pods restart the gang at once.",
     )
 
-    @field_validator("not_ready_grace")
+    drain_timeout: str = Field(
+        default="300s",
+        pattern=DURATION_PATTERN,
+        description="Longest wait for a group being removed (scale-down, rolling update) to finish "
+        "its in-flight requests once the router sends it nothing new; also bounds the worker pods' "
+        "termination grace. 0s removes at once.",
+    )
+
+    @field_validator("not_ready_grace", "drain_timeout")
     @classmethod
     def _check_duration(cls, value: str) -> str:
         parse_duration(value)
@@ -337,6 +345,10 @@ class DisruptionSpec(_SpecModel):
     @property
     def not_ready_grace_s(self) -> float:
         return parse_duration(self.not_ready_grace)
+
+    @property
+    def drain_timeout_s(self) -> float:
+        return parse_duration(self.drain_timeout)
 
 
 class ColdStartSpec(_SpecModel):
@@ -496,6 +508,9 @@ class RouterSpec(_SpecModel):
         default=1024, ge=0, description="Requests held while every worker is busy, before 503."
     )
     image: Nullable[str] = Field(default=None, description="Router image; defaults to copse's.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Labels a node must carry to host the router pods (a CPU pool)."
+    )
     nats_url: Nullable[str] = Field(
         default=None, description="NATS for KV events and replica sync; without it the router approximates."
     )
@@ -708,7 +723,7 @@ class InferenceDeploymentSpec(_SpecModel):
     disruption: DisruptionSpec = Field(
         default_factory=DisruptionSpec,
         json_schema_extra=_defaults_of(DisruptionSpec),
-        description="How groups ride out node trouble.",
+        description="NotReady grace, and the drain before a group is removed.",
     )
     cold_start: ColdStartSpec = Field(
         default_factory=ColdStartSpec,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,6 +35,10 @@ EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 SSH_PORT = 2222
+PRE_STOP_SLEEP_S = 5
+"""Seconds a deleted worker pod keeps serving before its engine gets SIGTERM: the routers' pod
+watches drop a deleted pod within that time, so nothing new is sent to an engine that stopped
+listening (the usual preStop sleep; the operator's own removals drain first anyway)."""
 ENGINE_CONFIG_DIR = "/etc/copse/engine"
 ROUTER_CONFIG_DIR = "/etc/copse/router"
 TOKENIZER_DIR = "/var/lib/copse/tokenizer"
@@ -309,6 +314,9 @@ def worker_pods(
             "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
             "volumeMounts": [{"name": "engine-config", "mountPath": ENGINE_CONFIG_DIR}],
         }
+        # A pod deleted by anyone (kubectl drain, eviction) stops gracefully: the engine finishes
+        # what it serves on SIGTERM within the drain timeout.
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_S}}}
         if rank == 0:
             container["readinessProbe"] = {
                 "httpGet": {"path": "/health", "port": ENGINE_PORT},
@@ -347,6 +355,7 @@ def worker_pods(
             ],
             # A broken gang is restarted whole by the operator, not container by container.
             "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": PRE_STOP_SLEEP_S + math.ceil(spec.disruption.drain_timeout_s),
         }
         if spec.pod.node_selector:
             pod_spec["nodeSelector"] = dict(spec.pod.node_selector)
@@ -653,6 +662,9 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
                     "serviceAccountName": name,
                     # On SIGTERM the router drains for drain_timeout_s (25 s) within this.
                     "terminationGracePeriodSeconds": 30,
+                    **(
+                        {"nodeSelector": dict(spec.router.node_selector)} if spec.router.node_selector else {}
+                    ),
                     "tolerations": [
                         t.model_dump(mode="json", exclude_none=True) for t in spec.pod.tolerations
                     ],

@@ -24,9 +24,10 @@ import pydantic
 from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, parse_deployment
 from copse.operator import children, metrics, names
 from copse.operator.children import GroupLayout
+from copse.operator.inflight import InFlight, RouterInFlight
 from copse.operator.kube import KubeApi
 from copse.operator.reconcile import Decision, ReconcileSettings, reconcile
-from copse.operator.state import ObservedGroup, observe_groups
+from copse.operator.state import GroupState, ObservedGroup, observe_groups, pod_ready
 
 logger = logging.getLogger("copse.operator")
 
@@ -101,10 +102,13 @@ class Controller:
         *,
         kube: KubeApi,
         settings: ReconcileSettings | None = None,
+        in_flight: InFlight | None = None,
         api_concurrency: int = 16,
         stalled_after_s: float = 300.0,
     ) -> None:
         self.kube = kube
+        self.in_flight = in_flight or RouterInFlight()
+        """Where the requests still in flight on a draining group are counted (its routers)."""
         self.api_concurrency = api_concurrency
         self.settings = settings or ReconcileSettings()
         self.stalled_after_s = stalled_after_s
@@ -239,6 +243,10 @@ class Controller:
         services = [s for (ns, _), s in self.cache.services.items() if ns == namespace]
         own_pods = [p for (ns, _), p in self.cache.pods.items() if ns == namespace]
         groups = observe_groups(deployment=name, services=services, pods=own_pods)
+        in_flight = await self.in_flight.count(
+            routers=self._routers(namespace, name),
+            workers=[names.pod_name(group.name, 0) for group in groups if group.state is GroupState.DRAINING],
+        )
         decision = reconcile(
             deployment=deployment,
             groups=groups,
@@ -247,10 +255,33 @@ class Controller:
             now=datetime.now(UTC),
             generation=body["metadata"].get("generation"),
             previous_status=body.get("status"),
+            in_flight={
+                group.name: in_flight.get(names.pod_name(group.name, 0))
+                for group in groups
+                if group.state is GroupState.DRAINING
+            },
             settings=self.settings,
         )
         await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
         return decision.requeue_after_s
+
+    def _routers(self, namespace: str, name: str) -> list[str]:
+        """Base URLs of the deployment's ready router pods (none ready: nothing routes)."""
+        routers = []
+        for (pod_namespace, _), pod in self.cache.pods.items():
+            labels = pod.get("metadata", {}).get("labels", {})
+            ip = pod.get("status", {}).get("podIP")
+            if (
+                pod_namespace == namespace
+                and labels.get(names.LABEL_DEPLOYMENT) == name
+                and labels.get(names.LABEL_COMPONENT) == names.COMPONENT_ROUTER
+                and ip
+                and pod_ready(pod)
+                and not pod["metadata"].get("deletionTimestamp")
+            ):
+                host = f"[{ip}]" if ":" in ip else ip
+                routers.append(f"http://{host}:{children.ROUTER_PORT}")
+        return sorted(routers)
 
     async def _default_replicas(self, body: Mapping[str, Any], deployment: InferenceDeployment) -> None:
         """Write ``spec.replicas`` of an aggregated deployment that has none (it means
@@ -284,6 +315,7 @@ class Controller:
         for obj in [children.engine_configmap(deployment), *children.router_objects(deployment)]:
             await self.kube.apply(obj)
         await self._each(decision.restart, lambda item: self._restart(namespace, name, *item))
+        await self._each(decision.drain, lambda item: self._drain(body, namespace, *item))
         await self._each(decision.remove, lambda item: self._remove(namespace, name, *item))
         recorded = await self._each(decision.place, lambda layout: self._record(deployment, layout))
         lost = {
@@ -348,6 +380,41 @@ class Controller:
             )
             self.cache.services[(namespace, group.name)] = patched
         metrics.GANG_RESTARTS.inc()
+
+    async def _drain(
+        self, body: Mapping[str, Any], namespace: str, group: ObservedGroup, reason: str
+    ) -> None:
+        """Mark a serving group for removal: its pods get the draining label (the routers send it
+        nothing new), its Service records since when (the deadline survives a restart)."""
+        name = body["metadata"]["name"]
+        context = _context(namespace, name, role=group.role.value, group=group.name)
+        label = "/metadata/labels/" + names.LABEL_DRAINING.replace("~", "~0").replace("/", "~1")
+        for pod in group.pods.values():
+            patched = await self.kube.patch_pod(
+                namespace=namespace,
+                name=pod["metadata"]["name"],
+                json_patch=[{"op": "add", "path": label, "value": "true"}],
+            )
+            self.cache.pods[_key(patched)] = patched
+        if group.service is not None:
+            since = datetime.now(UTC).isoformat()
+            patched = await self.kube.patch_service(
+                namespace=namespace,
+                name=group.name,
+                json_patch=_annotate(
+                    group.service,
+                    {names.ANNOTATION_DRAINING_SINCE: since, names.ANNOTATION_DRAINING_REASON: reason},
+                ),
+            )
+            self.cache.services[(namespace, group.name)] = patched
+        logger.info("draining group %s (%s)", group.name, reason, extra=context)
+        await self.kube.post_event(
+            owner=body,
+            type="Normal",
+            reason="Draining",
+            message=f"group {group.name} drains before removal ({reason}): the router sends it no new "
+            "requests; it goes once those in flight end",
+        )
 
     async def _remove(self, namespace: str, name: str, group: ObservedGroup, reason: str) -> None:
         context = _context(namespace, name, role=group.role.value, group=group.name)

@@ -35,6 +35,13 @@ ANNOTATION_COST = f"{DOMAIN}/cost"
 ANNOTATION_RESTARTS = f"{DOMAIN}/restarts"
 ANNOTATION_LAST_RESTART = f"{DOMAIN}/last-restart"
 
+#: Label on the pods of a group being removed: the router sends it no new requests (the
+#: router's discovery reads the same key).
+LABEL_DRAINING = f"{DOMAIN}/draining"
+#: When the group started to drain and why, on its Service: the deadline survives restarts.
+ANNOTATION_DRAINING_SINCE = f"{DOMAIN}/draining-since"
+ANNOTATION_DRAINING_REASON = f"{DOMAIN}/draining-reason"
+
 #: Scheduling gate held on every pod of a gang until all of them exist.
 GANG_GATE = f"{DOMAIN}/gang"
 
@@ -80,3 +87,9 @@ def scale_selector(deployment: str) -> dict[str, str]:
 
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def scale_selector_string(deployment: str) -> str:
+    """:func:`scale_selector` without the pods of draining groups (they are on their way out);
+    ``!key`` rather than ``key!=true``, which the scale subresource's selector parser refuses."""
+    return f"{selector_string(scale_selector(deployment))},!{LABEL_DRAINING}"

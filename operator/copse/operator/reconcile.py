@@ -29,6 +29,9 @@ class ReconcileSettings:
     that keeps failing does not thrash the scheduler."""
     restart_backoff_max_s: float = 120.0
     """Longest wait between restarts of one gang."""
+    drain_poll_s: float = 1.0
+    """How often a draining group's in-flight requests are counted (a GET per router pod): the
+    delay between its last request ending and its removal."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,8 +47,10 @@ class Decision:
 
     restart: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
     """Broken gangs: delete all their pods now, count the restart, forget the placement."""
+    drain: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
+    """Serving groups to remove once idle: mark them draining (the router sends them nothing new)."""
     remove: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
-    """Groups to delete with their Service (scale-down, finished roll)."""
+    """Groups to delete with their Service (idle or drained; scale-down, finished roll)."""
     place: list[GroupLayout] = dataclasses.field(default_factory=list)
     """New placements to record on the group's Service (created if missing)."""
     create_pods: list[GroupLayout] = dataclasses.field(default_factory=list)
@@ -135,6 +140,57 @@ def _node_trouble(
     return _NodeTrouble(broken=broken, waiting=waiting, cordoned=cordoned, waits=waits)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Drained:
+    remove: list[tuple[ObservedGroup, str]]
+    """Draining groups that are idle now, or out of time."""
+    events: list[Event]
+    messages: dict[str, str]
+    """Group name -> how its drain stands (for its status entry)."""
+    waits: list[float]
+
+
+def _drained(
+    *,
+    deployment: InferenceDeployment,
+    draining: Sequence[ObservedGroup],
+    in_flight: Mapping[str, int | None],
+    now: datetime,
+    settings: ReconcileSettings,
+) -> _Drained:
+    """Which draining groups to remove now: those with no request in flight on any router, and
+    those whose drain timeout is over (an unknown count waits for the timeout)."""
+    timeout = deployment.spec.disruption.drain_timeout_s
+    remove: list[tuple[ObservedGroup, str]] = []
+    events: list[Event] = []
+    messages: dict[str, str] = {}
+    waits: list[float] = []
+    for group in draining:
+        since = (group.draining_since or now).timestamp()
+        deadline = since + timeout
+        count = in_flight.get(group.name)
+        took = f"after {now.timestamp() - since:.0f}s"
+        if count == 0:
+            outcome = f"drained {took}"
+        elif now.timestamp() >= deadline:
+            left = "an unknown number of" if count is None else str(count)
+            outcome = f"drain timeout ({timeout:g}s) with {left} requests still in flight"
+        else:
+            waits.append(min(settings.drain_poll_s, deadline - now.timestamp()))
+            counted = "requests in flight unknown yet" if count is None else f"{count} requests in flight"
+            messages[group.name] = (
+                f"draining before removal ({group.reason}): no new requests, {counted}; "
+                f"removed by {_clock(deadline)} at the latest"
+            )
+            continue
+        remove.append((group, f"{group.reason}, {outcome}"))
+        kind = "Normal" if count == 0 else "Warning"
+        events.append(
+            Event(type=kind, reason="Drained", message=f"group {group.name}: {outcome}; removing it")
+        )
+    return _Drained(remove=remove, events=events, messages=messages, waits=waits)
+
+
 def reconcile(
     *,
     deployment: InferenceDeployment,
@@ -144,12 +200,17 @@ def reconcile(
     now: datetime,
     generation: int | None = None,
     previous_status: Mapping[str, Any] | None = None,
+    in_flight: Mapping[str, int | None] | None = None,
     settings: ReconcileSettings = ReconcileSettings(),
 ) -> Decision:
-    """Decide the next steps for ``deployment``; ``pods`` are all pods that may hold GPUs."""
+    """Decide the next steps for ``deployment``; ``pods`` are all pods that may hold GPUs;
+    ``in_flight``: requests the routers still have on each draining group (None: unknown)."""
     decision = Decision()
     name = deployment.metadata.name
     live = [group for group in groups if group.state is not GroupState.TERMINATING]
+    # Draining groups are on their way out: not part of any pool, their GPUs still taken.
+    draining = [group for group in live if group.state is GroupState.DRAINING]
+    live = [group for group in live if group.state is not GroupState.DRAINING]
     placer = Placer(
         deployment=deployment,
         nodes=nodes,
@@ -168,6 +229,22 @@ def reconcile(
         else g
         for g in live
     ]
+    drained = _drained(
+        deployment=deployment, draining=draining, in_flight=in_flight or {}, now=now, settings=settings
+    )
+    decision.remove += drained.remove
+    decision.events += drained.events
+    waits += drained.waits
+    disruptions.update(drained.messages)
+    drain_timeout = deployment.spec.disruption.drain_timeout_s
+
+    def retire(group: ObservedGroup, reason: str) -> None:
+        """A serving group drains first (unless draining is off); any other goes at once."""
+        if group.state is GroupState.READY and drain_timeout > 0:
+            decision.drain.append((group, reason))
+        else:
+            decision.remove.append((group, reason))
+
     to_place: list[tuple[Role, int]] = []
     staying: list[ObservedGroup] = []
 
@@ -211,7 +288,8 @@ def reconcile(
             )
             chosen = idle + [serving[replica] for replica in picked]
             removed += chosen
-            decision.remove += [(group, "scale-down") for group in chosen]
+            for group in chosen:
+                retire(group, "scale-down")
         remaining = [group for group in slots if group not in removed]
 
         if rolling and surplus <= 0:
@@ -222,8 +300,13 @@ def reconcile(
                 victim = sorted(old, key=lambda g: g.state is GroupState.READY)[0]
                 removed.append(victim)
                 remaining.remove(victim)
-                decision.remove.append((victim, "rolled to the new template"))
-            elif len(remaining) <= pool.replicas and all(g.state is GroupState.READY for g in remaining):
+                retire(victim, "rolled to the new template")
+            elif (
+                len(remaining) <= pool.replicas
+                and all(g.state is GroupState.READY for g in remaining)
+                and not any(g.role is pool.role for g in draining)
+            ):
+                # One group of surge at a time: the next comes once the last old one is gone.
                 [surge] = _free_indices({g.replica for g in groups if g.role is pool.role}, 1)
                 to_place.append((pool.role, surge))
                 decision.events.append(
@@ -310,6 +393,7 @@ def reconcile(
     decision.status = _status(
         deployment=deployment,
         groups=[g for g in staying if g.name not in restarting],
+        draining=[g for g in draining if g not in [group for group, _ in drained.remove]],
         placed=outcome.placed,
         unplaced=unplaced,
         restarting=[g for g, _ in decision.restart],
@@ -321,10 +405,10 @@ def reconcile(
         previous_conditions=previous.get("conditions", []),
         routing=issues,
     )
-    in_flight = decision.restart or decision.remove or decision.place or decision.lift_gates
+    acting = decision.restart or decision.drain or decision.remove or decision.place or decision.lift_gates
     if waits:
         decision.requeue_after_s = min(waits)
-    elif in_flight:
+    elif acting:
         decision.requeue_after_s = 1.0
     return decision
 
@@ -357,6 +441,7 @@ def _status(
     *,
     deployment: InferenceDeployment,
     groups: Sequence[ObservedGroup],
+    draining: Sequence[ObservedGroup],
     placed: Sequence[GroupLayout],
     unplaced: list[dict[str, Any]],
     restarting: Sequence[ObservedGroup],
@@ -409,6 +494,23 @@ def _status(
         if group in disruptions:
             entry["disruption"] = disruptions[group]
         groups_status.append(entry)
+    for leaving in draining:
+        if leaving.layout is None:
+            continue
+        entry = {
+            "name": leaving.name,
+            "role": leaving.role.value,
+            "replica": leaving.replica,
+            "domain": leaving.layout.domain,
+            "rack": leaving.layout.rack,
+            "pods": [{"node": node, "gpus": gpus} for node, gpus in leaving.layout.pods],
+            "cost": round(leaving.layout.cost, 3),
+            "ready": False,
+        }
+        if leaving.name in disruptions:
+            entry["disruption"] = disruptions[leaving.name]
+        groups_status.append(entry)
+    groups_status.sort(key=lambda entry: (entry["role"], entry["replica"]))
     all_placed, all_ready = placed_total >= desired_total, ready_total >= desired_total
     infeasible = "; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced)
     checks = (
@@ -438,7 +540,7 @@ def _status(
         "roles": roles,
         "ready": ", ".join(f"{role} {r['ready']}/{r['desired']}" for role, r in roles.items()),
         "replicas": scaled,
-        "selector": names.selector_string(names.scale_selector(name)),
+        "selector": names.scale_selector_string(name),
         "score": round(evaluation.score, 4) if layouts else None,
         "groups": groups_status,
         "unplaced": unplaced,

@@ -26,6 +26,7 @@ class GroupState(enum.Enum):
     READY = "ready"
     BROKEN = "broken"  # a rank failed or vanished, or its node can no longer hold it: restart the gang
     UNPLACED = "unplaced"  # the gang was torn down (or never placed): place it again
+    DRAINING = "draining"  # being removed: the router sends it nothing new; wait for in-flight ones
     TERMINATING = "terminating"  # its pods are going away; wait
 
 
@@ -44,7 +45,9 @@ class ObservedGroup:
     last_restart: datetime | None
     state: GroupState
     reason: str = ""
-    """Why the group is BROKEN (for the Event and the log)."""
+    """Why the group is BROKEN (for the Event and the log), or why it drains."""
+    draining_since: datetime | None = None
+    """When it started to drain (DRAINING)."""
 
     @property
     def nodes(self) -> list[str]:
@@ -86,6 +89,9 @@ def _classify(
 ) -> tuple[GroupState, str]:
     if (service is not None and _terminating(service)) or any(_terminating(pod) for pod in pods.values()):
         return GroupState.TERMINATING, ""
+    annotations = (service or {}).get("metadata", {}).get("annotations", {})
+    if annotations.get(names.ANNOTATION_DRAINING_SINCE):
+        return GroupState.DRAINING, annotations.get(names.ANNOTATION_DRAINING_REASON, "")
     if layout is None:
         return (GroupState.BROKEN, "its placement record is gone") if pods else (GroupState.UNPLACED, "")
     for rank, pod in sorted(pods.items()):
@@ -135,6 +141,7 @@ def observe_groups(
         layout = _layout(service, role=role, replica=replica) if service else None
         annotations = (service or {}).get("metadata", {}).get("annotations", {})
         last_restart = annotations.get(names.ANNOTATION_LAST_RESTART)
+        draining_since = annotations.get(names.ANNOTATION_DRAINING_SINCE)
         state, reason = _classify(layout=layout, service=service, pods=group_pods)
         observed.append(
             ObservedGroup(
@@ -149,6 +156,7 @@ def observe_groups(
                 last_restart=datetime.fromisoformat(last_restart) if last_restart else None,
                 state=state,
                 reason=reason,
+                draining_since=datetime.fromisoformat(draining_since) if draining_since else None,
             )
         )
     return observed
