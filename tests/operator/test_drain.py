@@ -207,3 +207,10 @@ def test_router_reports_are_summed_and_only_final_once_every_router_drains_the_w
     assert tally([one, two], workers) == {"a-0": 3, "b-0": None, "c-0": 0}
     assert tally([one, None], workers) == {"a-0": None, "b-0": None, "c-0": None}, "a silent router"
     assert tally([], workers) == {"a-0": 0, "b-0": 0, "c-0": 0}, "no router: nothing routes"
+
+
+async def test_an_endpoint_picker_is_asked_on_its_metrics_port() -> None:
+    harness, in_flight = draining_harness(replicas=2, router={"mode": "epp"})
+    await scaled_down_and_draining(harness, in_flight, requests=1)
+    await harness.settle()
+    assert in_flight.asked[-1][0] == [f"http://10.0.9.9:{children.EPP_METRICS_PORT}"]

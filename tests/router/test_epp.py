@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -464,5 +465,22 @@ async def test_a_draining_worker_gets_no_new_request() -> None:
             body = completion("drain")
             got = await _exchange(picker, [request_headers(), *request_body(body)])
             assert got == expect_route(other, body)
+        finally:
+            await running.close()
+
+
+async def test_the_picker_reports_draining_workers_over_http() -> None:
+    """The operator asks a picker, like an HTTP router, what is still in flight on a draining group."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await _picker(fleet.urls, metrics_port=0)
+        picker = _service(running)
+        try:
+            _load(picker, fleet.urls[0], 2)
+            worker_id = picker.addresses()[address_of(fleet.urls[0])]
+            info = picker.router.workers[worker_id]
+            picker.router.add_worker(dataclasses.replace(info, draining=True), now=picker.now())
+            async with aiohttp.ClientSession() as http, http.get(f"{running.url}/workers") as response:
+                [report] = (await response.json())["workers"]
+            assert (report["draining"], report["in_flight"]) == (True, 2)
         finally:
             await running.close()

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
-from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, parse_deployment
+from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, RouterMode, parse_deployment
 from copse.operator import children, metrics, names
 from copse.operator.children import GroupLayout
 from copse.operator.inflight import InFlight, RouterInFlight
@@ -243,8 +243,14 @@ class Controller:
         services = [s for (ns, _), s in self.cache.services.items() if ns == namespace]
         own_pods = [p for (ns, _), p in self.cache.pods.items() if ns == namespace]
         groups = observe_groups(deployment=name, services=services, pods=own_pods)
+        # An HTTP router answers on its serving port, an endpoint picker on its metrics port.
+        port = (
+            children.EPP_METRICS_PORT
+            if deployment.spec.router.mode is RouterMode.EPP
+            else children.ROUTER_PORT
+        )
         in_flight = await self.in_flight.count(
-            routers=self._routers(namespace, name),
+            routers=self._routers(namespace, name, port=port),
             workers=[names.pod_name(group.name, 0) for group in groups if group.state is GroupState.DRAINING],
         )
         decision = reconcile(
@@ -265,7 +271,7 @@ class Controller:
         await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
         return decision.requeue_after_s
 
-    def _routers(self, namespace: str, name: str) -> list[str]:
+    def _routers(self, namespace: str, name: str, *, port: int) -> list[str]:
         """Base URLs of the deployment's ready router pods (none ready: nothing routes)."""
         routers = []
         for (pod_namespace, _), pod in self.cache.pods.items():
@@ -280,7 +286,7 @@ class Controller:
                 and not pod["metadata"].get("deletionTimestamp")
             ):
                 host = f"[{ip}]" if ":" in ip else ip
-                routers.append(f"http://{host}:{children.ROUTER_PORT}")
+                routers.append(f"http://{host}:{port}")
         return sorted(routers)
 
     async def _default_replicas(self, body: Mapping[str, Any], deployment: InferenceDeployment) -> None:

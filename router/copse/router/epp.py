@@ -529,7 +529,8 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):
 
 
 def metrics_app(service: RoutingService) -> web.Application:
-    """``/metrics`` and ``/health`` of a picker over HTTP."""
+    """``/metrics``, ``/health`` and ``/workers`` (what the operator reads while a group drains)
+    of a picker over HTTP."""
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=service.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -538,8 +539,11 @@ def metrics_app(service: RoutingService) -> web.Application:
         status, body = service.health()
         return web.json_response(body, status=status)
 
+    async def workers(_: web.Request) -> web.Response:
+        return web.json_response({"workers": service.workers_report()})
+
     app = web.Application()
-    app.add_routes([web.get("/metrics", metrics), web.get("/health", health)])
+    app.add_routes([web.get("/metrics", metrics), web.get("/health", health), web.get("/workers", workers)])
     return app
 
 

@@ -529,7 +529,7 @@ class RoutingService:
                 "worker_id": live.worker_id,
                 "url": live.endpoint.url,
                 "role": live.endpoint.role.value,
-                "draining": live.endpoint.draining,
+                "draining": self.router.workers[live.worker_id].draining,
                 "in_flight": self.router.in_flight(live.worker_id),
             }
             for key, live in sorted(self._live.items())
