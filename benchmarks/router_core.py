@@ -126,7 +126,7 @@ def bench_decisions(chains: list[list[int]], requests: int, passes: int) -> dict
 
 def bench_events(chains: list[list[int]], batches: int) -> dict[str, float]:
     slots = WorkerSlots()
-    indexer = RadixIndexer(slots)
+    indexer = RadixIndexer(slots, default_capacity_blocks=1024)
     rng = random.Random(1)
     worker_batches = []
     next_id = 1

@@ -109,6 +109,31 @@ def test_real_engine_settings_survive_the_api_server_and_are_reported(
     assert "KVRoutingDegraded" in {event["reason"] for event in events}
 
 
+def test_the_kv_relay_is_a_native_sidecar_the_kubelet_runs(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    """With a NATS bus, each group's rank-0 pod carries the KV relay as an init container with
+    ``restartPolicy: Always`` (the pod's own is Never): the API server accepts it and the kubelet
+    (kwok here) runs it next to the engine; the other ranks have none."""
+    kubectl.apply(seed("relayed", router={"natsUrl": "nats://nats:4222"}), namespace=namespace)
+    wait_running(kubectl, "relayed", namespace, operator)
+    pods = worker_pods(kubectl, "relayed", namespace)
+    leaders = [pod for pod in pods if pod["metadata"]["labels"][names.LABEL_LEADER] == "true"]
+    assert len(leaders) == 2
+    for pod in pods:
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["engine"]
+        if pod not in leaders:
+            assert not pod["spec"].get("initContainers")
+            continue
+        [relay] = pod["spec"]["initContainers"]
+        assert (relay["name"], relay["restartPolicy"]) == ("kv-relay", "Always")
+        assert relay["command"][:3] == ["copse", "worker", "kv-relay"]
+        [running] = pod["status"]["initContainerStatuses"]
+        assert running["started"] is True
+        assert "running" in running["state"]
+
+
 def test_disaggregated_pools_land_close(kubectl: Kubectl, namespace: str, operator: Operator) -> None:
     manifest = seed("disagg", prefill={"replicas": 1, "tensorParallelism": 4}, decode={"replicas": 1})
     kubectl.apply(manifest, namespace=namespace)

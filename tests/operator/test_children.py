@@ -330,7 +330,11 @@ def test_mocked_engines_and_their_router_share_the_kv_capacity() -> None:
 def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:
     deployment = make_deployment(replicas=1, router={"natsUrl": "nats://nats:4222"}, engine={"blockSize": 64})
     leader, follower = children.worker_pods(deployment, TWO_NODES, cold_start_source=None)
-    _, relay = leader["spec"]["containers"]
+    # a native sidecar: restarted by the kubelet on its own though the pod's policy is Never
+    assert leader["spec"]["restartPolicy"] == "Never"
+    assert [c["name"] for c in leader["spec"]["containers"]] == ["engine"]
+    [relay] = leader["spec"]["initContainers"]
+    assert relay["restartPolicy"] == "Always"
     assert relay["name"] == "kv-relay"
     assert relay["command"][:3] == ["copse", "worker", "kv-relay"]
     params = kv_relay.make_context("kv-relay", relay["command"][3:]).params
@@ -341,8 +345,10 @@ def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:
     )
     assert params["worker_id"] == "llama-worker-1-0"
     assert [c["name"] for c in follower["spec"]["containers"]] == ["engine"]
+    assert "initContainers" not in follower["spec"]
     without_bus = children.worker_pods(make_deployment(replicas=1), TWO_NODES, cold_start_source=None)
     assert [c["name"] for c in without_bus[0]["spec"]["containers"]] == ["engine"]
+    assert "initContainers" not in without_bus[0]["spec"]
 
 
 def test_worker_pods_leave_not_ready_nodes_only_when_the_operator_moves_the_gang() -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from copse.router.approx import ApproximateIndexer
+from copse.router.indexer import BlockIndex
 from copse.workers.protocol import chain_hashes
 
 
 def test_routed_prompts_are_matched_afterwards() -> None:
-    indexer = ApproximateIndexer(default_capacity_blocks=100)
+    indexer = ApproximateIndexer(default_capacity_blocks=100, index=BlockIndex())
     prompt = chain_hashes([1, 2, 3])
     indexer.on_routed(4, prompt, total_blocks=3)
     assert indexer.overlaps(prompt) == {4: 3}
@@ -17,7 +18,7 @@ def test_routed_prompts_are_matched_afterwards() -> None:
 
 
 def test_capacity_evicts_least_recent_blocks_and_keeps_shared_prefixes() -> None:
-    indexer = ApproximateIndexer(default_capacity_blocks=100)
+    indexer = ApproximateIndexer(default_capacity_blocks=100, index=BlockIndex())
     indexer.set_capacity(0, 4)
     first = chain_hashes([1, 2, 3])
     second = chain_hashes([1, 2, 7])
@@ -33,7 +34,7 @@ def test_capacity_evicts_least_recent_blocks_and_keeps_shared_prefixes() -> None
 
 
 def test_output_blocks_take_capacity_but_are_never_matched() -> None:
-    indexer = ApproximateIndexer(default_capacity_blocks=5)
+    indexer = ApproximateIndexer(default_capacity_blocks=5, index=BlockIndex())
     prompt = chain_hashes([1, 2, 3])
     indexer.on_routed(1, prompt, total_blocks=5)  # 2 output blocks
     indexer.on_routed(1, chain_hashes([8]), total_blocks=2)  # 1 more output block: 7 > 5
@@ -44,7 +45,7 @@ def test_output_blocks_take_capacity_but_are_never_matched() -> None:
 
 
 def test_lowering_capacity_evicts_and_dropping_forgets() -> None:
-    indexer = ApproximateIndexer(default_capacity_blocks=10)
+    indexer = ApproximateIndexer(default_capacity_blocks=10, index=BlockIndex())
     prompt = chain_hashes([1, 2, 3, 4])
     indexer.on_routed(2, prompt, total_blocks=4)
     indexer.set_capacity(2, 2)

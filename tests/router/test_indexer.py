@@ -87,7 +87,7 @@ def _batch(worker: str, epoch: int, *events: KvEvent) -> KvEventBatch:
 
 
 def test_events_in_order_are_applied() -> None:
-    indexer = RadixIndexer(WorkerSlots())
+    indexer = RadixIndexer(WorkerSlots(), default_capacity_blocks=1024)
     path = _PATHS[2]
     assert indexer.apply(_batch("w", 7, _stored(1, None, path[:2]), _stored(2, path[1], path[2:]))) is None
     slot = indexer.slots.slot("w")
@@ -100,7 +100,7 @@ def test_events_in_order_are_applied() -> None:
 
 
 def test_duplicates_are_skipped_and_a_gap_asks_for_a_dump_then_buffers() -> None:
-    indexer = RadixIndexer(WorkerSlots())
+    indexer = RadixIndexer(WorkerSlots(), default_capacity_blocks=1024)
     path = _PATHS[0]
     indexer.apply(_batch("w", 1, _stored(1, None, path[:1])))
     assert indexer.apply(_batch("w", 1, _stored(1, None, path[:1]))) is None
@@ -128,7 +128,7 @@ def test_duplicates_are_skipped_and_a_gap_asks_for_a_dump_then_buffers() -> None
 
 
 def test_a_worker_first_seen_mid_stream_needs_a_dump() -> None:
-    indexer = RadixIndexer(WorkerSlots())
+    indexer = RadixIndexer(WorkerSlots(), default_capacity_blocks=1024)
     resync = indexer.apply(_batch("late", 5, _stored(40, None, _PATHS[3][:1])))
     assert resync is not None
     assert resync.reason == "new-worker"
@@ -136,7 +136,7 @@ def test_a_worker_first_seen_mid_stream_needs_a_dump() -> None:
 
 
 def test_a_new_epoch_starting_at_one_replaces_the_old_state_and_stale_epochs_are_ignored() -> None:
-    indexer = RadixIndexer(WorkerSlots())
+    indexer = RadixIndexer(WorkerSlots(), default_capacity_blocks=1024)
     indexer.apply(_batch("w", 1, _stored(1, None, _PATHS[0])))
     assert indexer.apply(_batch("w", 2, _stored(1, None, _PATHS[3]))) is None
     slot = indexer.slots.slot("w")
@@ -150,7 +150,7 @@ def test_a_new_epoch_starting_at_one_replaces_the_old_state_and_stale_epochs_are
 
 
 def test_an_old_dump_does_not_roll_back_newer_events() -> None:
-    indexer = RadixIndexer(WorkerSlots())
+    indexer = RadixIndexer(WorkerSlots(), default_capacity_blocks=1024)
     indexer.apply(_batch("w", 1, _stored(1, None, _PATHS[0][:1]), _stored(2, _PATHS[0][0], _PATHS[0][1:2])))
     old = KvDump(worker_id="w", epoch=1, block_size=16, last_event_id=1, blocks=())
     assert indexer.load_dump(old) is None
@@ -159,7 +159,7 @@ def test_an_old_dump_does_not_roll_back_newer_events() -> None:
 
 def test_forgetting_a_worker_frees_its_blocks() -> None:
     slots = WorkerSlots()
-    indexer = RadixIndexer(slots)
+    indexer = RadixIndexer(slots, default_capacity_blocks=1024)
     indexer.apply(_batch("a", 1, _stored(1, None, _PATHS[0])))
     indexer.apply(_batch("b", 1, _stored(1, None, _PATHS[0][:2])))
     indexer.forget("a")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -13,8 +14,10 @@ from copse.router.core import FlightRecord, PeerChange
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import decode_changes, encode_changes
 from copse.router.server import start_router
+from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import KvEventPublisher
 from copse.workers.protocol import DumpBlock, KvDump, KvEvent, KvStored, StoredBlock, block_hashes
+from copse.workers.relay import run_relay
 from copse.workers.testing import mock_fleet
 
 from .conftest import eventually
@@ -108,6 +111,68 @@ async def test_a_gap_in_events_is_healed_from_the_workers_dump(nats_url: str) ->
     finally:
         await running.close()
         await nc.drain()
+
+
+async def test_behind_a_relay_started_late_the_router_guesses_then_knows_and_never_invents(
+    nats_url: str,
+) -> None:
+    """A mocked engine serving TensorRT-LLM's /kv_cache_events, a KV relay that starts after the
+    engine filled its cache (it has missed the first events), a router over NATS: the worker is
+    approximate and every block the router reports for it is one the engine holds or one it routed
+    there; once every block cached before the relay started is evicted the relay proves it knows
+    everything, and the router's view is the engine's."""
+    blocks = 64
+    config = EngineConfig(block_size=32, num_blocks=blocks)
+    prompts = [list(range(10_000 * (k + 1), 10_000 * (k + 1) + 320)) for k in range(18)]
+    async with mock_fleet(config=config) as fleet, aiohttp.ClientSession() as http:
+        engine = fleet.servers[0].engine
+        for prompt in prompts[:8]:  # 80 blocks of prompts: the cache is full of them
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            async with http.post(f"{fleet.urls[0]}/v1/completions", json=body) as response:
+                assert response.status == 200
+        async with http.post(f"{fleet.urls[0]}/kv_cache_events") as response:
+            assert (await response.json())[0]["event_id"] == 0  # a relay drained these, then died
+        stop = asyncio.Event()
+        relay = asyncio.create_task(
+            run_relay(
+                engine_url=fleet.urls[0],
+                nats_url=nats_url,
+                worker_id=engine.worker_id,
+                namespace="default",
+                deployment="late",
+                block_size=32,
+                capacity_blocks=blocks,
+                interval_s=0.02,
+                stop=stop,
+            )
+        )
+        running = await start_router(_config(fleet.urls, nats_url, "late"), router_id="r1")
+        try:
+            router = running.service.router
+            radix = router.radix
+            assert radix is not None
+            await eventually(lambda: len(router.workers) == 1)
+            slot = router.slots.slot(engine.worker_id)
+            await eventually(lambda: radix.approximate(slot))
+            universe = {h for prompt in prompts for h in block_hashes(prompt, block_size=32)}
+            routed: set[int] = set()
+
+            def reported() -> set[int]:
+                return {h for h in universe if radix.index.holds(slot, h)}
+
+            assert not reported()  # what the engine cached before the relay started is unknown
+            for prompt in prompts[8:]:  # 100 new blocks through the router: the old ones are evicted
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                    assert response.status == 200
+                routed.update(block_hashes(prompt, block_size=32))
+                assert reported() <= engine.blocks.cached_hashes() | routed
+            await eventually(lambda: not radix.approximate(slot))
+            await eventually(lambda: reported() == engine.blocks.cached_hashes())
+        finally:
+            await running.close()
+            stop.set()
+            await relay
 
 
 def test_load_messages_round_trip() -> None:

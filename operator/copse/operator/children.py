@@ -243,7 +243,12 @@ def _mock_moe(moe: MoeLayout | None, layout: GroupLayout) -> list[str]:
 
 def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[dict[str, Any]]:
     """The sidecar that drains trtllm-serve's ``/kv_cache_events`` into copse KV events on NATS,
-    on the rank that serves HTTP; the mocker publishes its own events."""
+    on the rank that serves HTTP; the mocker publishes its own events.
+
+    A native sidecar (an init container with ``restartPolicy: Always``, Kubernetes >= 1.29): the
+    kubelet restarts it whenever it exits although the pod's own policy is ``Never`` (a gang is
+    restarted whole by the operator), starts it before the engine and stops it after. A restarted
+    relay has missed events: it publishes a reset (see copse.workers.relay)."""
     spec = deployment.spec
     if rank > 0 or spec.engine.backend is not EngineBackend.TRTLLM or not spec.router.nats_url:
         return []
@@ -256,7 +261,14 @@ def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[d
         "--worker-id", pod,
         "--block-size", str(spec.engine.block_size),
     ]  # fmt: skip
-    return [{"name": "kv-relay", "image": spec.router.image or COPSE_IMAGE, "command": command}]
+    return [
+        {
+            "name": "kv-relay",
+            "image": spec.router.image or COPSE_IMAGE,
+            "command": command,
+            "restartPolicy": "Always",
+        }
+    ]
 
 
 def _worker_tolerations(deployment: InferenceDeployment) -> list[dict[str, Any]]:
@@ -346,7 +358,7 @@ def worker_pods(
                 }
             },
             "tolerations": _worker_tolerations(deployment),
-            "containers": [container, *_kv_relay(deployment, pod=pod, rank=rank)],
+            "containers": [container],
             "volumes": [
                 {
                     "name": "engine-config",
@@ -357,6 +369,9 @@ def worker_pods(
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": PRE_STOP_SLEEP_S + math.ceil(spec.disruption.drain_timeout_s),
         }
+        relay = _kv_relay(deployment, pod=pod, rank=rank)
+        if relay:
+            pod_spec["initContainers"] = relay
         if spec.pod.node_selector:
             pod_spec["nodeSelector"] = dict(spec.pod.node_selector)
         if spec.pod.service_account_name:

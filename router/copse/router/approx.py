@@ -7,15 +7,21 @@ in the order an engine releases them (output blocks first, then the prompt from 
 head, so shared prefixes stay longest), and the least recently touched blocks are evicted once
 the worker's capacity is exceeded. Output blocks occupy capacity but are never matched (the router
 cannot know their hashes).
+
+The same guessing covers a worker whose KV events lost track (:class:`copse.router.indexer.RadixIndexer`
+keeps its guesses in its own index): there a block the index already holds for the worker is known
+from events, not guessed, and events confirm or drop guesses (:meth:`ApproximateIndexer.forget`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from copse.router.indexer import BlockIndex, Overlaps
+if TYPE_CHECKING:
+    from copse.router.indexer import BlockIndex, Overlaps
 
 
 class ApproximateIndexer:
@@ -23,12 +29,13 @@ class ApproximateIndexer:
 
     __slots__ = ("_anonymous", "_capacity", "_lru", "default_capacity_blocks", "index")
 
-    def __init__(self, *, default_capacity_blocks: int) -> None:
+    def __init__(self, *, default_capacity_blocks: int, index: BlockIndex) -> None:
         if default_capacity_blocks < 1:
             raise ValueError(f"default_capacity_blocks={default_capacity_blocks} must be at least 1")
         self.default_capacity_blocks = default_capacity_blocks
         """Cache size assumed for a worker whose own size is not known."""
-        self.index = BlockIndex()
+        self.index = index
+        """Where the guesses go (blocks it holds for a worker and did not guess are never touched)."""
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._capacity: dict[int, int] = {}
         self._anonymous = itertools.count(-1, -1)
@@ -58,14 +65,33 @@ class ApproximateIndexer:
         for _ in range(total_blocks - len(hashes)):
             lru[next(anonymous)] = None
         new: list[int] = []
+        holds = self.index.holds
         for block in reversed(hashes):
             if block in lru:
                 lru.move_to_end(block)
-            else:
+            elif not holds(slot, block):
                 lru[block] = None
                 new.append(block)
         self.index.store(slot, new)
         self._evict(slot)
+
+    def forget(self, slot: int, hashes: Iterable[int]) -> None:
+        """These blocks of the worker in ``slot`` are no longer guesses (events said they are held,
+        or not); the index is the caller's to update."""
+        lru = self._lru.get(slot)
+        if lru:
+            for block in hashes:
+                lru.pop(block, None)
+
+    def drop_guesses(self, slot: int) -> None:
+        """Take every guess of the worker in ``slot`` out of the index and forget its simulated cache."""
+        lru = self._lru.pop(slot, None)
+        if lru:
+            self.index.remove(slot, [block for block in lru if block >= 0])
+
+    def forget_worker(self, slot: int) -> None:
+        """Forget the simulated cache of the worker in ``slot`` (its blocks were cleared from the index)."""
+        self._lru.pop(slot, None)
 
     def drop_worker(self, slot: int) -> None:
         self._lru.pop(slot, None)

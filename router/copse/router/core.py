@@ -29,7 +29,7 @@ import numpy.typing as npt
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
-from copse.router.indexer import Indexer, RadixIndexer
+from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
 from copse.router.policies import (
     KvPolicy,
     Policy,
@@ -187,14 +187,14 @@ class Router:
         self._kv = KvPolicy()
         self.slots = WorkerSlots()
         self.indexer: Indexer
+        # A worker's cache size until its engine says (guesses are evicted beyond it).
+        capacity = max(1, perf.kv_capacity_tokens // settings.block_size)
         if use_kv_events:
-            self.radix: RadixIndexer | None = RadixIndexer(self.slots)
+            self.radix: RadixIndexer | None = RadixIndexer(self.slots, default_capacity_blocks=capacity)
             self.indexer = self.radix
         else:
             self.radix = None
-            self.indexer = ApproximateIndexer(
-                default_capacity_blocks=max(1, perf.kv_capacity_tokens // settings.block_size)
-            )
+            self.indexer = ApproximateIndexer(default_capacity_blocks=capacity, index=BlockIndex())
         self.sequences = ActiveSequences(block_size=settings.block_size)
         self.costs = WorkerCosts(
             self.sequences,

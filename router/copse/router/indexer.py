@@ -17,9 +17,18 @@ slots, which is what a routing decision uses.
 applied in ``event_id`` order per engine incarnation (``epoch``); a gap, a new incarnation that
 does not start at event 1, or events from a worker never seen before (the router started after
 it) drop what is known of that worker and ask for a dump (:class:`ResyncNeeded`); events that
-arrive meanwhile are buffered and replayed after the dump. While no events can arrive (the NATS
-connection is down) it is put in *learning* mode: what the router routes is added to the index,
-as the approximate indexer does (without the evictions it cannot see), until dumps replace it.
+arrive meanwhile are buffered and replayed after the dump.
+
+A worker whose publisher lost engine events (a ``reset`` event, or a dump with ``exact=False``:
+the KV relay next to ``trtllm-serve``, see :mod:`copse.workers.relay`) is *approximate*: its
+blocks are forgotten, what its events say afterwards is applied as usual (never a block it does
+not hold), and the blocks of the requests routed to it are guessed as the approximate indexer
+does (:mod:`copse.router.approx`: a simulated LRU cache of the worker's size). Events confirm
+guesses (stored) or drop them (removed); ``exact`` or ``cleared`` (the events describe the whole
+cache again) takes the remaining guesses out. A guess of a block the worker evicted while its
+events could not name it stays until the simulated cache evicts it: guesses are predictions.
+While no events can arrive at all (the NATS connection is down) it is in *learning* mode: the
+requests routed to every worker are guessed that way, until dumps replace them.
 """
 
 from __future__ import annotations
@@ -32,8 +41,18 @@ import numpy as np
 import numpy.typing as npt
 
 from copse.router import loops
+from copse.router.approx import ApproximateIndexer
 from copse.router.slots import WorkerSlots
-from copse.workers.protocol import KvCleared, KvDump, KvEvent, KvEventBatch, KvRemoved, KvStored
+from copse.workers.protocol import (
+    KvCleared,
+    KvDump,
+    KvEvent,
+    KvEventBatch,
+    KvExact,
+    KvRemoved,
+    KvReset,
+    KvStored,
+)
 
 FloatArray = npt.NDArray[np.float64]
 Overlaps = dict[int, int]
@@ -94,6 +113,10 @@ class Indexer(Protocol):
         """Forget a worker that left."""
         ...
 
+    def set_capacity(self, slot: int, blocks: int) -> None:
+        """The worker in ``slot`` holds at most ``blocks`` blocks (from its engine), for guesses."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResyncNeeded:
@@ -114,17 +137,28 @@ class _Stream:
 
 
 class RadixIndexer:
-    """The exact indexer: a :class:`BlockIndex` driven by each worker's KV event stream."""
+    """The exact indexer: a :class:`BlockIndex` driven by each worker's KV event stream (guessing
+    for the workers whose events lost track, see the module documentation)."""
 
-    __slots__ = ("_streams", "index", "learning", "slots", "stats")
+    __slots__ = ("_approximate", "_streams", "guesses", "index", "learning", "slots", "stats")
 
-    def __init__(self, slots: WorkerSlots) -> None:
+    def __init__(self, slots: WorkerSlots, *, default_capacity_blocks: int) -> None:
         self.slots = slots
         self.index = BlockIndex()
         self.learning = False
-        """Add routed prompts to the index (no events arrive: approximate mode)."""
+        """Guess for every worker (no events arrive: the NATS connection is down)."""
+        self.guesses = ApproximateIndexer(default_capacity_blocks=default_capacity_blocks, index=self.index)
+        """The guessed blocks of approximate workers (in :attr:`index`) and their simulated caches."""
+        self._approximate: set[int] = set()
         self._streams: dict[str, _Stream] = {}
-        self.stats: dict[str, int] = {"events": 0, "blocks": 0, "resyncs": 0, "duplicates": 0, "stale": 0}
+        self.stats: dict[str, int] = {
+            "events": 0,
+            "blocks": 0,
+            "resyncs": 0,
+            "duplicates": 0,
+            "stale": 0,
+            "resets": 0,
+        }
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -134,11 +168,18 @@ class RadixIndexer:
     def blocks_held(self, slot: int) -> int:
         return self.index.blocks_held(slot)
 
+    def approximate(self, slot: int) -> bool:
+        """Whether the worker in ``slot`` lost track of its events (its blocks are partly guessed)."""
+        return slot in self._approximate
+
     def on_routed(self, slot: int, hashes: Sequence[int], *, total_blocks: int) -> None:
-        """Nothing to learn while the worker's events say what it cached; in learning mode, the
-        prompt is assumed cached where it was sent."""
-        if self.learning:
-            self.index.store(slot, hashes)
+        """Guessed for an approximate worker, or any in learning mode; otherwise nothing to learn:
+        its events will say."""
+        if self.learning or slot in self._approximate:
+            self.guesses.on_routed(slot, hashes, total_blocks=total_blocks)
+
+    def set_capacity(self, slot: int, blocks: int) -> None:
+        self.guesses.set_capacity(slot, blocks)
 
     def awaiting_dump(self, worker_id: str) -> bool:
         """Whether a dump of ``worker_id`` is awaited (its blocks are unknown meanwhile)."""
@@ -153,14 +194,15 @@ class RadixIndexer:
     # -- updates ----------------------------------------------------------------------------
 
     def drop_worker(self, slot: int) -> None:
-        self.index.clear(slot)
+        self._clear(slot, approximate=False)
+        self.guesses.drop_worker(slot)
 
     def forget(self, worker_id: str) -> None:
         """Forget a worker that left: its blocks and its event stream position."""
         self._streams.pop(worker_id, None)
         slot = self.slots.get(worker_id)
         if slot is not None:
-            self.index.clear(slot)
+            self.drop_worker(slot)
 
     def apply(self, batch: KvEventBatch) -> ResyncNeeded | None:
         """Apply one batch; returns a :class:`ResyncNeeded` when a dump must now be requested."""
@@ -175,7 +217,7 @@ class RadixIndexer:
         slot = self.slots.slot(worker_id)
         if stream is None or epoch != stream.epoch:
             reason = "new-worker" if stream is None else "new-epoch"
-            self.index.clear(slot)
+            self._clear(slot, approximate=False)
             stream = self._streams[worker_id] = _Stream(epoch=epoch)
             if events and events[0].event_id != 1:
                 return self._lose_track(worker_id, stream, events, reason=reason)
@@ -201,34 +243,55 @@ class RadixIndexer:
         if stream is None or dump.epoch != stream.epoch:
             stream = self._streams[dump.worker_id] = _Stream(epoch=dump.epoch)
         slot = self.slots.slot(dump.worker_id)
-        self.index.clear(slot)
+        self._clear(slot, approximate=not dump.exact)
         self.index.store(slot, (block.block_hash for block in dump.blocks))
         stream.last_event_id = dump.last_event_id
         stream.awaiting_dump = False
         buffered, stream.buffer = stream.buffer, []
         return self._apply_events(dump.worker_id, slot, stream, buffered)
 
+    def _clear(self, slot: int, *, approximate: bool) -> None:
+        """Forget every block of ``slot`` (guesses too); it is approximate afterwards or not."""
+        self.index.clear(slot)
+        self.guesses.forget_worker(slot)
+        if approximate:
+            self._approximate.add(slot)
+        else:
+            self._approximate.discard(slot)
+
     def _apply_events(
         self, worker_id: str, slot: int, stream: _Stream, events: Sequence[KvEvent]
     ) -> ResyncNeeded | None:
         index = self.index
         stats = self.stats
+        approximate = self._approximate
         for position, event in enumerate(events):
             if event.event_id <= stream.last_event_id:
                 stats["duplicates"] += 1
                 continue
             if event.event_id != stream.last_event_id + 1:
-                index.clear(slot)
+                self._clear(slot, approximate=slot in approximate)
                 return self._lose_track(worker_id, stream, events[position:], reason="gap")
             data = event.data
             if isinstance(data, KvStored):
-                index.store(slot, [block.block_hash for block in data.blocks])
-                stats["blocks"] += len(data.blocks)
+                hashes = [block.block_hash for block in data.blocks]
+                index.store(slot, hashes)
+                if slot in approximate:
+                    self.guesses.forget(slot, hashes)  # confirmed
+                stats["blocks"] += len(hashes)
             elif isinstance(data, KvRemoved):
                 index.remove(slot, data.block_hashes)
+                if slot in approximate:
+                    self.guesses.forget(slot, data.block_hashes)
                 stats["blocks"] += len(data.block_hashes)
             elif isinstance(data, KvCleared):
-                index.clear(slot)
+                self._clear(slot, approximate=False)
+            elif isinstance(data, KvReset):
+                self._clear(slot, approximate=True)
+                stats["resets"] += 1
+            elif isinstance(data, KvExact):
+                self.guesses.drop_guesses(slot)
+                approximate.discard(slot)
             stream.last_event_id = event.event_id
             stats["events"] += 1
         return None

@@ -147,6 +147,11 @@ class _WorkerLoad(Collector):
                 "KV blocks the indexer believes each worker holds.",
                 labels=["worker"],
             ),
+            "approximate": GaugeMetricFamily(
+                f"{PREFIX}_worker_kv_approximate",
+                "1 while a worker's KV events lost track: its cache is partly guessed from routing.",
+                labels=["worker"],
+            ),
         }
         for worker_id in router.workers:
             slot = router.slots.get(worker_id)
@@ -156,4 +161,6 @@ class _WorkerLoad(Collector):
             families["prefill"].add_metric([worker_id], float(seq.prefill_tokens[slot]))
             families["kv"].add_metric([worker_id], float(kv[slot]))
             families["cached"].add_metric([worker_id], float(router.indexer.blocks_held(slot)))
+            if router.radix is not None:
+                families["approximate"].add_metric([worker_id], float(router.radix.approximate(slot)))
         yield from families.values()

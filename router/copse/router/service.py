@@ -31,7 +31,6 @@ from typing import Any
 import aiohttp
 from prometheus_client import generate_latest
 
-from copse.router.approx import ApproximateIndexer
 from copse.router.config import RouterConfig
 from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, WorkerInfo
 from copse.router.discovery import Endpoint, Source
@@ -378,11 +377,10 @@ class RoutingService:
             return
         self._live[endpoint.key] = _Live(endpoint=endpoint, worker_id=worker_id)
         self._urls[worker_id] = endpoint.url
-        indexer = self.router.indexer
         num_blocks = info.get("num_blocks")
-        if isinstance(indexer, ApproximateIndexer) and isinstance(num_blocks, int) and num_blocks > 0:
+        if isinstance(num_blocks, int) and num_blocks > 0:
             # The engine's own cache size, in blocks of the router's size (they are equal here).
-            indexer.set_capacity(self.router.slots.slot(worker_id), num_blocks)
+            self.router.indexer.set_capacity(self.router.slots.slot(worker_id), num_blocks)
         released = self.router.add_worker(
             WorkerInfo(
                 worker_id=worker_id,

@@ -256,6 +256,13 @@ def mock(
     "--block-size", type=click.IntRange(min=1), default=32, show_default=True, help="Engine tokens_per_block."
 )
 @click.option(
+    "--kv-capacity-blocks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The engine's KV cache size in blocks, every cache level (lets a relay started after the engine"
+    " prove when it knows every block again; the engine's created events say it otherwise).",
+)
+@click.option(
     "--interval", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True, help="Seconds."
 )
 @click.option(
@@ -270,6 +277,7 @@ def kv_relay(
     namespace: str,
     worker_id: str,
     block_size: int,
+    kv_capacity_blocks: int | None,
     interval: float,
     metrics_port: int | None,
     metrics_host: str,
@@ -292,6 +300,7 @@ def kv_relay(
                 namespace=namespace,
                 deployment=deployment,
                 block_size=block_size,
+                capacity_blocks=kv_capacity_blocks,
                 interval_s=interval,
                 registry=registry,
                 stop=stop,

@@ -32,6 +32,14 @@ NUM_REQUESTS_WAITING = "trtllm_num_requests_waiting"
 # copse KV relay --------------------------------------------------------------------------------
 RELAY_EVENTS = "copse_kv_relay_events"
 """Counter (``_total``) by ``type``: copse KV events published by the relay."""
+RELAY_ENGINE_EVENTS = "copse_kv_relay_engine_events"
+"""Counter (``_total``) by ``type``: TensorRT-LLM events drained (``unknown``: a type the relay does
+not know, skipped; ``malformed``: unreadable, counted as lost)."""
+RELAY_RESETS = "copse_kv_relay_resets"
+"""Counter (``_total``) by ``reason``: times engine events were lost and a reset published (``gap`` in
+the event ids, relay ``start`` after the engine, ``malformed`` event, ``unknown_parent``)."""
+RELAY_EXACT = "copse_kv_relay_exact"
+"""Gauge: 1 while the relay knows every block the engine holds, 0 after a reset until it proves so."""
 RELAY_DROPPED_BLOCKS = "copse_kv_relay_dropped_blocks"
 """Counter (``_total``) by ``reason``: engine blocks the relay could not translate (unknown parent, size)."""
 RELAY_POLL_ERRORS = "copse_kv_relay_poll_errors"

@@ -11,6 +11,15 @@ it knows of that worker and asks for a :class:`KvDump` (request :class:`KvDumpRe
 :func:`~copse.workers.protocol.subjects.kv_dump_subject`), applies it, then applies only
 events whose id is greater than ``KvDump.last_event_id``.
 
+Lost engine events: a publisher that relays another engine's events (the KV relay next to
+``trtllm-serve``) can itself miss some (the engine's event buffer overflowed, or the relay started
+after the engine). It then publishes a :class:`KvReset`: the subscriber forgets that worker's
+blocks, and the events that follow are still exact about the blocks they name (a stored block is
+held, a removed one is not) but blocks stored before are unknown, so the subscriber treats that
+worker as approximate (it may guess from where it sent requests) until a :class:`KvExact` or a
+:class:`KvCleared` says the events describe everything again. Such a publisher never names a
+block the engine does not hold; its dump carries ``exact=False`` meanwhile.
+
 Block identities are the block hashes of :mod:`copse.workers.protocol.hashing`, so a router
 computes the same values from a prompt's token ids.
 """
@@ -64,7 +73,22 @@ class KvCleared(_Frozen):
     type: Literal["cleared"] = "cleared"
 
 
-KvEventData = Annotated[KvStored | KvRemoved | KvCleared, Field(discriminator="type")]
+class KvReset(_Frozen):
+    """The publisher lost engine events: forget this worker's blocks; until a :class:`KvExact` or
+    :class:`KvCleared`, the blocks it held before are unknown (the events that follow are exact
+    about the blocks they name)."""
+
+    type: Literal["reset"] = "reset"
+
+
+class KvExact(_Frozen):
+    """Since the last :class:`KvReset`, every block the engine holds has been announced: the
+    events now describe its whole cache again."""
+
+    type: Literal["exact"] = "exact"
+
+
+KvEventData = Annotated[KvStored | KvRemoved | KvCleared | KvReset | KvExact, Field(discriminator="type")]
 
 
 class KvEvent(_Frozen):
@@ -111,3 +135,6 @@ class KvDump(_Frozen):
     last_event_id: int = Field(ge=0)
     """Id of the last event reflected here (0 before any event)."""
     blocks: tuple[DumpBlock, ...]
+    exact: bool = True
+    """False while the publisher has lost track (see :class:`KvReset`): every block listed is held,
+    but the engine may hold others."""

@@ -13,12 +13,22 @@ list of events serialised by TensorRT-LLM's ``KVCacheEventSerializer``::
               "cache_level": {"type": "event_diff", "new_value": 1, "old_value": 0}, "priority": null}}
 
 TensorRT-LLM's block hashes are opaque engine ids (not copse's hashes); the KV relay maps them.
-Unknown keys are ignored so that a newer engine does not break the relay.
+Unknown keys are ignored so that a newer engine does not break the relay, and an event is read
+in two steps (:class:`TrtllmEventEnvelope`, then its ``data`` by type, :data:`TRTLLM_EVENT_DATA`)
+so that one of a type the relay does not know is skipped alone.
+
+Numbering (``cpp/tensorrt_llm/batch_manager/kvCacheEventManager.cpp``): every event takes the
+next ``event_id`` of its engine (per attention-DP rank), from 0 for the ``created`` event the
+engine emits at start (one per attention window size); when the buffer of
+``kv_cache_config.event_buffer_max_size`` events is full the oldest are dropped, which leaves a
+gap in the ids. Removal: recent engines emit one ``removed`` event for a block whose descendants
+they free with it (``freeChildren``), older ones one per descendant first; a removal therefore
+takes the block's descendants with it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -85,3 +95,21 @@ class TrtllmKvCacheEvent(_Lenient):
     data: TrtllmEventData
     window_size: int | None = None
     attention_dp_rank: int | None = None
+
+
+class TrtllmEventEnvelope(_Lenient):
+    """An event with its ``data`` not yet read (read it by type with :data:`TRTLLM_EVENT_DATA`)."""
+
+    event_id: int
+    data: dict[str, Any]
+    window_size: int | None = None
+    attention_dp_rank: int | None = None
+
+
+TRTLLM_EVENT_DATA: dict[str, type[TrtllmStored | TrtllmRemoved | TrtllmCreated | TrtllmUpdated]] = {
+    "stored": TrtllmStored,
+    "removed": TrtllmRemoved,
+    "created": TrtllmCreated,
+    "updated": TrtllmUpdated,
+}
+"""The event types KVCacheEventSerializer writes, by their ``data.type``."""
