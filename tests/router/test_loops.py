@@ -14,7 +14,8 @@ import pytest
 
 from copse.router import loops
 
-MOONCAKE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+REPO = Path(__file__).resolve().parents[2]
+MOONCAKE = REPO.parent / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 
 _UNBUILT = "import sys; sys.modules['copse.router._native'] = None  # as if the extension were not built\n"
 
@@ -39,6 +40,21 @@ def test_without_the_extension_the_python_loops_run_and_say_so() -> None:
     assert "the compiled router loops are not built" in run.stderr
     forced = _python("from copse.router import loops; print(loops.IMPLEMENTATION)", native="0")
     assert forced.stdout == "python\n"
+
+
+def test_without_a_c_compiler_the_package_still_builds(tmp_path: Path) -> None:
+    build = ["build_ext", "--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")]
+    run = subprocess.run(
+        [sys.executable, "setup.py", "--quiet", *build],
+        cwd=REPO,
+        env={**os.environ, "CC": "/bin/false"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert 'building extension "copse.router._native" failed' in run.stderr
+    assert not list(tmp_path.rglob("_native*.so"))
 
 
 def test_requiring_an_extension_that_is_not_built_fails_by_name() -> None:
