@@ -201,6 +201,16 @@ def test_a_relay_started_late_proves_it_knows_everything_once_enough_blocks_left
     assert relay.dump().exact
 
 
+def test_an_engine_restart_whose_created_event_was_dropped_is_lost_track() -> None:
+    relay, registry = _relay()
+    relay.ingest([_created(), _stored(1, None, (9001, 100))])
+    relay.engine_unreachable()  # the engine restarted; its buffer overflowed before the next poll
+    events = relay.ingest([_stored(2, None, (9002, 200))])  # ids that happen to follow on
+    assert _types(events) == ["reset", "stored"]
+    assert _held(relay) == set(_copse(200))
+    assert _count(registry, "copse_kv_relay_resets_total", reason="restart") == 1
+
+
 def test_an_engine_restart_clears_everything_and_is_exact() -> None:
     relay, _ = _relay()
     relay.ingest([_created(), _stored(1, None, (9001, 100))])
@@ -298,6 +308,7 @@ class _Engine:
         self._emit({"type": "some_future_kind"})
 
     def restart(self) -> None:
+        self.buffer.clear()  # undrained events die with the old process
         self.blocks.clear()
         self.next_id = 0
         self._emit({"type": "created", "num_blocks_per_cache_level": [self.capacity, 0]})
@@ -383,6 +394,7 @@ def test_no_phantom_blocks_under_lost_events_restarts_and_unknown_types(
             deliver(relay, relay.ingest([]))
         elif kind == "engine_restart":
             engine.restart()
+            relay.engine_unreachable()  # what its polls meanwhile find: nothing listening
         known = _held(relay)
         universe |= engine.held() | known | routed
         reported = {h for h in universe if router.index.holds(slot, h)}

@@ -37,7 +37,8 @@ RELAY_ENGINE_EVENTS = "copse_kv_relay_engine_events"
 not know, skipped; ``malformed``: unreadable, counted as lost)."""
 RELAY_RESETS = "copse_kv_relay_resets"
 """Counter (``_total``) by ``reason``: times engine events were lost and a reset published (``gap`` in
-the event ids, relay ``start`` after the engine, ``malformed`` event, ``unknown_parent``)."""
+the event ids, relay ``start`` after the engine, ``restart`` of the engine without its ``created``
+event, ``malformed`` event, ``unknown_parent``)."""
 RELAY_EXACT = "copse_kv_relay_exact"
 """Gauge: 1 while the relay knows every block the engine holds, 0 after a reset until it proves so."""
 RELAY_DROPPED_BLOCKS = "copse_kv_relay_dropped_blocks"

@@ -19,6 +19,11 @@ afterwards is a subset of what the engine holds. It remembers the blocks it forg
 to translate their removals and, when a stored block extends one of them, to publish that
 ancestry again (the engine holds a stored block's ancestors).
 
+An engine that restarts numbers its events from 0 again; its ``created`` event tells the relay,
+but a full buffer can drop it, and the ids that follow could then look consecutive. A restarting
+engine does not answer for a while (``trtllm-serve`` loads the model again): after a poll that
+found nothing listening, the next event must be ``created`` 0 or the relay counts it as lost.
+
 It publishes ``exact`` again once it can prove it knows every block: every reset starts a bound on
 the engine's held-but-unknown blocks at the engine's cache size (its ``created`` events, or
 ``capacity_blocks``), each removal of an unknown block and each ancestry published again lowers
@@ -118,6 +123,8 @@ class KvRelay:
         """Blocks per pool, from the engine's ``created`` events."""
         self._unknown = math.inf
         """Upper bound on the blocks the engine holds that the relay does not know (while not exact)."""
+        self._unreachable = False
+        """The engine did not answer since the last event: it may have restarted."""
         self._out: list[KvEvent] = []
         registry = registry or CollectorRegistry()
         self._published = Counter(
@@ -140,6 +147,10 @@ class KvRelay:
 
     # -- events in ------------------------------------------------------------------------------
 
+    def engine_unreachable(self) -> None:
+        """Nothing listened at the engine's address: it may be restarting (see the module doc)."""
+        self._unreachable = True
+
     def ingest(self, events: Sequence[Mapping[str, Any]]) -> list[KvEvent]:
         """Translate drained engine events (the JSON objects ``/kv_cache_events`` lists) into copse
         events with consecutive ids (everything emitted since the last call)."""
@@ -160,7 +171,12 @@ class KvRelay:
         model = TRTLLM_EVENT_DATA.get(kind) if isinstance(kind, str) else None
         rank, event_id = envelope.attention_dp_rank, envelope.event_id
         expected = self._next_id.get(rank)
-        if model is TrtllmCreated and event_id == 0:
+        created = model is TrtllmCreated and event_id == 0
+        if self._unreachable:
+            self._unreachable = False
+            if not created:
+                self._lose_track("restart")
+        if created:
             if expected is not None or not self._next_id:
                 self._engine_started()
             # else another rank of an engine starting: nothing was missed
@@ -399,6 +415,8 @@ async def run_relay(
                 except (httpx.HTTPError, ValueError) as exc:
                     relay.poll_errors.inc()
                     log.warning("polling %s failed: %s", url, exc)
+                    if isinstance(exc, httpx.ConnectError):
+                        relay.engine_unreachable()
                 await publisher.publish(worker_id=worker_id, epoch=relay.epoch, events=relay.ingest(events))
                 if not events:
                     with contextlib.suppress(TimeoutError):
