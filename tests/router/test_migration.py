@@ -371,3 +371,27 @@ async def test_a_failed_decode_worker_continues_through_prefill_again() -> None:
     # (3 chunks: 3 tokens, or more when the engine's chunks carry several)
     carried = prefill.servers[0].engine.prompt_tokens_total - 4 * 2048 - bad.requests * 2048
     assert 3 * bad.requests <= carried < 12 * bad.requests
+
+
+async def test_a_worker_streaming_output_is_not_dropped_for_slow_probes() -> None:
+    """Probes that time out while the worker's streams flow say it is busy, not hung."""
+    path, body = _body(chat=False, max_tokens=30)
+    async with (
+        mock_fleet(engines=1, config=EngineConfig(decode_speedup_ratio=0.05)) as fleet,
+        flaky(fleet.urls[0], name="busy") as busy,
+    ):
+        running = await _started(_config([{"url": busy.url}]), 1)
+        try:
+            async with aiohttp.ClientSession() as http:
+                response = await http.post(f"{running.url}{path}", json=body)
+                first = await response.content.readline()  # it streams
+                busy.healthy = False  # every probe hangs from now on, for seconds of streaming
+                events = [json.loads(first[5:]), *await _sse(response)]
+                response.release()
+            assert events[-1] == "[DONE]"
+            assert len(_text(events)[1]) == 30
+            assert not running.service.metrics.migrations._metrics  # it never left its worker
+            # silent now: its slow probes count, and it goes
+            await eventually(lambda: "busy" not in running.service.router.workers)
+        finally:
+            await running.close()

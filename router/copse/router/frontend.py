@@ -533,7 +533,7 @@ class RouterService(RoutingService):
                             reason=MigrationReason.WORKER_ERROR,
                         )
                     if meter.events:
-                        attempt.silent_since = meter.last_at
+                        attempt.silent_since = self.heard[route.worker_id] = meter.last_at
                     if first:
                         self._first_token(route.request_id)
                         if stream.client is None:

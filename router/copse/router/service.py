@@ -10,9 +10,11 @@ sync (:mod:`copse.router.kv_sync`, :mod:`copse.router.replica_sync`) attach to e
 Workers come from discovery; each is probed (``GET /health``) every ``health_interval_s``. A
 worker that refuses connections (its process is gone) is dropped at the first probe, so within
 ``interval + timeout``; one that answers slowly or with errors after ``health_failures`` probes in
-a row (an engine busy with a long step is not dead). A worker is registered under the id its
-``GET /worker_info`` reports (mocked engines; the id their KV events carry), else under the id
-discovery knows (the pod name, which the KV relay next to a ``trtllm-serve`` publishes under).
+a row (an engine busy with a long step is not dead). A probe that times out while the worker's
+streams sent output does not count: the worker is busy (or this router is slow), not hung. A
+worker is registered under the id its ``GET /worker_info`` reports (mocked engines; the id their
+KV events carry), else under the id discovery knows (the pod name, which the KV relay next to a
+``trtllm-serve`` publishes under).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -233,6 +236,8 @@ class RoutingService:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._probe_wake = asyncio.Event()
+        self.heard: dict[str, float] = {}
+        """Worker id -> when output of it last arrived (frontends set it as chunks pass)."""
         self.synced = False
         """Discovery reported the workers at least once (an endpoint picker is ready from then on)."""
         self.on_worker_added: list[Callable[[str, str], object]] = []
@@ -334,13 +339,19 @@ class RoutingService:
     async def _probe(self, endpoint: Endpoint) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         dead = False
+        sent = self.now()
         try:
             async with self.session.get(f"{endpoint.url}/health", timeout=timeout) as response:
                 healthy = response.status == 200
         except aiohttp.ClientConnectorError:
             healthy, dead = False, True  # nothing listens: the worker is gone
-        except (TimeoutError, aiohttp.ClientError):
-            healthy = False  # slow or broken: maybe only busy
+        except TimeoutError:
+            # Slow: busy, or hung. A worker whose streams sent output while its probe waited is busy
+            # (or this router is the slow one): only silence counts against it.
+            live = self._live.get(endpoint.key)
+            healthy = live is not None and self.heard.get(live.worker_id, -math.inf) >= sent
+        except aiohttp.ClientError:
+            healthy = False  # broken: maybe only busy
         if self._endpoints.get(endpoint.key) != endpoint:
             return  # discovery changed while probing
         failures = 0 if healthy else self._failures.get(endpoint.key, 0) + 1

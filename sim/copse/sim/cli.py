@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from copse.router.core import Thresholds
 from copse.router.policies import POLICIES
+from copse.sim import faults
 from copse.sim.replay import (
     DEFAULT_ENGINE_NOISE,
     DEFAULT_KV_EVENT_LAG_MS,
@@ -238,6 +239,50 @@ def replay_command(
             f"engine step noise {engine_noise:g} (CV)"
         )
     click.echo(_table(report))
+
+
+_FAULTS = faults.FaultSettings()
+
+
+@bench.command("faults")
+@click.option(
+    "--scenario",
+    "scenarios",
+    multiple=True,
+    type=click.Choice([name for name in faults.SCENARIOS if name != "none"]),
+    help="Scenario to run after the no-fault one (repeatable; default: all).",
+)
+@click.option("--streams", type=int, default=_FAULTS.streams, show_default=True, help="Concurrent streams.")
+@click.option("--engines", type=int, default=_FAULTS.engines, show_default=True, help="Mocked engines.")
+@click.option("--max-tokens", type=int, default=_FAULTS.max_tokens, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def faults_command(
+    *, scenarios: tuple[str, ...], streams: int, engines: int, max_tokens: int, as_json: bool
+) -> None:
+    """Fault suite on 127.0.0.1: streams through router processes to mocked-engine processes, one
+    fault per scenario (engines killed or hung, NATS restarted, a router replica killed or
+    drained); prints what the clients saw."""
+    import asyncio  # noqa: PLC0415
+
+    from copse.sim.fault_suite import run_suite  # noqa: PLC0415 (aiohttp and the router stack)
+
+    try:
+        settings = faults.FaultSettings(streams=streams, engines=engines, max_tokens=max_tokens)
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    chosen = scenarios or tuple(name for name in faults.SCENARIOS if name != "none")
+
+    def done(result: faults.ScenarioResult) -> None:
+        click.echo(
+            f"{result.scenario}: {result.completed}/{result.streams} completed, {result.failed} failed",
+            err=True,
+        )
+
+    try:
+        results = asyncio.run(run_suite(settings, chosen, progress=done))
+    except RuntimeError as exc:
+        raise _fail(str(exc)) from exc
+    click.echo(json.dumps(faults.as_json(results), indent=2) if as_json else faults.table(results))
 
 
 @bench.command("moe-workload")
