@@ -126,11 +126,12 @@ class NatsLink:
             delay = self._backoff[0]
             self.nc = nc
             self.connections += 1
-            for callback in self.on_connect:
-                try:
+            try:
+                for callback in self.on_connect:
                     await callback(nc)
-                except (OSError, NatsError, TimeoutError) as exc:  # lost again while setting up
-                    log.warning("NATS setup after connecting failed: %r", exc)
+                await nc.flush(timeout=CONNECT_TIMEOUT_S)  # the server has the subscriptions now
+            except (OSError, NatsError, TimeoutError) as exc:  # lost again while setting up
+                log.warning("NATS setup after connecting failed: %r", exc)
             log.info(
                 "NATS at %s connected (connection %d): exact mode (KV events, shared load)",
                 self.url,
