@@ -1,5 +1,6 @@
 """The routing loops, compiled (``_native.c``) and in Python (``_pyloops``), against brute-force
-references and each other: the block table under churn, the prefix walk, the load table's
+references and each other: the block table under churn (with blocks moving between cache tiers),
+the prefix walk and the tiers of its blocks, the load table's
 per-worker figures and block references, the TTFT arithmetic (to the bit), the pick, and hashes
 whose ``__index__`` mutates the list being read (a use-after-free in the compiled reader once;
 ``make asan`` runs this file against an AddressSanitizer build)."""
@@ -60,9 +61,28 @@ _ops = st.lists(
         st.tuples(st.just("store"), st.integers(0, 200), st.lists(_keys, max_size=40)),
         st.tuples(st.just("remove"), st.integers(0, 200), st.lists(_keys, max_size=40)),
         st.tuples(st.just("clear"), st.integers(0, 200), st.just([])),
+        st.tuples(st.sampled_from(["tier0", "tier1", "tier2"]), st.integers(0, 200), st.lists(_keys, max_size=40)),
     ),
     max_size=80,
 )
+
+
+def _tiered_reference(
+    tiers: dict[int, dict[int, int]], hashes: list[int], size: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Brute force: per slot below ``size``, its leading blocks of ``hashes`` and how many of them
+    it keeps on tier 1 and on tier 2 (``tiers``: slot -> block -> tier)."""
+    depth, host, disk = [0.0] * size, [0.0] * size, [0.0] * size
+    for slot, blocks in tiers.items():
+        if slot >= size:
+            continue
+        for block in hashes:
+            if block not in blocks:
+                break
+            depth[slot] += 1
+            host[slot] += blocks[block] == 1
+            disk[slot] += blocks[block] == 2
+    return depth, host, disk
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -72,27 +92,39 @@ def test_block_table_under_churn_matches_sets(
     impl: ModuleType, ops: list[tuple[str, int, list[int]]], query: list[int]
 ) -> None:
     index = impl.BlockIndex()
-    held: dict[int, set[int]] = {}
+    tiers: dict[int, dict[int, int]] = {}
     for kind, slot, keys in ops:
-        blocks = held.setdefault(slot, set())
+        blocks = tiers.setdefault(slot, {})
         if kind == "store":
             index.store(slot, keys)
-            blocks.update(keys)
+            blocks.update(dict.fromkeys(keys, 0))
         elif kind == "remove":
             index.remove(slot, keys)
-            blocks.difference_update(keys)
-        else:
+            for key in keys:
+                blocks.pop(key, None)
+        elif kind == "clear":
             index.clear(slot)
             blocks.clear()
+        else:
+            tier = int(kind[-1])
+            moved = {key for key in keys if key in blocks and blocks[key] != tier}
+            assert index.set_tier(slot, keys, tier) == len(moved)
+            blocks.update(dict.fromkeys(moved, tier))
+    held = {slot: set(blocks) for slot, blocks in tiers.items()}
     everything = set().union(*held.values())
     assert len(index) == len(everything)
-    for slot, blocks in held.items():
+    for slot, blocks in tiers.items():
         assert index.blocks_held(slot) == len(blocks)
         for key in list(blocks)[:20]:
             assert index.holds(slot, key)
+            assert index.tier(slot, key) == blocks[key]
     for key in query:
         assert {slot for slot in held if index.holds(slot, key)} == {s for s, b in held.items() if key in b}
+        assert all(index.tier(slot, key) == -1 for slot, b in held.items() if key not in b)
     assert _overlaps(index, query) == leading_blocks_reference(held, query)
+    out = np.empty((3, 201))
+    index.leading_tiers(query, out)
+    assert tuple(out.tolist()) == _tiered_reference(tiers, query, 201)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -107,6 +139,15 @@ def test_growing_past_64_slots_keeps_what_is_stored(impl: ModuleType) -> None:
     assert index.remove(3, range(5000)) == 5000
     assert len(index) == 100
     assert _overlaps(index, [0, 1]) == {130: 2}
+    # tiers recorded before the masks grow stay where they were
+    index.store(5, [0, 1])
+    assert index.set_tier(5, [1], 2) == 1
+    assert index.set_tier(130, [0], 1) == 1
+    index.store(200, [0])
+    assert (index.tier(5, 1), index.tier(130, 0), index.tier(130, 1), index.tier(200, 0)) == (2, 1, 0, 0)
+    out = np.empty((3, 256))
+    index.leading_tiers([0, 1], out)
+    assert out[:, [5, 130, 200]].tolist() == [[2.0, 2.0, 1.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -161,6 +202,8 @@ def test_load_table_counts_blocks_in_use_per_worker(
         (lambda index: index.store(0, [2**64]), "is not an unsigned 64-bit integer"),
         (lambda index: index.store(-1, [1]), "worker slot -1 is outside 0 .. 65535"),
         (lambda index: index.store(70000, [1]), "worker slot 70000 is outside"),
+        (lambda index: index.set_tier(0, [7], 3), "cache tier 3 is outside 0 .. 2"),
+        (lambda index: index.set_tier(0, [7], -1), "cache tier -1 is outside 0 .. 2"),
     ],
 )
 def test_bad_input_is_refused_by_name(impl: ModuleType, call: Any, message: str) -> None:
@@ -170,12 +213,15 @@ def test_bad_input_is_refused_by_name(impl: ModuleType, call: Any, message: str)
         call(index)
     assert _overlaps(index, [7]) == {0: 1}  # nothing already stored is lost
     assert len(index) == 1  # and nothing of the refused call was stored
+    assert index.tier(0, 7) == 0
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_arrays_must_be_float64_of_the_right_shape(impl: ModuleType) -> None:
     with pytest.raises(TypeError, match="out must be a contiguous 1-d float64 array"):
         impl.BlockIndex().leading_blocks([1], np.zeros(4, dtype=np.int64))
+    with pytest.raises(TypeError, match=r"out must be a writable C-contiguous float64 array of 3 rows"):
+        impl.BlockIndex().leading_tiers([1], np.zeros((5, 4)))
     with pytest.raises(TypeError, match="costs must be a contiguous 1-d float64 array"):
         impl.lowest(np.zeros((2, 2)), None)
     load = impl.LoadTable(block_size=16)
@@ -204,9 +250,17 @@ _PROMPT = list(range(1, 301))
 def test_ttft_is_the_numpy_formulation_to_the_bit(
     size: int, seed: int, prompt_tokens: int, block_size: int
 ) -> None:
-    """The loops this process runs compute what the numpy formulation (``_pyloops``) does."""
+    """The loops this process runs compute what the numpy formulation (``_pyloops``) does, and the
+    onboarding of the prefix blocks kept below the GPU adds their count x the tier's ms per block."""
     rng = np.random.default_rng(seed)
     held = {slot: set(_PROMPT[: int(rng.integers(1, 300))]) for slot in range(size) if rng.random() < 0.5}
+    # some slots keep part of their prefix on the host or on disk
+    moved = {
+        slot: (tier, sorted(rng.choice(sorted(blocks), int(rng.integers(0, len(blocks) + 1)), replace=False)))
+        for slot, blocks in held.items()
+        for tier in [int(rng.integers(0, 3))]
+        if tier
+    }
     figures = {
         "prefill_tokens": rng.integers(0, 50_000, size),
         "step_ms": rng.random(size) * 40.0,
@@ -223,17 +277,27 @@ def test_ttft_is_the_numpy_formulation_to_the_bit(
         index = impl.BlockIndex()
         for slot, blocks in held.items():
             index.store(slot, sorted(blocks))
+        for slot, (tier, blocks) in moved.items():
+            index.set_tier(slot, blocks, tier)
         load = impl.LoadTable(block_size=block_size)
         columns = np.zeros((len(impl.LOAD_ROWS), size))
         load.bind(columns)
         rows = dict(zip(impl.LOAD_ROWS, columns, strict=True))
         for name, values in figures.items():
             rows[name][:] = values
-        out = np.empty((3, size))
-        load.ttft(index, _PROMPT, out, impl.Curve(xs, ys), prompt_tokens, block_size, 8192, now, full)
+        out = np.empty((5, size))
+        curve = impl.Curve(xs, ys)
+        load.ttft(index, _PROMPT, out, curve, prompt_tokens, block_size, 8192, now, full, 0.75, 6.5)
         outs.append(out)
-    depths = leading_blocks_reference(held, _PROMPT)
-    assert outs[0][0].tolist() == [float(depths.get(slot, 0)) for slot in range(size)]
+        free = np.empty((5, size))
+        load.ttft(index, _PROMPT, free, curve, prompt_tokens, block_size, 8192, now, full, 0.0, 0.0)
+        onboard = free[3] + out[1] * 0.75 + out[2] * 6.5
+        assert np.allclose(out[3], onboard, rtol=1e-12, atol=1e-9)
+    tiers = {slot: dict.fromkeys(blocks, 0) for slot, blocks in held.items()}
+    for slot, (tier, blocks) in moved.items():
+        tiers[slot].update(dict.fromkeys(blocks, tier))
+    depth, host, disk = _tiered_reference(tiers, _PROMPT, size)
+    assert outs[0][:3].tolist() == [depth, host, disk]
     assert outs[0].tobytes() == outs[1].tobytes()
 
 
@@ -297,9 +361,11 @@ def test_a_hash_emptying_its_list_reads_the_list_as_it_was(impl: ModuleType) -> 
     load.add(1, _self_emptying(prompt), 100, 5.0, 7.0)
     load.leading_blocks(_self_emptying(prompt), depth)
     assert depth.tolist() == [0.0, 300.0]
-    out = np.empty((3, 2))
+    out = np.empty((5, 2))
     curve = impl.Curve(np.array([0.0, 1e6]), np.array([1.0, 2.0]))
-    load.ttft(index, _self_emptying(prompt, at=70), out, curve, 300 * 16, 16, 8192, 0.0, 2.0)
+    index.set_tier(0, prompt[:5], 1)
+    load.ttft(index, _self_emptying(prompt, at=70), out, curve, 300 * 16, 16, 8192, 0.0, 2.0, 1.0, 1.0)
     assert out[0].tolist() == [300.0, 0.0]
+    assert out[1].tolist() == [5.0, 0.0]
     load.free(1, _self_emptying(prompt), 7.0)
     assert len(load) == 0

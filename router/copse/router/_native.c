@@ -6,7 +6,11 @@
  * line to look a block up) and is empty when its value is zero: nothing zero is stored.
  *
  * BlockIndex: block hash -> bitmask of the worker slots holding that block (the value is as many
- * words as the highest slot seen needs).
+ * words as the highest slot seen needs), on whichever tier of its cache the slot holds it. A
+ * second table holds, for the blocks some slot keeps below the GPU (tier 1: host memory, tier 2:
+ * disk), block hash -> those slots per tier, the tiers' words interleaved (host word w, disk word
+ * w) so that growing the masks keeps them in place; it is empty, and costs the walk one branch,
+ * while no engine offloads.
  *
  * LoadTable: the router's in-flight load per worker slot, in rows of a float64 array the Python
  * side owns and binds (LOAD_ROWS), and the blocks each worker's in-flight requests use, as
@@ -336,9 +340,15 @@ static void table_prefetch(const Table *t, uint64_t key)
 
 /* ---- BlockIndex ------------------------------------------------------------------------------ */
 
+/* Tiers of an engine's KV cache, as TensorRT-LLM numbers its cache levels (0 primary = GPU,
+ * 1 secondary = host memory) and one more for a disk tier. */
+#define LOWER_TIERS 2
+
 typedef struct {
     PyObject_HEAD
     Table table;       /* value: bitmask of slots */
+    Table lower;       /* value: per lower tier, bitmask of the slots holding the block there,
+                        * LOWER_TIERS * table.words words interleaved by word */
     Py_ssize_t *held;  /* blocks held per slot, table.words * 64 entries */
 } BlockIndexObject;
 
@@ -353,12 +363,15 @@ static int BlockIndex_init(BlockIndexObject *self, PyObject *args, PyObject *kwd
         PyErr_NoMemory();
         return -1;
     }
-    return table_init(&self->table, 1);
+    if (table_init(&self->table, 1) < 0)
+        return -1;
+    return table_init(&self->lower, LOWER_TIERS);
 }
 
 static void BlockIndex_dealloc(BlockIndexObject *self)
 {
     PyMem_Free(self->table.entries);
+    PyMem_Free(self->lower.entries);
     PyMem_Free(self->held);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -373,7 +386,8 @@ static int ensure_slot(BlockIndexObject *self, Py_ssize_t slot)
         PyErr_NoMemory();
         return -1;
     }
-    if (table_resize(&self->table, self->table.cap ? self->table.cap : INITIAL_CAPACITY, words) < 0) {
+    if (table_resize(&self->table, self->table.cap ? self->table.cap : INITIAL_CAPACITY, words) < 0
+        || table_resize(&self->lower, self->lower.cap ? self->lower.cap : INITIAL_CAPACITY, LOWER_TIERS * words) < 0) {
         PyMem_Free(held);
         return -1;
     }
@@ -390,6 +404,53 @@ static void index_prefetch(void *object, Py_ssize_t slot, uint64_t key)
     table_prefetch(&((BlockIndexObject *)object)->table, key);
 }
 
+/* The tier (1 .. LOWER_TIERS) below the GPU on which the slot keeps the block, 0 if none. */
+static int lower_tier(const BlockIndexObject *self, Py_ssize_t slot, uint64_t key)
+{
+    const Table *t = &self->lower;
+    if (!t->count || (size_t)slot >= self->table.words * 64)
+        return 0;
+    Py_ssize_t i = table_find(t, key);
+    if (i < 0)
+        return 0;
+    const uint64_t *value = table_value(t, (size_t)i) + LOWER_TIERS * ((size_t)slot / 64);
+    for (int k = 0; k < LOWER_TIERS; k++) {
+        if (value[k] >> (slot % 64) & 1)
+            return k + 1;
+    }
+    return 0;
+}
+
+/* The slot now keeps the block (which it holds) on `tier` (0: the GPU, so no lower tier). */
+static int set_lower_tier(BlockIndexObject *self, Py_ssize_t slot, uint64_t key, int tier)
+{
+    Table *t = &self->lower;
+    uint64_t bit = (uint64_t)1 << (slot % 64);
+    size_t base = LOWER_TIERS * ((size_t)slot / 64);
+    if (t->count) {
+        Py_ssize_t i = table_find(t, key);
+        if (i >= 0) {
+            uint64_t *value = table_value(t, (size_t)i) + base;
+            for (int k = 0; k < LOWER_TIERS; k++)
+                value[k] &= ~bit;
+            if (tier > 0) {
+                value[tier - 1] |= bit;
+                return 0;
+            }
+            if (table_empty_at(t, (size_t)i))
+                table_delete_at(t, (size_t)i);
+            return 0;
+        }
+    }
+    if (tier == 0)
+        return 0;
+    Py_ssize_t i = table_find_or_insert(t, key);
+    if (i < 0)
+        return -1;
+    table_value(t, (size_t)i)[base + (size_t)tier - 1] |= bit;
+    return 0;
+}
+
 static Py_ssize_t store_one(void *object, Py_ssize_t slot, uint64_t key)
 {
     BlockIndexObject *self = object;
@@ -400,11 +461,36 @@ static Py_ssize_t store_one(void *object, Py_ssize_t slot, uint64_t key)
         return -1;
     uint64_t *word = table_value(&self->table, (size_t)i) + (size_t)slot / 64;
     uint64_t bit = (uint64_t)1 << (slot % 64);
-    if (*word & bit)
-        return 0;
+    if (*word & bit) /* stored again: on the GPU now, whichever tier it was on */
+        return set_lower_tier(self, slot, key, 0);
     *word |= bit;
     self->held[slot]++;
     return 1;
+}
+
+/* set_tier's step: the tier travels in the context. */
+typedef struct {
+    BlockIndexObject *index;
+    int tier;
+} TierMove;
+
+static void move_prefetch(void *object, Py_ssize_t slot, uint64_t key)
+{
+    index_prefetch(((TierMove *)object)->index, slot, key);
+}
+
+static Py_ssize_t move_one(void *object, Py_ssize_t slot, uint64_t key)
+{
+    TierMove *move = object;
+    BlockIndexObject *self = move->index;
+    if ((size_t)slot >= self->table.words * 64)
+        return 0;
+    Py_ssize_t i = table_find(&self->table, key);
+    if (i < 0 || !(table_value(&self->table, (size_t)i)[slot / 64] >> (slot % 64) & 1))
+        return 0;
+    if (lower_tier(self, slot, key) == move->tier)
+        return 0;
+    return set_lower_tier(self, slot, key, move->tier) < 0 ? -1 : 1;
 }
 
 static Py_ssize_t remove_one(void *object, Py_ssize_t slot, uint64_t key)
@@ -424,7 +510,7 @@ static Py_ssize_t remove_one(void *object, Py_ssize_t slot, uint64_t key)
     self->held[slot]--;
     if (table_empty_at(t, (size_t)i))
         table_delete_at(t, (size_t)i);
-    return 1;
+    return set_lower_tier(self, slot, key, 0) < 0 ? -1 : 1;
 }
 
 static PyObject *BlockIndex_store(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -437,28 +523,79 @@ static PyObject *BlockIndex_remove(BlockIndexObject *self, PyObject *const *args
     return for_each_block(self, args, nargs, "remove", index_prefetch, remove_one);
 }
 
-static PyObject *BlockIndex_clear(BlockIndexObject *self, PyObject *arg)
+/* Drop the bits of `slot` from every entry's words w + k * stride (k < planes), then re-lay the
+ * table, since the entries emptied are holes inside clusters. */
+static int drop_slot(Table *t, Py_ssize_t slot, size_t planes)
 {
-    Py_ssize_t slot;
-    Table *t = &self->table;
-    if (read_slot(arg, &slot) < 0)
-        return NULL;
-    if ((size_t)slot >= t->words * 64 || !self->held[slot])
-        Py_RETURN_NONE;
-    /* Rare (a worker reset or left): drop the slot's bit everywhere, then re-lay the table, since
-     * the entries emptied are holes inside clusters. */
-    size_t w = (size_t)slot / 64;
+    size_t w = planes * ((size_t)slot / 64);
     uint64_t keep = ~((uint64_t)1 << (slot % 64));
     for (size_t i = 0; i < t->cap; i++) {
         if (!table_empty_at(t, i)) {
-            table_value(t, i)[w] &= keep;
+            for (size_t k = 0; k < planes; k++)
+                table_value(t, i)[w + k] &= keep;
             t->count -= table_empty_at(t, i);
         }
     }
+    return table_resize(t, t->cap, t->words);
+}
+
+static PyObject *BlockIndex_clear(BlockIndexObject *self, PyObject *arg)
+{
+    Py_ssize_t slot;
+    if (read_slot(arg, &slot) < 0)
+        return NULL;
+    if ((size_t)slot >= self->table.words * 64 || !self->held[slot])
+        Py_RETURN_NONE;
+    /* Rare: a worker reset or left. */
     self->held[slot] = 0;
-    if (table_resize(t, t->cap, t->words) < 0)
+    if (drop_slot(&self->table, slot, 1) < 0 || (self->lower.count && drop_slot(&self->lower, slot, LOWER_TIERS) < 0))
         return NULL;
     Py_RETURN_NONE;
+}
+
+static int read_tier(PyObject *arg, int *tier)
+{
+    long value = PyLong_AsLong(arg);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value < 0 || value > LOWER_TIERS) {
+        PyErr_Format(PyExc_ValueError, "cache tier %ld is outside 0 .. %d", value, LOWER_TIERS);
+        return -1;
+    }
+    *tier = (int)value;
+    return 0;
+}
+
+static PyObject *BlockIndex_set_tier(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot, total;
+    TierMove move = {.index = self};
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_tier() takes a slot, an iterable of block hashes and a tier");
+        return NULL;
+    }
+    if (read_slot(args[0], &slot) < 0 || read_tier(args[2], &move.tier) < 0
+        || apply_to_blocks(&move, slot, args[1], move_prefetch, move_one, &total) < 0)
+        return NULL;
+    return PyLong_FromSsize_t(total);
+}
+
+static PyObject *BlockIndex_tier(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    uint64_t key;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tier() takes a slot and a block hash");
+        return NULL;
+    }
+    if (read_slot(args[0], &slot) < 0 || read_u64(args[1], &key) < 0)
+        return NULL;
+    if ((size_t)slot >= self->table.words * 64)
+        return PyLong_FromLong(-1);
+    Py_ssize_t i = table_find(&self->table, key);
+    if (i < 0 || !(table_value(&self->table, (size_t)i)[slot / 64] >> (slot % 64) & 1))
+        return PyLong_FromLong(-1);
+    return PyLong_FromLong(lower_tier(self, slot, key));
 }
 
 static PyObject *BlockIndex_holds(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -488,12 +625,16 @@ static PyObject *BlockIndex_blocks_held(BlockIndexObject *self, PyObject *arg)
 }
 
 /* depth[slot] = leading blocks of *hashes (a PySequence_Fast, see key_at) the slot holds, for
- * slots < size. */
-static int walk(const BlockIndexObject *self, PyObject **hashes, double *depth, size_t size)
+ * slots < size; with `lower` (LOWER_TIERS rows of size), lower[k * size + slot] = how many of them
+ * it keeps on tier k + 1. */
+static int walk(const BlockIndexObject *self, PyObject **hashes, double *depth, double *lower, size_t size)
 {
-    const Table *t = &self->table;
+    const Table *t = &self->table, *lt = &self->lower;
     size_t words = t->words;
     memset(depth, 0, size * sizeof(double));
+    if (lower)
+        memset(lower, 0, LOWER_TIERS * size * sizeof(double));
+    int tiered = lower && lt->count;
     if (!words) /* an index whose __init__ never ran holds nothing */
         return 0;
     /* Slots still holding every block so far; slots beyond the output are not asked about. */
@@ -516,10 +657,14 @@ static int walk(const BlockIndexObject *self, PyObject **hashes, double *depth, 
             if (key_at(hashes, d + k, &keys[k]) < 0)
                 return -1;
             table_prefetch(t, keys[k]);
+            if (tiered)
+                table_prefetch(lt, keys[k]);
         }
         for (Py_ssize_t k = 0; k < batch && any; k++, d++) {
             Py_ssize_t i = table_find(t, keys[k]);
             const uint64_t *held = i < 0 ? NULL : table_value(t, (size_t)i);
+            Py_ssize_t j = tiered && held ? table_find(lt, keys[k]) : -1;
+            const uint64_t *below = j < 0 ? NULL : table_value(lt, (size_t)j);
             any = 0;
             for (size_t w = 0; w < words; w++) {
                 uint64_t kept = held ? active[w] & held[w] : 0;
@@ -527,6 +672,10 @@ static int walk(const BlockIndexObject *self, PyObject **hashes, double *depth, 
                 while (dropped) {
                     depth[w * 64 + (size_t)__builtin_ctzll(dropped)] = (double)d;
                     dropped &= dropped - 1;
+                }
+                for (size_t tier = 0; below && tier < LOWER_TIERS; tier++) {
+                    for (uint64_t on = kept & below[LOWER_TIERS * w + tier]; on; on &= on - 1)
+                        lower[tier * size + w * 64 + (size_t)__builtin_ctzll(on)] += 1.0;
                 }
                 active[w] = kept;
                 any |= kept != 0;
@@ -546,7 +695,50 @@ static PyObject *BlockIndex_leading_blocks(BlockIndexObject *self, PyObject *con
     PyObject *hashes;
     if (leading_blocks_args(args, nargs, &out, &hashes) < 0)
         return NULL;
-    int failed = walk(self, &hashes, out.buf, (size_t)(out.len / (Py_ssize_t)sizeof(double))) < 0;
+    int failed = walk(self, &hashes, out.buf, NULL, (size_t)(out.len / (Py_ssize_t)sizeof(double))) < 0;
+    Py_DECREF(hashes);
+    PyBuffer_Release(&out);
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* A writable C-contiguous float64 array of `rows` rows (its columns in *size). */
+static int get_rows(PyObject *obj, Py_buffer *view, Py_ssize_t rows, Py_ssize_t *size)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        return -1;
+    if (view->ndim != 2 || view->shape[0] != rows || view->itemsize != sizeof(double) || !view->format
+        || strcmp(view->format, "d") != 0 || (*size >= 0 && view->shape[1] != *size)) {
+        if (*size >= 0)
+            PyErr_Format(PyExc_TypeError, "out must be a writable C-contiguous float64 array of shape (%zd, %zd)",
+                         rows, *size);
+        else
+            PyErr_Format(PyExc_TypeError, "out must be a writable C-contiguous float64 array of %zd rows", rows);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *size = view->shape[1];
+    return 0;
+}
+
+static PyObject *BlockIndex_leading_tiers(BlockIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer out;
+    Py_ssize_t size = -1;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "leading_tiers() takes block hashes and an output array");
+        return NULL;
+    }
+    if (get_rows(args[1], &out, 1 + LOWER_TIERS, &size) < 0)
+        return NULL;
+    PyObject *hashes = PySequence_Fast(args[0], "block hashes must be a sequence");
+    if (!hashes) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    double *depth = out.buf;
+    int failed = walk(self, &hashes, depth, depth + size, (size_t)size) < 0;
     Py_DECREF(hashes);
     PyBuffer_Release(&out);
     if (failed)
@@ -573,11 +765,19 @@ static PyMethodDef BlockIndex_methods[] = {
      "returns how many it held."},
     {"clear", (PyCFunction)BlockIndex_clear, METH_O, "clear(slot): forget every block of the slot."},
     {"holds", (PyCFunction)(void (*)(void))BlockIndex_holds, METH_FASTCALL,
-     "holds(slot, block): whether the slot holds the block."},
+     "holds(slot, block): whether the slot holds the block (on any tier)."},
+    {"set_tier", (PyCFunction)(void (*)(void))BlockIndex_set_tier, METH_FASTCALL,
+     "set_tier(slot, hashes, tier) -> int: the slot keeps these blocks on tier 0 (GPU), 1 (host) or 2 "
+     "(disk) now (blocks it does not hold are ignored); returns how many moved."},
+    {"tier", (PyCFunction)(void (*)(void))BlockIndex_tier, METH_FASTCALL,
+     "tier(slot, block) -> int: the tier the slot keeps the block on, -1 when it does not hold it."},
     {"blocks_held", (PyCFunction)BlockIndex_blocks_held, METH_O, "blocks_held(slot): blocks the slot holds."},
     {"leading_blocks", (PyCFunction)(void (*)(void))BlockIndex_leading_blocks, METH_FASTCALL,
      "leading_blocks(hashes, out): out[slot] = leading blocks of hashes the slot holds, for every slot "
      "below len(out)."},
+    {"leading_tiers", (PyCFunction)(void (*)(void))BlockIndex_leading_tiers, METH_FASTCALL,
+     "leading_tiers(hashes, out): out[0] as leading_blocks, out[1] and out[2] how many of those blocks "
+     "each slot keeps on the host and on disk."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1123,16 +1323,17 @@ static PyObject *LoadTable_refresh(LoadTableObject *self, PyObject *const *args,
     return PyLong_FromSsize_t(flips);
 }
 
-/* ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, step_budget, now, full_ms):
- * rows of `out` (3 x size): the leading blocks of `hashes` each worker holds in `index`, its
- * predicted time to first token (ms) and the prompt tokens it would compute; see
- * copse.router.policies.Selection.ttft_ms. */
+/* ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, step_budget, now, full_ms,
+ * host_block_ms, disk_block_ms): rows of `out` (5 x size): the leading blocks of `hashes` each worker
+ * holds in `index`, how many of them it keeps on the host and on disk, its predicted time to first
+ * token (ms: with the onboarding of those blocks at the given ms per block) and the prompt tokens it
+ * would compute; see copse.router.policies.Selection.ttft_ms. */
 static PyObject *LoadTable_ttft(LoadTableObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    double v[5];
-    if (nargs != 9) {
+    double v[7];
+    if (nargs != 11) {
         PyErr_SetString(PyExc_TypeError, "ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, "
-                                         "step_budget, now, full_ms)");
+                                         "step_budget, now, full_ms, host_block_ms, disk_block_ms)");
         return NULL;
     }
     if (!PyObject_TypeCheck(args[0], &BlockIndexType) || !PyObject_TypeCheck(args[3], &CurveType)) {
@@ -1140,26 +1341,20 @@ static PyObject *LoadTable_ttft(LoadTableObject *self, PyObject *const *args, Py
         return NULL;
     }
     const CurveObject *curve = (CurveObject *)args[3];
-    if (!curve_ready(curve) || read_doubles(args + 4, v, 5) < 0)
+    if (!curve_ready(curve) || read_doubles(args + 4, v, 7) < 0)
         return NULL;
     if (!self->bound) {
         PyErr_SetString(PyExc_ValueError, "no columns are bound to the load table");
         return NULL;
     }
-    double isl = v[0], bs = v[1], budget = v[2], now = v[3], full = v[4];
+    double isl = v[0], bs = v[1], budget = v[2], now = v[3], full = v[4], host_ms = v[5], disk_ms = v[6];
     Py_buffer out;
-    if (PyObject_GetBuffer(args[2], &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
-        return NULL;
     Py_ssize_t size = self->size;
-    if (out.ndim != 2 || out.shape[0] != 3 || out.shape[1] != size || out.itemsize != sizeof(double)
-        || !out.format || strcmp(out.format, "d") != 0) {
-        PyBuffer_Release(&out);
-        PyErr_Format(PyExc_TypeError, "out must be a writable C-contiguous float64 array of shape (3, %zd)", size);
+    if (get_rows(args[2], &out, 3 + LOWER_TIERS, &size) < 0)
         return NULL;
-    }
-    double *depth = out.buf, *ttft = depth + size, *uncached = ttft + size;
+    double *depth = out.buf, *host = depth + size, *disk = host + size, *ttft = disk + size, *uncached = ttft + size;
     PyObject *hashes = PySequence_Fast(args[1], "block hashes must be a sequence");
-    if (!hashes || walk((BlockIndexObject *)args[0], &hashes, depth, (size_t)size) < 0) {
+    if (!hashes || walk((BlockIndexObject *)args[0], &hashes, depth, host, (size_t)size) < 0) {
         Py_XDECREF(hashes);
         PyBuffer_Release(&out);
         return NULL;
@@ -1189,7 +1384,8 @@ static PyObject *LoadTable_ttft(LoadTableObject *self, PyObject *const *args, Py
         double progress = maximum((now - head_start[s]) * 1000.0, 0.0);
         progress = minimum(progress, head_ms[s]);
         double backlog = maximum(prefill[s] - progress, 0.0);
-        ttft[s] = backlog + own + steps;
+        double onboard = host[s] * host_ms + disk[s] * disk_ms;
+        ttft[s] = backlog + own + steps + onboard;
         uncached[s] = unc;
     }
     PyBuffer_Release(&out);
@@ -1215,8 +1411,9 @@ static PyMethodDef LoadTable_methods[] = {
     {"refresh", (PyCFunction)(void (*)(void))LoadTable_refresh, METH_FASTCALL,
      "refresh(slots, itl, f0, busy_prefill_tokens, busy_kv_tokens) -> flips: step time and free flag."},
     {"ttft", (PyCFunction)(void (*)(void))LoadTable_ttft, METH_FASTCALL,
-     "ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, step_budget, now, full_ms): "
-     "leading blocks, predicted time to first token and uncached tokens per worker."},
+     "ttft(index, hashes, out, prefill_curve, prompt_tokens, block_size, step_budget, now, full_ms, "
+     "host_block_ms, disk_block_ms): leading blocks, those on the host and on disk, predicted time to first "
+     "token and uncached tokens per worker."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -48,6 +48,8 @@ LOAD_ROWS = (
 ) = range(len(LOAD_ROWS))
 
 _MAX_SLOTS = 1 << 16
+_LOWER_TIERS = 2
+"""Cache tiers below the GPU (1: host memory, 2: disk), as the compiled index numbers them."""
 _U64 = 1 << 64
 _BATCH = 32
 """Hashes converted ahead of the prefix walk (a bad hash within a batch is refused even if the
@@ -93,6 +95,24 @@ def _vector(obj: object, name: str, *, writable: bool) -> Floats:
     return np.frombuffer(view, dtype=np.float64)
 
 
+def _rows(obj: object, rows: int, size: int | None) -> Floats:
+    """A writable C-contiguous float64 array of ``rows`` rows (of ``size`` columns when given)."""
+    view = memoryview(obj)  # type: ignore[arg-type]
+    if (
+        view.readonly
+        or not view.c_contiguous
+        or view.ndim != 2
+        or view.shape is None
+        or view.shape[0] != rows
+        or (size is not None and view.shape[1] != size)
+        or view.itemsize != 8
+        or view.format != "d"
+    ):
+        shape = f"of shape ({rows}, {size})" if size is not None else f"of {rows} rows"
+        raise TypeError(f"out must be a writable C-contiguous float64 array {shape}")
+    return np.frombuffer(view, dtype=np.float64).reshape(view.shape)
+
+
 def bilinear(
     active: Floats, context: Floats, values: Floats, active_kv_tokens: Floats, sequences: Floats
 ) -> Floats:
@@ -116,13 +136,23 @@ def bilinear(
     return out
 
 
-class BlockIndex:
-    """Block hash -> bitmask of the worker slots holding it."""
+def _tier(arg: object) -> int:
+    tier = operator.index(cast(SupportsIndex, arg))
+    if not 0 <= tier <= _LOWER_TIERS:
+        raise ValueError(f"cache tier {tier} is outside 0 .. {_LOWER_TIERS}")
+    return tier
 
-    __slots__ = ("_blocks", "_held", "_words")
+
+class BlockIndex:
+    """Block hash -> bitmask of the worker slots holding it (on any tier), and for the blocks some
+    slot keeps below the GPU, block hash -> those slots' bitmask per lower tier."""
+
+    __slots__ = ("_blocks", "_held", "_lower", "_words")
 
     def __init__(self) -> None:
         self._blocks: dict[int, int] = {}
+        self._lower: dict[int, list[int]] = {}
+        """Block hash -> [slots keeping it on the host, slots keeping it on disk] (no empty entry)."""
         self._held: dict[int, int] = {}
         self._words = 1
         """64-slot words of the masks (grows with the highest slot stored), as ``slot_limit`` says."""
@@ -144,8 +174,49 @@ class BlockIndex:
             if not mask & bit:
                 blocks[key] = mask | bit
                 fresh += 1
+            else:  # stored again: on the GPU now, whichever tier it was on
+                self._set_lower(slot, key, 0)
         self._held[slot] = self._held.get(slot, 0) + fresh
         return fresh
+
+    def _set_lower(self, slot: int, key: int, tier: int) -> None:
+        """The slot keeps ``key`` (which it holds) on ``tier`` now (0: the GPU)."""
+        bit = 1 << slot
+        planes = self._lower.get(key)
+        if planes is None:
+            if not tier:
+                return
+            planes = self._lower[key] = [0] * _LOWER_TIERS
+        for k in range(_LOWER_TIERS):
+            planes[k] &= ~bit
+        if tier:
+            planes[tier - 1] |= bit
+        elif not any(planes):
+            del self._lower[key]
+
+    def _lower_tier(self, slot: int, key: int) -> int:
+        planes = self._lower.get(key)
+        if planes is None:
+            return 0
+        return next((k + 1 for k in range(_LOWER_TIERS) if planes[k] >> slot & 1), 0)
+
+    def set_tier(self, slot: int, hashes: Iterable[int], tier: int, /) -> int:
+        slot = _slot(slot)
+        tier = _tier(tier)
+        keys = [_key(item) for item in _keys(hashes)]
+        moved = 0
+        for key in keys:
+            if self._blocks.get(key, 0) >> slot & 1 and self._lower_tier(slot, key) != tier:
+                self._set_lower(slot, key, tier)
+                moved += 1
+        return moved
+
+    def tier(self, slot: int, block: int, /) -> int:
+        slot = _slot(slot)
+        key = _key(block)
+        if not self._blocks.get(key, 0) >> slot & 1:
+            return -1
+        return self._lower_tier(slot, key)
 
     def remove(self, slot: int, hashes: Iterable[int], /) -> int:
         slot = _slot(slot)
@@ -163,6 +234,7 @@ class BlockIndex:
                     blocks[key] = mask
                 else:
                     del blocks[key]
+                self._set_lower(slot, key, 0)
                 gone += 1
         if gone:
             self._held[slot] -= gone
@@ -174,6 +246,8 @@ class BlockIndex:
             return
         bit = 1 << slot
         self._blocks = {key: mask & ~bit for key, mask in self._blocks.items() if mask & ~bit}
+        lower = {key: [plane & ~bit for plane in planes] for key, planes in self._lower.items()}
+        self._lower = {key: planes for key, planes in lower.items() if any(planes)}
         self._held[slot] = 0
 
     def holds(self, slot: int, block: int, /) -> bool:
@@ -184,12 +258,20 @@ class BlockIndex:
         return self._held.get(_slot(slot), 0)
 
     def leading_blocks(self, hashes: Sequence[int], out: Floats, /) -> None:
-        self._walk(_keys(hashes), _vector(out, "out", writable=True))
+        self._walk(_keys(hashes), _vector(out, "out", writable=True), None)
 
-    def _walk(self, hashes: tuple[object, ...], depth: Floats) -> None:
-        """depth[slot] = leading blocks of ``hashes`` the slot holds, for every slot of ``depth``."""
+    def leading_tiers(self, hashes: Sequence[int], out: Floats, /) -> None:
+        rows = _rows(out, 1 + _LOWER_TIERS, None)
+        self._walk(_keys(hashes), rows[0], rows[1:])
+
+    def _walk(self, hashes: tuple[object, ...], depth: Floats, lower: Floats | None) -> None:
+        """depth[slot] = leading blocks of ``hashes`` the slot holds, for every slot of ``depth``;
+        with ``lower``, lower[k, slot] = how many of them it keeps on tier k + 1."""
         size = len(depth)
         depth[:] = 0.0
+        if lower is not None:
+            lower[:] = 0.0
+        tiers = self._lower if lower is not None else {}
         active = (1 << min(size, self.slot_limit)) - 1
         blocks = self._blocks
         n = len(hashes)
@@ -203,6 +285,14 @@ class BlockIndex:
                     low = dropped & -dropped
                     depth[low.bit_length() - 1] = d
                     dropped ^= low
+                planes = tiers.get(key) if kept else None
+                if planes is not None and lower is not None:
+                    for k, plane in enumerate(planes):
+                        on = kept & plane
+                        while on:
+                            low = on & -on
+                            lower[k, low.bit_length() - 1] += 1.0
+                            on ^= low
                 active = kept
                 if not active:
                     break
@@ -417,25 +507,20 @@ class LoadTable:
         step_budget: float,
         now: float,
         full_ms: float,
+        host_block_ms: float,
+        disk_block_ms: float,
         /,
     ) -> None:
         if not isinstance(index, BlockIndex) or not isinstance(prefill_curve, Curve):
             raise TypeError("ttft() takes a BlockIndex and a Curve")
         isl, bs, budget = _double(prompt_tokens), _double(block_size), _double(step_budget)
         moment, full = _double(now), _double(full_ms)
+        host_ms, disk_ms = _double(host_block_ms), _double(disk_block_ms)
         rows = self._rows()
         size = rows.shape[1]
-        view = memoryview(out)  # type: ignore[arg-type]
-        if (
-            view.readonly
-            or not view.c_contiguous
-            or view.shape != (3, size)
-            or view.itemsize != 8
-            or view.format != "d"
-        ):
-            raise TypeError(f"out must be a writable C-contiguous float64 array of shape (3, {size})")
-        depth, ttft, uncached = np.frombuffer(view, dtype=np.float64).reshape(3, size)
-        index._walk(_keys(hashes), depth)
+        table = _rows(out, 3 + _LOWER_TIERS, size)
+        depth, host, disk, ttft, uncached = table
+        index._walk(_keys(hashes), depth, table[1 : 1 + _LOWER_TIERS])
         limit = max(isl - 1.0, 0.0)  # at least one token is always computed
         cached = np.minimum(depth * bs, limit)
         own = full - prefill_curve.at(cached)
@@ -451,6 +536,9 @@ class LoadTable:
         backlog = np.maximum(np.subtract(rows[_PREFILL_MS], progress), 0.0)
         backlog += own
         backlog += steps
+        onboard = host * host_ms
+        onboard += disk * disk_ms
+        backlog += onboard
         ttft[:] = backlog
 
     def __len__(self) -> int:

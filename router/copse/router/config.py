@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.policies import POLICIES, SelectionSettings
+from copse.workers.perf import KvOffload
 
 
 class ConfigError(ValueError):
@@ -90,6 +91,16 @@ class EppSettings(_Model):
 
 EngineKind = Literal["trtllm", "mock"]
 """What serves behind a router."""
+
+
+class KvOffloadSettings(_Model):
+    """How fast the engines bring KV blocks they keep below the GPU back (the blocks' tier comes
+    from their KV events); the block's bytes are ``block_size x kv_transfer.kv_bytes_per_token``."""
+
+    host_gbps: float = Field(default=KvOffload().host_gbps, gt=0)
+    """Host-to-GPU bandwidth of the engines, GB/s."""
+    disk_gbps: float = Field(default=KvOffload().disk_gbps, gt=0)
+    """Disk-to-GPU bandwidth of the engines, GB/s."""
 
 
 class RouterConfig(_Model):
@@ -176,6 +187,8 @@ class RouterConfig(_Model):
     it exits; below the pod's terminationGracePeriodSeconds (30 by default)."""
     kv_transfer: DisaggSettings = Field(default_factory=DisaggSettings)
     """What moving KV from a prefill to a decode worker costs (disaggregated routing)."""
+    kv_offload: KvOffloadSettings = Field(default_factory=KvOffloadSettings)
+    """What bringing back a KV block an engine keeps in host memory or on disk costs."""
     seed: int | None = None
     """Seed of tie-breaking (reproducible runs); random when absent."""
     epp: EppSettings | None = None
@@ -223,11 +236,15 @@ class RouterConfig(_Model):
 
     def selection(self) -> SelectionSettings:
         """The cost-function settings."""
+        offload = KvOffload(host_gbps=self.kv_offload.host_gbps, disk_gbps=self.kv_offload.disk_gbps)
+        host_ms, disk_ms = offload.block_ms(block_bytes=self.block_size * self.kv_transfer.kv_bytes_per_token)
         return SelectionSettings(
             block_size=self.block_size,
             max_num_batched_tokens=self.max_num_batched_tokens,
             temperature=self.temperature,
             decode_weight=self.decode_weight,
+            host_block_ms=host_ms,
+            disk_block_ms=disk_ms,
         )
 
     def thresholds(self) -> Thresholds:

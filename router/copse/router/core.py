@@ -472,7 +472,15 @@ class Router:
         request = selection.request
         cached = selection.cached_tokens(slot)
         ttft = selection.ttft_ms().item(slot)  # before charging changes the load
-        self._charge(request, slot=slot, cached_tokens=cached, output=True, key=request.request_id, now=now)
+        self._charge(
+            request,
+            slot=slot,
+            cached_tokens=cached,
+            onboard_ms=selection.onboard_ms(slot),
+            output=True,
+            key=request.request_id,
+            now=now,
+        )
         return self._commit(
             Route(
                 request_id=request.request_id,
@@ -524,11 +532,20 @@ class Router:
 
         cached = prefill.cached_tokens(p_slot)
         prefill_key = _prefill_key(request.request_id)
-        self._charge(request, slot=p_slot, cached_tokens=cached, output=False, key=prefill_key, now=now)
+        self._charge(
+            request,
+            slot=p_slot,
+            cached_tokens=cached,
+            onboard_ms=prefill.onboard_ms(p_slot),
+            output=False,
+            key=prefill_key,
+            now=now,
+        )
         self._charge(
             request,
             slot=d_slot,
             cached_tokens=request.prompt_tokens,
+            onboard_ms=0.0,
             output=True,
             key=request.request_id,
             now=now,
@@ -551,15 +568,24 @@ class Router:
         return route
 
     def _charge(
-        self, request: RouteRequest, *, slot: int, cached_tokens: int, output: bool, key: str, now: float
+        self,
+        request: RouteRequest,
+        *,
+        slot: int,
+        cached_tokens: int,
+        onboard_ms: float,
+        output: bool,
+        key: str,
+        now: float,
     ) -> None:
-        """Account ``request`` on ``slot`` under ``key``: prefill the uncached tokens, hold the
-        prompt's KV (and the output's, where it decodes); tell peer routers."""
+        """Account ``request`` on ``slot`` under ``key``: prefill the uncached tokens after onboarding
+        the cached blocks kept below the GPU (``onboard_ms``), hold the prompt's KV (and the output's,
+        where it decodes); tell peer routers."""
         bs = self.settings.block_size
         new_tokens = request.prompt_tokens - cached_tokens
-        prefill_ms = 0.0
+        prefill_ms = onboard_ms
         if new_tokens:
-            prefill_ms = self.perf.compute_ms(new_tokens=new_tokens, cached_tokens=cached_tokens)
+            prefill_ms += self.perf.compute_ms(new_tokens=new_tokens, cached_tokens=cached_tokens)
         tail = request.prompt_tokens - len(request.hashes) * bs
         kv_extra = float(tail + (request.max_tokens if output else 0))
         self.sequences.add(

@@ -19,6 +19,15 @@ operations however many workers there are. A policy returns the slot of its choi
 * ``dynamo``: NVIDIA Dynamo's default cost, ``overlap_weight x prefill blocks + decode blocks``
   with weight 1, exact ties to the worker holding fewest blocks.
 * ``prefix_only``: the longest cached prefix, ties at random.
+
+Cache tiers. A worker may keep part of a prompt's prefix below the GPU (host memory, disk: see
+:mod:`copse.workers.perf.tiers`). ``kv`` (and ``kv_expert``) count such blocks as cached and add the
+time to onboard them at the tier's bandwidth (``SelectionSettings.host_block_ms`` /
+``disk_block_ms``) to the worker's predicted time to first token, as the engine spends it. ``dynamo``
+counts them as held, as Dynamo's router does (its TensorRT-LLM publisher ignores the engine's
+``updated`` events, which are how a block's move to host memory shows: one view of all tiers).
+``prefix_only`` weighs each leading block by its tier (``tier_weights``, llm-d's precise prefix
+scorer: GPU 1.0, CPU 0.8 by default).
 * ``least_loaded``: the fewest in-flight requests, ties at random.
 * ``round_robin`` and ``random``: ignore caches and load.
 """
@@ -75,6 +84,15 @@ class SelectionSettings:
     expert_weight: float = 1.0
     """Weight of the request's predicted decode time with the MoE layers (``Selection.moe_decode_ms``)
     against its time to first token in the ``kv_expert`` cost."""
+    host_block_ms: float = 0.0
+    """Time an engine takes to onboard one block (of ``block_size`` tokens) it keeps in host memory
+    (:meth:`copse.workers.perf.KvOffload.block_ms`), ms."""
+    disk_block_ms: float = 0.0
+    """Time an engine takes to onboard one block it keeps on disk, ms."""
+    tier_weights: tuple[float, float, float] = (1.0, 0.8, 0.8)
+    """What a leading block on the GPU, in host memory and on disk is worth to ``prefix_only``: llm-d's
+    precise prefix scorer weighs ``gpu`` 1.0 and ``cpu`` 0.8 by default (``kvCacheBackendConfigs``);
+    it names no disk medium (an unnamed one weighs 1.0 there), so copse gives disk the CPU weight."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,6 +117,7 @@ class Selection:
     experts: ExpertTracker | None = None
     """Expert placement and load per worker (Mixture-of-Experts deployments)."""
     _overlaps: FloatArray | None = None
+    _lower: FloatArray | None = None
     _ttft: FloatArray | None = None
     _uncached: FloatArray | None = None
     _shared: FloatArray | None = None
@@ -115,6 +134,20 @@ class Selection:
         assert self._uncached is not None
         return self.request.prompt_tokens - int(self._uncached.item(slot))
 
+    def lower_tier_blocks(self) -> FloatArray:
+        """Of the leading prompt blocks each worker holds, how many it keeps in host memory (row 0)
+        and on disk (row 1)."""
+        self.ttft_ms()
+        assert self._lower is not None
+        return self._lower
+
+    def onboard_ms(self, slot: int) -> float:
+        """Time worker ``slot`` would take to bring the prompt's leading blocks it keeps below the
+        GPU back into GPU memory, ms (part of :meth:`ttft_ms`)."""
+        lower = self.lower_tier_blocks()
+        settings = self.settings
+        return float(lower[0, slot] * settings.host_block_ms + lower[1, slot] * settings.disk_block_ms)
+
     def shared_active_blocks(self) -> FloatArray:
         """Leading prompt blocks already in use by in-flight requests on each worker."""
         if self._shared is None:
@@ -125,7 +158,8 @@ class Selection:
         """Predicted time to first token on each worker, ms: the compute of the worker's prefill
         backlog and of this prompt's uncached tokens (all but the cached prefix, and at least one
         token), plus, for every step that takes (the step budget bounds the tokens per step), the
-        fixed step cost and the worker's decode step while it has sequences decoding.
+        fixed step cost and the worker's decode step while it has sequences decoding, plus the
+        onboarding of the cached prefix blocks it keeps below the GPU (host memory, disk).
 
         The backlog is the predicted prefill time of the worker's requests not yet prefilled, less
         the time the oldest one has been running (capped at its prediction). One compiled pass
@@ -133,7 +167,7 @@ class Selection:
         if self._ttft is not None:
             return self._ttft
         seq, perf, request, settings = self.sequences, self.perf, self.request, self.settings
-        out = np.empty((3, seq.size))
+        out = np.empty((5, seq.size))
         seq.load.ttft(
             self.indexer.index,
             request.hashes,
@@ -144,8 +178,11 @@ class Selection:
             settings.max_num_batched_tokens,
             self.now,
             perf.model.prefill_curve_ms(float(request.prompt_tokens)),
+            settings.host_block_ms,
+            settings.disk_block_ms,
         )
-        self._overlaps, self._ttft, self._uncached = out
+        self._overlaps, self._ttft, self._uncached = out[0], out[3], out[4]
+        self._lower = out[1:3]
         return self._ttft
 
     def decode_ms(self) -> FloatArray:
@@ -275,10 +312,22 @@ class DynamoPolicy:
 
 
 class PrefixOnlyPolicy:
-    """The longest cached prefix; ties at random."""
+    """The longest cached prefix, each leading block weighed by the tier it is on (llm-d's precise
+    prefix scorer, ``SelectionSettings.tier_weights``); ties at random."""
 
     def choose(self, selection: Selection) -> int:
-        return pick_lowest(-selection.overlaps(), selection.exclusion, temperature=0.0, rng=selection.rng)
+        return pick_lowest(-self.scores(selection), selection.exclusion, temperature=0.0, rng=selection.rng)
+
+    @staticmethod
+    def scores(selection: Selection) -> FloatArray:
+        """Each worker's weighted prefix length, in blocks."""
+        gpu, host, disk = selection.settings.tier_weights
+        overlaps = selection.overlaps()
+        if (gpu, host, disk) == (1.0, 1.0, 1.0):
+            return overlaps
+        lower = selection.lower_tier_blocks()
+        out: FloatArray = gpu * (overlaps - lower[0] - lower[1]) + host * lower[0] + disk * lower[1]
+        return out
 
 
 class LeastLoadedPolicy:
