@@ -107,6 +107,68 @@ def test_prefix_cache_hit_skips_cached_blocks() -> None:
     assert engine.cached_tokens_total == 992
 
 
+@pytest.mark.parametrize("host_blocks", [0, 40])
+def test_a_prefix_evicted_to_the_host_tier_is_onboarded_at_its_bandwidth(host_blocks: int) -> None:
+    # 40 GPU blocks of 32 tokens, 1 MB each: one 1000-token prompt's 31 full blocks, then another
+    # prompt's 31 push most of them out of the GPU (to host memory, when there is a host tier)
+    engine = _engine(
+        block_size=32,
+        num_blocks=40,
+        kv_bytes_per_token=32768,
+        host_cache_bytes=host_blocks * 32 * 32768,
+        host_bandwidth_gbps=20.0,
+    )
+    sim = Simulator([engine])
+    prompt = _prompt(1000)
+    sim.submit(0, request_id="first", tokens=prompt, max_tokens=1)
+    sim.run()
+    sim.submit(0, request_id="other", tokens=_prompt(1000, salt=1), max_tokens=1)
+    sim.run()
+    events = engine.drain_kv_events()
+    offloaded = [h for e in events if e.data.type == "updated" for h in e.data.block_hashes]
+    sim.submit(0, request_id="again", tokens=[*prompt, 1, 2, 3], max_tokens=1)
+    sim.run()
+    again = sim.outcomes[2]
+    if not host_blocks:
+        assert not offloaded
+        # the 8 leading blocks left on the GPU are all it reuses
+        assert again.cached_tokens == 8 * 32
+        return
+    # the second prompt needs 32 blocks (31 full, 1 partial) where 9 are free: 23 of the first's
+    # leave, its last blocks first (released tail first, so the least recently used)
+    assert len(offloaded) == 23
+    assert again.cached_tokens == 992
+    assert engine.onboarded_blocks_total == [23, 0]
+    onboard_ms = 23 * 32 * 32768 / 20e9 * 1000.0
+    assert again.ttft_ms == pytest.approx(PERF.prefill_ms(new_tokens=11, cached_tokens=992) + onboard_ms)
+    back = [e.data for e in engine.drain_kv_events() if e.data.type == "updated" and e.data.tier == 0]
+    assert [(len(d.block_hashes), d.previous_tier) for d in back] == [(23, 1)]
+
+
+def test_a_block_evicted_from_a_full_host_tier_moves_to_disk_then_leaves() -> None:
+    engine = _engine(
+        block_size=4, num_blocks=4, kv_bytes_per_token=1, host_cache_bytes=2 * 4, disk_cache_bytes=3 * 4
+    )
+    sim = Simulator([engine])
+    for k in range(4):  # four prompts of three blocks each, one at a time: each pushes the last down
+        sim.submit(0, request_id=f"r{k}", tokens=_prompt(12, salt=k), max_tokens=1)
+        sim.run()
+    host, disk = engine.blocks.lower
+    assert (len(host), len(disk)) == (2, 3)
+    tiers: dict[int, int] = {}
+    for e in engine.drain_kv_events():
+        if e.data.type == "stored":
+            tiers.update((b.block_hash, 0) for b in e.data.blocks)
+        elif e.data.type == "updated":
+            tiers.update(dict.fromkeys(e.data.block_hashes, e.data.tier))
+        elif e.data.type == "removed":
+            for h in e.data.block_hashes:
+                del tiers[h]
+    # 12 blocks: the GPU keeps 4, host memory 2, disk 3; the oldest 3 left the cache
+    assert sorted(tiers.values()) == [0] * 4 + [1] * 2 + [2] * 3
+    assert tiers == {h: engine.blocks.tier_of(h) for h in engine.blocks.cached_hashes()}
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     engine = _engine(block_size=10)
     sim = Simulator([engine])

@@ -1,5 +1,6 @@
-"""The KV events an engine emits, replayed into an empty index, reproduce exactly what it holds --
-under eviction, preemption, aborts and resets -- and so do its dump and its TensorRT-LLM drain."""
+"""The KV events an engine emits, replayed into an empty index, reproduce exactly what it holds and
+on which tier of its cache (GPU, host memory, disk) -- under eviction, offload, onboarding,
+preemption, aborts and resets -- and so do its dump and its TensorRT-LLM drain."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ BLOCK = 4
 
 
 class Index:
-    """The simplest subscriber: block hash -> parent hash, checked for consistency as it goes."""
+    """The simplest subscriber: block hash -> parent hash and tier, checked for consistency as it goes."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, int | None] = {}
+        self.tiers: dict[int, int] = {}
 
     def apply(self, events: list[KvEvent]) -> None:
         for ev in events:
@@ -31,13 +33,22 @@ class Index:
                 for block in data.blocks:
                     assert block.block_hash not in self.blocks, "stored twice without removal"
                     self.blocks[block.block_hash] = parent
+                    self.tiers[block.block_hash] = 0
                     parent = block.block_hash
             elif data.type == "removed":
                 for block_hash in data.block_hashes:
                     assert block_hash in self.blocks, "removed a block never stored"
                     del self.blocks[block_hash]
+                    del self.tiers[block_hash]
+            elif data.type == "updated":
+                assert data.tier != data.previous_tier
+                for block_hash in data.block_hashes:
+                    assert self.tiers[block_hash] == data.previous_tier, "moved from a tier it was not on"
+                    self.tiers[block_hash] = data.tier
             else:
+                assert data.type == "cleared"
                 self.blocks.clear()
+                self.tiers.clear()
 
 
 @dataclass
@@ -69,24 +80,51 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, num_blocks=st.integers(12, 40), seed=st.integers(0, 2**32))
-def test_events_replay_to_the_cache_contents(ops: list[Op], num_blocks: int, seed: int) -> None:
+@given(
+    ops=ops,
+    num_blocks=st.integers(12, 40),
+    seed=st.integers(0, 2**32),
+    tiers=st.sampled_from([(0, 0), (8, 0), (30, 0), (6, 10), (20, 40)]),
+)
+def test_events_replay_to_the_cache_contents(
+    ops: list[Op], num_blocks: int, seed: int, tiers: tuple[int, int]
+) -> None:
+    host_blocks, disk_blocks = tiers
     engine = Engine(
         worker_id="w",
-        config=EngineConfig(block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=48, seed=seed),
+        config=EngineConfig(
+            block_size=BLOCK,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=48,
+            seed=seed,
+            kv_bytes_per_token=1,  # one block: BLOCK bytes
+            host_cache_bytes=host_blocks * BLOCK,
+            disk_cache_bytes=disk_blocks * BLOCK,
+        ),
         perf=PolynomialPerfModel(),
         trtllm_event_buffer=100_000,
     )
     index = Index()
-    trtllm: set[int] = set()
-    stats = {"preempted": 0, "evicted": 0}
+    trtllm: dict[int, int] = {}
+    stats = {"preempted": 0, "evicted": 0, "offloaded": 0, "onboarded": 0}
+
+    def matches(index: Index) -> None:
+        blocks = engine.blocks
+        assert set(index.blocks) == blocks.cached_hashes()
+        assert index.tiers == {h: blocks.tier_of(h) for h in index.blocks}
+        host, disk = blocks.lower
+        assert len(host) <= host_blocks
+        assert len(disk) <= disk_blocks
 
     def check(_: int, out: StepOutput) -> None:
         stats["preempted"] += len(out.preempted)
         events = engine.drain_kv_events()
         stats["evicted"] += sum(len(e.data.block_hashes) for e in events if e.data.type == "removed")
+        for e in events:
+            if e.data.type == "updated":
+                stats["offloaded" if e.data.tier else "onboarded"] += len(e.data.block_hashes)
         index.apply(events)
-        assert set(index.blocks) == engine.blocks.cached_hashes()
+        matches(index)
         for request in engine.running:
             assert all(engine.blocks.active[h] > 0 for h in request.blocks)
         assert engine.blocks.free_blocks >= 0
@@ -108,35 +146,51 @@ def test_events_replay_to_the_cache_contents(ops: list[Op], num_blocks: int, see
         else:
             sim.run_until(sim.now_ms + op.dt)
         index.apply(engine.drain_kv_events())
-        assert set(index.blocks) == engine.blocks.cached_hashes()
+        matches(index)
     sim.run()
     index.apply(engine.drain_kv_events())
     held = engine.blocks.cached_hashes()
-    assert set(index.blocks) == held
+    matches(index)
+    assert sum(engine.onboarded_blocks_total) == stats["onboarded"]
 
-    # a dump replayed into an empty index gives the same blocks, parents first
+    # a dump replayed into an empty index gives the same blocks on the same tiers, parents first
     dump = engine.dump_kv()
     assert dump.last_event_id == engine.last_event_id
     seen: set[int] = set()
     for block in dump.blocks:
         assert block.parent_hash is None or block.parent_hash in seen or block.parent_hash not in held
+        assert block.tier == index.tiers[block.block_hash]
         seen.add(block.block_hash)
     assert seen == held
 
     # the TensorRT-LLM drain tells the same story, and its tokens hash to the advertised blocks
     assert engine.trtllm_events is not None
-    for raw in engine.trtllm_events:
+    ids_seen = [raw["event_id"] for raw in engine.trtllm_events]
+    assert ids_seen == list(range(len(ids_seen)))
+    levels = engine.trtllm_events[0]["data"]["num_blocks_per_cache_level"]
+    assert levels[:2] == [num_blocks, host_blocks] and levels[2:] == ([disk_blocks] if disk_blocks else [])
+    for raw in list(engine.trtllm_events)[1:]:
         data = raw["data"]
         if data["type"] == "stored":
             for block in data["blocks"]:
-                trtllm.add(block["block_hash"])
+                assert block["cache_level"] == 0
+                trtllm[block["block_hash"]] = 0
                 ids = [t["token_id"] for t in block["tokens"]]
                 assert len(ids) == BLOCK
         elif data["type"] == "removed":
-            trtllm.difference_update(data["block_hashes"])
-    assert trtllm == held
+            for block_hash in data["block_hashes"]:
+                del trtllm[block_hash]
+        else:
+            assert data["type"] == "updated"
+            diff = data["cache_level"]
+            assert diff["type"] == "event_diff"
+            assert trtllm[data["block_hash"]] == diff["old_value"]
+            trtllm[data["block_hash"]] = diff["new_value"]
+    assert trtllm == index.tiers
     event("preempted" if stats["preempted"] else "no preemption")
     event("evicted" if stats["evicted"] else "no eviction")
+    event("offloaded" if stats["offloaded"] else "no offload")
+    event("onboarded" if stats["onboarded"] else "no onboarding")
 
 
 def test_trtllm_stored_tokens_hash_to_the_copse_tokens_hash() -> None:

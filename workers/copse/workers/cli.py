@@ -17,7 +17,7 @@ from copse.workers.mocker.config import ROLES, EngineConfig
 from copse.workers.mocker.server import MockFleetSettings, start_fleet
 from copse.workers.moe import MoeConfig
 from copse.workers.nats_io import KvEventPublisher, connect
-from copse.workers.perf import PerfModel, ProfileError, load_perf_model, save_profile
+from copse.workers.perf import KvOffload, PerfModel, ProfileError, load_perf_model, save_profile
 from copse.workers.protocol.subjects import subject_token
 from copse.workers.relay import run_relay
 
@@ -120,6 +120,34 @@ _PERF_OPTIONS = [
 @click.option(
     "--kv-bandwidth-gbps", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True
 )
+@click.option(
+    "--host-cache-bytes",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Host memory for KV blocks evicted from the GPU (TensorRT-LLM's host_cache_size); 0: none.",
+)
+@click.option(
+    "--disk-cache-bytes",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Disk for KV blocks evicted from host memory; 0: none.",
+)
+@click.option(
+    "--host-bandwidth-gbps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=KvOffload().host_gbps,
+    show_default=True,
+    help="Host-to-GPU bandwidth blocks are onboarded at.",
+)
+@click.option(
+    "--disk-bandwidth-gbps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=KvOffload().disk_gbps,
+    show_default=True,
+    help="Disk-to-GPU bandwidth blocks are onboarded at.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds generated token ids.")
 @click.option(
     "--moe",
@@ -167,6 +195,10 @@ def mock(
     decode_speedup_ratio: float,
     kv_bytes_per_token: int,
     kv_bandwidth_gbps: float,
+    host_cache_bytes: int,
+    disk_cache_bytes: int,
+    host_bandwidth_gbps: float,
+    disk_bandwidth_gbps: float,
     seed: int,
     moe_json: str | None,
     virtual_clock: bool,
@@ -187,22 +219,29 @@ def mock(
     _check_token(deployment, "--deployment")
     _check_token(worker_prefix, "--worker-prefix")
     perf = _perf(perf_profile, gpus_per_engine, kv_capacity_tokens)
-    config = EngineConfig(
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=not no_chunked_prefill,
-        max_model_len=max_model_len,
-        max_waiting=max_waiting,
-        speedup_ratio=speedup_ratio,
-        decode_speedup_ratio=decode_speedup_ratio,
-        role=role,  # type: ignore[arg-type]  # click.Choice(ROLES) guarantees a Role
-        kv_bytes_per_token=kv_bytes_per_token,
-        kv_transfer_bandwidth_gbps=kv_bandwidth_gbps,
-        seed=seed,
-        moe=_moe_config(moe_json),
-    )
+    try:
+        config = EngineConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=not no_chunked_prefill,
+            max_model_len=max_model_len,
+            max_waiting=max_waiting,
+            speedup_ratio=speedup_ratio,
+            decode_speedup_ratio=decode_speedup_ratio,
+            role=role,  # type: ignore[arg-type]  # click.Choice(ROLES) guarantees a Role
+            kv_bytes_per_token=kv_bytes_per_token,
+            kv_transfer_bandwidth_gbps=kv_bandwidth_gbps,
+            seed=seed,
+            moe=_moe_config(moe_json),
+            host_cache_bytes=host_cache_bytes,
+            disk_cache_bytes=disk_cache_bytes,
+            host_bandwidth_gbps=host_bandwidth_gbps,
+            disk_bandwidth_gbps=disk_bandwidth_gbps,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     settings = MockFleetSettings(
         engines=engines,
         port_base=port_base,

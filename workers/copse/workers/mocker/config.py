@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from copse.workers.moe import MoeConfig
+from copse.workers.perf import KvOffload
 
 Role = Literal["aggregated", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("aggregated", "prefill", "decode")
@@ -50,6 +51,15 @@ class EngineConfig:
     step_time_cv: float = 0.0
     """Coefficient of variation of step times: each step's time is multiplied by a log-normal factor
     of mean 1 (kernels, clocks and host jitter make real steps vary; 0: exactly the perf model)."""
+    host_cache_bytes: int = 0
+    """Host memory for KV blocks evicted from the GPU (TensorRT-LLM's ``kv_cache_config.host_cache_size``);
+    0: evicted blocks leave the cache."""
+    disk_cache_bytes: int = 0
+    """Disk for KV blocks evicted from host memory (Dynamo KVBM's disk tier; TensorRT-LLM has none)."""
+    host_bandwidth_gbps: float = KvOffload().host_gbps
+    """GB/s at which blocks come back from host memory (the onboarding time a prefix hit there costs)."""
+    disk_bandwidth_gbps: float = KvOffload().disk_gbps
+    """GB/s at which blocks come back from disk."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
@@ -62,7 +72,24 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if not 0.0 <= self.step_time_cv < 10.0:
             raise ValueError(f"step_time_cv={self.step_time_cv} must lie in [0, 10)")
+        if self.offload.enabled and not self.kv_bytes_per_token:
+            raise ValueError("offload tiers need kv_bytes_per_token (the size of the blocks they hold)")
         if self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token={self.kv_bytes_per_token} must not be negative")
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} must be one of {', '.join(ROLES)}")
+
+    @property
+    def offload(self) -> KvOffload:
+        """The tiers below the GPU (host memory, disk) and their bandwidths."""
+        return KvOffload(
+            host_bytes=self.host_cache_bytes,
+            disk_bytes=self.disk_cache_bytes,
+            host_gbps=self.host_bandwidth_gbps,
+            disk_gbps=self.disk_bandwidth_gbps,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes of one block."""
+        return self.block_size * self.kv_bytes_per_token

@@ -20,9 +20,11 @@ up to its length; the first such token is its first token.
 
 Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup * decode_speedup)``;
 an expert-parallel engine (``EngineConfig.moe``) stretches it by its slowest rank's share of the
-step's expert activations and adds the all-to-all (:mod:`copse.workers.moe.step`). With
-``step_time_cv`` set, the step then takes its noise factor: factor ``k`` of a seeded table for the
-engine's ``k``-th step, so fused and step-by-step runs stay identical.
+step's expert activations and adds the all-to-all (:mod:`copse.workers.moe.step`). A step that
+brings prefix blocks back from host memory or disk (offload tiers, ``EngineConfig.host_cache_bytes``)
+first spends their copy time, ``blocks x block bytes / tier bandwidth``, divided by the speedup.
+With ``step_time_cv`` set, the step then takes its noise factor: factor ``k`` of a seeded table for
+the engine's ``k``-th step, so fused and step-by-step runs stay identical.
 """
 
 from __future__ import annotations
@@ -267,14 +269,22 @@ class Engine:
                 f"perf model holds {perf.kv_capacity_tokens} KV tokens,"
                 f" less than one block of {config.block_size}"
             )
+        offload = config.offload
+        host_blocks, disk_blocks = offload.blocks(block_bytes=config.block_bytes) if offload.enabled else (0, 0)
+        self._onboard_ms = offload.block_ms(block_bytes=config.block_bytes)
+        """Time to bring one block back from host memory and from disk, ms."""
         self.trtllm_events: deque[dict[str, Any]] | None = None
         """TensorRT-LLM-format events for ``POST /kv_cache_events`` (bounded; oldest dropped)."""
+        self._trtllm_event_id = 0
         if trtllm_event_buffer:
             self.trtllm_events = deque(maxlen=trtllm_event_buffer)
+            # TensorRT-LLM's cache levels are the GPU (primary) and host (secondary) pools; a disk
+            # tier (mocked engines only) is a third level.
+            levels = [num_blocks, host_blocks] + ([disk_blocks] if disk_blocks else [])
             self.trtllm_events.append(
                 {
                     "event_id": 0,
-                    "data": {"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]},
+                    "data": {"type": "created", "num_blocks_per_cache_level": levels},
                     "window_size": config.max_model_len,
                 }
             )
@@ -283,6 +293,8 @@ class Engine:
             block_size=config.block_size,
             emit=self._emit,
             keep_tokens=trtllm_event_buffer > 0,
+            host_blocks=host_blocks,
+            disk_blocks=disk_blocks,
         )
         self._keep_tokens = trtllm_event_buffer > 0
         self.waiting: deque[Request] = deque()
@@ -315,6 +327,8 @@ class Engine:
         self.capacity_tokens = num_blocks * config.block_size
         """KV tokens the engine holds."""
         # cumulative counters (metrics)
+        self.onboarded_blocks_total = [0, 0]
+        """Blocks brought back into the GPU from host memory and from disk."""
         self.prompt_tokens_total = 0
         """Prompt tokens of every request received."""
         self.admitted_prompt_tokens_total = 0
@@ -548,6 +562,14 @@ class Engine:
             # everything left is blocked (a prompt larger than the budget without chunking, or no blocks)
             return None
         duration = 0.0
+        onboard_ms = 0.0
+        from_host, from_disk = self.blocks.take_onboarded()
+        if from_host or from_disk:
+            # The step's prefix hits below the GPU are copied back before the prefill runs.
+            self.onboarded_blocks_total[0] += from_host
+            self.onboarded_blocks_total[1] += from_disk
+            host_ms, disk_ms = self._onboard_ms
+            onboard_ms = (from_host * host_ms + from_disk * disk_ms) / self._speed
         if chunks:
             duration += self.perf.prefill_batch_ms(chunks=chunks) / self._speed
         if decodes:
@@ -560,6 +582,7 @@ class Engine:
             terms = moe.terms([r.expert_row for r, n in scheduled if n], [n for _, n in scheduled if n])
             self._moe_factor, self._moe_ms = terms.factor, terms.all_to_all_ms / self._speed
             duration = duration * self._moe_factor + self._moe_ms
+        duration += onboard_ms
         if self._noise is not None:
             duration *= self._noise[self._step_count & _NOISE_MASK]
         end = now_ms + duration
@@ -570,8 +593,9 @@ class Engine:
                 end, horizon_ms=horizon_ms, decode_kv=decode_kv, decodes=decodes, limit=fuse_limit
             )
         if moe is not None:
-            # Fused steps share the batch, so their MoE terms: each is base x factor + all-to-all.
-            total = end - now_ms
+            # Fused steps share the batch, so their MoE terms: each is base x factor + all-to-all
+            # (the onboarding copies are no MoE work).
+            total = end - now_ms - onboard_ms
             moe.record(steps=steps, base_ms=(total - steps * self._moe_ms) / self._moe_factor, step_ms=total)
         self._steps = steps
         self._decodes = decodes
@@ -780,7 +804,11 @@ class Engine:
         event = trusted_model(KvEvent, {"event_id": self._last_event_id, "data": data}, _EVENT_FIELDS)
         self._pending_events.append(event)
         if self.trtllm_events is not None:
-            self.trtllm_events.append(_trtllm_event(event, block_tokens, window=self.config.max_model_len))
+            for body in _trtllm_bodies(data, block_tokens):
+                self._trtllm_event_id += 1
+                self.trtllm_events.append(
+                    {"event_id": self._trtllm_event_id, "data": body, "window_size": self.config.max_model_len}
+                )
 
     def drain_kv_events(self) -> list[KvEvent]:
         """KV events emitted since the last drain, oldest first."""
@@ -794,40 +822,50 @@ class Engine:
 
     def dump_kv(self) -> KvDump:
         """Everything cached, as of :attr:`last_event_id`."""
+        tier_of = self.blocks.tier_of
         return KvDump(
             worker_id=self.worker_id,
             epoch=self.epoch,
             block_size=self.block_size,
             last_event_id=self._last_event_id,
-            blocks=tuple(DumpBlock(h, p, t) for h, p, t in self.blocks.iter_cached()),
+            blocks=tuple(DumpBlock(h, p, t, tier_of(h)) for h, p, t in self.blocks.iter_cached()),
         )
 
 
-def _trtllm_event(event: KvEvent, block_tokens: list[np.ndarray] | None, *, window: int) -> dict[str, Any]:
-    """``event`` in the JSON ``trtllm-serve`` drains (mocked engines use copse hashes as engine hashes)."""
-    data = event.data
-    body: dict[str, Any]
+def _trtllm_bodies(data: KvEventData, block_tokens: list[np.ndarray] | None) -> list[dict[str, Any]]:
+    """``data`` as the ``data`` of the events ``trtllm-serve`` drains (mocked engines use copse hashes
+    as engine hashes): one event, except a tier change, which TensorRT-LLM announces block by block."""
     if data.type == "stored":
         tokens = block_tokens or [np.empty(0, dtype=np.uint32)] * len(data.blocks)
-        body = {
-            "type": "stored",
-            "parent_hash": data.parent_hash,
-            "blocks": [
-                {
-                    "type": "stored_block",
-                    "block_hash": block.block_hash,
-                    "tokens": [
-                        {"type": "unique_token", "token_id": int(t), "token_extra_id": 0}
-                        for t in ids.tolist()
-                    ],
-                    "cache_level": 0,
-                    "priority": 35,
-                }
-                for block, ids in zip(data.blocks, tokens, strict=True)
-            ],
-        }
-    elif data.type == "removed":
-        body = {"type": "removed", "block_hashes": list(data.block_hashes)}
-    else:
-        body = {"type": "removed", "block_hashes": []}  # filled in by Engine.reset_prefix_cache
-    return {"event_id": event.event_id, "data": body, "window_size": window}
+        return [
+            {
+                "type": "stored",
+                "parent_hash": data.parent_hash,
+                "blocks": [
+                    {
+                        "type": "stored_block",
+                        "block_hash": block.block_hash,
+                        "tokens": [
+                            {"type": "unique_token", "token_id": int(t), "token_extra_id": 0}
+                            for t in ids.tolist()
+                        ],
+                        "cache_level": 0,
+                        "priority": 35,
+                    }
+                    for block, ids in zip(data.blocks, tokens, strict=True)
+                ],
+            }
+        ]
+    if data.type == "removed":
+        return [{"type": "removed", "block_hashes": list(data.block_hashes)}]
+    if data.type == "updated":
+        return [
+            {
+                "type": "updated",
+                "block_hash": block_hash,
+                "cache_level": {"type": "event_diff", "new_value": data.tier, "old_value": data.previous_tier},
+                "priority": None,
+            }
+            for block_hash in data.block_hashes
+        ]
+    return [{"type": "removed", "block_hashes": []}]  # filled in by Engine.reset_prefix_cache

@@ -21,6 +21,7 @@ from copse.workers.protocol.kv_events import (
     KvRemoved,
     KvReset,
     KvStored,
+    KvUpdated,
     StoredBlock,
 )
 from copse.workers.protocol.openai_api import (
@@ -51,6 +52,7 @@ __all__ = [
     "KvRemoved",
     "KvReset",
     "KvStored",
+    "KvUpdated",
     "RequestError",
     "StoredBlock",
     "TrtllmKvCacheEvent",

@@ -67,6 +67,20 @@ class KvRemoved(_Frozen):
     block_hashes: tuple[U64, ...]
 
 
+class KvUpdated(_Frozen):
+    """Blocks an engine still holds moved from one tier of its cache to another: 0 the GPU, 1 host
+    memory, 2 disk (TensorRT-LLM's ``updated`` event with a ``cache_level`` change from its old to
+    its new value, one block per event there; :mod:`copse.workers.perf.tiers`). A block stored is
+    on the GPU."""
+
+    type: Literal["updated"] = "updated"
+    block_hashes: tuple[U64, ...]
+    tier: int = Field(ge=0, le=2)
+    """The tier the blocks are on now."""
+    previous_tier: int = Field(ge=0, le=2)
+    """The tier they were on."""
+
+
 class KvCleared(_Frozen):
     """The engine dropped every cached block."""
 
@@ -88,7 +102,9 @@ class KvExact(_Frozen):
     type: Literal["exact"] = "exact"
 
 
-KvEventData = Annotated[KvStored | KvRemoved | KvCleared | KvReset | KvExact, Field(discriminator="type")]
+KvEventData = Annotated[
+    KvStored | KvRemoved | KvUpdated | KvCleared | KvReset | KvExact, Field(discriminator="type")
+]
 
 
 class KvEvent(_Frozen):
@@ -117,12 +133,15 @@ class KvDumpRequest(_Frozen):
 
 
 class DumpBlock(NamedTuple):
-    """One cached block in a dump; a ``[block_hash, parent_hash, tokens_hash]`` triple in JSON."""
+    """One cached block in a dump; a ``[block_hash, parent_hash, tokens_hash, tier]`` list in JSON
+    (the tier may be left out: the GPU)."""
 
     block_hash: U64
     parent_hash: U64 | None
     """Block hash of the previous block of the sequence that stored it; ``None`` for a first block."""
     tokens_hash: U64
+    tier: Annotated[int, Field(ge=0, le=2)] = 0
+    """Tier of the engine's cache the block is on (see :class:`KvUpdated`)."""
 
 
 class KvDump(_Frozen):
