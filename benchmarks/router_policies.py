@@ -33,7 +33,7 @@ from pathlib import Path
 
 from copse.router.policies import POLICIES
 from copse.sim.replay import ReplayReport, ReplaySettings, RouterModel, replay
-from copse.sim.trace import TraceRequest, load_trace
+from copse.sim.trace import load_trace, offline_bound
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 ORDER = ["kv", "dynamo", "prefix_only", "least_loaded", "round_robin", "random"]
@@ -62,22 +62,6 @@ SCENARIOS = {
     "fast30": Scenario(router_model=RouterModel(prefill_scale=0.7), kv_event_lag_ms=50.0, engine_noise=0.05),
     "slow30": Scenario(router_model=RouterModel(prefill_scale=1.3), kv_event_lag_ms=50.0, engine_noise=0.05),
 }
-
-
-def offline_bound(trace: list[TraceRequest], block_size: int) -> tuple[float, float]:
-    """(block hit rate, token hit rate) of one infinite prefix cache over the whole trace."""
-    seen: set[int] = set()
-    blocks = hit_blocks = tokens = hit_tokens = 0
-    for request in trace:
-        for position, block in enumerate(request.hash_ids):
-            size = min(block_size, request.input_length - position * block_size)
-            blocks += 1
-            tokens += size
-            if block in seen:
-                hit_blocks += 1
-                hit_tokens += size
-            seen.add(block)
-    return hit_blocks / blocks, hit_tokens / tokens
 
 
 def table(reports: dict[str, ReplayReport], *, base: str, bound_tokens: float) -> None:
@@ -129,7 +113,7 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown {what}: {', '.join(unknown)}")
     trace = load_trace(args.trace)[: args.limit]
-    bound_blocks, bound_tokens = offline_bound(trace, 512)
+    bound_blocks, bound_tokens = offline_bound(trace, trace_block_size=512)
     print(
         f"{args.trace.name}: {len(trace)} requests; offline bound: {bound_blocks:.1%} of blocks, "
         f"{bound_tokens:.1%} of prompt tokens"

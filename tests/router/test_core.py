@@ -19,14 +19,22 @@ from copse.router.core import (
 )
 from copse.router.policies import POLICIES, RouteRequest, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
-from copse.workers.protocol import KvEvent, KvStored, StoredBlock, block_hashes
+from copse.workers.protocol import KvEvent, KvStored, KvUpdated, StoredBlock, block_hashes
 
 BS = 16
 PERF = PolynomialPerfModel()
 
 
-def _router(policy: str = "kv", *, workers: int = 4, role: Role = Role.WORKER, **kwargs: Any) -> Router:
-    router = Router(perf=PERF, settings=SelectionSettings(block_size=BS), policy=policy, seed=1, **kwargs)
+def _router(
+    policy: str = "kv",
+    *,
+    workers: int = 4,
+    role: Role = Role.WORKER,
+    settings: SelectionSettings | None = None,
+    **kwargs: Any,
+) -> Router:
+    settings = settings or SelectionSettings(block_size=BS)
+    router = Router(perf=PERF, settings=settings, policy=policy, seed=1, **kwargs)
     for i in range(workers):
         router.add_worker(WorkerInfo(worker_id=f"w{i}", role=role), now=0.0)
     return router
@@ -50,6 +58,15 @@ def _cache(router: Router, worker: str, tokens: list[int]) -> None:
     router.radix.apply_events(
         worker, epoch=1, events=[KvEvent(event_id=next_id, data=KvStored(parent_hash=None, blocks=blocks))]
     )
+
+
+def _offload(router: Router, worker: str, tokens: list[int], *, tier: int) -> None:
+    """Worker ``worker`` reports (via KV events) that the full blocks of ``tokens`` moved to ``tier``."""
+    assert router.radix is not None
+    hashes = tuple(block_hashes(tokens, block_size=BS))
+    next_id = (router.radix.last_event_id(worker) or 0) + 1
+    moved = KvUpdated(block_hashes=hashes, tier=tier, previous_tier=0)
+    router.radix.apply_events(worker, epoch=1, events=[KvEvent(event_id=next_id, data=moved)])
 
 
 PROMPT = list(range(1000, 1000 + 4096))
@@ -81,6 +98,68 @@ def test_kv_leaves_a_cached_worker_whose_backlog_costs_more_than_the_hit_saves()
             now=0.0,
         )
     route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.worker_id == "w1"
+
+
+def test_kv_counts_a_prefix_below_the_gpu_by_its_onboarding_time() -> None:
+    # 256 blocks of 16 tokens: 0.1 ms each from host memory (26 ms, against 86 ms to prefill them)
+    settings = SelectionSettings(block_size=BS, host_block_ms=0.1, disk_block_ms=200.0)
+    router = _router(workers=3, settings=settings)
+    _cache(router, "w1", PROMPT)  # on the GPU
+    _cache(router, "w2", PROMPT)
+    _offload(router, "w2", PROMPT, tier=1)  # the same blocks in host memory
+    prefill = PERF.prefill_ms(new_tokens=1, cached_tokens=4095)
+    eligible = router._free(Role.WORKER, frozenset())
+    assert eligible is not None
+    selection = router._selection(_request("probe", PROMPT), eligible, now=0.0)
+    ttft = selection.ttft_ms()
+    slots = [router.slots.slot(w) for w in ("w0", "w1", "w2")]
+    assert ttft[slots[1]] == pytest.approx(prefill)
+    assert ttft[slots[2]] == pytest.approx(prefill + 256 * 0.1)  # cached, plus the onboarding
+    assert ttft[slots[0]] == pytest.approx(PERF.prefill_ms(new_tokens=4096) + 0.0, rel=1e-6)
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert route.worker_id == "w1"  # the GPU copy beats the host copy
+    # with the GPU copy gone, the host copy beats computing the prompt again
+    assert router.radix is not None
+    router.radix.forget("w1")
+    route = router.submit(_request("r2", PROMPT), now=0.0)
+    assert route is not None
+    assert (route.worker_id, route.cached_tokens) == ("w2", 4095)
+    # and the worker is charged the onboarding with the compute: the next request sees it
+    assert router.sequences.prefill_ms[slots[2]] == pytest.approx(
+        router.perf.compute_ms(new_tokens=1, cached_tokens=4095) + 256 * 0.1
+    )
+
+
+def test_kv_computes_a_prompt_again_rather_than_onboard_it_from_a_slow_disk() -> None:
+    settings = SelectionSettings(block_size=BS, host_block_ms=0.1, disk_block_ms=2.0)
+    router = _router(workers=2, settings=settings)
+    _cache(router, "w1", PROMPT)
+    _offload(router, "w1", PROMPT, tier=2)  # 256 blocks x 2 ms: slower than prefilling them
+    route = router.submit(_request("r", PROMPT), now=0.0)
+    assert route is not None
+    assert (route.worker_id, route.cached_tokens) == ("w0", 0)
+
+
+def test_tiers_weigh_as_the_baselines_real_counterparts_weigh_them() -> None:
+    # w1 holds 10 leading blocks in host memory, w2 9 on the GPU
+    for policy, winner in (("prefix_only", "w2"), ("dynamo", "w1")):
+        router = _router(policy, workers=3)
+        _cache(router, "w1", PROMPT[: 10 * BS])
+        _offload(router, "w1", PROMPT[: 10 * BS], tier=1)
+        _cache(router, "w2", PROMPT[: 9 * BS])
+        route = router.submit(_request("r", PROMPT[: 40 * BS]), now=0.0)
+        assert route is not None
+        # llm-d's scorer: 10 x 0.8 < 9 x 1.0; Dynamo's router: host blocks are held like any other
+        assert route.worker_id == winner, policy
+    # twelve host blocks (9.6) outweigh nine on the GPU for llm-d too
+    router = _router("prefix_only", workers=3)
+    _cache(router, "w1", PROMPT[: 12 * BS])
+    _offload(router, "w1", PROMPT[: 12 * BS], tier=1)
+    _cache(router, "w2", PROMPT[: 9 * BS])
+    route = router.submit(_request("r", PROMPT[: 40 * BS]), now=0.0)
     assert route is not None
     assert route.worker_id == "w1"
 

@@ -153,10 +153,22 @@ def test_the_operators_config_is_accepted_as_is(tmp_path: Path) -> None:
     assert config.thresholds().queue_size == 64
 
 
+def test_the_onboarding_cost_per_block_follows_the_tier_bandwidths() -> None:
+    config = parse_config(
+        {**OPERATOR_CONFIG, "kv_offload": {"host_gbps": 64.0, "disk_gbps": 8.0}}, source="router.yaml"
+    )
+    settings = config.selection()
+    block_bytes = 32 * 131072  # block_size x the default kv_transfer.kv_bytes_per_token
+    assert settings.host_block_ms == pytest.approx(block_bytes / 64e9 * 1000.0)
+    assert settings.disk_block_ms == pytest.approx(block_bytes / 8e9 * 1000.0)
+    assert settings.tier_weights == (1.0, 0.8, 0.8)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"policy": "fastest"}, "policy: unknown policy 'fastest'"),
+        ({"kv_offload": {"host_gbps": 0}}, "kv_offload.host_gbps: Input should be greater than 0"),
         ({"block_size": 0}, "block_size: Input should be greater than or equal to 1"),
         ({"discovery": {"kind": "dns"}}, "discovery: Input tag 'dns'"),
         ({"colour": "red"}, "colour: Extra inputs are not permitted"),

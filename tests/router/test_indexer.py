@@ -1,9 +1,11 @@
-"""The radix indexer: prefix matching against a brute-force reference, event ordering, resync."""
+"""The radix indexer: prefix matching against a brute-force reference, event ordering, resync,
+cache tiers."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +19,7 @@ from copse.workers.protocol import (
     KvEventBatch,
     KvRemoved,
     KvStored,
+    KvUpdated,
     StoredBlock,
     block_hashes,
     chain_hashes,
@@ -97,6 +100,34 @@ def test_events_in_order_are_applied() -> None:
     assert indexer.apply(_batch("w", 7, KvEvent(event_id=4, data=KvCleared()))) is None
     assert indexer.overlaps(path) == {}
     assert indexer.last_event_id("w") == 4
+
+
+def test_updated_events_move_blocks_between_tiers_and_dumps_carry_the_tiers() -> None:
+    indexer = RadixIndexer(WorkerSlots())
+    path = _PATHS[2]
+    indexer.apply(_batch("w", 7, _stored(1, None, path)))
+    slot = indexer.slots.slot("w")
+    down = KvUpdated(block_hashes=tuple(path[2:]), tier=1, previous_tier=0)
+    deeper = KvUpdated(block_hashes=(path[4],), tier=2, previous_tier=1)
+    indexer.apply(_batch("w", 7, KvEvent(event_id=2, data=down), KvEvent(event_id=3, data=deeper)))
+    assert [indexer.index.tier(slot, h) for h in path] == [0, 0, 1, 1, 2]
+    assert indexer.overlaps(path) == {slot: 5}  # a block below the GPU is still held
+    out = np.empty((3, slot + 1))
+    indexer.index.leading_tiers(path, out)
+    assert out[:, slot].tolist() == [5.0, 2.0, 1.0]
+    back = KvUpdated(block_hashes=(path[2],), tier=0, previous_tier=1)
+    indexer.apply(_batch("w", 7, KvEvent(event_id=4, data=back)))
+    assert [indexer.index.tier(slot, h) for h in path] == [0, 0, 0, 1, 2]
+    # a dump replaces the tiers with its own
+    dump = KvDump(
+        worker_id="w",
+        epoch=7,
+        block_size=16,
+        last_event_id=9,
+        blocks=tuple(DumpBlock(h, None, 1, tier) for h, tier in zip(path[:3], [0, 1, 2], strict=True)),
+    )
+    indexer.load_dump(dump)
+    assert [indexer.index.tier(slot, h) for h in path] == [0, 1, 2, -1, -1]
 
 
 def test_duplicates_are_skipped_and_a_gap_asks_for_a_dump_then_buffers() -> None:

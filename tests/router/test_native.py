@@ -61,7 +61,9 @@ _ops = st.lists(
         st.tuples(st.just("store"), st.integers(0, 200), st.lists(_keys, max_size=40)),
         st.tuples(st.just("remove"), st.integers(0, 200), st.lists(_keys, max_size=40)),
         st.tuples(st.just("clear"), st.integers(0, 200), st.just([])),
-        st.tuples(st.sampled_from(["tier0", "tier1", "tier2"]), st.integers(0, 200), st.lists(_keys, max_size=40)),
+        st.tuples(
+            st.sampled_from(["tier0", "tier1", "tier2"]), st.integers(0, 200), st.lists(_keys, max_size=40)
+        ),
     ),
     max_size=80,
 )
@@ -277,8 +279,8 @@ def test_ttft_is_the_numpy_formulation_to_the_bit(
         index = impl.BlockIndex()
         for slot, blocks in held.items():
             index.store(slot, sorted(blocks))
-        for slot, (tier, blocks) in moved.items():
-            index.set_tier(slot, blocks, tier)
+        for slot, (tier, chosen) in moved.items():
+            index.set_tier(slot, chosen, tier)
         load = impl.LoadTable(block_size=block_size)
         columns = np.zeros((len(impl.LOAD_ROWS), size))
         load.bind(columns)
@@ -294,8 +296,8 @@ def test_ttft_is_the_numpy_formulation_to_the_bit(
         onboard = free[3] + out[1] * 0.75 + out[2] * 6.5
         assert np.allclose(out[3], onboard, rtol=1e-12, atol=1e-9)
     tiers = {slot: dict.fromkeys(blocks, 0) for slot, blocks in held.items()}
-    for slot, (tier, blocks) in moved.items():
-        tiers[slot].update(dict.fromkeys(blocks, tier))
+    for slot, (tier, chosen) in moved.items():
+        tiers[slot].update(dict.fromkeys(chosen, tier))
     depth, host, disk = _tiered_reference(tiers, _PROMPT, size)
     assert outs[0][:3].tolist() == [depth, host, disk]
     assert outs[0].tobytes() == outs[1].tobytes()

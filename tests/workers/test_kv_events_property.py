@@ -168,7 +168,8 @@ def test_events_replay_to_the_cache_contents(
     ids_seen = [raw["event_id"] for raw in engine.trtllm_events]
     assert ids_seen == list(range(len(ids_seen)))
     levels = engine.trtllm_events[0]["data"]["num_blocks_per_cache_level"]
-    assert levels[:2] == [num_blocks, host_blocks] and levels[2:] == ([disk_blocks] if disk_blocks else [])
+    assert levels[:2] == [num_blocks, host_blocks]
+    assert levels[2:] == ([disk_blocks] if disk_blocks else [])
     for raw in list(engine.trtllm_events)[1:]:
         data = raw["data"]
         if data["type"] == "stored":

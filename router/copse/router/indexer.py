@@ -8,6 +8,10 @@ look-up per block and an intersection of worker sets, here bitmasks over worker 
 first block no worker holds. The map and the walk are compiled (``_native.c``): a decision walks
 a million-block index in a few microseconds.
 
+The index also keeps the tier of its cache each worker keeps each block on (the GPU, host memory,
+disk: ``updated`` events move blocks between tiers, see :mod:`copse.workers.perf.tiers`); a block
+below the GPU is still held (a prefix hit there costs its onboarding, which the routing cost adds).
+
 For a prompt, :meth:`BlockIndex.overlaps` answers how many leading blocks each worker holds: a
 worker counts up to the first block it does not hold, even if it holds later ones (it cannot
 reuse KV after a gap); :meth:`BlockIndex.overlap_array` answers the same as an array over worker
@@ -52,6 +56,7 @@ from copse.workers.protocol import (
     KvRemoved,
     KvReset,
     KvStored,
+    KvUpdated,
 )
 
 FloatArray = npt.NDArray[np.float64]
@@ -245,6 +250,8 @@ class RadixIndexer:
         slot = self.slots.slot(dump.worker_id)
         self._clear(slot, approximate=not dump.exact)
         self.index.store(slot, (block.block_hash for block in dump.blocks))
+        for tier in {block.tier for block in dump.blocks} - {0}:
+            self.index.set_tier(slot, [block.block_hash for block in dump.blocks if block.tier == tier], tier)
         stream.last_event_id = dump.last_event_id
         stream.awaiting_dump = False
         buffered, stream.buffer = stream.buffer, []
@@ -283,6 +290,11 @@ class RadixIndexer:
                 index.remove(slot, data.block_hashes)
                 if slot in approximate:
                     self.guesses.forget(slot, data.block_hashes)
+                stats["blocks"] += len(data.block_hashes)
+            elif isinstance(data, KvUpdated):
+                index.set_tier(slot, data.block_hashes, data.tier)
+                if slot in approximate:
+                    self.guesses.forget(slot, data.block_hashes)  # held, so no longer a guess
                 stats["blocks"] += len(data.block_hashes)
             elif isinstance(data, KvCleared):
                 self._clear(slot, approximate=False)

@@ -57,6 +57,12 @@ def _table(report: ReplayReport) -> str:
         f"throughput {report.throughput_tok_s:,.0f} output tokens/s",
         f"simulated {report.simulated_s:,.0f} s in {report.wall_s:,.1f} s",
     ]
+    if report.offload is not None:
+        lines.insert(
+            -1,
+            f"offload tiers: {report.offload.host_hit_rate:.1%} of prompt tokens onboarded from host memory, "
+            f"{report.offload.disk_hit_rate:.1%} from disk",
+        )
     if report.moe is not None:
         lines.insert(
             -1,

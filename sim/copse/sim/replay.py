@@ -18,7 +18,10 @@ by the engines.
 
 Latencies are measured from the trace arrival (so time spent in the router's queue counts):
 TTFT to the first token, e2e to the last, ITL as each request's mean gap between output tokens.
-The cache hit rate is the share of prompt tokens the engines found in their prefix caches.
+The cache hit rate is the share of prompt tokens the engines found in their prefix caches (on any
+tier: engines with offload tiers, ``host_cache_bytes`` in the engine config, also find prefixes in
+host memory or on disk, and onboard them; the router is told the tiers' bandwidths, as a deployed
+router is by its config).
 """
 
 from __future__ import annotations
@@ -251,6 +254,19 @@ class MoeReport:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class OffloadReport:
+    """Where the engines found cached prefixes (engines with offload tiers only)."""
+
+    host_hit_rate: float
+    """Prompt tokens onboarded from host memory / all prompt tokens."""
+    disk_hit_rate: float
+    """Prompt tokens onboarded from disk / all prompt tokens."""
+
+    def as_json(self) -> dict[str, float]:
+        return {"host_hit_rate": self.host_hit_rate, "disk_hit_rate": self.disk_hit_rate}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReplayReport:
     """What a replay measured."""
 
@@ -271,10 +287,14 @@ class ReplayReport:
     simulated_s: float
     wall_s: float
     moe: MoeReport | None = None
+    offload: OffloadReport | None = None
 
     def as_json(self) -> dict[str, Any]:
-        """The report in the documented ``--json`` shape (``moe`` only for MoE engines)."""
-        extra = {} if self.moe is None else {"moe": self.moe.as_json()}
+        """The report in the documented ``--json`` shape (``moe`` only for MoE engines, ``offload``
+        only for engines with offload tiers)."""
+        extra: dict[str, Any] = {} if self.moe is None else {"moe": self.moe.as_json()}
+        if self.offload is not None:
+            extra["offload"] = self.offload.as_json()
         return {
             **extra,
             "policy": self.policy,
@@ -354,6 +374,7 @@ class Fleet:
         self._perf = settings.engines.perf
         self.router_perf = settings.router_model.resolve(config=config, perf=self._perf)
         """The perf model the router predicts with (and a planner would size with)."""
+        host_block_ms, disk_block_ms = config.offload.block_ms(block_bytes=config.block_bytes)
         self.router = Router(
             perf=self.router_perf,
             settings=SelectionSettings(
@@ -362,6 +383,8 @@ class Fleet:
                 temperature=settings.temperature,
                 decode_weight=settings.decode_weight,
                 expert_weight=settings.expert_weight,
+                host_block_ms=host_block_ms,
+                disk_block_ms=disk_block_ms,
             ),
             policy=settings.policy,
             thresholds=settings.thresholds,
@@ -563,6 +586,20 @@ class Fleet:
             simulated_s=self.now_ms / 1000.0,
             wall_s=time.perf_counter() - started,
             moe=_moe_report(self.simulator.engines, output_tokens=float(outputs[done].sum())),
+            offload=self._offload_report(),
+        )
+
+    def _offload_report(self) -> OffloadReport | None:
+        """Over the whole run (not a window): tokens onboarded from each tier / prompt tokens."""
+        if not self._config.offload.enabled:
+            return None
+        engines = self.simulator.engines
+        prompts = sum(engine.prompt_tokens_total for engine in engines)
+        host = sum(engine.onboarded_blocks_total[0] for engine in engines) * self._config.block_size
+        disk = sum(engine.onboarded_blocks_total[1] for engine in engines) * self._config.block_size
+        return OffloadReport(
+            host_hit_rate=host / prompts if prompts else 0.0,
+            disk_hit_rate=disk / prompts if prompts else 0.0,
         )
 
 

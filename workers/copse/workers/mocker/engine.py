@@ -270,7 +270,9 @@ class Engine:
                 f" less than one block of {config.block_size}"
             )
         offload = config.offload
-        host_blocks, disk_blocks = offload.blocks(block_bytes=config.block_bytes) if offload.enabled else (0, 0)
+        host_blocks, disk_blocks = (
+            offload.blocks(block_bytes=config.block_bytes) if offload.enabled else (0, 0)
+        )
         self._onboard_ms = offload.block_ms(block_bytes=config.block_bytes)
         """Time to bring one block back from host memory and from disk, ms."""
         self.trtllm_events: deque[dict[str, Any]] | None = None
@@ -807,7 +809,11 @@ class Engine:
             for body in _trtllm_bodies(data, block_tokens):
                 self._trtllm_event_id += 1
                 self.trtllm_events.append(
-                    {"event_id": self._trtllm_event_id, "data": body, "window_size": self.config.max_model_len}
+                    {
+                        "event_id": self._trtllm_event_id,
+                        "data": body,
+                        "window_size": self.config.max_model_len,
+                    }
                 )
 
     def drain_kv_events(self) -> list[KvEvent]:
@@ -863,7 +869,11 @@ def _trtllm_bodies(data: KvEventData, block_tokens: list[np.ndarray] | None) -> 
             {
                 "type": "updated",
                 "block_hash": block_hash,
-                "cache_level": {"type": "event_diff", "new_value": data.tier, "old_value": data.previous_tier},
+                "cache_level": {
+                    "type": "event_diff",
+                    "new_value": data.tier,
+                    "old_value": data.previous_tier,
+                },
                 "priority": None,
             }
             for block_hash in data.block_hashes
