@@ -15,6 +15,7 @@ from copse.api import (
     load_deployment,
     parse_deployment,
     parse_duration,
+    parse_quantity,
 )
 from copse.cli import main
 
@@ -159,3 +160,23 @@ def test_expert_parallelism_defaults_to_the_pools_tp(moe: dict[str, int], expect
     [pool] = parse_deployment(minimal(**spec), source="test").spec.pools()
     assert pool.moe is not None
     assert pool.moe.expert_parallelism == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512Gi", 512 * 2**30), ("16G", 16 * 10**9), ("1073741824", 2**30), ("1.5Ki", 1536), ("2Ti", 2**41)],
+)
+def test_quantities_are_bytes(text: str, expected: int) -> None:
+    assert parse_quantity(text) == expected
+
+
+def test_kv_cache_offload_defaults_and_sizes() -> None:
+    spec = parse_deployment(
+        minimal(engine={"kvCacheOffload": {"hostMemory": "256Gi", "disk": "2Ti"}}), source="m"
+    ).spec.engine.kv_cache_offload
+    assert spec is not None
+    assert (spec.host_bytes, spec.disk_bytes) == (256 * 2**30, 2 * 2**40)
+    assert (spec.host_bandwidth_gbps, spec.disk_bandwidth_gbps) == (50.0, 7.0)
+    assert parse_deployment(minimal(), source="m").spec.engine.kv_cache_offload is None
+    with pytest.raises(ValueError, match="is not a quantity"):
+        parse_quantity("12 GB")

@@ -495,3 +495,60 @@ def test_mock_backend_engines_of_an_moe_model_are_moe_groups_on_their_placed_lin
     assert (prefill_moe.expert_parallelism, prefill_moe.rebalance_steps) == (8, 0)
     with pytest.raises(click.BadParameter, match="unknown key"):
         _moe_config('{"experts": 8, "colour": 1}')
+
+
+def test_kv_cache_offload_reaches_the_engine_yaml_the_pods_and_the_router() -> None:
+    offload = {"hostMemory": "64Gi", "disk": "1Ti", "hostBandwidthGBps": 55.0, "diskBandwidthGBps": 6.0}
+    deployment = make_deployment(
+        replicas=1,
+        engine={"kvCacheOffload": offload},
+        pod={"resources": {"requests": {"memory": "100Gi", "cpu": "8"}, "limits": {"memory": "200Gi"}}},
+        router={"tokenizer": {"configMap": "t"}, "kvCapacityTokens": 100_000},
+    )
+    # TensorRT-LLM's KvCacheConfig (llm_args.py): bytes per GPU rank; the disk tier is the v2 manager's
+    config = yaml.safe_load(children.engine_configmap(deployment)["data"]["worker.yaml"])
+    assert config["kv_cache_config"] == {
+        "enable_block_reuse": True,
+        "event_buffer_max_size": children.KV_EVENT_BUFFER,
+        "free_gpu_memory_fraction": 0.9,
+        "tokens_per_block": 32,
+        "host_cache_size": 64 * 2**30,
+        "disk_cache_size": 2**40,
+        "disk_cache_path": children.KV_DISK_DIR,
+        "use_kv_cache_manager_v2": True,
+    }
+    first, second = children.worker_pods(deployment, TWO_NODES, cold_start_source=None)
+    for pod in (first, second):
+        engine = pod["spec"]["containers"][0]
+        # pinned host memory of the pod's 4 ranks counts against its memory request and limit
+        assert engine["resources"]["requests"]["memory"] == str(100 * 2**30 + 4 * 64 * 2**30)
+        assert engine["resources"]["limits"]["memory"] == str(200 * 2**30 + 4 * 64 * 2**30)
+        assert engine["resources"]["requests"]["cpu"] == "8"
+        volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+        assert volumes["kv-disk"] == {"name": "kv-disk", "emptyDir": {"sizeLimit": str(4 * 2**40)}}
+        assert {"name": "kv-disk", "mountPath": children.KV_DISK_DIR} in engine["volumeMounts"]
+    _, raw = _router(deployment)
+    router = RouterConfig.model_validate(raw)
+    # a group of 8 GPUs onboards over its 8 links at once
+    assert (router.kv_offload.host_gbps, router.kv_offload.disk_gbps) == (8 * 55.0, 8 * 6.0)
+    assert children.engine_configs(make_deployment(replicas=1))[Role.WORKER]["kv_cache_config"].keys() == {
+        "enable_block_reuse",
+        "event_buffer_max_size",
+        "free_gpu_memory_fraction",
+        "tokens_per_block",
+    }
+
+
+def test_mocked_engines_hold_the_whole_groups_offload_tiers() -> None:
+    deployment = make_deployment(
+        replicas=1, engine={"backend": "mock", "kvCacheOffload": {"hostMemory": "16Gi"}}, pod={}
+    )
+    [pod] = children.worker_pods(deployment, ONE_NODE, cold_start_source=None)
+    engine = pod["spec"]["containers"][0]
+    params = mock.make_context("mock", engine["command"][3:]).params
+    assert params["host_cache_bytes"] == 8 * 16 * 2**30
+    assert params["disk_cache_bytes"] == 0
+    assert params["host_bandwidth_gbps"] == 8 * 50.0
+    assert engine["resources"]["requests"]["memory"] == str(8 * 16 * 2**30)
+    assert "limits" not in engine["resources"] or "memory" not in engine["resources"]["limits"]
+    assert [volume["name"] for volume in pod["spec"]["volumes"]] == ["engine-config"]

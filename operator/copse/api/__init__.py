@@ -17,6 +17,7 @@ from copse.api.v1alpha1 import (
     InferenceDeployment,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    KvCacheOffloadSpec,
     MoeBackend,
     MoeLayout,
     MoeSpec,
@@ -25,6 +26,7 @@ from copse.api.v1alpha1 import (
     RouterMode,
     RoutingPolicy,
     parse_duration,
+    parse_quantity,
 )
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "InferenceDeployment",
     "InferenceDeploymentSpec",
     "InferenceDeploymentStatus",
+    "KvCacheOffloadSpec",
     "ManifestError",
     "MoeBackend",
     "MoeLayout",
@@ -54,5 +57,6 @@ __all__ = [
     "load_deployment",
     "parse_deployment",
     "parse_duration",
+    "parse_quantity",
     "read_documents",
 ]

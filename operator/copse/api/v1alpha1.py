@@ -59,6 +59,32 @@ FreeForm = Annotated[dict[str, Any], _Subtree]
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Parallelism = Annotated[int, Field(ge=1, le=1024)]
+#: A Kubernetes memory quantity in binary or decimal units ("8Gi", "512Mi", "16G").
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+_QUANTITY_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+}
+
+
+def parse_quantity(text: str) -> int:
+    """Bytes in a memory quantity such as ``512Gi`` or ``16G`` (:data:`QUANTITY_PATTERN`)."""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([A-Za-z]*)", text)
+    if match is None or match.group(2) not in _QUANTITY_UNITS:
+        raise ValueError(f"{text!r} is not a quantity such as '512Gi', '16G' or '1073741824'")
+    number, unit = match.groups()
+    whole, _, fraction = number.partition(".")
+    scale = _QUANTITY_UNITS[unit]
+    return int(whole) * scale + (int(fraction) * scale // 10 ** len(fraction) if fraction else 0)
 
 
 def parse_duration(text: str) -> float:
@@ -396,6 +422,68 @@ _MOE_POOL_FIELDS = (
 )
 
 
+_DISK_NEEDS_HOST = "engine.kvCacheOffload.disk needs hostMemory: blocks reach disk from host memory"
+
+
+class KvCacheOffloadSpec(_SpecModel):
+    """KV cache tiers below the GPU: blocks evicted from GPU memory move to host memory (then to
+    disk), and a prefix hit there is copied back instead of recomputed."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.disk) || has(self.hostMemory)",
+                    "message": _DISK_NEEDS_HOST,
+                }
+            ]
+        },
+    )
+
+    host_memory: Nullable[str] = Field(
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="Pinned host memory per GPU for evicted KV blocks (TensorRT-LLM's "
+        "kv_cache_config.host_cache_size); added to each worker pod's memory request.",
+    )
+    disk: Nullable[str] = Field(
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="Disk per GPU for KV blocks evicted from host memory (TensorRT-LLM's "
+        "kv_cache_config.disk_cache_size, KV cache manager v2 only), on an emptyDir of that size.",
+    )
+    host_bandwidth_gbps: float = Field(
+        default=50.0,
+        gt=0,
+        alias="hostBandwidthGBps",
+        description="Host-to-GPU copy bandwidth per GPU, GB/s (PCIe Gen5 x16 in practice; GB200's "
+        "NVLink-C2C ~450): what the router and planner charge for a prefix hit in host memory.",
+    )
+    disk_bandwidth_gbps: float = Field(
+        default=7.0,
+        gt=0,
+        alias="diskBandwidthGBps",
+        description="Disk-to-GPU bandwidth per GPU, GB/s (one NVMe Gen4 SSD).",
+    )
+
+    @model_validator(mode="after")
+    def _disk_below_host(self) -> KvCacheOffloadSpec:
+        if self.disk is not None and self.host_memory is None:
+            raise ValueError(_DISK_NEEDS_HOST)
+        return self
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per GPU, bytes (0 without a host tier)."""
+        return 0 if self.host_memory is None else parse_quantity(self.host_memory)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Disk per GPU, bytes (0 without a disk tier)."""
+        return 0 if self.disk is None else parse_quantity(self.disk)
+
+
 class EngineSpec(_SpecModel):
     backend: EngineBackend = Field(
         default=EngineBackend.TRTLLM, description="trtllm for GPUs; mock runs copse's engine mocker instead."
@@ -416,6 +504,9 @@ class EngineSpec(_SpecModel):
     max_num_sequences: int = Field(default=256, ge=1, description="Most sequences batched in one step.")
     kv_cache_free_gpu_memory_fraction: float = Field(
         default=0.9, gt=0, le=1, description="Share of free GPU memory the engine gives to the KV cache."
+    )
+    kv_cache_offload: Nullable[KvCacheOffloadSpec] = Field(
+        default=None, description="KV cache tiers below the GPU (host memory, disk); unset: GPU only."
     )
     extra_config: FreeForm = Field(
         default_factory=dict,

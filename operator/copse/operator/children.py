@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from copse.api import EngineBackend, InferenceDeployment, MoeLayout, Role, RouterMode
+from copse.api import EngineBackend, InferenceDeployment, MoeLayout, Role, RouterMode, parse_quantity
 from copse.operator import names
 from copse.topology.kube import NODE_CONDITION_TAINTS
 from copse.topology.links import LinkTable, LinkTier
@@ -43,6 +43,8 @@ ENGINE_CONFIG_DIR = "/etc/copse/engine"
 ROUTER_CONFIG_DIR = "/etc/copse/router"
 TOKENIZER_DIR = "/var/lib/copse/tokenizer"
 PERF_PROFILE_DIR = "/etc/copse/perf-profile"
+KV_DISK_DIR = "/var/cache/copse/kv"
+"""Where a worker's disk KV tier lives (an emptyDir of the tier's size)."""
 GPU_RESOURCE = "nvidia.com/gpu"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
@@ -168,6 +170,7 @@ def _engine_command(
             else []
         )
         leader = names.pod_name(names.group_name(deployment.metadata.name, layout.role, layout.replica), 0)
+        gpus = pool.tensor_parallelism * pool.pipeline_parallelism
         return [
             "copse", "worker", "mock",
             "--engines", "1",
@@ -178,13 +181,14 @@ def _engine_command(
             "--block-size", str(engine.block_size),
             "--max-num-batched-tokens", str(engine.max_batch_tokens),
             "--max-num-seqs", str(engine.max_num_sequences),
-            "--gpus-per-engine", str(pool.tensor_parallelism * pool.pipeline_parallelism),
+            "--gpus-per-engine", str(gpus),
             "--namespace", str(deployment.metadata.namespace),
             "--deployment", deployment.metadata.name,
             # Worker ids (what KV events carry) must be unique across pods: prefix them with the pod.
             "--worker-prefix", leader,
             *nats,
             *_mock_moe(pool.moe, layout),
+            *_mock_offload(deployment, gpus=gpus),
             *capacity,
             *engine.args,
         ]  # fmt: skip
@@ -239,6 +243,36 @@ def _mock_moe(moe: MoeLayout | None, layout: GroupLayout) -> list[str]:
         "link_latency_us": link.latency_us,
     }
     return ["--moe", json.dumps(settings, sort_keys=True)]
+
+
+def _mock_offload(deployment: InferenceDeployment, *, gpus: int) -> list[str]:
+    """``copse worker mock``'s offload tiers for a group of ``gpus`` GPUs: one mocked engine is the
+    whole group, so its tiers hold every rank's share and copy over every rank's link at once."""
+    offload = deployment.spec.engine.kv_cache_offload
+    if offload is None:
+        return []
+    return [
+        "--host-cache-bytes", str(offload.host_bytes * gpus),
+        "--disk-cache-bytes", str(offload.disk_bytes * gpus),
+        "--host-bandwidth-gbps", repr(offload.host_bandwidth_gbps * gpus),
+        "--disk-bandwidth-gbps", repr(offload.disk_bandwidth_gbps * gpus),
+    ]  # fmt: skip
+
+
+def _offload_memory(
+    deployment: InferenceDeployment, resources: dict[str, dict[str, str]], *, gpus: int
+) -> None:
+    """Add the pinned host memory of the pod's ranks' host KV tier to its memory request (and
+    limit, when one is set): the engine's cgroup is charged for it."""
+    offload = deployment.spec.engine.kv_cache_offload
+    if offload is None or not offload.host_bytes:
+        return
+    extra = offload.host_bytes * gpus
+    for section in ("requests", "limits"):
+        amounts = resources.get(section)
+        if section == "requests" or (amounts is not None and "memory" in amounts):
+            amounts = resources.setdefault(section, {})
+            amounts["memory"] = str(parse_quantity(amounts.get("memory", "0")) + extra)
 
 
 def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[dict[str, Any]]:
@@ -317,6 +351,18 @@ def worker_pods(
         }
         resources.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)
         resources.setdefault("requests", {})[GPU_RESOURCE] = str(gpus)
+        _offload_memory(deployment, resources, gpus=gpus)
+        volumes: list[dict[str, Any]] = [
+            {
+                "name": "engine-config",
+                "configMap": {"name": names.engine_config_name(deployment.metadata.name)},
+            }
+        ]
+        mounts = [{"name": "engine-config", "mountPath": ENGINE_CONFIG_DIR}]
+        offload = spec.engine.kv_cache_offload
+        if offload is not None and offload.disk_bytes and spec.engine.backend is EngineBackend.TRTLLM:
+            volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(offload.disk_bytes * gpus)}})
+            mounts.append({"name": "kv-disk", "mountPath": KV_DISK_DIR})
         container: dict[str, Any] = {
             "name": "engine",
             "image": image,
@@ -324,7 +370,7 @@ def worker_pods(
             "env": [{"name": key, "value": value} for key, value in env.items()],
             "resources": resources,
             "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
-            "volumeMounts": [{"name": "engine-config", "mountPath": ENGINE_CONFIG_DIR}],
+            "volumeMounts": mounts,
         }
         # A pod deleted by anyone (kubectl drain, eviction) stops gracefully: the engine finishes
         # what it serves on SIGTERM within the drain timeout.
@@ -359,12 +405,7 @@ def worker_pods(
             },
             "tolerations": _worker_tolerations(deployment),
             "containers": [container],
-            "volumes": [
-                {
-                    "name": "engine-config",
-                    "configMap": {"name": names.engine_config_name(deployment.metadata.name)},
-                }
-            ],
+            "volumes": volumes,
             # A broken gang is restarted whole by the operator, not container by container.
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": PRE_STOP_SLEEP_S + math.ceil(spec.disruption.drain_timeout_s),
@@ -438,17 +479,27 @@ def engine_configs(deployment: InferenceDeployment) -> dict[Role, dict[str, Any]
     buffer (the relay feeds the router's index from ``/kv_cache_events``), chunked prefill,
     ``return_perf_metrics`` (mounts ``/prometheus/metrics``) and ``enable_iter_perf_stats`` (the
     iteration gauges: queue, running requests, KV use); a cache transceiver for disaggregated pools
-    and no overlap scheduler on context servers, as TensorRT-LLM's disaggregated docs ask. Then
-    ``spec.engine.extraConfig`` deep-merged on top: the user wins on every key they set
-    (:func:`routing_issues` reports the ones that break KV-aware routing)."""
+    and no overlap scheduler on context servers, as TensorRT-LLM's disaggregated docs ask; the offload
+    tiers of ``spec.engine.kvCacheOffload`` (``host_cache_size`` in bytes per GPU; a disk tier is
+    ``disk_cache_size``/``disk_cache_path``, which only the KV cache manager v2 reads, so it turns
+    ``use_kv_cache_manager_v2`` on). Then ``spec.engine.extraConfig`` deep-merged on top: the user
+    wins on every key they set (:func:`routing_issues` reports the ones that break KV-aware routing)."""
     engine = deployment.spec.engine
+    kv_cache: dict[str, Any] = {
+        "enable_block_reuse": True,
+        "event_buffer_max_size": KV_EVENT_BUFFER,
+        "free_gpu_memory_fraction": engine.kv_cache_free_gpu_memory_fraction,
+        "tokens_per_block": engine.block_size,
+    }
+    offload = engine.kv_cache_offload
+    if offload is not None and offload.host_bytes:
+        kv_cache["host_cache_size"] = offload.host_bytes
+    if offload is not None and offload.disk_bytes:
+        kv_cache.update(
+            disk_cache_size=offload.disk_bytes, disk_cache_path=KV_DISK_DIR, use_kv_cache_manager_v2=True
+        )
     base: dict[str, Any] = {
-        "kv_cache_config": {
-            "enable_block_reuse": True,
-            "event_buffer_max_size": KV_EVENT_BUFFER,
-            "free_gpu_memory_fraction": engine.kv_cache_free_gpu_memory_fraction,
-            "tokens_per_block": engine.block_size,
-        },
+        "kv_cache_config": kv_cache,
         "enable_chunked_prefill": True,
         "return_perf_metrics": True,
         "enable_iter_perf_stats": True,
@@ -580,6 +631,16 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
     }
     if router.kv_capacity_tokens is not None:
         config["kv_capacity_tokens"] = router.kv_capacity_tokens
+    offload = spec.engine.kv_cache_offload
+    if offload is not None:
+        # Onboarding copies every rank's share over its own link at once; the pool that prefills
+        # is the one whose prefix hits are onboarded.
+        [prefilling] = [pool for pool in spec.pools() if pool.role in (Role.WORKER, Role.PREFILL)]
+        gpus = prefilling.tensor_parallelism * prefilling.pipeline_parallelism
+        config["kv_offload"] = {
+            "host_gbps": offload.host_bandwidth_gbps * gpus,
+            "disk_gbps": offload.disk_bandwidth_gbps * gpus,
+        }
     if router.tokenizer is not None:
         config["tokenizer"] = "/".join(part for part in (TOKENIZER_DIR, router.tokenizer.path) if part)
     if router.perf_profile is not None:
