@@ -301,6 +301,7 @@ def test_default_queries_select_the_deployment() -> None:
     assert "histogram_quantile(0.99," in text["ttft_ms"]
     assert "copse_router_output_tokens_total" in text["osl"]
     assert "histogram_quantile(0.9," in text["isl_p90"]
+    assert "copse_router_predicted_onboard_seconds_total" in text["onboard_ms"]
     with pytest.raises(ValueError, match="unknown field latency"):
         Queries(
             PrometheusConfig(queries={"latency": "up"}), namespace="a", name="b", interval_s=60, quantile=0.9
@@ -315,6 +316,7 @@ async def test_prometheus_source_builds_an_observation() -> None:
         "osl": "150",
         "isl_p90": "6144",
         "kv_hit_rate": "0.25",
+        "onboard_ms": "4.5",
         "ttft_ms": "310.5",
         "itl_ms": "22",
         "queue_depth": "7",
@@ -343,6 +345,7 @@ async def test_prometheus_source_builds_an_observation() -> None:
         osl=150.0,
         isl_p90=6144.0,
         kv_hit_rate=0.25,
+        onboard_ms=4.5,
         ttft_ms=310.5,
         itl_ms=22.0,
         queue_depth=7.0,

@@ -91,6 +91,27 @@ def test_prefix_hits_reduce_prefill_replicas(linear: CapacityModel) -> None:
     )
 
 
+def test_onboarding_from_the_offload_tier_is_part_of_the_prefill(linear: CapacityModel) -> None:
+    # 1000 tokens, 80 % cached of which part in host memory: 10 + 200 x 0.01 ms, plus 3 ms of copies
+    assert linear.prefill_service_ms(1000, hit_rate=0.8, onboard_ms=3.0) == pytest.approx(15.0)
+    load = Workload(rate=100.0, isl=1000, osl=100, kv_hit_rate=0.8, onboard_ms=3.0)
+    estimate = linear.estimate(replicas={Role.PREFILL: 10, Role.DECODE: 5}, load=load, duration_s=60.0)
+    assert estimate.ttft_ms == pytest.approx(15.0)  # nobody waits: the prefill of one prompt
+    # 100 req/s x 15 ms = 1.5 engines busy: the throughput bound is 2
+    assert linear.prefill_replicas(load, ttft_ms=150.0).throughput_replicas == 2
+    # the fleet's hit rate with the host tier (80 %, 3 ms of copies) against the GPU's alone (50 %):
+    # 4000-token prompts cost 30 ms, 21 ms, and 48 ms when the copies take 30 ms
+    gpu_only = Workload(rate=300.0, isl=4000, osl=100, kv_hit_rate=0.5)
+    with_tier = dataclasses.replace(gpu_only, kv_hit_rate=0.8, onboard_ms=3.0)
+    slow_copies = dataclasses.replace(with_tier, onboard_ms=30.0)
+    replicas = [
+        linear.prefill_replicas(load, ttft_ms=200.0).replicas for load in (gpu_only, with_tier, slow_copies)
+    ]
+    assert replicas[1] < replicas[0] < replicas[2]
+    with pytest.raises(ValueError, match="onboard_ms=-1"):
+        Workload(rate=1.0, isl=10, osl=1, onboard_ms=-1.0)
+
+
 def test_p90_isl_sets_the_ttft_tail(linear: CapacityModel) -> None:
     mean_only = Workload(rate=100.0, isl=1000, osl=100)
     long_tail = dataclasses.replace(mean_only, isl_p90=2000)

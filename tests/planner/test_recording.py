@@ -265,9 +265,18 @@ def test_shipped_traces_read(tmp_path: Path) -> None:
 def test_resample_merges_whole_multiples() -> None:
     base = [
         Observation(
-            timestamp=60.0 * i, duration_s=60.0, num_requests=n, isl=isl, osl=10.0, ttft_ms=t, kv_hit_rate=h
+            timestamp=60.0 * i,
+            duration_s=60.0,
+            num_requests=n,
+            isl=isl,
+            osl=10.0,
+            ttft_ms=t,
+            kv_hit_rate=h,
+            onboard_ms=o,
         )
-        for i, (n, isl, t, h) in enumerate([(10, 100, 50, 0.5), (30, 200, 90, 0.0), (0, None, None, None)])
+        for i, (n, isl, t, h, o) in enumerate(
+            [(10, 100, 50, 0.5, 2.0), (30, 200, 90, 0.0, 6.0), (0, None, None, None, None)]
+        )
     ]
     merged = resample(base, interval_s=120.0, source="m.jsonl")
     assert len(merged) == 2
@@ -275,5 +284,6 @@ def test_resample_merges_whole_multiples() -> None:
     assert merged[0].isl == pytest.approx((10 * 100 + 30 * 200) / 40)
     assert merged[0].ttft_ms == 90  # the worse p99
     assert merged[0].kv_hit_rate == pytest.approx(0.5 * 1000 / 7000)  # weighted by prompt tokens
+    assert merged[0].onboard_ms == pytest.approx((10 * 2.0 + 30 * 6.0) / 40)  # a mean per request
     with pytest.raises(ValueError, match=r"m\.jsonl: --interval 90s is not a whole multiple"):
         resample(base, interval_s=90.0, source="m.jsonl")

@@ -116,14 +116,16 @@ def test_events_replay_to_the_cache_contents(
         assert len(host) <= host_blocks
         assert len(disk) <= disk_blocks
 
-    def check(_: int, out: StepOutput) -> None:
-        stats["preempted"] += len(out.preempted)
-        events = engine.drain_kv_events()
+    def apply(events: list[KvEvent]) -> None:
         stats["evicted"] += sum(len(e.data.block_hashes) for e in events if e.data.type == "removed")
         for e in events:
             if e.data.type == "updated":
                 stats["offloaded" if e.data.tier else "onboarded"] += len(e.data.block_hashes)
         index.apply(events)
+
+    def check(_: int, out: StepOutput) -> None:
+        stats["preempted"] += len(out.preempted)
+        apply(engine.drain_kv_events())
         matches(index)
         for request in engine.running:
             assert all(engine.blocks.active[h] > 0 for h in request.blocks)
@@ -145,10 +147,10 @@ def test_events_replay_to_the_cache_contents(
             engine.reset_prefix_cache()
         else:
             sim.run_until(sim.now_ms + op.dt)
-        index.apply(engine.drain_kv_events())
+        apply(engine.drain_kv_events())
         matches(index)
     sim.run()
-    index.apply(engine.drain_kv_events())
+    apply(engine.drain_kv_events())
     held = engine.blocks.cached_hashes()
     matches(index)
     assert sum(engine.onboarded_blocks_total) == stats["onboarded"]

@@ -17,36 +17,45 @@ from copse.workers.testing import mock_fleet
 
 
 class Subscriber:
-    """Collects batches and keeps an index: worker -> block hashes."""
+    """Collects batches and keeps an index: worker -> block hash -> cache tier."""
 
     def __init__(self) -> None:
         self.batches: list[KvEventBatch] = []
-        self.blocks: dict[str, set[int]] = {}
+        self.tiers: dict[str, dict[int, int]] = {}
         self.changed = asyncio.Event()
 
     async def on_message(self, msg: Msg) -> None:
         batch = KvEventBatch.model_validate_json(msg.data)
         self.batches.append(batch)
-        held = self.blocks.setdefault(batch.worker_id, set())
+        held = self.tiers.setdefault(batch.worker_id, {})
         for event in batch.events:
             self._apply(held, event)
         self.changed.set()
 
     @staticmethod
-    def _apply(held: set[int], event: KvEvent) -> None:
+    def _apply(held: dict[int, int], event: KvEvent) -> None:
         data = event.data
         if data.type == "stored":
-            held.update(b.block_hash for b in data.blocks)
+            held.update((b.block_hash, 0) for b in data.blocks)
         elif data.type == "removed":
-            held.difference_update(data.block_hashes)
+            for block_hash in data.block_hashes:
+                held.pop(block_hash, None)
+        elif data.type == "updated":
+            held.update(dict.fromkeys(data.block_hashes, data.tier))
         else:
             held.clear()
 
-    async def until(self, worker: str, expected: set[int]) -> None:
+    async def until(self, worker: str, expected: set[int] | dict[int, int]) -> None:
         async with asyncio.timeout(10):
-            while self.blocks.get(worker) != expected:
+            while not self._matches(self.tiers.get(worker), expected):
                 self.changed.clear()
                 await self.changed.wait()
+
+    @staticmethod
+    def _matches(held: dict[int, int] | None, expected: set[int] | dict[int, int]) -> bool:
+        if held is None:
+            return not expected
+        return held == expected if isinstance(expected, dict) else set(held) == expected
 
 
 async def test_mocker_publishes_events_that_mirror_its_cache_and_answers_dumps(nats_url: str) -> None:
@@ -114,6 +123,45 @@ async def test_relay_publishes_what_the_engine_holds(nats_url: str) -> None:
         assert {b.block_hash for b in dump.blocks} == engine.blocks.cached_hashes()
         await http.post(f"{fleet.urls[0]}/reset_prefix_cache")
         await subscriber.until("pod-0", set())
+        stop.set()
+        await relay
+    await nc.drain()
+
+
+async def test_the_relay_says_which_tier_each_block_is_on(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    subscriber = Subscriber()
+    await nc.subscribe(kv_events_subject(namespace="ns", deployment="tiers"), cb=subscriber.on_message)
+    # 24 GPU blocks of 16 tokens and a host tier of 40: later prompts push earlier ones to host
+    # memory, a repeated prompt brings its blocks back
+    config = EngineConfig(block_size=16, num_blocks=24, kv_bytes_per_token=1, host_cache_bytes=40 * 16)
+    async with mock_fleet(config=config) as fleet, httpx.AsyncClient() as http:
+        engine = fleet.servers[0].engine
+        stop = asyncio.Event()
+        relay = asyncio.create_task(
+            run_relay(
+                engine_url=fleet.urls[0],
+                nats_url=nats_url,
+                worker_id="pod-0",
+                namespace="ns",
+                deployment="tiers",
+                block_size=16,
+                interval_s=0.02,
+                stop=stop,
+            )
+        )
+        prompts = [list(range(5000 + 400 * i, 5000 + 400 * i + 160)) for i in range(4)]
+        for prompt in [*prompts, prompts[0]]:
+            reply = await http.post(
+                f"{fleet.urls[0]}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1}
+            )
+            assert reply.status_code == 200
+        expected = {h: engine.blocks.tier_of(h) for h in engine.blocks.cached_hashes()}
+        assert set(expected.values()) == {0, 1}
+        assert engine.onboarded_blocks_total[0] > 0
+        await subscriber.until("pod-0", expected)
+        dump = await request_dump(nc, namespace="ns", deployment="tiers", worker_id="pod-0")
+        assert {b.block_hash: b.tier for b in dump.blocks} == expected
         stop.set()
         await relay
     await nc.drain()

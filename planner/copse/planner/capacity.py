@@ -4,7 +4,10 @@ Built on :class:`copse.workers.perf.PerfModel` (the same model the mocker and th
 queueing added here:
 
 * **Prefill** (TTFT). Each prefill engine serves one prompt at a time; a prompt of ``isl`` tokens
-  with hit rate ``h`` costs ``prefill_ms(new_tokens=isl*(1-h), cached_tokens=isl*h)``. The pool is
+  with hit rate ``h`` costs ``prefill_ms(new_tokens=isl*(1-h), cached_tokens=isl*h)``, plus the
+  time to bring the part of its cached prefix kept in host memory or on disk back to the GPU
+  (``onboard_ms``): with an offload tier the fleet's hit rate is higher and some hits cost a copy.
+  The pool is
   an M/G/c queue: TTFT = the ``quantile`` of the wait (Erlang C tail, Allen-Cunneen scaled by the
   prompt-length variability) + the prefill time of a p90-length prompt (the mean when no p90 is
   known).
@@ -59,13 +62,17 @@ class Workload:
     isl_p90: float | None = None
     """90th percentile input length; sets the TTFT tail and the service-time variability."""
     kv_hit_rate: float = 0.0
-    """Fraction of prompt tokens found in the prefix cache (not recomputed)."""
+    """Fraction of prompt tokens found in the prefix cache (not recomputed), on any tier."""
+    onboard_ms: float = 0.0
+    """Mean time a prompt's cached blocks kept below the GPU take to come back, ms."""
 
     def __post_init__(self) -> None:
         if self.rate < 0 or self.isl <= 0 or self.osl <= 0:
             raise ValueError(f"workload needs rate >= 0 and positive isl/osl, got {self}")
         if not 0 <= self.kv_hit_rate <= 1:
             raise ValueError(f"kv_hit_rate={self.kv_hit_rate} must lie in [0, 1]")
+        if self.onboard_ms < 0:
+            raise ValueError(f"onboard_ms={self.onboard_ms} must not be negative")
 
     @property
     def context_length(self) -> int:
@@ -162,11 +169,16 @@ class CapacityModel:
 
     # --- building blocks -----------------------------------------------------------------
 
-    def prefill_service_ms(self, isl: float, *, hit_rate: float, scale: float = 1.0) -> float:
-        """Prefill time of one prompt of ``isl`` tokens with ``hit_rate`` of them cached, ms."""
+    def prefill_service_ms(
+        self, isl: float, *, hit_rate: float, scale: float = 1.0, onboard_ms: float = 0.0
+    ) -> float:
+        """Prefill time of one prompt of ``isl`` tokens with ``hit_rate`` of them cached, after
+        ``onboard_ms`` bringing the cached blocks kept below the GPU back, ms."""
         total = max(1, round(isl))
         new_tokens = max(1, round(total * (1.0 - hit_rate)))
-        return self.perf.prefill_ms(new_tokens=new_tokens, cached_tokens=total - new_tokens) * scale
+        return (
+            self.perf.prefill_ms(new_tokens=new_tokens, cached_tokens=total - new_tokens) + onboard_ms
+        ) * scale
 
     def service_scv(self, load: Workload) -> float:
         """Squared coefficient of variation of prefill service time (from p90 when known)."""
@@ -317,9 +329,14 @@ class CapacityModel:
                 corrections=corrections,
             )
         prefill, decode = replicas[Role.PREFILL], replicas[Role.DECODE]
-        service = self.prefill_service_ms(load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill)
+        service = self.prefill_service_ms(
+            load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill, onboard_ms=load.onboard_ms
+        )
         tail = self.prefill_service_ms(
-            load.isl_p90 or load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill
+            load.isl_p90 or load.isl,
+            hit_rate=load.kv_hit_rate,
+            scale=corrections.prefill,
+            onboard_ms=load.onboard_ms,
         )
         ttft, prefill_end = self._queue(
             servers=prefill,
@@ -358,9 +375,14 @@ class CapacityModel:
             waited = duration_s * 1000.0
             end = backlog.prefill + load.rate * duration_s
             return Estimate(ttft_ms=waited, itl_ms=waited, backlog=Backlog(prefill=end), decoding=0.0)
-        service = self.prefill_service_ms(load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill)
+        service = self.prefill_service_ms(
+            load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill, onboard_ms=load.onboard_ms
+        )
         tail = self.prefill_service_ms(
-            load.isl_p90 or load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill
+            load.isl_p90 or load.isl,
+            hit_rate=load.kv_hit_rate,
+            scale=corrections.prefill,
+            onboard_ms=load.onboard_ms,
         )
         context = load.context_length
         n_max = self.max_batch(context)
@@ -423,10 +445,14 @@ class CapacityModel:
             return Sizing(replicas=0, throughput_replicas=0, feasible=True)
         isl = max(2, round(load.isl))
         cached = min(isl - 1, round(isl * load.kv_hit_rate))
-        per_gpu = self.perf.prefill_tokens_per_s_per_gpu(isl=isl, cached_tokens=cached) / scale
-        demand = load.rate * (isl - cached)
-        bound = math.ceil(demand / (per_gpu * self.perf.gpus_per_engine))
-        tail = self.prefill_service_ms(load.isl_p90 or load.isl, hit_rate=load.kv_hit_rate, scale=scale)
+        per_request_ms = (
+            self.perf.prefill_ms(new_tokens=isl - cached, cached_tokens=cached) + load.onboard_ms
+        ) * scale
+        # the throughput bound: a prefill engine serves one prompt at a time
+        bound = math.ceil(load.rate * per_request_ms / 1000.0)
+        tail = self.prefill_service_ms(
+            load.isl_p90 or load.isl, hit_rate=load.kv_hit_rate, scale=scale, onboard_ms=load.onboard_ms
+        )
         if tail > ttft_ms:
             return Sizing(replicas=bound, throughput_replicas=bound, feasible=False)
         corrections = Corrections(prefill=scale)
@@ -486,7 +512,9 @@ class CapacityModel:
         if load.rate <= 0:
             return Sizing(replicas=0, throughput_replicas=0, feasible=True)
         corrections = corrections or Corrections()
-        service = self.prefill_service_ms(load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill)
+        service = self.prefill_service_ms(
+            load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill, onboard_ms=load.onboard_ms
+        )
         per_engine = self.decode_throughput_per_engine(load, itl_ms=itl_ms, scale=corrections.decode)
         feasible = per_engine > 0
         if not feasible:
@@ -499,7 +527,10 @@ class CapacityModel:
         # Engine-seconds per second: prefill time plus decode time at the best batch.
         bound = math.ceil(load.rate * service / 1000.0 + load.rate * load.osl / per_engine)
         tail = self.prefill_service_ms(
-            load.isl_p90 or load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill
+            load.isl_p90 or load.isl,
+            hit_rate=load.kv_hit_rate,
+            scale=corrections.prefill,
+            onboard_ms=load.onboard_ms,
         )
         # With unlimited engines a lone request still pays its prefill and one decode step.
         alone = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)

@@ -48,6 +48,7 @@ def workload_of(load: LoadForecast | Observation, *, scale: float = 1.0) -> Work
         osl=load.osl or 1.0,
         isl_p90=load.isl_p90,
         kv_hit_rate=load.kv_hit_rate or 0.0,
+        onboard_ms=load.onboard_ms or 0.0,
     )
 
 
@@ -311,7 +312,10 @@ class Planner:
             floors[self.limits.back] = math.ceil(inflight / self.capacity.max_batch(load.context_length))
         if queued:
             service_ms = self.capacity.prefill_service_ms(
-                load.isl, hit_rate=load.kv_hit_rate, scale=self.corrections.prefill
+                load.isl,
+                hit_rate=load.kv_hit_rate,
+                scale=self.corrections.prefill,
+                onboard_ms=load.onboard_ms,
             )
             floor = math.ceil(queued * service_ms / self.limits.ttft_ms)
             floors[self.limits.front] = max(floors.get(self.limits.front, 0), floor)

@@ -11,7 +11,7 @@ from copse.planner.observations import Observation
 from copse.planner.predictors import PredictorSettings, make_predictor
 
 #: Series forecast from each observation; the optional ones only once the source has given them.
-SERIES: tuple[str, ...] = ("num_requests", "isl", "osl", "isl_p90", "kv_hit_rate")
+SERIES: tuple[str, ...] = ("num_requests", "isl", "osl", "isl_p90", "kv_hit_rate", "onboard_ms")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +30,8 @@ class LoadForecast:
     """90th percentile input length, tokens, when the source gives it."""
     kv_hit_rate: float
     """Expected prefix-cache hit rate (0 when unknown)."""
+    onboard_ms: float = 0.0
+    """Expected onboarding time of a request's cached blocks kept below the GPU, ms (0 when unknown)."""
 
     @property
     def rate(self) -> float:
@@ -68,7 +70,7 @@ class LoadForecaster:
         self.duration_s = obs.duration_s
         self._update("num_requests", obs.num_requests)
         if obs.num_requests > 0:
-            for name in ("isl", "osl", "isl_p90", "kv_hit_rate"):
+            for name in ("isl", "osl", "isl_p90", "kv_hit_rate", "onboard_ms"):
                 self._update(name, getattr(obs, name))
 
     def margin(self, quantile: float) -> float:
@@ -104,6 +106,7 @@ class LoadForecaster:
                     osl=max(osl, 1.0),
                     isl_p90=None if at["isl_p90"] is None else max(at["isl_p90"], isl),
                     kv_hit_rate=min(max(at["kv_hit_rate"] or 0.0, 0.0), 1.0),
+                    onboard_ms=max(at["onboard_ms"] or 0.0, 0.0),
                 )
             )
         return out

@@ -28,7 +28,11 @@ class Observation:
     isl_p90: float | None = None
     """90th percentile of the input length, tokens: long prompts set the TTFT tail."""
     kv_hit_rate: float | None = None
-    """Fraction of prompt tokens served from the prefix cache, in [0, 1]."""
+    """Fraction of prompt tokens served from the prefix cache, in [0, 1] (on any tier: a prefix the
+    engines keep in host memory or on disk counts, see :mod:`copse.workers.perf.tiers`)."""
+    onboard_ms: float | None = None
+    """Mean time a request's prefill spent bringing cached blocks back from host memory or disk,
+    ms (the router's prediction; 0 without offload tiers)."""
     ttft_ms: float | None = None
     """Observed p99 time to first token, ms (drives the prefill correction factor)."""
     itl_ms: float | None = None
@@ -79,6 +83,7 @@ def merge(group: Sequence[Observation]) -> Observation:
         isl_p90=_largest([obs.isl_p90 for obs in group]),
         # The hit rate is a fraction of prompt tokens, so it averages over prompt tokens.
         kv_hit_rate=_weighted([(obs.kv_hit_rate, t) for obs, t in zip(group, prompt_tokens, strict=True)]),
+        onboard_ms=_weighted([(obs.onboard_ms, w) for obs, w in zip(group, weights, strict=True)]),
         ttft_ms=_largest([obs.ttft_ms for obs in group]),
         itl_ms=_largest([obs.itl_ms for obs in group]),
         queue_depth=group[-1].queue_depth,

@@ -51,6 +51,10 @@ DEFAULT_QUERIES: dict[str, str] = {
         "sum(increase(copse_router_predicted_cached_tokens_total{{{selector}}}[{window}]))"
         " / sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}]))"
     ),
+    "onboard_ms": (
+        "1000 * sum(increase(copse_router_predicted_onboard_seconds_total{{{selector}}}[{window}]))"
+        " / sum(increase(copse_router_requests_total{{{selector}}}[{window}]))"
+    ),
     "ttft_ms": (
         "1000 * histogram_quantile({quantile}, "
         "sum by (le) (rate(copse_router_time_to_first_token_seconds_bucket{{{selector}}}[{window}])))"
@@ -168,6 +172,7 @@ class PrometheusSource:
             osl=values["osl"] if busy else None,
             isl_p90=values["isl_p90"] if busy else None,
             kv_hit_rate=_fraction(values["kv_hit_rate"]),
+            onboard_ms=values["onboard_ms"] if busy else None,
             ttft_ms=values["ttft_ms"] if busy else None,
             itl_ms=values["itl_ms"] if busy else None,
             queue_depth=values["queue_depth"],

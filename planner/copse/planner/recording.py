@@ -25,6 +25,7 @@ REQUIRED_FIELDS: tuple[str, ...] = ("timestamp", "num_requests", "isl", "osl")
 OPTIONAL_FIELDS: tuple[str, ...] = (
     "isl_p90",
     "kv_hit_rate",
+    "onboard_ms",
     "ttft_ms",
     "itl_ms",
     "queue_depth",
@@ -152,6 +153,7 @@ def _observation(where: str, record: dict[str, Any], duration: float) -> Observa
         osl=lengths["osl"],
         isl_p90=_optional(where, record, "isl_p90"),
         kv_hit_rate=_optional(where, record, "kv_hit_rate", maximum=1.0),
+        onboard_ms=_optional(where, record, "onboard_ms"),
         ttft_ms=_optional(where, record, "ttft_ms"),
         itl_ms=_optional(where, record, "itl_ms"),
         queue_depth=_optional(where, record, "queue_depth"),
@@ -223,6 +225,7 @@ def read_prometheus_export(path: Path) -> list[Observation]:
                 osl=values["osl"] if num_requests > 0 else None,
                 isl_p90=values.get("isl_p90"),
                 kv_hit_rate=values.get("kv_hit_rate"),
+                onboard_ms=values.get("onboard_ms"),
                 ttft_ms=values.get("ttft_ms"),
                 itl_ms=values.get("itl_ms"),
                 queue_depth=values.get("queue_depth"),

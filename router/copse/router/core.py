@@ -134,6 +134,9 @@ class Route(NamedTuple):
     """Prompt tokens the prefilling worker is predicted to hold already."""
     predicted_ttft_ms: float
     """Predicted time to first token at the moment of routing."""
+    onboard_ms: float = 0.0
+    """Of it, the time predicted to bring cached blocks the prefilling worker keeps in host memory
+    or on disk back to its GPU."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -472,11 +475,12 @@ class Router:
         request = selection.request
         cached = selection.cached_tokens(slot)
         ttft = selection.ttft_ms().item(slot)  # before charging changes the load
+        onboard_ms = selection.onboard_ms(slot)
         self._charge(
             request,
             slot=slot,
             cached_tokens=cached,
-            onboard_ms=selection.onboard_ms(slot),
+            onboard_ms=onboard_ms,
             output=True,
             key=request.request_id,
             now=now,
@@ -489,6 +493,7 @@ class Router:
                 prompt_tokens=request.prompt_tokens,
                 cached_tokens=cached,
                 predicted_ttft_ms=ttft,
+                onboard_ms=onboard_ms,
             )
         )
 
@@ -532,11 +537,12 @@ class Router:
 
         cached = prefill.cached_tokens(p_slot)
         prefill_key = _prefill_key(request.request_id)
+        onboard_ms = prefill.onboard_ms(p_slot)
         self._charge(
             request,
             slot=p_slot,
             cached_tokens=cached,
-            onboard_ms=prefill.onboard_ms(p_slot),
+            onboard_ms=onboard_ms,
             output=False,
             key=prefill_key,
             now=now,
@@ -558,6 +564,7 @@ class Router:
                 prompt_tokens=request.prompt_tokens,
                 cached_tokens=cached,
                 predicted_ttft_ms=remote_ttft,
+                onboard_ms=onboard_ms,
             )
         )
 

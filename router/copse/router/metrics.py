@@ -71,6 +71,12 @@ class RouterMetrics:
             "Prompt tokens the chosen worker was predicted to hold (hit rate = this / prompt tokens).",
             registry=r,
         )
+        self.onboard_seconds = Counter(
+            f"{PREFIX}_predicted_onboard_seconds",
+            "Time the chosen workers were predicted to spend bringing cached prompt blocks back from "
+            "host memory or disk (the planner adds it per request to its prefill service time).",
+            registry=r,
+        )
         self.retries = Counter(
             f"{PREFIX}_retries", "Requests sent again to another worker before their first token.", registry=r
         )

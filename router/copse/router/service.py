@@ -481,6 +481,7 @@ class RoutingService:
         self.metrics.prompt_tokens.inc(route.prompt_tokens)
         self.metrics.prompt_length.observe(route.prompt_tokens)
         self.metrics.cached_tokens.inc(route.cached_tokens)
+        self.metrics.onboard_seconds.inc(route.onboard_ms / 1000.0)
         self._changed()
         return route
 

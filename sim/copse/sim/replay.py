@@ -411,6 +411,8 @@ class Fleet:
         """Prompt tokens the engine found cached."""
         self.predicted_cached = np.zeros(n)
         """Prompt tokens the router predicted the chosen engine held."""
+        self.predicted_onboard_ms = np.zeros(n)
+        """Time the router predicted the chosen engine would spend onboarding cached blocks, ms."""
         self._pending: dict[str, _Pending] = {}
         self._placements: list[int] = []
         """Expert placement version each MoE engine last reported to the router."""
@@ -519,6 +521,7 @@ class Fleet:
                 continue
             self.routed_ms[item.index] = now
             self.predicted_cached[item.index] = route.cached_tokens
+            self.predicted_onboard_ms[item.index] = route.onboard_ms
 
     def _on_step(self, index: int, output: StepOutput) -> None:
         engine = self.simulator.engines[index]

@@ -104,6 +104,7 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         osl=float(outputs.sum()) / requests if requests else None,
         isl_p90=histogram_quantile(0.9, fleet.prompts[routed], PROMPT_LENGTH_BUCKETS),
         kv_hit_rate=float(fleet.predicted_cached[routed].sum()) / prompt_tokens if prompt_tokens else None,
+        onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
         itl_ms=None if itl_s is None else itl_s * 1000.0,
         queue_depth=_queued(fleet),

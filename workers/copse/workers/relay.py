@@ -31,6 +31,11 @@ it by one, each stored block it cannot translate raises it; at 0 nothing is unkn
 with several block pools, attention DP or several window sizes, are never proven: their blocks
 may repeat across pools.) An engine restart (``created`` 0 again) makes everything known (empty).
 
+Cache tiers: an ``updated`` event that changes a held block's ``cache_level`` (offloaded to host
+memory, onboarded back; see :mod:`copse.workers.perf.tiers`) becomes a copse ``updated`` event with
+the block's new tier, and so does a stored block on a lower level; dumps and ancestries published
+again keep each block's tier. Priority-only updates are no news to a router.
+
 Events of a type it does not know are skipped one at a time and counted; their ids count. Dumps
 list what it holds, ``exact=False`` while it has lost track (never blocks it does not hold).
 Blocks it cannot translate are dropped and counted (``copse_kv_relay_dropped_blocks_total``).
@@ -65,6 +70,7 @@ from copse.workers.protocol.kv_events import (
     KvRemoved,
     KvReset,
     KvStored,
+    KvUpdated,
     StoredBlock,
 )
 from copse.workers.protocol.trtllm import (
@@ -73,6 +79,7 @@ from copse.workers.protocol.trtllm import (
     TrtllmEventEnvelope,
     TrtllmRemoved,
     TrtllmStored,
+    TrtllmUpdated,
 )
 
 log = logging.getLogger(__name__)
@@ -208,7 +215,8 @@ class KvRelay:
             self._removed(data.block_hashes)
         elif isinstance(data, TrtllmCreated):
             self._capacity[pool] = sum(data.num_blocks_per_cache_level)
-        # ``updated`` (a block moved between cache levels, or its priority changed): still held.
+        elif isinstance(data, TrtllmUpdated):
+            self._updated(data)
         if not self.exact and self._unknown <= 0:
             self._now_exact()
 
@@ -241,7 +249,8 @@ class KvRelay:
             block_hash = chain_hash(parent, local)
             if block.block_hash not in self._held:
                 self._unlink(block.block_hash, self._remembered.pop(block.block_hash, None))
-                self._hold(block.block_hash, _Block(DumpBlock(block_hash, parent, local), previous))
+                tier = block.cache_level if 0 <= block.cache_level <= 2 else 0
+                self._hold(block.block_hash, _Block(DumpBlock(block_hash, parent, local, tier), previous))
                 blocks.append(StoredBlock(block_hash, local))
             elif blocks:
                 break  # a known block inside the run: the rest would not be consecutive after it
@@ -250,6 +259,35 @@ class KvRelay:
             parent, previous = block_hash, block.block_hash
         if blocks:
             self._emit(KvStored(parent_hash=first_parent, blocks=tuple(blocks)))
+            self._emit_tiers([self._held[b.block_hash] for b in data.blocks if b.block_hash in self._held])
+
+    def _emit_tiers(self, blocks: Sequence[_Block]) -> None:
+        """Blocks just published as stored (on the GPU) that are on a lower tier: say so."""
+        for tier in (1, 2):
+            moved = tuple(b.copse.block_hash for b in blocks if b.copse.tier == tier)
+            if moved:
+                self._emit(KvUpdated(block_hashes=moved, tier=tier, previous_tier=0))
+
+    def _updated(self, data: TrtllmUpdated) -> None:
+        level = data.cache_level
+        block = self._held.get(data.block_hash)
+        if level is None or level.new_value == level.old_value:
+            return  # a priority change
+        if not 0 <= level.new_value <= 2:
+            self._dropped.labels("cache_level").inc()
+            return
+        if block is None:
+            remembered = self._remembered.get(data.block_hash)
+            if remembered is not None:  # not published as held: only keep its tier right
+                remembered.copse = remembered.copse._replace(tier=level.new_value)
+            return
+        if block.copse.tier == level.new_value:
+            return
+        previous = block.copse.tier
+        block.copse = block.copse._replace(tier=level.new_value)
+        self._emit(
+            KvUpdated(block_hashes=(block.copse.block_hash,), tier=level.new_value, previous_tier=previous)
+        )
 
     def _recall(self, engine_hash: int) -> None:
         """``engine_hash`` is the parent of a stored block, so the engine holds it and its ancestors:
@@ -273,6 +311,7 @@ class KvRelay:
                 blocks=tuple(StoredBlock(b.copse.block_hash, b.copse.tokens_hash) for b in recalled),
             )
         )
+        self._emit_tiers(recalled)
 
     def _removed(self, engine_hashes: Sequence[int]) -> None:
         gone: list[int] = []
