@@ -103,7 +103,7 @@ def test_events_in_order_are_applied() -> None:
 
 
 def test_updated_events_move_blocks_between_tiers_and_dumps_carry_the_tiers() -> None:
-    indexer = RadixIndexer(WorkerSlots())
+    indexer = RadixIndexer(WorkerSlots(), default_capacity_blocks=1024)
     path = _PATHS[2]
     indexer.apply(_batch("w", 7, _stored(1, None, path)))
     slot = indexer.slots.slot("w")

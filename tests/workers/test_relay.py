@@ -21,6 +21,7 @@ from copse.workers.protocol import (
     KvEventBatch,
     KvRemoved,
     KvStored,
+    KvUpdated,
     chain_hash,
     chain_hashes,
     tokens_hashes,
@@ -116,20 +117,21 @@ def test_a_recorded_stream_translates_to_copse_events_and_a_dump() -> None:
             _created(),
             _stored(1, None, (9001, 100), (9002, 200)),
             _stored(2, 9002, (9003, 300)),  # the parent is an engine hash
-            _updated(3, 9001),  # offloaded to host memory: still held
+            _updated(3, 9001),  # offloaded to host memory: still held, on tier 1
             _removed(4, 9003),
         ]
     )
-    assert _types(events) == ["reset", "cleared", "stored", "stored", "removed"]
-    assert [e.event_id for e in events] == [1, 2, 3, 4, 5]
+    assert _types(events) == ["reset", "cleared", "stored", "stored", "updated", "removed"]
+    assert [e.event_id for e in events] == [1, 2, 3, 4, 5, 6]
     stored = _stored_data(events[3])
     assert stored.parent_hash == b
     assert [blk.block_hash for blk in stored.blocks] == [c]
-    assert _removed_hashes(events[4]) == (c,)
+    assert events[4].data == KvUpdated(block_hashes=(a,), tier=1, previous_tier=0)
+    assert _removed_hashes(events[5]) == (c,)
     dump = relay.dump()
     assert dump.exact
-    assert dump.last_event_id == 5
-    assert [(blk.block_hash, blk.parent_hash) for blk in dump.blocks] == [(a, None), (b, a)]
+    assert dump.last_event_id == 6
+    assert [(blk.block_hash, blk.parent_hash, blk.tier) for blk in dump.blocks] == [(a, None, 1), (b, a, 0)]
     assert _count(registry, "copse_kv_relay_engine_events_total", type="updated") == 1
     assert _count(registry, "copse_kv_relay_exact") == 1
 
