@@ -115,7 +115,8 @@ class Flaky:
     url: str
     engine: str
     mode: str = "pass"
-    """pass | break (close the connection) | hang (send nothing more) | error (an error event)."""
+    """pass | break (close the connection) | hang (send nothing more) | error (an error event) |
+    reject (answer every request with a 400)."""
     after: int = 3
     healthy: bool = True
     requests: int = 0
@@ -138,6 +139,9 @@ async def flaky(engine_url: str, *, name: str) -> AsyncIterator[Flaky]:
 
     async def generate(request: web.Request) -> web.StreamResponse:
         state.requests += 1
+        if state.mode == "reject":
+            error = {"object": "error", "message": "prompt too long", "type": "BadRequestError", "code": 400}
+            return web.json_response(error, status=400)
         async with session.post(f"{engine_url}{request.path}", data=await request.read()) as upstream:
             response = web.StreamResponse(
                 status=upstream.status, headers={"Content-Type": upstream.content_type}
@@ -395,3 +399,31 @@ async def test_a_worker_streaming_output_is_not_dropped_for_slow_probes() -> Non
             await eventually(lambda: "busy" not in running.service.router.workers)
         finally:
             await running.close()
+
+
+async def test_a_continuation_refused_as_a_bad_request_ends_the_stream_with_the_reason() -> None:
+    path, body = _body(chat=False, max_tokens=12)
+    async with (
+        mock_fleet(engines=1) as fleet,
+        flaky(fleet.urls[0], name="breaks") as breaks,
+        flaky(fleet.urls[0], name="rejects") as rejects,
+    ):
+        breaks.mode, rejects.mode = "break", "reject"
+        running = await _started(
+            _config([{"url": breaks.url}, {"url": rejects.url}], policy="round_robin"), 2
+        )
+        try:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(2):  # round robin starts one of them on the breaking worker
+                    async with http.post(f"{running.url}{path}", json=body) as response:
+                        if response.status == 400:
+                            continue  # started on the rejecting worker: a plain 400
+                        events = await _sse(response)
+                        break
+        finally:
+            await running.close()
+    assert breaks.requests == 1
+    assert len(_text(events)[1]) == 3
+    assert "refused the continuation" in events[-1]["error"]["message"]
+    assert "prompt too long" in events[-1]["error"]["message"]
+    assert running.service.metrics.failed_streams.labels(reason="refused")._value.get() == 1

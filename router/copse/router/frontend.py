@@ -90,6 +90,10 @@ class _AttemptFailed(Exception):
         self.reason = reason
 
 
+class _Refused(Exception):
+    """A worker refused a stream's continuation as a bad request (4xx): another would too."""
+
+
 class _Abandoned(Exception):
     """The router gave up on the worker of an attempt (see :meth:`_Attempt.abandon`)."""
 
@@ -324,6 +328,11 @@ class RouterService(RoutingService):
                 return error_response(503, str(exc))
             try:
                 response = await self._forward(http, route, payload, path=path, stream=stream)
+            except _Refused as exc:
+                self._finish(route.request_id)
+                assert stream is not None
+                await stream.seal()
+                return await self._end_stream(stream, str(exc), why="refused")
             except _AttemptFailed as exc:
                 self._finish(route.request_id)
                 exclude.add(exc.worker_id)
@@ -480,6 +489,10 @@ class RouterService(RoutingService):
                 raise _AttemptFailed(
                     f"worker answered {upstream.status}: {(await upstream.text())[:200]}",
                     worker_id=route.worker_id,
+                )
+            if upstream.status != 200 and stream is not None and stream.client is not None:
+                raise _Refused(
+                    f"worker {route.worker_id} refused the continuation: {(await upstream.text())[:300]}"
                 )
             if upstream.status != 200 or stream is None:
                 body = await upstream.read()

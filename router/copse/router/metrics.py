@@ -90,7 +90,8 @@ class RouterMetrics:
         self.failed_streams = Counter(
             f"{PREFIX}_failed_streams",
             "Streams ended with an error event after their first token, by why they could not go on:"
-            " limit (migration_limit reached), unavailable (no worker), untracked (no token ids streamed).",
+            " limit (migration_limit reached), unavailable (no worker), untracked (no token ids streamed),"
+            " refused (a worker answered the continuation with a 4xx).",
             ["reason"],
             registry=r,
         )
