@@ -32,6 +32,15 @@ def _prompt(n: int, *, salt: int = 0) -> list[int]:
     return [(i * 7919 + salt * 104729) % 30000 + 256 for i in range(n)]
 
 
+def test_a_step_admits_only_requests_that_arrived_by_its_start() -> None:
+    # An engine loop running behind the wall clock plans steps that started before a request came.
+    engine = _engine()
+    engine.add_request(request_id="later", tokens=_prompt(100), max_tokens=2, now_ms=100.0)
+    assert engine.begin_step(50.0) is None
+    assert engine.next_wake_ms() == 100.0
+    assert engine.begin_step(100.0) == pytest.approx(100.0 + PERF.prefill_ms(new_tokens=100))
+
+
 def test_single_request_ttft_and_itl_match_the_perf_model() -> None:
     engine = _engine()
     steps: list[StepOutput] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -106,6 +107,37 @@ async def test_ttft_and_itl_in_metrics_follow_the_perf_model_on_a_virtual_clock(
         assert kv["tokensPerBlock"] == 32
         assert kv["usedNumBlocks"] + kv["freeNumBlocks"] == kv["maxNumBlocks"]
         assert (await http.get("/metrics")).json() == []  # drained
+
+
+async def test_a_late_event_loop_delays_tokens_but_does_not_slow_the_engine() -> None:
+    # Steps start when the previous one ended, not when the process gets round to them: a loop
+    # blocked mid-stream (a loaded machine, other engines in the process) is caught up on.
+    max_tokens = 12
+    async with mock_fleet() as fleet, httpx.AsyncClient(base_url=fleet.urls[0], timeout=30) as http:
+        body = {
+            "model": "mock-model",
+            "prompt": list(range(256, 1256)),
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data:"):
+                    time.sleep(0.3)  # blocks every engine step of the process for 300 ms
+                    break
+            rest = [line async for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        metrics = (await http.get("/prometheus/metrics")).text
+    e2e = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("trtllm_e2e_request_latency_seconds_sum{")
+    ]
+    itl = [
+        PERF.decode_itl_ms(active_kv_tokens=1000 + k, context_length=1000 + k) for k in range(1, max_tokens)
+    ]
+    assert e2e == [pytest.approx((PERF.prefill_ms(new_tokens=1000) + sum(itl)) / 1000, rel=1e-9)]
 
 
 @pytest.mark.parametrize(

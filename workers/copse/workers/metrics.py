@@ -29,6 +29,12 @@ NUM_REQUESTS_RUNNING = "trtllm_num_requests_running"
 NUM_REQUESTS_WAITING = "trtllm_num_requests_waiting"
 """Gauge: requests queued (including KV transfers in flight)."""
 
+# copse's mocked engines only ------------------------------------------------------------------
+MOCK_STEP_LAG_SECONDS = "copse_mock_step_lag_seconds"
+"""Histogram: how long after a step's end (on the engine's own timeline) the mocker's process
+delivered its output: the host's lag behind the engines it simulates (0 when it keeps up; tokens
+reach clients this much late, the engine itself is not slowed)."""
+
 # copse KV relay --------------------------------------------------------------------------------
 RELAY_EVENTS = "copse_kv_relay_events"
 """Counter (``_total``) by ``type``: copse KV events published by the relay."""

@@ -21,9 +21,10 @@ class RealClock:
         return asyncio.get_running_loop().time() * 1000.0
 
     async def sleep_until(self, t_ms: float) -> None:
+        """Sleep until ``t_ms``; when it has passed, still yield once (a loop catching up lets the
+        HTTP handlers run between steps)."""
         delay = t_ms - self.now_ms()
-        if delay > 0:
-            await asyncio.sleep(delay / 1000.0)
+        await asyncio.sleep(delay / 1000.0 if delay > 0 else 0)
 
 
 class VirtualClock:

@@ -13,10 +13,10 @@ Scheduling, once per step (vLLM v1): running sequences first, in order, each tak
 ``num_tokens - num_computed`` tokens of the step's budget (a prompt's remaining chunk, or 1 to
 decode); a sequence that cannot get blocks preempts the most recently admitted running
 sequence (LIFO), which frees its blocks, forgets its progress and goes back to the front of the
-waiting queue. Then, unless something was preempted, waiting sequences are admitted in order
-while the budget, ``max_num_seqs`` and the free blocks allow; a sequence's prefix-cache hit is
-applied when it is admitted. A sequence samples a token when a step brings its computed tokens
-up to its length; the first such token is its first token.
+waiting queue. Then, unless something was preempted, waiting sequences that arrived by the step's
+start are admitted in order while the budget, ``max_num_seqs`` and the free blocks allow; a
+sequence's prefix-cache hit is applied when it is admitted. A sequence samples a token when a
+step brings its computed tokens up to its length; the first such token is its first token.
 
 Step time = ``prefill_batch_ms(chunks) / speedup + decode_itl_ms(...) / (speedup * decode_speedup)``;
 an expert-parallel engine (``EngineConfig.moe``) stretches it by its slowest rank's share of the
@@ -465,10 +465,12 @@ class Engine:
 
     def next_wake_ms(self) -> float | None:
         """When an idle engine with nothing schedulable next has something to do (a KV transfer
-        completing); ``None`` if nothing is pending."""
-        if not self._transfers:
-            return None
-        return min(request.ready_ms for request in self._transfers)
+        completing, or a queued request arriving: a step admits only requests that arrived by its
+        start); ``None`` if nothing is pending."""
+        wakes = [request.ready_ms for request in self._transfers]
+        if self.waiting and not self.running:
+            wakes.append(self.waiting[0].arrival_ms)
+        return min(wakes, default=None)
 
     def begin_step(self, now_ms: float, *, horizon_ms: float | None = None) -> float | None:
         """Plan a step starting at ``now_ms`` and return its end time; ``None`` if there is nothing to run.
@@ -530,7 +532,7 @@ class Engine:
         if not preempted:
             max_seqs = self.config.max_num_seqs
             waiting = self.waiting
-            while waiting and budget > 0 and len(running) < max_seqs:
+            while waiting and budget > 0 and len(running) < max_seqs and waiting[0].arrival_ms <= now_ms:
                 request = waiting[0]
                 if request.awaiting_first:
                     if not self._grow(request, request.prompt_len):

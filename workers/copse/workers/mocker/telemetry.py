@@ -87,6 +87,9 @@ class EngineMetrics:
         self.queue = histogram(
             names.QUEUE_SECONDS, "Time queued before the first step", names.REQUEST_BUCKETS
         )
+        self.step_lag = histogram(
+            names.MOCK_STEP_LAG_SECONDS, "Delivery of a step's output after its end", names.TTFT_BUCKETS
+        )
         own.register(_EngineState(engine, labels))
         self.registry = CollectorRegistry()
         """What ``/prometheus/metrics`` serves."""
