@@ -196,6 +196,26 @@ async def fake_worker() -> AsyncIterator[tuple[str, dict[str, Any]]]:
         await response.prepare(request)
         if state["mode"] == "hold":
             await state["release"].wait()
+        if state["mode"] == "split":
+            # three events in one write, then the rest in 7-byte pieces that cut lines anywhere
+            events = [
+                {
+                    "id": "x",
+                    "object": "text_completion",
+                    "model": MODEL,
+                    "choices": [{"index": 0, "text": f" t{i}"}],
+                }
+                for i in range(6)
+            ]
+            sse = (
+                b"".join(f"data: {json.dumps(event)}\n\n".encode() for event in events) + b"data: [DONE]\n\n"
+            )
+            cut = sse.index(b"data:", sse.index(b" t3"))
+            await response.write(sse[:cut])
+            for start in range(cut, len(sse), 7):
+                await asyncio.sleep(0.005)
+                await response.write(sse[start : start + 7])
+            return response
         chunk = {
             "id": "x",
             "object": "text_completion",
@@ -260,6 +280,24 @@ async def test_a_worker_failing_mid_stream_ends_it_with_an_error_event(
         assert events[0]["choices"][0]["text"] == " a"
         assert events[-1]["error"]["code"] == 502
         assert "[DONE]" not in events
+    finally:
+        await running.close()
+
+
+async def test_events_packed_into_one_read_or_cut_across_reads_reach_the_client_whole(
+    fake_worker: tuple[str, dict[str, Any]],
+) -> None:
+    url, state = fake_worker
+    state["mode"] = "split"
+    running = await _started(_config([url]), 1)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True}
+            async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                assert response.status == 200
+                events = await _sse(response)
+        assert [e["choices"][0]["text"] for e in events[:-1]] == [f" t{i}" for i in range(6)]
+        assert events[-1] == "[DONE]"
     finally:
         await running.close()
 

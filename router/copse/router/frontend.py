@@ -67,6 +67,7 @@ RETRY_AFTER_S = 1
 """``Retry-After`` of a 503: about the time a busy worker takes to admit more work."""
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def error_response(status: int, message: str, *, param: str | None = None) -> web.Response:
@@ -143,13 +144,19 @@ class _ClientStream:
         """Start the client's answer with the lines held back so far."""
         self.client = web.StreamResponse(headers=_SSE_HEADERS)
         await self.client.prepare(http)
-        for line in held:
-            await self.write(line)
+        await self.write_lines(held)
 
     async def write(self, line: bytes) -> None:
+        await self.write_lines([line])
+
+    async def write_lines(self, lines: list[bytes]) -> None:
+        """Send ``lines`` (each ending with its newline) to the client in one write: one chunk and
+        one system call for all the events a worker had sent since the last read."""
+        if not lines:
+            return
         assert self.client is not None
-        await self.client.write(line)
-        self.open_event = line.strip() != b""
+        await self.client.write(lines[0] if len(lines) == 1 else b"".join(lines))
+        self.open_event = lines[-1].strip() != b""
 
     async def seal(self) -> None:
         """End an event a broken stream left open, so that the next one stays separate."""
@@ -308,7 +315,7 @@ class RouterService(RoutingService):
             self.metrics.requests.labels(status=str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param)
         request, route_request = prepared.request, prepared.route
-        original = json.loads(raw)
+        original = prepared.body
         payload = original
         stream = None
         if request.stream:
@@ -327,7 +334,9 @@ class RouterService(RoutingService):
                 self.metrics.requests.labels(status="503").inc()
                 return error_response(503, str(exc))
             try:
-                response = await self._forward(http, route, payload, path=path, stream=stream)
+                response = await self._forward(
+                    http, route, payload, path=path, stream=stream, raw=raw if payload is original else None
+                )
             except _Refused as exc:
                 self._finish(route.request_id)
                 assert stream is not None
@@ -461,7 +470,11 @@ class RouterService(RoutingService):
         *,
         path: str,
         stream: _ClientStream | None,
+        raw: bytes | None = None,
     ) -> web.StreamResponse:
+        """Send ``payload`` to the route's worker(s) and relay the answer; ``raw``: ``payload``'s
+        bytes as the client sent them, forwarded as they are when the worker gets it unchanged
+        (a long prompt is not encoded again)."""
         url = self._urls.get(route.worker_id)
         if url is None:
             raise _AttemptFailed(f"worker {route.worker_id} is gone", worker_id=route.worker_id)
@@ -473,6 +486,7 @@ class RouterService(RoutingService):
         attempt = _Attempt(workers)
         self._attempts.add(attempt)
         upstream = None
+        sent: bytes | None = None
         try:
             if route.prefill_worker_id is not None:
                 params = await self._prefill_remotely(route, payload, path, attempt)
@@ -481,7 +495,14 @@ class RouterService(RoutingService):
                 # A whole request on a decode worker (short prompt, or no prefill worker): trtllm-serve's
                 # conditional disaggregation marks it so.
                 payload = {**payload, "disaggregated_params": {"request_type": "context_and_generation"}}
-            upstream = await self._abandonable(attempt, self.session.post(f"{url}{path}", json=payload))
+            else:
+                sent = raw
+            post = (
+                self.session.post(f"{url}{path}", json=payload)
+                if sent is None
+                else self.session.post(f"{url}{path}", data=sent, headers=_JSON_HEADERS)
+            )
+            upstream = await self._abandonable(attempt, post)
             attempt.upstream = upstream
             if attempt.abandoned is not None:
                 raise _Abandoned(attempt.abandoned.value)
@@ -535,35 +556,52 @@ class RouterService(RoutingService):
         resumed = stream.client is not None
         meter = StreamMeter(ids=progress.output)
         held: list[bytes] = []
+        out: list[bytes] = []
+        partial = b""
+
+        async def relay(lines: list[bytes]) -> None:
+            """Account and pass on complete lines; what reaches the client goes in one write, also
+            when a line ends the attempt (the client must get every token accounted before it)."""
+            try:
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        event, first = meter.feed(line[5:].strip(), now=self.now())
+                        if isinstance(event, dict) and "error" in event:
+                            raise _AttemptFailed(
+                                f"worker stream error: {event['error']}",
+                                worker_id=route.worker_id,
+                                reason=MigrationReason.WORKER_ERROR,
+                            )
+                        if meter.events:
+                            attempt.silent_since = self.heard[route.worker_id] = meter.last_at
+                        if first:
+                            self._first_token(route.request_id)
+                            if stream.client is None:
+                                assert isinstance(event, dict)
+                                progress.note_first(event)
+                                stream.first_at = meter.first_at
+                                self.metrics.ttft.observe(meter.first_at - stream.arrived)
+                                await stream.open(http, held)
+                        if resumed and isinstance(event, dict):
+                            rewritten = progress.rewrite(event)
+                            if rewritten is None:
+                                continue
+                            line = f"data: {json.dumps(rewritten, separators=(',', ':'))}\n".encode()  # noqa: PLW2901
+                    (out if stream.client is not None else held).append(line)
+            finally:
+                if out and stream.client is not None:
+                    await stream.write_lines(out)
+                out.clear()
+
         try:
-            async for line in upstream.content:
-                if line.startswith(b"data:"):
-                    event, first = meter.feed(line[5:].strip(), now=self.now())
-                    if isinstance(event, dict) and "error" in event:
-                        raise _AttemptFailed(
-                            f"worker stream error: {event['error']}",
-                            worker_id=route.worker_id,
-                            reason=MigrationReason.WORKER_ERROR,
-                        )
-                    if meter.events:
-                        attempt.silent_since = self.heard[route.worker_id] = meter.last_at
-                    if first:
-                        self._first_token(route.request_id)
-                        if stream.client is None:
-                            assert isinstance(event, dict)
-                            progress.note_first(event)
-                            stream.first_at = meter.first_at
-                            self.metrics.ttft.observe(meter.first_at - stream.arrived)
-                            await stream.open(http, held)
-                    if resumed and isinstance(event, dict):
-                        rewritten = progress.rewrite(event)
-                        if rewritten is None:
-                            continue
-                        line = f"data: {json.dumps(rewritten, separators=(',', ':'))}\n".encode()  # noqa: PLW2901
-                if stream.client is not None:
-                    await stream.write(line)
-                else:
-                    held.append(line)
+            # Whatever the worker sent since the last read, split into lines (a worker behind on
+            # its writes, or a router behind on its reads, batches several events).
+            async for chunk in upstream.content.iter_any():
+                lines = (partial + chunk).split(b"\n")
+                partial = lines.pop()
+                await relay([line + b"\n" for line in lines])
+            if partial:
+                await relay([partial])
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, _Abandoned) as exc:
             reason = attempt.abandoned or (
                 MigrationReason.TIMEOUT if isinstance(exc, TimeoutError) else MigrationReason.DISCONNECTED

@@ -47,7 +47,7 @@ from copse.workers.protocol.openai_api import (
     CompletionRequest,
     ErrorResponse,
     RequestError,
-    parse_request,
+    parse_request_object,
 )
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class Prepared:
     """A parsed generation request, ready to route."""
 
     request: CompletionRequest | ChatCompletionRequest
+    body: dict[str, Any]
+    """The request's JSON object as the client sent it (what is forwarded)."""
     tokens: list[int]
     """The prompt's token ids."""
     route: RouteRequest
@@ -501,7 +503,7 @@ class RoutingService:
         """Parse a generation request's body and hash its prompt. Raises :class:`Rejected` (400 for
         a malformed request, 404 for a model not served here)."""
         try:
-            request = parse_request(model, raw)
+            request, body = parse_request_object(model, raw)
         except RequestError as exc:
             raise Rejected(400, exc.message, param=exc.param) from exc
         if request.model != self.config.model:
@@ -515,7 +517,7 @@ class RoutingService:
         if not tokens:
             raise Rejected(400, "prompt holds no tokens", param="prompt")
         route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=request.requested_tokens())
-        return Prepared(request=request, tokens=tokens, route=route)
+        return Prepared(request=request, body=body, tokens=tokens, route=route)
 
     def route_request(self, request_id: str, tokens: list[int], *, max_tokens: int) -> RouteRequest:
         """What the core needs to route a prompt of ``tokens``."""
