@@ -1,10 +1,13 @@
-"""Live replay: the real router HTTP server in front of real mocked-engine processes, in wall time.
+"""Live replay: the real router in front of real mocked-engine processes, in wall time.
 
 A throwaway ``nats-server`` carries the engines' KV events; ``copse worker mock`` serves the
-engines (one process, consecutive ports on 127.0.0.1); the router runs in this process with
-static discovery of those engines. Every trace request is sent at its (sped-up) arrival time as a
-streamed completion of synthesised token ids, and its TTFT, ITL, end-to-end latency and cached
-prompt tokens are read from the stream. The report has the same shape as the simulation's.
+engines (one process, consecutive ports on 127.0.0.1); ``copse router run`` routes (a process of its
+own, as in a deployment, so the load generator here does not share its event loop) with static
+discovery of those engines and the perf profile the replay's router model gives (by default measured
+from the engines, as ``copse bench replay`` does). Every trace request is sent at its (sped-up)
+arrival time as a streamed completion of synthesised token ids, and its TTFT, ITL, end-to-end
+latency and cached prompt tokens are read from the stream. The report has the same shape as the
+simulation's, plus how far the engines' process fell behind the engines it simulates.
 """
 
 from __future__ import annotations
@@ -15,20 +18,29 @@ import json
 import math
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
+import yaml
 
-from copse.router.config import parse_config
-from copse.router.server import start_router
 from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
 from copse.sim.trace import TokenSynth, TraceRequest
+from copse.workers.metrics import MOCK_STEP_LAG_SECONDS
+from copse.workers.perf import save_profile
 from copse.workers.testing import nats_server
 
 MODEL = "live-replay"
 DEPLOYMENT = "live-replay"
+HEALTH_TIMEOUT_S = 2.0
+"""The router's health probe timeout here: every engine of a live replay shares one Python process
+on a machine shared with the router, this client and whatever else runs, so a probe can wait behind
+the other engines' steps for longer than the 0.5 s default meant for engine pods of their own (then
+the router dropped healthy engines and migrated their streams)."""
 
 
 def _free_port_range(count: int, *, attempts: int = 50) -> int:
@@ -139,6 +151,46 @@ async def _stream(
     return first - start, itl, last - start, cached, count
 
 
+async def _router(
+    config: dict[str, Any], *, workdir: Path, workers: int
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``copse router run`` with ``config``, once it lists all ``workers`` as live."""
+    port = _free_port_range(1)
+    path = workdir / "router.yaml"
+    path.write_text(yaml.safe_dump({**config, "port": port}))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "copse.cli", "router", "run", "--config", str(path), "--log-level", "WARNING"
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    async with aiohttp.ClientSession() as http:
+        while True:
+            if process.returncode is not None:
+                raise RuntimeError(f"copse router run exited with {process.returncode} before serving")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"{url}/workers") as response:
+                    if response.status == 200 and len((await response.json())["workers"]) >= workers:
+                        return process, url
+            if time.monotonic() > deadline:
+                process.terminate()
+                raise RuntimeError("the router did not see every mocked engine healthy within 60 s")
+            await asyncio.sleep(0.1)
+
+
+async def _mean_lag_ms(urls: Sequence[str]) -> float:
+    """Mean delivery lag of the engines' steps behind their timeline (``copse_mock_step_lag_seconds``)."""
+    total = count = 0.0
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(f"{url}/metrics") as response:
+                for line in (await response.text()).splitlines():
+                    if line.startswith(f"{MOCK_STEP_LAG_SECONDS}_sum"):
+                        total += float(line.rsplit(" ", 1)[1])
+                    elif line.startswith(f"{MOCK_STEP_LAG_SECONDS}_count"):
+                        count += float(line.rsplit(" ", 1)[1])
+    return total / count * 1000 if count else 0.0
+
+
 async def live_replay(
     trace: Sequence[TraceRequest],
     settings: ReplaySettings,
@@ -147,46 +199,43 @@ async def live_replay(
 ) -> ReplayReport:
     """Replay ``trace`` in wall time through a real router and real mocked engines."""
     started = time.perf_counter()
-    block_size = (
-        settings.engines.config.block_size if settings.engines.block_size_set else settings.trace_block_size
-    )
+    engine_config = settings.engine_config()
+    block_size = engine_config.block_size
     if settings.trace_block_size % block_size:
         raise ValueError(
             f"engine block_size {block_size} must divide the trace block size {settings.trace_block_size}"
         )
     synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
-    with _nats() as nats_url:
+    router_perf = settings.router_model.resolve(config=engine_config, perf=settings.engines.perf)
+    with _nats() as nats_url, tempfile.TemporaryDirectory(prefix="copse-live-") as workdir:
+        profile = Path(workdir) / "router-profile.npz"
+        save_profile(router_perf, profile, max_context_length=engine_config.max_model_len)
         process, urls = await _engines(settings, block_size=block_size, nats_url=nats_url)
         try:
-            config = parse_config(
-                {
-                    "model": MODEL,
-                    "engine": "mock",
-                    "port": 0,
-                    "policy": settings.policy,
-                    "temperature": settings.temperature,
-                    "decode_weight": settings.decode_weight,
-                    "block_size": block_size,
-                    "queue_size": settings.thresholds.queue_size,
-                    "nats_url": nats_url,
-                    "deployment": DEPLOYMENT,
-                    "max_num_batched_tokens": settings.engines.config.max_num_batched_tokens,
-                    "kv_capacity_tokens": settings.engines.perf.kv_capacity_tokens,
-                    "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
-                    "seed": settings.seed,
-                },
-                source="live replay",
-            )
-            router = await start_router(config, router_id="live-replay")
+            config = {
+                "model": MODEL,
+                "engine": "mock",
+                "policy": settings.policy,
+                "temperature": settings.temperature,
+                "decode_weight": settings.decode_weight,
+                "block_size": block_size,
+                "queue_size": settings.thresholds.queue_size,
+                "nats_url": nats_url,
+                "deployment": DEPLOYMENT,
+                "max_num_batched_tokens": engine_config.max_num_batched_tokens,
+                "kv_capacity_tokens": settings.engines.perf.kv_capacity_tokens,
+                "perf_profile": str(profile),
+                "health_timeout_s": HEALTH_TIMEOUT_S,
+                "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
+                "seed": settings.seed,
+            }
+            router, url = await _router(config, workdir=Path(workdir), workers=settings.workers)
             try:
-                deadline = time.monotonic() + 60
-                while len(router.service.router.workers) < settings.workers:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the mocked engines did not all become healthy within 60 s")
-                    await asyncio.sleep(0.05)
-                results = await _drive(router.url, trace, settings, synth, progress)
+                results = await _drive(url, trace, settings, synth, progress)
             finally:
-                await router.close()
+                router.terminate()
+                await router.wait()
+            lag_ms = await _mean_lag_ms(urls)
         finally:
             process.terminate()
             await process.wait()
@@ -209,6 +258,7 @@ async def live_replay(
         preemptions=0,
         simulated_s=span,
         wall_s=time.perf_counter() - started,
+        engine_lag_ms=lag_ms,
     )
 
 

@@ -288,13 +288,18 @@ class ReplayReport:
     wall_s: float
     moe: MoeReport | None = None
     offload: OffloadReport | None = None
+    engine_lag_ms: float | None = None
+    """Live replays: the mean delay between an engine step's end on its own timeline and its output
+    leaving the engines' process (how far the host fell behind the engines it simulates)."""
 
     def as_json(self) -> dict[str, Any]:
         """The report in the documented ``--json`` shape (``moe`` only for MoE engines, ``offload``
-        only for engines with offload tiers)."""
+        only for engines with offload tiers, ``engine_lag_ms`` only for live replays)."""
         extra: dict[str, Any] = {} if self.moe is None else {"moe": self.moe.as_json()}
         if self.offload is not None:
             extra["offload"] = self.offload.as_json()
+        if self.engine_lag_ms is not None:
+            extra["engine_lag_ms"] = self.engine_lag_ms
         return {
             **extra,
             "policy": self.policy,
