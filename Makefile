@@ -12,7 +12,7 @@ PYTEST := $(BIN)/pytest
 # Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
 COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers sim))))
 
-.PHONY: venv test unit e2e lint asan crds cluster-up cluster-down demo bench clean
+.PHONY: venv test unit e2e lint asan crds cluster-up cluster-down demo bench bench-dynamo clean
 
 venv: $(STAMP)
 
@@ -95,6 +95,11 @@ crds: venv
 # engines replaying Mooncake (KV-aware vs round-robin), planner dry-run. See `copse demo --help`.
 demo: venv
 	$(BIN)/copse demo
+
+# Dynamo's own KV router and mocker (ai-dynamo 1.6.1, in a venv of their own under ~/.cache/copse/dynamo-peer,
+# made on first use) replaying the Mooncake trace next to copse's; never part of `make test`.
+bench-dynamo: venv
+	$(BIN)/python benchmarks/dynamo_peer.py
 
 clean:
 	rm -rf $(VENV)
