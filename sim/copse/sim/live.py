@@ -182,7 +182,7 @@ async def _mean_lag_ms(urls: Sequence[str]) -> float:
     total = count = 0.0
     async with aiohttp.ClientSession() as http:
         for url in urls:
-            async with http.get(f"{url}/metrics") as response:
+            async with http.get(f"{url}/prometheus/metrics") as response:
                 for line in (await response.text()).splitlines():
                     if line.startswith(f"{MOCK_STEP_LAG_SECONDS}_sum"):
                         total += float(line.rsplit(" ", 1)[1])
