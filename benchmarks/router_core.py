@@ -1,12 +1,11 @@
-"""Speed of the router core on one core: routing decisions, KV events, prompt hashing.
+"""Speed of the router core on one core: routing decisions and prompt hashing.
 
 * decisions: 64 workers whose caches hold 1M blocks in total (16,384 each, the mocker's default
   cache), filled with prefixes of Mooncake conversation requests (512-token blocks); then requests
   drawn from the same trace are routed with the ``kv`` policy while ~8 requests per worker are in
   flight (each routed request has its first token 64 decisions later and ends 512 decisions
   later). Decision latency = one ``Router.submit``.
-* events: ``stored``/``removed`` block events (parsed models, as NATS delivers them) applied to
-  the radix indexer, in batches of 64 events of 4 blocks.
+* (KV events: ``benchmarks/kv_ingest.py``, decoding included, on an index that grows.)
 * hashing: the chained XXH3 block hashes of a 12,288-token prompt at block size 32.
 
 Decision times are on-CPU (``time.thread_time``: what this thread ran, leaving out waiting for a
@@ -30,12 +29,10 @@ from typing import Any
 import numpy as np
 
 from copse.router.core import Role, Router, WorkerInfo
-from copse.router.indexer import RadixIndexer
 from copse.router.policies import RouteRequest, SelectionSettings
-from copse.router.slots import WorkerSlots
 from copse.sim.trace import load_trace
 from copse.workers.perf import PolynomialPerfModel
-from copse.workers.protocol import KvEvent, KvRemoved, KvStored, StoredBlock, block_hashes, chain_hashes
+from copse.workers.protocol import block_hashes, chain_hashes
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 WORKERS = 64
@@ -124,40 +121,6 @@ def bench_decisions(chains: list[list[int]], requests: int, passes: int) -> dict
     return {"indexed_blocks": stored, "distinct_nodes": len(router.radix.index), "passes": runs}
 
 
-def bench_events(chains: list[list[int]], batches: int) -> dict[str, float]:
-    slots = WorkerSlots()
-    indexer = RadixIndexer(slots, default_capacity_blocks=1024)
-    rng = random.Random(1)
-    worker_batches = []
-    next_id = 1
-    block_count = 0
-    for _ in range(batches):
-        events = []
-        for _ in range(32):  # 64 events of 4 blocks per batch
-            chain = chains[rng.randrange(len(chains))]
-            start = rng.randrange(len(chain))
-            run = chain[start : start + 4]
-            block_count += 2 * len(run)
-            stored = tuple(StoredBlock(block_hash=h, tokens_hash=h) for h in run)
-            events.append(KvEvent(event_id=next_id, data=KvStored(parent_hash=None, blocks=stored)))
-            events.append(KvEvent(event_id=next_id + 1, data=KvRemoved(block_hashes=tuple(run))))
-            next_id += 2
-        worker_batches.append(events)
-    gc.collect()
-    started = time.perf_counter()
-    cpu_started = time.thread_time()
-    for events in worker_batches:
-        indexer.apply_events("w", epoch=1, events=events)
-    elapsed = time.perf_counter() - started
-    cpu = time.thread_time() - cpu_started
-    assert indexer.stats["resyncs"] == 0
-    return {
-        "block_events_per_s": block_count / elapsed,
-        "events_per_s": next_id / elapsed,
-        "cpu_block_events_per_s": block_count / cpu,
-    }
-
-
 def bench_hashing(repeats: int) -> dict[str, float]:
     tokens = np.random.default_rng(0).integers(256, 32000, 12288).astype(np.uint32)
     times: list[float] = []
@@ -196,12 +159,6 @@ def main() -> None:
         )
     median = statistics.median(run["cpu_decisions_per_s"] for run in decisions["passes"])
     print(f"  median pass on-CPU: {median:,.0f} decisions/s (target 20,000: {median / 20000:.2f}x)")
-    events = bench_events(chains, 2000)
-    print(
-        f"events: {events['block_events_per_s']:,.0f} block events/s (target 500,000: "
-        f"{events['block_events_per_s'] / 500000:.2f}x), {events['events_per_s']:,.0f} events/s; "
-        f"on-CPU {events['cpu_block_events_per_s']:,.0f} block events/s"
-    )
     hashing = bench_hashing(200)
     print(
         f"hashing: 12,288-token prompt at block size 32: {hashing['hash_12k_tokens_bs32_us_median']:.0f} us"
