@@ -192,7 +192,7 @@ def main() -> None:
         with opener(args.trace, "rt") as source, trace_file.open("w") as out:
             for _, line in zip(range(len(trace)), source, strict=False):
                 out.write(line)
-    _, bound = offline_bound(trace, 512)
+    _, bound = offline_bound(trace, trace_block_size=512)
     print(f"Dynamo: {dynamo_versions(python)}")
     print(
         f"{args.trace.name}: first {len(trace)} requests at {args.speedup:g}x, {args.workers} workers x "

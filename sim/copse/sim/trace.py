@@ -123,20 +123,3 @@ class TokenSynth:
         f += _TWO_52 + RESERVED_IDS  # the float 2**52 + token, whose low 32 bits are the token
         out: npt.NDArray[np.uint32] = f.view(np.uint64).astype(np.uint32)
         return out
-
-
-def offline_bound(trace: Sequence[TraceRequest], block_size: int) -> tuple[float, float]:
-    """(block hit rate, token hit rate) of one infinite prefix cache seeing the whole trace in
-    order (the first sight of a block always misses): what no fleet of finite caches can beat."""
-    seen: set[int] = set()
-    blocks = hit_blocks = tokens = hit_tokens = 0
-    for request in trace:
-        for position, block in enumerate(request.hash_ids):
-            size = min(block_size, request.input_length - position * block_size)
-            blocks += 1
-            tokens += size
-            if block in seen:
-                hit_blocks += 1
-                hit_tokens += size
-            seen.add(block)
-    return hit_blocks / blocks, hit_tokens / tokens
