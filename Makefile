@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# The ModelExpress client the operator configures workers for, for its tests: its gRPC client
+	@# only, without the engine-side dependencies (torch, the model streamer) it declares.
+	$(BIN)/python -m pip install --quiet --no-deps 'modelexpress==0.7.0'
 	@# setuptools' editable finder pins the namespace's subpackages at install time;
 	@# listing the five source roots lets new subpackages import without a reinstall.
 	@printf '%s\n' $(addprefix $(CURDIR)/,operator planner router workers sim) \

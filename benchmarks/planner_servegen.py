@@ -98,7 +98,7 @@ def replay(
     )
     planner = Planner(config=config, limits=bounds, capacity=capacity, interval_s=INTERVAL_S)
     started = time.perf_counter()
-    result = dry_run(observations, planner=planner, startup_delay_s=config.startup_delay_s)
+    result = dry_run(observations, planner=planner, startup_delay_s=planner.startup_delay_s)
     return result, time.perf_counter() - started
 
 

@@ -43,12 +43,16 @@ def test_gang_pods_are_gated_pinned_and_ranked() -> None:
         assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [node]
         [container] = spec["containers"]
         assert container["resources"]["limits"][children.GPU_RESOURCE] == "4"
-        env = {item["name"]: item["value"] for item in container["env"]}
+        env = {item["name"]: item.get("value") for item in container["env"]}
         assert env["COPSE_NODE_RANK"] == str(rank)
         assert env["COPSE_WORLD_SIZE"] == "8"
         assert env["COPSE_LEADER_ADDRESS"] == "llama-worker-1-0.llama-worker-1.serving.svc"
         assert env["COPSE_COLD_START_STRATEGY"] == "modelexpress"
         assert env["COPSE_COLD_START_SOURCE"] == "llama-worker-0"
+        # ModelExpress's client: the server the operator runs (the source spans pods, so no pointer)
+        assert env["MODEL_EXPRESS_URL"] == env["MX_SERVER_ADDRESS"] == "llama-modelexpress.serving.svc:8001"
+        assert "MX_METADATA_BACKEND" not in env
+        assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
         assert pod["metadata"]["labels"][names.LABEL_LEADER] == str(rank == 0).lower()
         assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert spec["subdomain"] == "llama-worker-1"
@@ -552,3 +556,27 @@ def test_mocked_engines_hold_the_whole_groups_offload_tiers() -> None:
     assert engine["resources"]["requests"]["memory"] == str(8 * 16 * 2**30)
     assert "limits" not in engine["resources"] or "memory" not in engine["resources"]["limits"]
     assert [volume["name"] for volume in pod["spec"]["volumes"]] == ["engine-config"]
+
+
+def test_modelexpress_cold_start_runs_its_server_and_loads_through_it() -> None:
+    deployment = make_deployment(replicas=2, coldStart={"strategy": "modelexpress"})
+    config = yaml.safe_load(children.engine_configmap(deployment)["data"]["worker.yaml"])
+    # TensorRT-LLM's native ModelExpress loader (ModelExpress's TensorRT-LLM example)
+    assert config["checkpoint_format"] == "MX"
+    assert config["mx_config"] == {"server_url": "llama-modelexpress.serving.svc:8001"}
+    server, service = children.modelexpress_objects(deployment, source=None, source_ranks=None)
+    pod = server["spec"]["template"]["spec"]
+    [redis] = pod["initContainers"]
+    assert redis["restartPolicy"] == "Always"  # a native sidecar, up before the server
+    [container] = pod["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env == {"MX_METADATA_BACKEND": "redis", "REDIS_URL": "redis://127.0.0.1:6379"}
+    assert service["spec"]["ports"][0] == {"name": "grpc", "port": 8001, "targetPort": 8001}
+    assert service["spec"]["selector"] == server["spec"]["selector"]["matchLabels"]
+    # mocked engines load no weights, and without the strategy nothing of it exists
+    mocked = make_deployment(replicas=2, coldStart={"strategy": "modelexpress"}, engine={"backend": "mock"})
+    assert children.modelexpress_objects(mocked, source="llama-worker-0", source_ranks=8) == []
+    plain = make_deployment(replicas=2)
+    assert "checkpoint_format" not in yaml.safe_load(children.engine_configmap(plain)["data"]["worker.yaml"])
+    [plain_pod] = children.worker_pods(plain, ONE_NODE, cold_start_source=None)
+    assert not any(item["name"].startswith("MX_") for item in plain_pod["spec"]["containers"][0]["env"])

@@ -476,3 +476,28 @@ def test_restarted_gang_waits_out_its_backoff() -> None:
         settings=settings,
     )
     assert [layout.replica for layout in late.place] == [0]
+
+
+async def test_modelexpress_runs_its_server_and_points_new_groups_at_a_ready_one() -> None:
+    harness = Harness(scaling={"minReplicas": 1, "maxReplicas": 4}, coldStart={"strategy": "modelexpress"})
+    body = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
+    body["spec"]["model"]["tensorParallelism"] = 4  # one pod per group on 4-GPU trays
+    await harness.settle()
+    assert harness.status["coldStart"] == {"strategy": "modelexpress", "source": "llama-worker-0"}
+    kinds = {(kind, name) for kind, _, name in harness.kube.objects}
+    assert {("Deployment", "llama-modelexpress"), ("Service", "llama-modelexpress")} <= kinds
+    pointer = harness.kube.objects[("Service", NAMESPACE, "llama-mx-source")]
+    assert pointer["spec"]["selector"] == {names.LABEL_GROUP: "llama-worker-0", names.LABEL_LEADER: "true"}
+    assert [port["port"] for port in pointer["spec"]["ports"]] == [6555, 6556, 6557, 6558]
+    [first] = harness.pods()
+    first_env = {item["name"]: item.get("value") for item in first["spec"]["containers"][0]["env"]}
+    assert "MX_METADATA_BACKEND" not in first_env  # loaded from storage, published to the server
+    harness.update_spec(replicas=2)
+    await harness.settle()
+    second = next(
+        pod for pod in harness.pods() if pod["metadata"]["labels"][names.LABEL_GROUP] == "llama-worker-1"
+    )
+    env = {item["name"]: item.get("value") for item in second["spec"]["containers"][0]["env"]}
+    assert env["MX_METADATA_BACKEND"] == "k8s-service"
+    assert env["MX_K8S_SERVICE_PATTERN"] == "llama-mx-source"
+    assert env["COPSE_COLD_START_SOURCE"] == "llama-worker-0"

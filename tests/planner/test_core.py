@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from copse.api import Role
+from copse.api import Role, parse_deployment
+from copse.api.v1alpha1 import STARTUP_DELAYS_S
 from copse.planner.capacity import CapacityModel, Corrections, Workload
 from copse.planner.config import PlannerConfig
 from copse.planner.core import Planner, workload_of
@@ -99,6 +100,25 @@ def test_it_sizes_the_forecast_load(linear: CapacityModel) -> None:
     assert decision.target == need(linear, 300.0)
     assert decision.target[P] > 1
     assert decision.changed
+
+
+def test_the_lead_time_comes_from_the_deployments_cold_start_unless_configured(linear: CapacityModel) -> None:
+    def spec(**cold_start: object) -> Limits:
+        body = {
+            "apiVersion": "copse.dev/v1alpha1",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": "x"},
+            "spec": {"model": {"name": "m"}, "coldStart": cold_start},
+        }
+        return Limits.from_spec(parse_deployment(body, source="x").spec)
+
+    assert spec().startup_delay_s == STARTUP_DELAYS_S["hub"] == 944.0
+    assert spec(strategy="modelexpress").startup_delay_s == STARTUP_DELAYS_S["modelexpress"] == 420.0
+    assert spec(strategy="modelexpress", startupDelay="90s").startup_delay_s == 90.0
+    from_manifest = planner(linear, cfg=config(startup_delay_s=None), lim=spec(startupDelay="150s"))
+    assert (from_manifest.startup_delay_s, from_manifest.horizon) == (150.0, 4)
+    configured = planner(linear, cfg=config(startup_delay_s=30.0), lim=spec(startupDelay="150s"))
+    assert (configured.startup_delay_s, configured.horizon) == (30.0, 2)  # the planner's own setting wins
 
 
 def test_lead_time_covers_the_startup_delay(linear: CapacityModel) -> None:

@@ -377,6 +377,37 @@ class DisruptionSpec(_SpecModel):
         return parse_duration(self.drain_timeout)
 
 
+#: Seconds from a scale-up decision to the new group serving, by how it gets its weights: ModelExpress's
+#: published DeepSeek-V4-Pro figures (TP8 on 8xB200, its README's benchmarks). ``hub``: a cold Hugging Face
+#: pull (8m53s) plus the rest of a cold start from local storage (8m01s API-ready, of which 1m10s loading
+#: weights); ``model-cache``: the cold start from shared storage (8m01s); ``modelexpress``: weights
+#: GPU-to-GPU from a serving group (7m API-ready: the engine's own start, kernel compilation and warm-up
+#: remain); ``modelexpress-with-kernel-caches``: weights and compiled-kernel caches (1m44s; ModelExpress
+#: transfers those for vLLM and SGLang engines, not TensorRT-LLM). A smaller model starts faster: set
+#: ``spec.coldStart.startupDelay``.
+STARTUP_DELAYS_S: dict[str, float] = {
+    "hub": 533.0 + 481.0 - 70.0,
+    "model-cache": 481.0,
+    "modelexpress": 420.0,
+    "modelexpress-with-kernel-caches": 104.0,
+}
+
+
+class ModelExpressSpec(_SpecModel):
+    """The ModelExpress server the operator runs for ``coldStart.strategy: modelexpress``."""
+
+    server_image: str = Field(
+        default="nvcr.io/nvidia/ai-dynamo/modelexpress-server:0.3.0",
+        min_length=1,
+        description="ModelExpress server image (a Rust gRPC server on port 8001).",
+    )
+    redis_image: str = Field(
+        default="redis:7-alpine",
+        min_length=1,
+        description="Redis the server keeps its metadata in (a native sidecar of the server pod).",
+    )
+
+
 class ColdStartSpec(_SpecModel):
     strategy: ColdStartStrategy = Field(
         default=ColdStartStrategy.NONE, description="How a new replica gets its weights."
@@ -386,6 +417,36 @@ class ColdStartSpec(_SpecModel):
         min_length=1,
         description="Replica to stream weights from: 'any-healthy' or a group name of this deployment.",
     )
+    startup_delay: Nullable[str] = Field(
+        default=None,
+        pattern=DURATION_PATTERN,
+        description="Time from scaling up to the new group serving, the planner's lead time; unset: the "
+        "strategy's typical figure (ModelExpress's published DeepSeek-V4-Pro start-up times).",
+    )
+    model_express: ModelExpressSpec = Field(
+        default_factory=ModelExpressSpec,
+        description="The ModelExpress server (strategy modelexpress).",
+        json_schema_extra=_defaults_of(ModelExpressSpec),
+    )
+
+    @field_validator("startup_delay")
+    @classmethod
+    def _check_duration(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
+
+    @property
+    def startup_path(self) -> str:
+        """How a new group gets its weights, a key of :data:`STARTUP_DELAYS_S`."""
+        return "modelexpress" if self.strategy is ColdStartStrategy.MODELEXPRESS else "hub"
+
+    @property
+    def startup_delay_s(self) -> float:
+        """The planner's lead time: ``startupDelay``, else the strategy's typical start-up time."""
+        if self.startup_delay is not None:
+            return parse_duration(self.startup_delay)
+        return STARTUP_DELAYS_S[self.startup_path]
 
 
 class PoolSpec(_SpecModel):

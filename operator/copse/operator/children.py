@@ -17,7 +17,15 @@ from typing import Any
 
 import yaml
 
-from copse.api import EngineBackend, InferenceDeployment, MoeLayout, Role, RouterMode, parse_quantity
+from copse.api import (
+    ColdStartStrategy,
+    EngineBackend,
+    InferenceDeployment,
+    MoeLayout,
+    Role,
+    RouterMode,
+    parse_quantity,
+)
 from copse.operator import names
 from copse.topology.kube import NODE_CONDITION_TAINTS
 from copse.topology.links import LinkTable, LinkTier
@@ -43,6 +51,12 @@ ENGINE_CONFIG_DIR = "/etc/copse/engine"
 ROUTER_CONFIG_DIR = "/etc/copse/router"
 TOKENIZER_DIR = "/var/lib/copse/tokenizer"
 PERF_PROFILE_DIR = "/etc/copse/perf-profile"
+MODELEXPRESS_PORT = 8001
+"""The ModelExpress server's gRPC port (its default, ``MODEL_EXPRESS_SERVER_PORT``)."""
+MODELEXPRESS_METRICS_PORT = 9401
+MODELEXPRESS_REDIS_PORT = 6379
+MX_WORKER_GRPC_PORT = 6555
+"""ModelExpress's ``MX_WORKER_GRPC_PORT``: a worker serves its tensor manifest on it plus its rank."""
 KV_DISK_DIR = "/var/cache/copse/kv"
 """Where a worker's disk KV tier lives (an emptyDir of the tier's size)."""
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -317,10 +331,168 @@ def _worker_tolerations(deployment: InferenceDeployment) -> list[dict[str, Any]]
     return tolerations
 
 
-def worker_pods(
-    deployment: InferenceDeployment, layout: GroupLayout, *, cold_start_source: str | None
+def _uses_modelexpress(deployment: InferenceDeployment) -> bool:
+    """ModelExpress loads TensorRT-LLM weights; mocked engines have none to load."""
+    spec = deployment.spec
+    return (
+        spec.cold_start.strategy is ColdStartStrategy.MODELEXPRESS
+        and spec.engine.backend is EngineBackend.TRTLLM
+    )
+
+
+def modelexpress_address(deployment: InferenceDeployment) -> str:
+    """``host:port`` of the deployment's ModelExpress server (what its clients call)."""
+    name = names.modelexpress_name(deployment.metadata.name)
+    return f"{name}.{deployment.metadata.namespace}.svc:{MODELEXPRESS_PORT}"
+
+
+def _modelexpress_env(
+    deployment: InferenceDeployment, *, group: str, source: str | None, source_ranks: int | None
 ) -> list[dict[str, Any]]:
-    """The pods of one TP group, gated and pinned to their planned nodes."""
+    """The ModelExpress client's settings in a worker (its ``envs.py``): the server every group
+    publishes its weights to (``MODEL_EXPRESS_URL``, which TensorRT-LLM's integration reads, and
+    ``MX_SERVER_ADDRESS``), P2P metadata served by each worker, and the pod's identity (the server
+    ties its records to the pod). A group started while a healthy one-pod source group is chosen is
+    pointed at it: the ``k8s-service`` backend reaches that group's worker gRPC ports through the
+    Service :func:`modelexpress_objects` makes (``MX_K8S_SERVICE_PATTERN``, port 6555 + rank)."""
+    address = modelexpress_address(deployment)
+    env: list[dict[str, Any]] = [
+        {"name": "MODEL_EXPRESS_URL", "value": address},
+        {"name": "MX_SERVER_ADDRESS", "value": address},
+        {"name": "MX_P2P_METADATA", "value": "1"},
+    ]
+    if source is not None and source != group and source_ranks:
+        env += [
+            {"name": "MX_METADATA_BACKEND", "value": "k8s-service"},
+            {
+                "name": "MX_K8S_SERVICE_PATTERN",
+                "value": names.modelexpress_source_name(deployment.metadata.name),
+            },
+        ]
+    for name, field in (
+        ("POD_NAME", "metadata.name"),
+        ("POD_UID", "metadata.uid"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ):
+        env.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": field}}})
+    return env
+
+
+def modelexpress_objects(
+    deployment: InferenceDeployment, *, source: str | None, source_ranks: int | None
+) -> list[dict[str, Any]]:
+    """What ModelExpress needs for ``coldStart.strategy: modelexpress`` (TensorRT-LLM engines): its
+    server as a Deployment and Service (gRPC on 8001, metrics on 9401, metadata in a Redis native
+    sidecar: ``MX_METADATA_BACKEND=redis``, as ModelExpress's own server manifest runs it), and,
+    while a healthy one-pod group is the chosen source, the Service that points new groups at it
+    (one port per rank, 6555 + rank, on the group's leader pod)."""
+    if not _uses_modelexpress(deployment):
+        return []
+    spec = deployment.spec.cold_start.model_express
+    name = names.modelexpress_name(deployment.metadata.name)
+    labels = {
+        names.LABEL_DEPLOYMENT: deployment.metadata.name,
+        names.LABEL_COMPONENT: names.COMPONENT_MODELEXPRESS,
+    }
+    tcp = {"tcpSocket": {"port": MODELEXPRESS_PORT}, "periodSeconds": 10}
+    server = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(deployment, name=name, labels=labels),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "initContainers": [
+                        {
+                            "name": "redis",
+                            "image": spec.redis_image,
+                            "restartPolicy": "Always",
+                            "args": ["--bind", "127.0.0.1", "--port", str(MODELEXPRESS_REDIS_PORT)],
+                            "startupProbe": {
+                                "tcpSocket": {"port": MODELEXPRESS_REDIS_PORT},
+                                "periodSeconds": 1,
+                                "failureThreshold": 30,
+                            },
+                        }
+                    ],
+                    "containers": [
+                        {
+                            "name": "server",
+                            "image": spec.server_image,
+                            "env": [
+                                {"name": "MX_METADATA_BACKEND", "value": "redis"},
+                                {
+                                    "name": "REDIS_URL",
+                                    "value": f"redis://127.0.0.1:{MODELEXPRESS_REDIS_PORT}",
+                                },
+                            ],
+                            "ports": [
+                                {"name": "grpc", "containerPort": MODELEXPRESS_PORT},
+                                {"name": "metrics", "containerPort": MODELEXPRESS_METRICS_PORT},
+                            ],
+                            "readinessProbe": tcp,
+                            "livenessProbe": tcp,
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(deployment, name=name, labels=labels),
+        "spec": {
+            "selector": labels,
+            "ports": [
+                {"name": "grpc", "port": MODELEXPRESS_PORT, "targetPort": MODELEXPRESS_PORT},
+                {
+                    "name": "metrics",
+                    "port": MODELEXPRESS_METRICS_PORT,
+                    "targetPort": MODELEXPRESS_METRICS_PORT,
+                },
+            ],
+        },
+    }
+    objects = [server, service]
+    if source is not None and source_ranks:
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _metadata(
+                    deployment, name=names.modelexpress_source_name(deployment.metadata.name), labels=labels
+                ),
+                "spec": {
+                    "selector": {names.LABEL_GROUP: source, names.LABEL_LEADER: "true"},
+                    "ports": [
+                        {
+                            "name": f"rank-{rank}",
+                            "port": MX_WORKER_GRPC_PORT + rank,
+                            "targetPort": MX_WORKER_GRPC_PORT + rank,
+                        }
+                        for rank in range(source_ranks)
+                    ],
+                },
+            }
+        )
+    return objects
+
+
+def worker_pods(
+    deployment: InferenceDeployment,
+    layout: GroupLayout,
+    *,
+    cold_start_source: str | None,
+    cold_start_ranks: int | None = None,
+) -> list[dict[str, Any]]:
+    """The pods of one TP group, gated and pinned to their planned nodes (with ModelExpress's client
+    settings when it loads the weights; ``cold_start_ranks``: the source group's GPUs when it is one
+    pod, see :func:`modelexpress_objects`)."""
     spec = deployment.spec
     namespace = deployment.metadata.namespace
     labels = group_labels(deployment, layout)
@@ -363,11 +535,16 @@ def worker_pods(
         if offload is not None and offload.disk_bytes and spec.engine.backend is EngineBackend.TRTLLM:
             volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(offload.disk_bytes * gpus)}})
             mounts.append({"name": "kv-disk", "mountPath": KV_DISK_DIR})
+        env_list: list[dict[str, Any]] = [{"name": key, "value": value} for key, value in env.items()]
+        if _uses_modelexpress(deployment):
+            env_list += _modelexpress_env(
+                deployment, group=group, source=cold_start_source, source_ranks=cold_start_ranks
+            )
         container: dict[str, Any] = {
             "name": "engine",
             "image": image,
             "command": _engine_command(deployment, layout, rank=rank, hosts=hosts),
-            "env": [{"name": key, "value": value} for key, value in env.items()],
+            "env": env_list,
             "resources": resources,
             "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
             "volumeMounts": mounts,
@@ -375,6 +552,9 @@ def worker_pods(
         # A pod deleted by anyone (kubectl drain, eviction) stops gracefully: the engine finishes
         # what it serves on SIGTERM within the drain timeout.
         container["lifecycle"] = {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_S}}}
+        if _uses_modelexpress(deployment):
+            # NIXL registers GPU memory for RDMA: ModelExpress's worker manifests add IPC_LOCK.
+            container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
         if rank == 0:
             container["readinessProbe"] = {
                 "httpGet": {"path": "/health", "port": ENGINE_PORT},
@@ -498,7 +678,13 @@ def engine_configs(deployment: InferenceDeployment) -> dict[Role, dict[str, Any]
         kv_cache.update(
             disk_cache_size=offload.disk_bytes, disk_cache_path=KV_DISK_DIR, use_kv_cache_manager_v2=True
         )
+    loader: dict[str, Any] = {}
+    if _uses_modelexpress(deployment):
+        # TensorRT-LLM's native ModelExpress loader: weights from a serving group over NIXL, else
+        # from storage, then published for the next group (ModelExpress's TensorRT-LLM example).
+        loader = {"checkpoint_format": "MX", "mx_config": {"server_url": modelexpress_address(deployment)}}
     base: dict[str, Any] = {
+        **loader,
         "kv_cache_config": kv_cache,
         "enable_chunked_prefill": True,
         "return_perf_metrics": True,

@@ -318,7 +318,14 @@ class Controller:
         self, *, body: Mapping[str, Any], deployment: InferenceDeployment, decision: Decision, namespace: str
     ) -> None:
         name = deployment.metadata.name
-        for obj in [children.engine_configmap(deployment), *children.router_objects(deployment)]:
+        model_express = children.modelexpress_objects(
+            deployment, source=decision.cold_start_source, source_ranks=decision.cold_start_ranks
+        )
+        for obj in [
+            children.engine_configmap(deployment),
+            *children.router_objects(deployment),
+            *model_express,
+        ]:
             await self.kube.apply(obj)
         await self._each(decision.restart, lambda item: self._restart(namespace, name, *item))
         await self._each(decision.drain, lambda item: self._drain(body, namespace, *item))
@@ -331,7 +338,9 @@ class Controller:
         }
         await self._each(
             [layout for layout in decision.create_pods if (layout.role, layout.replica) not in lost],
-            lambda layout: self._create_pods(deployment, layout, decision.cold_start_source),
+            lambda layout: self._create_pods(
+                deployment, layout, decision.cold_start_source, decision.cold_start_ranks
+            ),
         )
         await self._each(
             decision.lift_gates,
@@ -462,12 +471,18 @@ class Controller:
         return True
 
     async def _create_pods(
-        self, deployment: InferenceDeployment, layout: GroupLayout, cold_start_source: str | None
+        self,
+        deployment: InferenceDeployment,
+        layout: GroupLayout,
+        cold_start_source: str | None,
+        cold_start_ranks: int | None,
     ) -> None:
         """Create the gang's missing pods, gated; once every one of them is known to exist
         (created now, or already in the cache), release the gates in the same pass."""
         namespace, name = str(deployment.metadata.namespace), deployment.metadata.name
-        pods = children.worker_pods(deployment, layout, cold_start_source=cold_start_source)
+        pods = children.worker_pods(
+            deployment, layout, cold_start_source=cold_start_source, cold_start_ranks=cold_start_ranks
+        )
         members: list[Mapping[str, Any]] = []
         for pod in pods:
             known = self.cache.pods.get(_key(pod))

@@ -47,6 +47,7 @@ GANG_GATE = f"{DOMAIN}/gang"
 
 COMPONENT_WORKER = "worker"
 COMPONENT_ROUTER = "router"
+COMPONENT_MODELEXPRESS = "modelexpress"
 
 _MAX_NAME = 63
 
@@ -73,6 +74,16 @@ def engine_config_name(deployment: str) -> str:
 
 def router_name(deployment: str) -> str:
     return _fit(f"{deployment}-router")
+
+
+def modelexpress_name(deployment: str) -> str:
+    """The ModelExpress server's Deployment and Service."""
+    return _fit(f"{deployment}-modelexpress")
+
+
+def modelexpress_source_name(deployment: str) -> str:
+    """The Service new groups fetch weights through: the chosen source group's worker gRPC ports."""
+    return _fit(f"{deployment}-mx-source")
 
 
 def worker_selector(deployment: str) -> dict[str, str]:

@@ -58,6 +58,9 @@ class Decision:
     lift_gates: list[ObservedGroup] = dataclasses.field(default_factory=list)
     """Groups whose every pod exists: release the scheduling gates."""
     cold_start_source: str | None = None
+    cold_start_ranks: int | None = None
+    """GPUs of the cold-start source group when it is one pod (new groups can be pointed at it);
+    ``None`` otherwise."""
     events: list[Event] = dataclasses.field(default_factory=list)
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
     requeue_after_s: float | None = None
@@ -390,6 +393,9 @@ def reconcile(
     ):
         decision.events.append(Event(type="Warning", reason="KVRoutingDegraded", message=routing_message))
     decision.cold_start_source = _cold_start_source(deployment, live)
+    source = next((group for group in live if group.name == decision.cold_start_source), None)
+    if source is not None and source.layout is not None and len(source.layout.pods) == 1:
+        decision.cold_start_ranks = source.layout.pods[0][1]
     decision.status = _status(
         deployment=deployment,
         groups=[g for g in staying if g.name not in restarting],

@@ -96,6 +96,7 @@ def limits_from_options(
             "scale_down_delay_s": base.scale_down_delay_s,
             "queue_depth": base.queue_depth,
             "max_num_seqs": base.max_num_seqs,
+            "startup_delay_s": base.startup_delay_s,
         }
     else:
         if ttft_ms is None or itl_ms is None:
@@ -146,7 +147,9 @@ def limits_from_options(
     "--deployment", type=click.Path(path_type=Path), help="Take targets and bounds from a manifest."
 )
 @click.option(
-    "--startup-delay", type=click.FloatRange(min=0), help="Seconds from adding a replica to it serving."
+    "--startup-delay",
+    type=click.FloatRange(min=0),
+    help="Seconds from adding a replica to it serving (default: the deployment's spec.coldStart, else 120).",
 )
 @click.option("--scale-down-delay", type=click.FloatRange(min=0), help="Seconds the need must stay lower.")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
@@ -210,7 +213,7 @@ def dry_run_command(
     result = dry_run(
         observations,
         planner=plan,
-        startup_delay_s=config.startup_delay_s,
+        startup_delay_s=plan.startup_delay_s,
         progress=not as_json and sys.stderr.isatty(),
     )
     if plot is not None:

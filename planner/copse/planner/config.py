@@ -59,8 +59,10 @@ class PlannerConfig(pydantic.BaseModel):
     """Recent one-step forecast errors the quantile is taken over (a day of 10-minute intervals)."""
     max_forecast_margin: float = Field(default=0.5, ge=0)
     """Cap on that margin (0.5: +50 %), so one missed burst does not inflate the fleet for a day."""
-    startup_delay_s: float = Field(default=120.0, ge=0)
-    """Time from adding a replica to it serving (pod start, weight load); scale-ups start this early."""
+    startup_delay_s: float | None = Field(default=None, ge=0)
+    """Time from adding a replica to it serving (pod start, weight load); scale-ups start this early.
+    ``None``: the deployment's (``spec.coldStart``: its ``startupDelay``, else its strategy's typical
+    start-up), 120 s without a deployment."""
     hysteresis: float = Field(default=0.1, ge=0)
     """Remove a replica only if the rest would still meet the targets at this much more load."""
     correction: bool = True

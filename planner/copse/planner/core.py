@@ -120,7 +120,6 @@ class Planner:
         self.limits = limits
         self.capacity = capacity
         self.interval_s = interval_s
-        self.horizon = 1 + math.ceil(config.startup_delay_s / interval_s)
         self.forecaster = LoadForecaster(
             config.predictor,
             settings=config.settings_for(interval_s),
@@ -131,6 +130,17 @@ class Planner:
         self.corrections = Corrections()
         self._gate = ScaleDownGate()
         self._observed = False
+
+    @property
+    def startup_delay_s(self) -> float:
+        """From adding a replica to it serving: the config's, else the deployment's (``spec.coldStart``)."""
+        configured = self.config.startup_delay_s
+        return self.limits.startup_delay_s if configured is None else configured
+
+    @property
+    def horizon(self) -> int:
+        """Intervals forecast ahead: the next one, and those a replica added now takes to start."""
+        return 1 + math.ceil(self.startup_delay_s / self.interval_s)
 
     # --- learning ---------------------------------------------------------------------------
 

@@ -452,7 +452,9 @@ def _interval_table(report: TwinReport) -> str:
     "--predictor", help="Load predictor by name, as copse planner takes it (default: the config's)."
 )
 @click.option(
-    "--startup-delay", type=click.FloatRange(min=0), help="Seconds from adding a replica to it serving."
+    "--startup-delay",
+    type=click.FloatRange(min=0),
+    help="Seconds from adding a replica to it serving (default: the deployment's spec.coldStart, else 120).",
 )
 @click.option("--scale-down-delay", type=click.FloatRange(min=0), help="Seconds the need must stay lower.")
 @click.option("--min-replicas", type=click.IntRange(min=1), help="Fewest replicas (default 1).")

@@ -139,8 +139,12 @@ class TwinSettings:
 
     @property
     def startup_delay_s(self) -> float:
-        """From a scale-up decision to the new replica serving (the planner knows it too)."""
-        return 0.0 if self.planner is None else self.planner.startup_delay_s
+        """From a scale-up decision to the new replica serving (the planner knows it too): the
+        planner config's, else the deployment's (``limits``)."""
+        if self.planner is None:
+            return 0.0
+        configured = self.planner.startup_delay_s
+        return self.limits.startup_delay_s if configured is None else configured
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
