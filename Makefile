@@ -7,7 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The install also compiles the router's C loops, so their source is part of the stamp.
 NATIVE_SOURCES := setup.py router/copse/router/_native.c
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(NATIVE_SOURCES) | sha1sum | cut -c1-12)
+# Installed without their declared dependencies (for tests): the ModelExpress client the operator
+# configures workers for, its gRPC client only, without the engine-side torch and model streamer.
+NO_DEPS_PACKAGES := modelexpress==0.7.0
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml $(NATIVE_SOURCES); echo '$(NO_DEPS_PACKAGES)') | sha1sum | cut -c1-12)
 PYTEST := $(BIN)/pytest
 # Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
 COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers sim))))
@@ -20,9 +23,7 @@ $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	@# The ModelExpress client the operator configures workers for, for its tests: its gRPC client
-	@# only, without the engine-side dependencies (torch, the model streamer) it declares.
-	$(BIN)/python -m pip install --quiet --no-deps 'modelexpress==0.7.0'
+	$(BIN)/python -m pip install --quiet --no-deps $(NO_DEPS_PACKAGES)
 	@# setuptools' editable finder pins the namespace's subpackages at install time;
 	@# listing the five source roots lets new subpackages import without a reinstall.
 	@printf '%s\n' $(addprefix $(CURDIR)/,operator planner router workers sim) \
