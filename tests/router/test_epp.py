@@ -444,6 +444,43 @@ async def test_grpc_health_and_process_over_a_real_channel() -> None:
             await running.close()
 
 
+async def test_grpc_readiness_is_the_routers_recovery_state() -> None:
+    """Readiness waits for what the HTTP router's GET /ready waits for (KV dumps, NATS, peers'
+    snapshots), not only for discovery to list the pool; liveness serves meanwhile."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await _picker(fleet.urls, metrics_port=0)
+        picker = _service(running)
+        recovering = ["the KV dumps of 1 workers"]
+        picker.readiness_checks.append(lambda: recovering[0] if recovering else None)
+        try:
+            assert running.grpc_target is not None
+            async with (
+                grpc.aio.insecure_channel(running.grpc_target) as channel,
+                aiohttp.ClientSession() as http,
+            ):
+                health: Any = health_pb2_grpc.HealthStub(channel)
+
+                async def status(service: str) -> Any:
+                    reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                    return reply.status
+
+                assert await status("liveness") == health_pb2.HealthCheckResponse.SERVING
+                for service in ("readiness", "", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                    assert await status(service) == health_pb2.HealthCheckResponse.NOT_SERVING, service
+                async with http.get(f"{running.url}/ready") as response:
+                    assert response.status == 503
+                    assert (await response.json())["waiting_for"] == recovering
+                recovering.clear()
+                assert await status("readiness") == health_pb2.HealthCheckResponse.SERVING
+                async with http.get(f"{running.url}/ready") as response:
+                    assert response.status == 200
+                picker.draining = True
+                assert await status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert await status("liveness") == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await running.close()
+
+
 def test_immediate_status_codes_are_envoy_http_statuses() -> None:
     # The ImmediateResponse status is Envoy's StatusCode enum: its numbers are the HTTP codes.
     for code in (400, 404, 413, 429, 503):

@@ -124,6 +124,12 @@ class RouterConfig(_Model):
     """Largest request body the router reads, over HTTP or as an endpoint picker (a larger one gets
     413): long-context and agentic prompts and base64 images run to tens of MB (a 1M-token chat is
     ~5 MB of text)."""
+    tokenize_inline_bytes: int = Field(default=64 * 1024, ge=0)
+    """Request bodies up to this size are tokenized on the event loop (a thread hop costs more than
+    encoding them); larger ones on the tokenizer threads, so that other streams keep flowing while a
+    multi-megabyte prompt encodes."""
+    tokenize_threads: int = Field(default=2, ge=1)
+    """Threads tokenizing large prompts (``tokenizers`` releases the GIL while it encodes)."""
     nats_url: str | None = None
     """NATS server for KV events and load sharing between router replicas; without it the router
     learns caches from its own decisions (approximate indexer)."""

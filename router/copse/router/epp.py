@@ -24,7 +24,10 @@ through the gateway. The protocol (the Inference Extension's proposal 004, v1.0.
   its end (or the stream's, e.g. a client that went away) releases the request's load.
 
 gRPC health (``grpc.health.v1.Health``): ``liveness`` always serves; ``readiness``, ``""`` and
-``envoy.service.ext_proc.v3.ExternalProcessor`` serve once discovery has reported the pool.
+``envoy.service.ext_proc.v3.ExternalProcessor`` serve when the HTTP router's ``GET /ready`` would
+(:meth:`RoutingService.readiness`): a usable worker and, once after starting, the workers' KV dumps,
+a NATS connection and the peers' load snapshots (until ``recovery_timeout_s``); never while the
+picker drains. The metrics port answers ``GET /ready`` with the same state and what it waits for.
 
 Disaggregated pools: the picker names one endpoint, so prefill workers are left out and decode
 workers serve whole requests (marked ``context_and_generation`` in the body, as the HTTP frontend
@@ -348,7 +351,7 @@ class Exchange:
             answers = [_destination([address], body_bytes=len(body)), *self._body(body, trailers)]
         else:
             try:
-                prepared = self.picker.prepare(model, body)
+                prepared = await self.picker.prepare(model, body)
             except Rejected as exc:
                 return self._reject(exc.status, exc.message, param=exc.param)
             try:
@@ -511,7 +514,7 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):
         if service == LIVENESS:
             return health_pb2.HealthCheckResponse.SERVING
         if service in (READINESS, "", EXT_PROC_SERVICE):
-            ready = self._picker.synced
+            ready, _ = self._picker.readiness()
             return (
                 health_pb2.HealthCheckResponse.SERVING
                 if ready
@@ -529,8 +532,8 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):
 
 
 def metrics_app(service: RoutingService) -> web.Application:
-    """``/metrics``, ``/health`` and ``/workers`` (what the operator reads while a group drains)
-    of a picker over HTTP."""
+    """``/metrics``, ``/health``, ``/ready`` and ``/workers`` (what the operator reads while a group
+    drains) of a picker over HTTP."""
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=service.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -542,8 +545,21 @@ def metrics_app(service: RoutingService) -> web.Application:
     async def workers(_: web.Request) -> web.Response:
         return web.json_response({"workers": service.workers_report()})
 
+    async def ready(_: web.Request) -> web.Response:
+        is_ready, waiting = service.readiness()
+        if is_ready:
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "waiting_for": waiting}, status=503)
+
     app = web.Application()
-    app.add_routes([web.get("/metrics", metrics), web.get("/health", health), web.get("/workers", workers)])
+    app.add_routes(
+        [
+            web.get("/metrics", metrics),
+            web.get("/health", health),
+            web.get("/ready", ready),
+            web.get("/workers", workers),
+        ]
+    )
     return app
 
 

@@ -48,6 +48,7 @@ from copse.router.discovery import Source
 from copse.router.migration import MigrationReason, StreamProgress
 from copse.router.service import (
     GENERATE_PATHS,
+    Prepared,
     Rejected,
     RoutingService,
     StreamMeter,
@@ -55,7 +56,8 @@ from copse.router.service import (
     error_body,
     usage_tokens,
 )
-from copse.router.tokens import PromptTokenizer
+from copse.router.token_streams import ENGINE_PATH, TokenRelay, relayable
+from copse.router.tokens import HfPromptTokenizer, PromptTokenizer
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
@@ -132,6 +134,8 @@ class _ClientStream:
 
     progress: StreamProgress
     arrived: float
+    relay: TokenRelay | None = None
+    """Set when the engine streams token ids that the router turns into the client's text."""
     client: web.StreamResponse | None = None
     first_at: float = 0.0
     last_at: float = 0.0
@@ -310,17 +314,19 @@ class RouterService(RoutingService):
         arrived = self.now()
         raw = await http.read()
         try:
-            prepared = self.prepare(model, raw)
+            prepared = await self.prepare(model, raw)
         except Rejected as exc:
             self.metrics.requests.labels(status=str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param)
         request, route_request = prepared.request, prepared.route
         original = prepared.body
-        payload = original
+        payload, engine_path, relay = original, path, self._token_relay(prepared, original)
+        if relay is not None:
+            payload, engine_path = relay.body, ENGINE_PATH
         stream = None
         if request.stream:
             progress = StreamProgress(prompt=prepared.tokens, requested=request.requested_tokens())
-            stream = _ClientStream(progress=progress, arrived=arrived)
+            stream = _ClientStream(progress=progress, arrived=arrived, relay=relay)
         exclude: set[str] = set()
         retries = 0
         while True:
@@ -335,7 +341,12 @@ class RouterService(RoutingService):
                 return error_response(503, str(exc))
             try:
                 response = await self._forward(
-                    http, route, payload, path=path, stream=stream, raw=raw if payload is original else None
+                    http,
+                    route,
+                    payload,
+                    path=engine_path,
+                    stream=stream,
+                    raw=raw if payload is original else None,
                 )
             except _Refused as exc:
                 self._finish(route.request_id)
@@ -389,7 +400,10 @@ class RouterService(RoutingService):
                 )
                 self.metrics.migrations.labels(reason=exc.reason.value).inc()
                 progress.start_attempt()
-                payload = progress.continuation(original, chat=model is ChatCompletionRequest)
+                if relay is None:
+                    payload = progress.continuation(original, chat=model is ChatCompletionRequest)
+                else:
+                    payload = progress.continuation(relay.body, chat=False)
                 route_request = self.route_request(
                     route_request.request_id, progress.prompt + progress.output, max_tokens=progress.remaining
                 )
@@ -401,6 +415,16 @@ class RouterService(RoutingService):
             self.metrics.requests.labels(status=str(response.status)).inc()
             self.metrics.duration.observe(self.now() - arrived)
             return response
+
+    def _token_relay(self, prepared: Prepared, payload: dict[str, Any]) -> TokenRelay | None:
+        """How a stream to ``trtllm-serve`` is made migratable: in token ids, decoded here
+        (:mod:`copse.router.token_streams`); ``None`` for anything passed as it is."""
+        if self.config.engine != "trtllm" or not relayable(prepared.request):
+            return None
+        assert isinstance(self.tokenizer, HfPromptTokenizer)  # engine: trtllm loads one
+        return TokenRelay(
+            request=prepared.request, payload=payload, tokens=prepared.tokens, tokenizer=self.tokenizer
+        )
 
     async def _end_stream(self, stream: _ClientStream, message: str, *, why: str) -> web.StreamResponse:
         """End a stream the client receives with an error event (its worker failed for good)."""
@@ -552,42 +576,54 @@ class RouterService(RoutingService):
     ) -> web.StreamResponse:
         """Relay an SSE stream. Nothing is sent to the client before the first token arrives; a
         continuation's chunks are rewritten to continue the client's stream."""
-        progress = stream.progress
+        progress, translator = stream.progress, stream.relay
         resumed = stream.client is not None
         meter = StreamMeter(ids=progress.output)
         held: list[bytes] = []
         out: list[bytes] = []
         partial = b""
+        ended = False
+        """The router ended the stream itself (a stop string the engine did not stop on)."""
 
         async def relay(lines: list[bytes]) -> None:
             """Account and pass on complete lines; what reaches the client goes in one write, also
             when a line ends the attempt (the client must get every token accounted before it)."""
+            nonlocal ended
             try:
                 for line in lines:
-                    if line.startswith(b"data:"):
-                        event, first = meter.feed(line[5:].strip(), now=self.now())
-                        if isinstance(event, dict) and "error" in event:
-                            raise _AttemptFailed(
-                                f"worker stream error: {event['error']}",
-                                worker_id=route.worker_id,
-                                reason=MigrationReason.WORKER_ERROR,
-                            )
-                        if meter.events:
-                            attempt.silent_since = self.heard[route.worker_id] = meter.last_at
-                        if first:
-                            self._first_token(route.request_id)
-                            if stream.client is None:
-                                assert isinstance(event, dict)
-                                progress.note_first(event)
-                                stream.first_at = meter.first_at
-                                self.metrics.ttft.observe(meter.first_at - stream.arrived)
-                                await stream.open(http, held)
-                        if resumed and isinstance(event, dict):
-                            rewritten = progress.rewrite(event)
-                            if rewritten is None:
-                                continue
-                            line = f"data: {json.dumps(rewritten, separators=(',', ':'))}\n".encode()  # noqa: PLW2901
-                    (out if stream.client is not None else held).append(line)
+                    if ended:
+                        break
+                    if not line.startswith(b"data:"):
+                        if translator is None:  # a translated stream is written as whole events
+                            (out if stream.client is not None else held).append(line)
+                        continue
+                    event, first = meter.feed(line[5:].strip(), now=self.now())
+                    if isinstance(event, dict) and "error" in event:
+                        raise _AttemptFailed(
+                            f"worker stream error: {event['error']}",
+                            worker_id=route.worker_id,
+                            reason=MigrationReason.WORKER_ERROR,
+                        )
+                    if meter.events:
+                        attempt.silent_since = self.heard[route.worker_id] = meter.last_at
+                    events: list[Any] = [event]
+                    if translator is not None and isinstance(event, dict):
+                        events, ended = translator.translate(event, progress=progress)
+                    if first:
+                        self._first_token(route.request_id)
+                        if stream.client is None:
+                            assert isinstance(events[0], dict)
+                            progress.note_first(events[0])
+                            stream.first_at = meter.first_at
+                            self.metrics.ttft.observe(meter.first_at - stream.arrived)
+                            await stream.open(http, held)
+                    lines_out = self._client_lines(
+                        events, line, resumed=resumed, progress=progress, relay=translator
+                    )
+                    if ended:
+                        meter.finished = meter.done = True
+                        lines_out.append(b"data: [DONE]\n\n")
+                    (out if stream.client is not None else held).extend(lines_out)
             finally:
                 if out and stream.client is not None:
                     await stream.write_lines(out)
@@ -600,7 +636,10 @@ class RouterService(RoutingService):
                 lines = (partial + chunk).split(b"\n")
                 partial = lines.pop()
                 await relay([line + b"\n" for line in lines])
-            if partial:
+                if ended:
+                    upstream.close()  # trtllm-serve aborts a request whose client went away
+                    break
+            if partial and not ended:
                 await relay([partial])
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, _Abandoned) as exc:
             reason = attempt.abandoned or (
@@ -637,6 +676,25 @@ class RouterService(RoutingService):
         assert stream.client is not None
         await stream.client.write_eof()
         return stream.client
+
+    @staticmethod
+    def _client_lines(
+        events: list[Any], line: bytes, *, resumed: bool, progress: StreamProgress, relay: TokenRelay | None
+    ) -> list[bytes]:
+        """The SSE lines the client gets for one worker event (``line``, translated by the relay
+        into ``events``); a continuation's chunks are rewritten to continue the client's stream."""
+        if relay is None and not (resumed and isinstance(events[0], dict)):
+            return [line]
+        lines = []
+        for event in events:
+            if event is None:
+                lines.append(b"data: [DONE]\n\n")
+                continue
+            rewritten = progress.rewrite(event) if resumed and isinstance(event, dict) else event
+            if rewritten is not None:
+                data = json.dumps(rewritten, separators=(",", ":"), ensure_ascii=False).encode()
+                lines.append(b"data: " + data + (b"\n" if relay is None else b"\n\n"))
+        return lines
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response(

@@ -28,6 +28,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,8 +241,6 @@ class RoutingService:
         self._probe_wake = asyncio.Event()
         self.heard: dict[str, float] = {}
         """Worker id -> when output of it last arrived (frontends set it as chunks pass)."""
-        self.synced = False
-        """Discovery reported the workers at least once (an endpoint picker is ready from then on)."""
         self.on_worker_added: list[Callable[[str, str], object]] = []
         """Callbacks ``(worker_id, url)`` run when a worker becomes usable (KV resync hooks)."""
         self.on_worker_removed: list[Callable[[str], object]] = []
@@ -257,6 +256,9 @@ class RoutingService:
         """Requests this router is answering (what a drain waits for; its frontend counts them)."""
         self._started_at = 0.0
         self._recovered = False
+        self._tokenize_pool = ThreadPoolExecutor(
+            max_workers=config.tokenize_threads, thread_name_prefix="copse-tokenize"
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -283,6 +285,7 @@ class RoutingService:
                 await task
         if self._session is not None:
             await self._session.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def add_task(self, task: asyncio.Task[None]) -> None:
         """Run ``task`` for the service's lifetime (cancelled at cleanup)."""
@@ -303,7 +306,6 @@ class RoutingService:
     # -- workers ------------------------------------------------------------------------------
 
     def _on_discovery(self, endpoints: Mapping[str, Endpoint]) -> None:
-        self.synced = True
         self._endpoints = dict(endpoints)
         for key in list(self._live):
             live, endpoint = self._live[key], self._endpoints.get(key)
@@ -499,9 +501,13 @@ class RoutingService:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def prepare(self, model: type[CompletionRequest] | type[ChatCompletionRequest], raw: bytes) -> Prepared:
+    async def prepare(
+        self, model: type[CompletionRequest] | type[ChatCompletionRequest], raw: bytes
+    ) -> Prepared:
         """Parse a generation request's body and hash its prompt. Raises :class:`Rejected` (400 for
-        a malformed request, 404 for a model not served here)."""
+        a malformed request, 404 for a model not served here). A body over
+        ``tokenize_inline_bytes`` is tokenized on the tokenizer threads (``tokenizers`` releases the
+        GIL while it encodes), so that a multi-megabyte prompt does not stall every other stream."""
         try:
             request, body = parse_request_object(model, raw)
         except RequestError as exc:
@@ -511,7 +517,13 @@ class RoutingService:
             message = f"model {request.model!r} is not served here (GET /v1/models lists {served!r})"
             raise Rejected(404, message, param="model")
         try:
-            tokens = prompt_tokens(request, self.tokenizer)
+            if len(raw) <= self.config.tokenize_inline_bytes:
+                tokens = prompt_tokens(request, self.tokenizer)
+            else:
+                loop = asyncio.get_running_loop()
+                tokens = await loop.run_in_executor(
+                    self._tokenize_pool, prompt_tokens, request, self.tokenizer
+                )
         except RequestError as exc:  # the model's chat template refused the chat
             raise Rejected(400, exc.message, param=exc.param) from exc
         if not tokens:

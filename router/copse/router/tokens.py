@@ -58,6 +58,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, processors
+from tokenizers.decoders import DecodeStream
 
 from copse.router.config import RouterConfig
 from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest, RequestError
@@ -208,6 +209,8 @@ class HfPromptTokenizer:
         legacy_path = directory / SPECIAL_TOKENS_MAP_FILE
         legacy = _read_json(legacy_path) if legacy_path.is_file() else {}
         self.special_tokens = self._special_tokens(config, legacy)
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        """Whether decoded text is cleaned up (``transformers`` 4.57's default: no)."""
         self._apply_bos_eos(config)
         self.templates = self._templates(directory, config)
         for name, source in self.templates.items():
@@ -332,6 +335,59 @@ class HfPromptTokenizer:
         return self.completion_tokens(
             self.render_chat(request), add_special_tokens=request.add_special_tokens
         )
+
+    def stop_ids(self, stop: str) -> list[int]:
+        """The token ids ``trtllm-serve`` stops on for a stop string (``SamplingParams._setup``
+        encodes it without special tokens)."""
+        return self.completion_tokens(stop, add_special_tokens=False)
+
+    def stream_decoder(self, *, skip_special_tokens: bool) -> StreamDecoder:
+        """A decoder of one output's streamed token ids, as ``trtllm-serve`` decodes them."""
+        return StreamDecoder(
+            self._tokenizer, skip_special_tokens=skip_special_tokens, clean_up=self.clean_up_spaces
+        )
+
+
+def clean_up_tokenization(text: str) -> str:
+    """``transformers``' ``clean_up_tokenization`` (4.57): no space before punctuation and contractions."""
+    for before, after in _CLEAN_UPS:
+        text = text.replace(before, after)
+    return text
+
+
+_CLEAN_UPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+class StreamDecoder:
+    """Streamed token ids to text the way ``trtllm-serve`` decodes a stream by default
+    (``TransformersTokenizer.hf_decode_incrementally``, chosen for fast tokenizers while
+    ``spaces_between_special_tokens`` is true and the stream interval below 24): one
+    ``tokenizers`` ``DecodeStream`` per output, stepped token by token (a token that ends inside a
+    multi-byte character gives nothing until the character is whole), the pieces of one chunk
+    joined and cleaned up (``clean_up_tokenization_spaces`` of ``tokenizer_config.json``) chunk by
+    chunk. Bytes of a character the stream never completes are never shown, as there."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool, clean_up: bool) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._clean_up = clean_up
+
+    def decode(self, ids: list[int]) -> str:
+        """The text one chunk's token ids add."""
+        pieces = [piece for token in ids if (piece := self._stream.step(self._tokenizer, token)) is not None]
+        text = "".join(pieces)
+        return clean_up_tokenization(text) if self._clean_up else text
 
 
 def load_tokenizer(config: RouterConfig) -> PromptTokenizer:

@@ -20,8 +20,8 @@ Errors: 400 with :class:`~copse.workers.protocol.openai_api.ErrorResponse` namin
 reading a stream) has its request aborted and its blocks freed.
 
 Streamed chunks carry their output ``token_ids``, in completions as ``trtllm-serve`` does with
-``detokenize: false`` and, unlike ``trtllm-serve``, in chat too (what the router needs to migrate
-a stream; see :mod:`copse.router.migration`).
+``detokenize: false`` (whose text is then empty) and, unlike ``trtllm-serve``, with text and in chat
+too (what the router needs to migrate a stream of a mocked engine; see :mod:`copse.router.migration`).
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ class EngineServer:
                     model=self.model_name,
                     choices=[
                         CompletionChoice(
-                            text=text,
+                            text=text if body.detokenize else "",
                             token_ids=list(request.output),
                             finish_reason="length",
                             disaggregated_params=params,
@@ -387,6 +387,7 @@ class EngineServer:
         options = body.stream_options
         every_chunk_usage = options is not None and options.continuous_usage_stats
         chat = isinstance(body, ChatCompletionRequest)
+        detokenize = isinstance(body, ChatCompletionRequest) or body.detokenize
         response_id = new_chat_id() if chat else new_completion_id()
         created = int(time.time())
 
@@ -427,7 +428,11 @@ class EngineServer:
                         id=response_id,
                         created=created,
                         model=self.model_name,
-                        choices=[CompletionStreamChoice(text=text, token_ids=new, finish_reason=reason)],
+                        choices=[
+                            CompletionStreamChoice(
+                                text=text if detokenize else "", token_ids=new, finish_reason=reason
+                            )
+                        ],
                         usage=usage,
                     )
                 )

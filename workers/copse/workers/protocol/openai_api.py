@@ -145,6 +145,9 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    detokenize: bool = True
+    """``false``: chunks carry the output ``token_ids`` and an empty ``text`` (``trtllm-serve``'s
+    ``SamplingParams.detokenize``; its stop strings then match token ids only)."""
 
     @field_validator("prompt", mode="plain")
     @classmethod
