@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,9 @@ from aiohttp import web
 
 from copse.router.config import RouterConfig, parse_config
 from copse.router.server import RunningRouter, start_router
+from copse.router.tokens import PromptTokenizer
 from copse.workers.mocker import EngineConfig
+from copse.workers.protocol.openai_api import ChatCompletionRequest
 from copse.workers.testing import mock_fleet
 
 from .conftest import eventually
@@ -447,4 +450,63 @@ async def test_a_draining_worker_finishes_its_stream_takes_nothing_new_and_repor
                 ) as again:
                     assert again.status == 200
         finally:
+            await running.close()
+
+
+class _GatedTokenizer:
+    """The mocked engines' tokenizer, whose encoding of a large prompt waits for the test."""
+
+    def __init__(self, inner: PromptTokenizer, *, large: int) -> None:
+        self.inner, self.large = inner, large
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.threads: list[str] = []
+
+    def completion_tokens(self, prompt: str, *, add_special_tokens: bool) -> list[int]:
+        if len(prompt) >= self.large:
+            self.threads.append(threading.current_thread().name)
+            self.entered.set()
+            # On the event loop this would stall every stream (and the test) until it times out.
+            if not self.release.wait(timeout=20):
+                raise AssertionError("the large prompt was tokenized on the event loop")
+        return self.inner.completion_tokens(prompt, add_special_tokens=add_special_tokens)
+
+    def chat_tokens(self, request: ChatCompletionRequest) -> list[int]:
+        return self.inner.chat_tokens(request)
+
+
+async def test_a_large_prompt_tokenizes_off_the_event_loop_while_other_streams_flow() -> None:
+    large = " ".join(f"word{i}" for i in range(20_000))  # ~190 kB, over tokenize_inline_bytes
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config(fleet.urls, tokenize_inline_bytes=64 * 1024), 1)
+        gated = _GatedTokenizer(running.service.tokenizer, large=len(large))
+        running.service.tokenizer = gated
+        try:
+            async with aiohttp.ClientSession() as http:
+                big = asyncio.create_task(
+                    http.post(
+                        f"{running.url}/v1/completions",
+                        json={"model": MODEL, "prompt": large, "max_tokens": 2},
+                    )
+                )
+                await eventually(gated.entered.is_set)
+                body = {"model": MODEL, "prompt": "a small one", "max_tokens": 8, "stream": True}
+                async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                    events = await _sse(response)
+                assert not gated.release.is_set()  # it streamed to its end while the large one encoded
+                assert events[-1] == "[DONE]"
+                assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1] if e["choices"]) == 8
+                gated.release.set()
+                answer = await big
+                assert answer.status == 200
+                usage = (await answer.json())["usage"]
+                answer.release()
+            assert gated.threads
+            assert all(name.startswith("copse-tokenize") for name in gated.threads)
+            # the same tokens as on the loop: the engine's own count of the prompt
+            assert usage["prompt_tokens"] == len(
+                gated.inner.completion_tokens(large, add_special_tokens=True)
+            )
+        finally:
+            gated.release.set()
             await running.close()
