@@ -13,10 +13,10 @@ client sees it (prompt: the original prompt; completion: every token it received
 
 A stream can be continued only while each of its output chunks carried token ids (copse's mocked
 engines send them in completions and chat chunks; ``trtllm-serve`` only in completions with
-``detokenize: false``, never in chat). What a continuation cannot reproduce: a stop string split
-across the break is not seen (engines match stop strings in the output, and the carried tokens are
-now prompt), presence/frequency penalties no longer count the carried tokens, and a seeded
-sampler restarts its random sequence.
+``detokenize: false``, never in chat: :mod:`copse.router.token_streams` streams from it in token
+ids, and matches stop strings split across a break, for the router). What a continuation cannot
+reproduce: presence/frequency penalties no longer count the carried tokens, and a seeded sampler
+restarts its random sequence.
 """
 
 from __future__ import annotations

@@ -431,7 +431,8 @@ class ChatStreamChoice(_Response):
     delta: DeltaMessage
     token_ids: list[int] | None = None
     """The chunk's output token ids. A copse mocker extension: ``trtllm-serve`` streams no token ids
-    in chat chunks (the router cannot migrate its chat streams; see the README)."""
+    in chat chunks (the router sends it a chat as a token-id completions request instead; see
+    :mod:`copse.router.token_streams`)."""
     finish_reason: FinishReason | None = None
 
 
