@@ -214,7 +214,8 @@ class LocalKubelet:
     """Runs chosen kwok pods' containers as processes of this machine, bound to the pods' IPs
     (loopback addresses, see :func:`loopback_cidr`), and kills each one the moment its pod is
     deleted, with SIGKILL and no grace: anything the pod still served is cut, so a removal that
-    did not wait shows. Just before the kill it reads the engine's ``/metrics``."""
+    did not wait shows. Just before the kill it reads the engine's ``/prometheus/metrics`` (its
+    ``/metrics`` is TensorRT-LLM's JSON iteration stats)."""
 
     def __init__(self, kubectl: Kubectl, namespace: str, *, logs: Path) -> None:
         self.kubectl = kubectl
@@ -222,7 +223,7 @@ class LocalKubelet:
         self.logs = logs
         self.processes: dict[str, _Process] = {}
         self.killed: dict[str, str] = {}
-        """Pod name -> what its process's ``/metrics`` said just before the kill."""
+        """Pod name -> what its process's ``/prometheus/metrics`` said just before the kill."""
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="local-kubelet", daemon=True)
 
@@ -251,7 +252,7 @@ class LocalKubelet:
 
     def _kill(self, process: _Process) -> None:
         try:
-            with urllib.request.urlopen(f"{process.url}/metrics", timeout=5) as response:
+            with urllib.request.urlopen(f"{process.url}/prometheus/metrics", timeout=5) as response:
                 metrics = response.read().decode()
         except OSError as error:
             metrics = f"unreadable: {error}"

@@ -134,6 +134,66 @@ def test_the_kv_relay_is_a_native_sidecar_the_kubelet_runs(
         assert "running" in running["state"]
 
 
+def test_modelexpress_runs_its_server_and_points_the_next_group_at_a_ready_one(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    """``coldStart.strategy: modelexpress`` with one-pod groups: the operator's ModelExpress server
+    (a Deployment whose Redis is a native sidecar) and its Service are accepted and scheduled, the
+    first ready group becomes the source, and a group added then is pointed at it through the
+    ``<name>-mx-source`` Service (the worker pods' downward-API env and IPC_LOCK pass the API server)."""
+    manifest = seed("express", replicas=1)
+    manifest["spec"]["model"]["tensorParallelism"] = 4  # one pod per group on 4-GPU trays
+    kubectl.apply(manifest, namespace=namespace)
+    wait_running(kubectl, "express", namespace, operator)
+    server = kubectl.get("deployment", "express-modelexpress", namespace=namespace)
+    [redis] = server["spec"]["template"]["spec"]["initContainers"]
+    assert redis["restartPolicy"] == "Always"
+    wait_until(
+        "the ModelExpress server's pod",
+        lambda: bool(
+            kubectl.items("pods", "-l", "app.kubernetes.io/component=modelexpress", namespace=namespace)
+        ),
+        operator=operator,
+    )
+    wait_until(
+        "the source Service",
+        lambda: bool(
+            kubectl.items("services", "--field-selector=metadata.name=express-mx-source", namespace=namespace)
+        ),
+        operator=operator,
+    )
+    pointer = kubectl.get("service", "express-mx-source", namespace=namespace)
+    assert pointer["spec"]["selector"] == {names.LABEL_GROUP: "express-worker-0", names.LABEL_LEADER: "true"}
+    assert [port["port"] for port in pointer["spec"]["ports"]] == [6555, 6556, 6557, 6558]
+    kubectl.run(
+        "patch",
+        "idep",
+        "express",
+        "--type=merge",
+        "-p",
+        '{"spec":{"replicas":2}}',
+        f"--namespace={namespace}",
+    )
+    wait_until(
+        "the second group's pod",
+        lambda: any(
+            pod["metadata"]["labels"][names.LABEL_GROUP] == "express-worker-1"
+            for pod in worker_pods(kubectl, "express", namespace)
+        ),
+        operator=operator,
+    )
+    [second] = [
+        pod
+        for pod in worker_pods(kubectl, "express", namespace)
+        if pod["metadata"]["labels"][names.LABEL_GROUP] == "express-worker-1"
+    ]
+    [engine] = second["spec"]["containers"]
+    env = {item["name"]: item.get("value") for item in engine["env"]}
+    assert (env["MX_METADATA_BACKEND"], env["MX_K8S_SERVICE_PATTERN"]) == ("k8s-service", "express-mx-source")
+    assert env["MODEL_EXPRESS_URL"] == f"express-modelexpress.{namespace}.svc:8001"
+    assert engine["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+
+
 def test_disaggregated_pools_land_close(kubectl: Kubectl, namespace: str, operator: Operator) -> None:
     manifest = seed("disagg", prefill={"replicas": 1, "tensorParallelism": 4}, decode={"replicas": 1})
     kubectl.apply(manifest, namespace=namespace)
