@@ -169,7 +169,7 @@ def test_events_replay_to_the_cache_contents(
     assert engine.trtllm_events is not None
     ids_seen = [raw["event_id"] for raw in engine.trtllm_events]
     assert ids_seen == list(range(len(ids_seen)))
-    levels = engine.trtllm_events[0]["data"]["num_blocks_per_cache_level"]
+    levels = next(iter(engine.trtllm_events))["data"]["num_blocks_per_cache_level"]
     assert levels[:2] == [num_blocks, host_blocks]
     assert levels[2:] == ([disk_blocks] if disk_blocks else [])
     for raw in list(engine.trtllm_events)[1:]:
@@ -215,7 +215,8 @@ def test_trtllm_stored_tokens_hash_to_the_copse_tokens_hash() -> None:
         for block, raw_block in zip(ours.data.blocks, theirs["data"]["blocks"], strict=True):
             ids = [t["token_id"] for t in raw_block["tokens"]]
             assert tokens_hashes(ids, block_size=BLOCK) == [block.tokens_hash]
-    assert engine.trtllm_events[0]["data"] == {"type": "created", "num_blocks_per_cache_level": [64, 0]}
+    created = next(iter(engine.trtllm_events))["data"]
+    assert created == {"type": "created", "num_blocks_per_cache_level": [64, 0]}
 
 
 def test_trusted_events_are_what_model_construct_builds() -> None:

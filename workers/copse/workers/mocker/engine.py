@@ -35,12 +35,13 @@ import functools
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
 from copse.workers.mocker.blocks import BlockHolder, BlockManager, trusted_model
 from copse.workers.mocker.config import EngineConfig
+from copse.workers.mocker.trtllm_events import TrtllmEventBuffer
 from copse.workers.moe import MoeStep
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.hashing import hash_blocks
@@ -275,20 +276,14 @@ class Engine:
         )
         self._onboard_ms = offload.block_ms(block_bytes=config.block_bytes)
         """Time to bring one block back from host memory and from disk, ms."""
-        self.trtllm_events: deque[dict[str, Any]] | None = None
+        self.trtllm_events: TrtllmEventBuffer | None = None
         """TensorRT-LLM-format events for ``POST /kv_cache_events`` (bounded; oldest dropped)."""
-        self._trtllm_event_id = 0
         if trtllm_event_buffer:
-            self.trtllm_events = deque(maxlen=trtllm_event_buffer)
             # TensorRT-LLM's cache levels are the GPU (primary) and host (secondary) pools; a disk
             # tier (mocked engines only) is a third level.
             levels = [num_blocks, host_blocks] + ([disk_blocks] if disk_blocks else [])
-            self.trtllm_events.append(
-                {
-                    "event_id": 0,
-                    "data": {"type": "created", "num_blocks_per_cache_level": levels},
-                    "window_size": config.max_model_len,
-                }
+            self.trtllm_events = TrtllmEventBuffer(
+                maxlen=trtllm_event_buffer, window_size=config.max_model_len, cache_levels=levels
             )
         self.blocks = BlockManager(
             num_blocks=num_blocks,
@@ -794,8 +789,7 @@ class Engine:
         if not self.blocks.clear():
             return False
         if self.trtllm_events is not None:
-            # TensorRT-LLM has no "cleared" event: a reset shows as the removal of every block
-            self.trtllm_events[-1]["data"]["block_hashes"] = cached
+            self.trtllm_events.note_cleared(cached)
         return True
 
     @property
@@ -808,15 +802,7 @@ class Engine:
         event = trusted_model(KvEvent, {"event_id": self._last_event_id, "data": data}, _EVENT_FIELDS)
         self._pending_events.append(event)
         if self.trtllm_events is not None:
-            for body in _trtllm_bodies(data, block_tokens):
-                self._trtllm_event_id += 1
-                self.trtllm_events.append(
-                    {
-                        "event_id": self._trtllm_event_id,
-                        "data": body,
-                        "window_size": self.config.max_model_len,
-                    }
-                )
+            self.trtllm_events.add(data, block_tokens)
 
     def drain_kv_events(self) -> list[KvEvent]:
         """KV events emitted since the last drain, oldest first."""
@@ -838,46 +824,3 @@ class Engine:
             last_event_id=self._last_event_id,
             blocks=tuple(DumpBlock(h, p, t, tier_of(h)) for h, p, t in self.blocks.iter_cached()),
         )
-
-
-def _trtllm_bodies(data: KvEventData, block_tokens: list[np.ndarray] | None) -> list[dict[str, Any]]:
-    """``data`` as the ``data`` of the events ``trtllm-serve`` drains (mocked engines use copse hashes
-    as engine hashes): one event, except a tier change, which TensorRT-LLM announces block by block."""
-    if data.type == "stored":
-        tokens = block_tokens or [np.empty(0, dtype=np.uint32)] * len(data.blocks)
-        return [
-            {
-                "type": "stored",
-                "parent_hash": data.parent_hash,
-                "blocks": [
-                    {
-                        "type": "stored_block",
-                        "block_hash": block.block_hash,
-                        "tokens": [
-                            {"type": "unique_token", "token_id": int(t), "token_extra_id": 0}
-                            for t in ids.tolist()
-                        ],
-                        "cache_level": 0,
-                        "priority": 35,
-                    }
-                    for block, ids in zip(data.blocks, tokens, strict=True)
-                ],
-            }
-        ]
-    if data.type == "removed":
-        return [{"type": "removed", "block_hashes": list(data.block_hashes)}]
-    if data.type == "updated":
-        return [
-            {
-                "type": "updated",
-                "block_hash": block_hash,
-                "cache_level": {
-                    "type": "event_diff",
-                    "new_value": data.tier,
-                    "old_value": data.previous_tier,
-                },
-                "priority": None,
-            }
-            for block_hash in data.block_hashes
-        ]
-    return [{"type": "removed", "block_hashes": []}]  # filled in by Engine.reset_prefix_cache

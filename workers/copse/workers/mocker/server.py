@@ -507,10 +507,7 @@ class EngineServer:
 
     async def _kv_cache_events(self, _: web.Request) -> web.Response:
         buffer = self.engine.trtllm_events
-        events = list(buffer) if buffer is not None else []
-        if buffer is not None:
-            buffer.clear()
-        return web.json_response(events)
+        return web.json_response(buffer.drain() if buffer is not None else [])
 
     async def _kv_dump(self, _: web.Request) -> web.Response:
         return _json(self.engine.dump_kv())
