@@ -15,12 +15,17 @@ router's added TTFT p50 (ms) and its end-to-end p50 as a ratio of the direct one
 process's CPU seconds and the streamed tokens/s per router core (tokens relayed / router CPU s).
 Rounds alternate direct, router, direct, router... so both see the same machine load.
 
-``--profile FILE`` also samples the router with ``py-spy`` (when installed) during one routed round
-at the highest concurrency and prints where its time goes.
+``--router-tree NAME=DIR`` (repeatable) also runs the router of another checkout of copse (e.g.
+``git archive <commit> | tar -x -C DIR``, with the compiled ``router/copse/router/_native*.so``
+copied in) in front of the same engines, a round of it after each round of this tree's router: a
+change to the router measured before and after in one run, on the same machine load.
+
+``--profile FILE`` also samples this tree's router with ``py-spy`` (when installed) during one
+routed round at the highest concurrency and prints where its time goes.
 
 Usage: ``.venv/bin/python benchmarks/router_proxy.py [--concurrency 64,256] [--rounds 2]
 [--requests-per-stream 4] [--engines 4] [--prompt-tokens 1024] [--max-tokens 128]
-[--decode-speedup 0.25] [--profile /tmp/router.prof]``
+[--decode-speedup 0.25] [--router-tree before=/tmp/copse-before] [--profile /tmp/router.prof]``
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import itertools
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,15 +48,14 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import uvloop
 import yaml
 
+from copse.sim.live import _free_port_range
+
 MODEL = "proxy-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+ROOTS = ("operator", "planner", "router", "workers", "sim")
+"""A checkout's source roots (its ``PYTHONPATH`` for ``--router-tree``)."""
 
 
 def _cpu_s(pid: int) -> float:
@@ -72,9 +76,10 @@ async def _wait_ready(http: aiohttp.ClientSession, url: str, *, path: str, deadl
 
 
 @contextlib.asynccontextmanager
-async def _processes(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], str, int]]:
-    """The engines and the router; yields (engine URLs, router URL, router pid)."""
-    base = _free_port()
+async def _processes(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], dict[str, tuple[str, int]]]]:
+    """The engines and the routers; yields (engine URLs, router name -> (URL, pid))."""
+    trees: list[tuple[str, Path | None]] = [("router", None), *args.router_tree]
+    base = _free_port_range(args.engines + len(trees))  # the engines', then the routers' ports
     engines = subprocess.Popen(
         [
             sys.executable, "-m", "copse.cli", "worker", "mock",
@@ -84,32 +89,55 @@ async def _processes(args: argparse.Namespace) -> AsyncIterator[tuple[list[str],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     urls = [f"http://127.0.0.1:{base + i}" for i in range(args.engines)]
-    port = _free_port()
-    config = {
-        "model": MODEL,
-        "engine": "mock",
-        "port": port,
-        "policy": "round_robin",
-        "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
-        "seed": 0,
-    }
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
-        yaml.safe_dump(config, file)
-    router = subprocess.Popen(
-        [sys.executable, "-m", "copse.cli", "router", "run", "--config", file.name, "--log-level", "WARNING"]
-    )
+    routers: dict[str, tuple[str, int]] = {}
+    processes: list[subprocess.Popen[bytes]] = []
+    files: list[str] = []
     try:
+        for port, (name, tree) in enumerate(trees, start=base + args.engines):
+            config = {
+                "model": MODEL,
+                "engine": "mock",
+                "port": port,
+                "policy": "round_robin",
+                "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
+                "seed": 0,
+            }
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
+                yaml.safe_dump(config, file)
+            files.append(file.name)
+            env = dict(os.environ)
+            if tree is not None:
+                env["PYTHONPATH"] = os.pathsep.join(str(tree / root) for root in ROOTS)
+            router = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "copse.cli",
+                    "router",
+                    "run",
+                    "--config",
+                    file.name,
+                    "--log-level",
+                    "WARNING",
+                ],
+                env=env,
+            )
+            processes.append(router)
+            routers[name] = (f"http://127.0.0.1:{port}", router.pid)
         async with aiohttp.ClientSession() as http:
             for url in urls:
                 await _wait_ready(http, url, path="/health")
-            await _wait_ready(http, f"http://127.0.0.1:{port}", path="/health")
-        yield urls, f"http://127.0.0.1:{port}", router.pid
+            for url, _ in routers.values():
+                await _wait_ready(http, url, path="/health")
+        yield urls, routers
     finally:
-        for process in (router, engines):
+        processes.append(engines)
+        for process in processes:
             process.send_signal(signal.SIGTERM)
-        for process in (router, engines):
+        for process in processes:
             process.wait(timeout=30)
-        os.unlink(file.name)
+        for name in files:
+            os.unlink(name)
 
 
 async def _one(
@@ -147,6 +175,7 @@ async def _round(
     ttfts: list[float] = []
     e2es: list[float] = []
     lines = 0
+    turns = itertools.count()
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -154,9 +183,11 @@ async def _round(
         async def stream(index: int) -> None:
             nonlocal lines
             await asyncio.sleep(ramp_s * index / concurrency)  # a ramp, not one burst of prefills
-            for k in range(per_stream):
+            for _request in range(per_stream):
                 prompt = [rng.randrange(1000, 100000) for _ in range(prompt_tokens)]
-                target = targets[(index * per_stream + k) % len(targets)]
+                # round-robin in the order requests are sent, as the router's policy does (streams
+                # of one wave must not pile onto a few engines)
+                target = targets[next(turns) % len(targets)]
                 ttft, e2e, count = await _one(http, target, prompt, max_tokens)
                 ttfts.append(ttft)
                 e2es.append(e2e)
@@ -203,27 +234,29 @@ def _profile_report(path: Path) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    async with _processes(args) as (engines, router, router_pid):
+    async with _processes(args) as (engines, routers):
         print(
             f"{args.engines} engines, prompts {args.prompt_tokens} tokens, {args.max_tokens} tokens out, "
             f"{args.requests_per_stream} requests per stream; load average {os.getloadavg()[0]:.1f}"
         )
-        # warm both paths (connections, imports, JIT-free but first-call costs)
-        await _round(engines, concurrency=8, per_stream=1, prompt_tokens=64, max_tokens=4, seed=1)
-        await _round([router], concurrency=8, per_stream=1, prompt_tokens=64, max_tokens=4, seed=1)
+        paths: dict[str, tuple[list[str], int | None]] = {"direct": (engines, None)}
+        paths.update({name: ([url], pid) for name, (url, pid) in routers.items()})
+        # warm every path (connections, imports, first-call costs)
+        for targets, _ in paths.values():
+            await _round(targets, concurrency=8, per_stream=1, prompt_tokens=64, max_tokens=4, seed=1)
+        width = max(7, *(len(name) for name in paths))
         header = (
-            f"{'streams':>7} {'path':<7} {'TTFT p50':>9} {'p99':>8} {'e2e p50':>9} {'p99':>8}"
+            f"{'streams':>7} {'path':<{width}} {'TTFT p50':>9} {'p99':>8} {'e2e p50':>9} {'p99':>8}"
             f" {'tokens/s':>9} {'router CPU s':>12} {'tok/s per router core':>22}"
         )
         print(header)
         summary = []
         for concurrency in concurrencies:
             results: dict[str, list[tuple[np.ndarray, np.ndarray, int, float, float]]] = {
-                "direct": [],
-                "router": [],
+                path: [] for path in paths
             }
             for round_ in range(args.rounds):
-                for path, targets in (("direct", engines), ("router", [router])):
+                for path, (targets, pid) in paths.items():
                     profiling = (
                         args.profile is not None
                         and path == "router"
@@ -233,11 +266,11 @@ async def main(args: argparse.Namespace) -> None:
                     spy = None
                     if profiling:
                         spy = subprocess.Popen(
-                            [_py_spy(), "record", "-p", str(router_pid), "-r", "200",
+                            [_py_spy(), "record", "-p", str(pid), "-r", "200",
                              "--format", "raw", "-o", str(args.profile), "--nonblocking"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                         )  # fmt: skip
-                    cpu = _cpu_s(router_pid)
+                    cpu = _cpu_s(pid) if pid is not None else 0.0
                     ttft, e2e, lines, wall = await _round(
                         targets,
                         concurrency=concurrency,
@@ -246,17 +279,18 @@ async def main(args: argparse.Namespace) -> None:
                         max_tokens=args.max_tokens,
                         seed=round_,
                     )
-                    used = _cpu_s(router_pid) - cpu
+                    used = _cpu_s(pid) - cpu if pid is not None else 0.0
                     if spy is not None:
                         spy.send_signal(signal.SIGINT)
                         spy.wait(timeout=60)
                     results[path].append((ttft, e2e, lines, wall, used))
-                    per_core = f"{lines / used:>22,.0f}" if path == "router" and used > 0 else f"{'':>22}"
+                    routed = pid is not None
+                    per_core = f"{lines / used:>22,.0f}" if routed and used > 0 else f"{'':>22}"
                     print(
-                        f"{concurrency:>7} {path:<7} {np.percentile(ttft, 50) * 1e3:>9.1f}"
+                        f"{concurrency:>7} {path:<{width}} {np.percentile(ttft, 50) * 1e3:>9.1f}"
                         f" {np.percentile(ttft, 99) * 1e3:>8.1f} {np.percentile(e2e, 50) * 1e3:>9.1f}"
                         f" {np.percentile(e2e, 99) * 1e3:>8.1f} {lines / wall:>9,.0f}"
-                        f" {used if path == 'router' else float('nan'):>12.2f}{per_core}",
+                        f" {used if routed else float('nan'):>12.2f}{per_core}",
                         flush=True,
                     )
             pooled = {
@@ -269,17 +303,34 @@ async def main(args: argparse.Namespace) -> None:
                 for path, rows in results.items()
             }
             d_ttft, d_e2e = (np.percentile(a, 50) * 1e3 for a in pooled["direct"][:2])
-            r_ttft, r_e2e = (np.percentile(a, 50) * 1e3 for a in pooled["router"][:2])
-            tokens, cpu = pooled["router"][2], pooled["router"][3]
-            summary.append(
-                f"{concurrency} streams: router adds {r_ttft - d_ttft:+.1f} ms to TTFT p50 "
-                f"({r_ttft:.1f} vs {d_ttft:.1f} ms), end-to-end p50 x{r_e2e / d_e2e:.3f} "
-                f"({r_e2e:.0f} vs {d_e2e:.0f} ms); {tokens / cpu:,.0f} streamed tokens per router CPU-second"
-            )
+            for path in routers:
+                r_ttft, r_e2e = (np.percentile(a, 50) * 1e3 for a in pooled[path][:2])
+                tokens, cpu = pooled[path][2], pooled[path][3]
+                summary.append(
+                    f"{concurrency} streams, {path}: adds {r_ttft - d_ttft:+.1f} ms to TTFT p50 "
+                    f"({r_ttft:.1f} vs {d_ttft:.1f} ms), end-to-end p50 x{r_e2e / d_e2e:.3f} "
+                    f"({r_e2e:.0f} vs {d_e2e:.0f} ms); {tokens / cpu:,.0f} streamed tokens per router"
+                    " CPU-second"
+                )
         print("\n" + "\n".join(summary))
         print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.profile is not None and args.profile.exists():
         _profile_report(args.profile)
+
+
+def _tree(spec: str) -> tuple[str, Path]:
+    name, sep, path = spec.partition("=")
+    root = Path(path)
+    if (
+        not sep
+        or not name
+        or name in ("direct", "router")
+        or not (root / "router" / "copse" / "router").is_dir()
+    ):
+        raise argparse.ArgumentTypeError(
+            f"--router-tree {spec!r}: expected NAME=DIR (NAME not direct/router), DIR a checkout of copse"
+        )
+    return name, root
 
 
 if __name__ == "__main__":
@@ -302,5 +353,12 @@ if __name__ == "__main__":
         default=0.25,
         help="Engines' decode_speedup_ratio (<1: slower decode).",
     )
+    parser.add_argument(
+        "--router-tree",
+        type=_tree,
+        action="append",
+        default=[],
+        help="NAME=DIR: also this checkout's router.",
+    )
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw profile of the router here.")
-    asyncio.run(main(parser.parse_args()))
+    uvloop.run(main(parser.parse_args()))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
 import click
+import uvloop
 import yaml
 
 from copse.router.policies import POLICIES
@@ -150,7 +150,7 @@ def run_command(
     except ConfigError as exc:
         raise _fail(str(exc)) from exc
     try:
-        asyncio.run(serve(config))
+        uvloop.run(serve(config))
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     except KeyboardInterrupt:

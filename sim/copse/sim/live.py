@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import uvloop
 import yaml
 
 from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
@@ -294,4 +295,4 @@ def run_live(
     progress: Callable[[int], object] | None = None,
 ) -> ReplayReport:
     """:func:`live_replay` from synchronous code."""
-    return asyncio.run(live_replay(trace, settings, progress=progress))
+    return uvloop.run(live_replay(trace, settings, progress=progress))

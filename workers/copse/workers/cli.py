@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import click
+import uvloop
 from prometheus_client import CollectorRegistry, start_http_server
 
 from copse.workers.mocker.config import ROLES, EngineConfig
@@ -272,7 +273,7 @@ def mock(
             if connection is not None:
                 await connection.drain()
 
-    asyncio.run(serve())
+    uvloop.run(serve())
 
 
 @worker.command("kv-relay")
