@@ -15,7 +15,11 @@ and ``kv_expert`` without engine expert reports (the ablation: the same cost, ev
 expected to use the experts alike). Every router gets the same KV events and engine reports; the
 expert-blind ones ignore the expert reports.
 
-Usage: ``.venv/bin/python benchmarks/moe_routing.py [--requests 3000] [--rate 20] [--workers 8]``
+By default the routers work as ``copse bench replay``'s do: with a profile measured from the engines
+(for these engines it holds their MoE stretch too), KV events 50 ms late, 5 % step noise;
+``--oracle`` hands them the engines' exact model, events at the end of each step, no noise.
+
+Usage: ``.venv/bin/python benchmarks/moe_routing.py [--requests 3000] [--rate 20] [--workers 8] [--oracle]``
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from copse.sim.moe import MoeWorkload, generate, write_jsonl
-from copse.sim.replay import ReplayReport, ReplaySettings, load_engine_setup, replay
+from copse.sim.replay import ReplayReport, ReplaySettings, RouterModel, load_engine_setup, replay
 from copse.sim.trace import load_trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "moe"
@@ -46,7 +50,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--oracle", action="store_true", help="The engines' exact model, no event lag, no step noise."
+    )
     args = parser.parse_args()
+
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "moe.jsonl"
         with path.open("w") as handle:
@@ -61,9 +69,12 @@ def main() -> None:
     for engines in ("static", "eplb"):
         setup = load_engine_setup(EXAMPLES / f"engine-{engines}.yaml")
         for label, knobs in ROWS:
-            settings = dataclasses.replace(
-                ReplaySettings(workers=args.workers, seed=args.seed, engines=setup), **knobs
-            )
+            base = ReplaySettings(workers=args.workers, seed=args.seed, engines=setup)
+            if args.oracle:
+                base = dataclasses.replace(
+                    base, router_model=RouterModel(source="exact"), kv_event_lag_ms=0.0, engine_noise=0.0
+                )
+            settings = dataclasses.replace(base, **knobs)
             report = replay(trace, settings)
             baseline = baseline or report
             moe = report.moe
