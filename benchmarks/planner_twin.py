@@ -17,7 +17,7 @@ The best static deployment: the fewest fixed replicas whose per-request attainme
 size), every size simulated on the same arrivals.
 
 Usage: ``.venv/bin/python benchmarks/planner_twin.py [--delays 0,60,120,300] [--predictors ...]
-[--jobs 2] [--json FILE] [--write-recording FILE]``
+[--static-range LOW,HIGH] [--jobs 2] [--json FILE] [--write-recording FILE]``
 """
 
 from __future__ import annotations
@@ -135,6 +135,12 @@ def main() -> None:
     parser.add_argument(
         "--no-correction", action="store_true", help="Also run each predictor without correction."
     )
+    parser.add_argument(
+        "--static-range",
+        default=None,
+        help="LOW,HIGH: start the static search from this bracket (LOW replicas known to miss the "
+        "goal, HIGH to reach it, e.g. from an earlier run); both ends are simulated and checked.",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="Simulations in parallel (processes).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
@@ -178,7 +184,19 @@ def main() -> None:
         # Static sizes: the fewest replicas reaching the goal; ``low`` fails (0 replicas do), ``high``
         # passes (checked below when never simulated). Bisection, or trisection with two processes.
         low, high = 0, LIMITS.max_replicas
+        if args.static_range is not None:
+            low, high = (int(n) for n in args.static_range.split(","))
+            if not 0 <= low < high <= LIMITS.max_replicas:
+                raise SystemExit(
+                    f"--static-range {args.static_range}: need 0 <= LOW < HIGH <= {LIMITS.max_replicas}"
+                )
         statics: dict[int, TwinReport] = {}
+        if low > 0:
+            run([Job(predictor=None, static=n) for n in (low, high)])
+            for n in (low, high):
+                statics[n] = results[Job(predictor=None, static=n)]
+            if statics[low].slo_attainment >= args.goal:
+                raise SystemExit(f"--static-range: {low} replicas already reach {args.goal:.0%}; lower LOW")
         while high - low > 1:
             step = (high - low) // 3 if args.jobs > 1 and high - low > 2 else (high - low) // 2
             probes = sorted({low + step, high - step} if args.jobs > 1 and high - low > 2 else {low + step})
