@@ -42,9 +42,11 @@ def free_port() -> int:
 class Operator:
     """``copse operator run`` as its own process, the way a user starts it."""
 
-    def __init__(self, *, log: Path, kubeconfig: Path) -> None:
+    def __init__(self, *, log: Path, kubeconfig: Path, namespaces: tuple[str, ...] = ()) -> None:
         self.log = log
         self.kubeconfig = kubeconfig
+        self.namespaces = namespaces
+        """``--namespace`` of each (all namespaces when empty)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.health_port = free_port()
         """Port of the liveness endpoint (the same across restarts)."""
@@ -64,6 +66,7 @@ class Operator:
                     "run",
                     "--metrics-port=0",
                     f"--health-port={self.health_port}",
+                    *(f"--namespace={namespace}" for namespace in self.namespaces),
                 ],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
@@ -89,33 +92,37 @@ class Operator:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def operator_kubeconfig(kubectl: Kubectl, directory: Path) -> Path:
-    """A kubeconfig holding only the chart's operator ServiceAccount token: the operator runs
-    with exactly the RBAC the chart grants it, so a missing verb fails these tests."""
+def operator_kubeconfig(
+    kubectl: Kubectl, directory: Path, *, release: str = "copse", helm_args: tuple[str, ...] = ()
+) -> Path:
+    """A kubeconfig holding only the chart's operator ServiceAccount token (release ``release``,
+    values from ``helm_args``): the operator runs with exactly the RBAC the chart grants it, so a
+    missing verb fails these tests."""
     rendered = subprocess.run(
         [
             str(binaries_for().path("helm")),
             "template",
-            "copse",
+            release,
             str(REPO / "charts" / "copse"),
             f"--namespace={OPERATOR_NAMESPACE}",
             "--show-only=templates/operator-rbac.yaml",
+            *helm_args,
         ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     kubectl.run("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    kubectl.apply(list(yaml.safe_load_all(rendered)), namespace=OPERATOR_NAMESPACE)
+    kubectl.apply(list(yaml.safe_load_all(rendered)))
     token = kubectl.run(
-        "create", "token", "copse-copse-operator", f"--namespace={OPERATOR_NAMESPACE}", "--duration=4h"
+        "create", "token", f"{release}-copse-operator", f"--namespace={OPERATOR_NAMESPACE}", "--duration=4h"
     ).stdout.strip()
     admin = yaml.safe_load(kubectl.kubeconfig.read_text())
     context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
     admin["users"] = [{"name": "copse-operator", "user": {"token": token}}]
     context["user"] = "copse-operator"
     admin["contexts"] = [{"name": admin["current-context"], "context": context}]
-    path = directory / "operator.kubeconfig"
+    path = directory / f"{release}-operator.kubeconfig"
     path.write_text(yaml.safe_dump(admin))
     return path
 

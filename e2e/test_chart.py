@@ -159,6 +159,32 @@ def test_every_optional_part_renders() -> None:
     assert operator["spec"]["template"]["spec"]["tolerations"] == options["operator"]["tolerations"]
     assert operator["spec"]["template"]["spec"]["imagePullSecrets"] == options["imagePullSecrets"]
 
+    # Watched namespaces: the operator writes only there (a Role each); reads stay cluster-wide.
+    operator_roles = {
+        obj["metadata"]["namespace"]: obj
+        for (kind, _), obj in rendered.items()
+        if kind == "Role" and obj["metadata"]["name"] == "copse-copse-operator"
+    }
+    assert set(operator_roles) == set(options["operator"]["watchNamespaces"])
+    cluster_role = rules_of(rendered[("ClusterRole", "copse-copse-operator")])
+    assert {verb for group, _, verb in cluster_role if group != "apiextensions.k8s.io"} == {
+        "get",
+        "list",
+        "watch",
+    }
+    for role in operator_roles.values():
+        granted = rules_of(role)
+        assert {("", "pods", "create"), ("rbac.authorization.k8s.io", "roles", "create")} <= granted
+        assert ("copse.dev", "inferencedeployments/finalizers", "update") in granted
+        binding = rendered[("RoleBinding", f"{role['metadata']['namespace']}/copse-copse-operator")]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "copse-copse-operator", "namespace": NAMESPACE}
+        ]
+    cluster_wide_operator = rules_of(render()[("ClusterRole", "copse-copse-operator")])
+    assert cluster_wide_operator == cluster_role | set().union(
+        *(rules_of(r) for r in operator_roles.values())
+    )
+
     nats = rendered[("Deployment", "copse-copse-nats")]
     nats_service = rendered[("Service", "copse-copse-nats")]
     assert matches(nats_service["spec"]["selector"], nats["spec"]["template"]["metadata"]["labels"])

@@ -80,3 +80,20 @@ def test_chosen_ports_are_distinct() -> None:
     ports = _choose_ports(None)
     numbers = [port for numbers in ports.by_component().values() for port in numbers]
     assert len(set(numbers)) == len(numbers) == 5
+
+
+def test_apiserver_enforces_owner_reference_permissions_like_strict_clusters(
+    commands: dict[str, comp.Component], tmp_path: Path
+) -> None:
+    assert (
+        "--enable-admission-plugins=OwnerReferencesPermissionEnforcement" in commands["kube-apiserver"].argv
+    )
+    layout, binaries = comp.Layout(tmp_path / "work"), Binaries(directory=tmp_path / "bin")
+    chosen = comp.kube_apiserver(
+        binaries=binaries, layout=layout, ports=PORTS, admission_plugins=("A", "B")
+    ).argv
+    assert [arg for arg in chosen if arg.startswith("--enable-admission-plugins")] == [
+        "--enable-admission-plugins=A,B"
+    ]
+    none = comp.kube_apiserver(binaries=binaries, layout=layout, ports=PORTS, admission_plugins=()).argv
+    assert not [arg for arg in none if arg.startswith("--enable-admission-plugins")]

@@ -48,6 +48,8 @@ class FakeKube:
         """(verb and kind, name) of every create and patch, in order."""
         self.created_pods: list[dict[str, Any]] = []
         """Pod bodies as the operator sent them to create."""
+        self.served_apis: set[tuple[str, str, str]] = set()
+        """(group, version, plural) that discovery reports beyond the built-in ones."""
 
     def _store(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(obj))
@@ -121,7 +123,12 @@ class FakeKube:
     async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None:
         self.events.append((type, reason, message))
 
-    async def list_all(self, resource: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+    async def served(self, *, group: str, version: str, plural: str) -> bool:
+        return (group, version, plural) in self.served_apis
+
+    async def list_all(
+        self, resource: str, *, label_selector: str | None = None, namespace: str | None = None
+    ) -> list[dict[str, Any]]:
         kinds = {
             "nodes": "Node",
             "pods": "Pod",
@@ -130,7 +137,11 @@ class FakeKube:
         }
         if resource == "nodes":
             return [copy.deepcopy(node) for node in self.nodes.values()]
-        return [copy.deepcopy(obj) for obj in self.of_kind(kinds[resource])]
+        return [
+            copy.deepcopy(obj)
+            for obj in self.of_kind(kinds[resource])
+            if namespace is None or obj["metadata"]["namespace"] == namespace
+        ]
 
     # -- what the rest of Kubernetes would do --------------------------------------------------
 

@@ -57,16 +57,18 @@ def test_gang_pods_are_gated_pinned_and_ranked() -> None:
         assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert spec["subdomain"] == "llama-worker-1"
         assert pod["metadata"]["labels"][names.LABEL_DOMAIN] == "rack1.0"
-    leader, follower = (pod["spec"]["containers"][0]["command"] for pod in pods)
-    # Multi-node TP is one MPI world launched by the leader across both pods.
-    assert leader[0] == "mpirun"
-    assert (
+    leader, follower = (pod["spec"]["containers"][0] for pod in pods)
+    # Multi-node TP is one MPI world launched by the leader across both pods
+    # (tests/operator/test_multinode.py runs these scripts).
+    assert leader["command"][:2] == follower["command"][:2] == ["/bin/sh", "-c"]
+    launched = leader["command"][4:]
+    assert launched[:2] == ["trtllm-llmapi-launch", "trtllm-serve"]
+    assert launched[launched.index("--tp_size") + 1] == "8"
+    env = {item["name"]: item["value"] for item in leader["env"]}
+    assert env["COPSE_MPI_HOSTS"] == (
         "llama-worker-1-0.llama-worker-1.serving.svc:4,llama-worker-1-1.llama-worker-1.serving.svc:4"
-        in leader
     )
-    assert leader[leader.index("trtllm-llmapi-launch") + 1] == "trtllm-serve"
-    assert "--tp_size" in leader
-    assert follower[0] == "/usr/sbin/sshd"
+    assert 'exec "$sshd" -D' in follower["command"][2]
 
 
 def test_single_node_group_runs_trtllm_serve_with_its_role_config() -> None:

@@ -101,6 +101,7 @@ async def test_seed_deployment_lands_one_group_per_rack() -> None:
         "PlacementInfeasible": "False",
         # The seed manifest names no tokenizer or KV capacity for its TensorRT-LLM router.
         "KVRouting": "False",
+        "MultiNodeNVLink": "False",  # the in-memory cluster has no ComputeDomain CRD
     }
     assert conditions["KVRouting"]["reason"] == "TokenizerMissing"
     assert "spec.router.tokenizer" in conditions["KVRouting"]["message"]

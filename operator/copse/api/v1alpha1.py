@@ -243,6 +243,68 @@ class MoeSpec(_SpecModel):
         return self
 
 
+class SecretKeyRef(_SpecModel):
+    name: str = Field(min_length=1, description="A Secret in the deployment's namespace.")
+    key: str = Field(default="HF_TOKEN", min_length=1, description="Its key holding the value.")
+
+
+class ModelCacheSpec(_SpecModel):
+    """Where the weights live: engines load them from here, not each from the hub (ModelExpress shares it)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.persistentVolumeClaim) != has(self.hostPath)",
+                    "message": "model.cache needs exactly one of persistentVolumeClaim and hostPath",
+                }
+            ]
+        },
+    )
+
+    persistent_volume_claim: Nullable[str] = Field(
+        default=None,
+        min_length=1,
+        description="An existing PVC (ReadWriteMany when groups span nodes); one download Job fills it.",
+    )
+    host_path: Nullable[str] = Field(
+        default=None,
+        pattern="^/",
+        description="A directory on every GPU node; each worker pod's init container fills its node's copy.",
+    )
+    mount_path: str = Field(
+        default="/models",
+        pattern="^/",
+        description="Where workers see the cache; HF_HUB_CACHE is <mountPath>/hub.",
+    )
+    hf_token_secret: Nullable[SecretKeyRef] = Field(
+        default=None,
+        description="Hugging Face token for gated models, given to the download step only.",
+    )
+    download_timeout: str = Field(
+        default="3600s",
+        pattern=DURATION_PATTERN,
+        description="How long a worker pod waits for the weights before it fails (and its gang restarts).",
+    )
+
+    @field_validator("download_timeout")
+    @classmethod
+    def _check_duration(cls, value: str) -> str:
+        parse_duration(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ModelCacheSpec:
+        if (self.persistent_volume_claim is None) == (self.host_path is None):
+            raise ValueError("model.cache needs exactly one of persistentVolumeClaim and hostPath")
+        return self
+
+    @property
+    def download_timeout_s(self) -> float:
+        return parse_duration(self.download_timeout)
+
+
 class ModelSpec(_SpecModel):
     name: str = Field(min_length=1, description="Model id served by the engines (e.g. a Hugging Face name).")
     tensor_parallelism: Parallelism = Field(
@@ -253,6 +315,9 @@ class ModelSpec(_SpecModel):
     )
     moe: Nullable[MoeSpec] = Field(
         default=None, description="Mixture-of-Experts shape and expert parallelism (unset: a dense model)."
+    )
+    cache: Nullable[ModelCacheSpec] = Field(
+        default=None, description="Weights cache (PVC or node path); without it engines pull from the hub."
     )
 
     @property
@@ -545,6 +610,33 @@ class KvCacheOffloadSpec(_SpecModel):
         return 0 if self.disk is None else parse_quantity(self.disk)
 
 
+class ComputeDomainMode(str, schema.Enum):
+    AUTO = "auto"  # a ComputeDomain per group that spans trays, when the cluster has the CRD
+    DISABLED = "disabled"  # never: groups spanning trays talk over the network only
+
+
+class MultiNodeSpec(_SpecModel):
+    follower_timeout: str = Field(
+        default="600s",
+        pattern=DURATION_PATTERN,
+        description="How long rank 0 waits for the other ranks' sshd before it fails (the gang restarts).",
+    )
+    compute_domain: ComputeDomainMode = Field(
+        default=ComputeDomainMode.AUTO,
+        description="auto: an IMEX ComputeDomain (NVIDIA DRA driver) per group spanning trays of one domain.",
+    )
+
+    @field_validator("follower_timeout")
+    @classmethod
+    def _check_duration(cls, value: str) -> str:
+        parse_duration(value)
+        return value
+
+    @property
+    def follower_timeout_s(self) -> float:
+        return parse_duration(self.follower_timeout)
+
+
 class EngineSpec(_SpecModel):
     backend: EngineBackend = Field(
         default=EngineBackend.TRTLLM, description="trtllm for GPUs; mock runs copse's engine mocker instead."
@@ -641,6 +733,11 @@ class PerfProfileSource(_SpecModel):
         pattern=r"^[-._a-zA-Z0-9]+$",
         description="Key of the profile in the ConfigMap; .json is read as JSON, anything else as NPZ.",
     )
+    multi_node: MultiNodeSpec = Field(
+        default_factory=MultiNodeSpec,
+        json_schema_extra=_defaults_of(MultiNodeSpec),
+        description="How a group spanning several nodes starts (one MPI world over ssh).",
+    )
 
 
 class RouterSpec(_SpecModel):
@@ -693,6 +790,14 @@ class Toleration(_SpecModel):
     toleration_seconds: Nullable[int] = None
 
 
+class EnvVar(_SpecModel):
+    name: str = Field(pattern="^[A-Za-z_][A-Za-z0-9_]*$", description="Variable name.")
+    value: Nullable[str] = None
+    value_from: Nullable[FreeForm] = Field(
+        default=None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef)."
+    )
+
+
 class PodSpec(_SpecModel):
     tolerations: list[Toleration] = Field(
         default_factory=list, description="Taints worker pods tolerate; placement honours them too."
@@ -705,6 +810,15 @@ class PodSpec(_SpecModel):
     service_account_name: Nullable[str] = None
     resources: FreeForm = Field(
         default_factory=dict, description="cpu/memory requests and limits; GPUs are set by placement."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Added to the engine container; rank 0's mpirun forwards them to the other ranks.",
+    )
+    shm_size: Nullable[str] = Field(
+        default="8Gi",
+        pattern=QUANTITY_PATTERN,
+        description="Memory-backed /dev/shm (NCCL, MPI); counts against the pod's memory. null keeps 64Mi.",
     )
 
 

@@ -10,7 +10,7 @@ import click
 
 from copse.api.manifest import read_documents
 from copse.cluster.build import ensure_binaries
-from copse.cluster.components import Layout
+from copse.cluster.components import DEFAULT_ADMISSION_PLUGINS, Layout
 from copse.cluster.errors import ClusterError
 from copse.cluster.local import (
     ClusterSettings,
@@ -68,6 +68,13 @@ def build() -> None:
     "--cpu-nodes", type=click.IntRange(0), default=3, show_default=True, help="CPU-only fake nodes."
 )
 @click.option(
+    "--admission-plugin",
+    "admission_plugins",
+    multiple=True,
+    help="Admission plugin to add to the API server's defaults (repeatable); "
+    "default: OwnerReferencesPermissionEnforcement, as strict clusters (OpenShift) run.",
+)
+@click.option(
     "--nodes",
     "nodes_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -82,6 +89,7 @@ def up(
     trays_per_rack: int,
     gpus_per_tray: int,
     cpu_nodes: int,
+    admission_plugins: tuple[str, ...],
     nodes_file: Path | None,
 ) -> None:
     """Start the cluster (or reuse the one running there) and print shell exports for it."""
@@ -91,6 +99,7 @@ def up(
         topology=FakeTopology(
             racks=racks, trays_per_rack=trays_per_rack, gpus_per_tray=gpus_per_tray, cpu_nodes=cpu_nodes
         ),
+        admission_plugins=admission_plugins or DEFAULT_ADMISSION_PLUGINS,
     )
     nodes = None if nodes_file is None else _read_nodes(nodes_file)
     try:

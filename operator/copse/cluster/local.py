@@ -99,6 +99,9 @@ class ClusterSettings:
     """Seconds each component gets to become ready; generous because two cores are shared."""
     cache_dir: Path | None = None
     """Binary cache root; ``None`` means ``$COPSE_CACHE_DIR`` or ``~/.cache/copse``."""
+    admission_plugins: tuple[str, ...] = comp.DEFAULT_ADMISSION_PLUGINS
+    """Added to the API server's default admission plugins (``--enable-admission-plugins``); the
+    default makes ownerReferences need the RBAC strict clusters (OpenShift) demand."""
 
 
 def _free_ports(count: int) -> list[int]:
@@ -389,7 +392,12 @@ class _Starter:
             )
         )
         self.layout.kubeconfig.chmod(0o600)
-        for component in comp.components(binaries=self.binaries, layout=self.layout, ports=ports):
+        for component in comp.components(
+            binaries=self.binaries,
+            layout=self.layout,
+            ports=ports,
+            admission_plugins=self.settings.admission_plugins,
+        ):
             popen = self.launch(component, ports)
             self.wait_ready(component, popen, ports)
         cluster = LocalCluster(layout=self.layout, state=self.state(ports), popens=self.popens)

@@ -1,8 +1,10 @@
 """The Kubernetes objects of an InferenceDeployment, as plain dicts (pure: no I/O).
 
 Per TP group: one pod per node it spans (gated until the whole gang exists, pinned to its
-planned node by a required node affinity) and a headless Service for rank discovery. Per
-deployment: the engine ConfigMap and the router's ConfigMap, Deployment and Service.
+planned node by a required node affinity) and a headless Service for rank discovery; a group
+spanning nodes also gets ssh wiring and, on one NVLink domain, an IMEX channel
+(:mod:`copse.operator.multinode`). Per deployment: the engine ConfigMap and the router's
+ConfigMap, Deployment and Service; the weights cache's Job (:mod:`copse.operator.weights`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from copse.api import (
     RouterMode,
     parse_quantity,
 )
-from copse.operator import names
+from copse.operator import multinode, names, weights
 from copse.topology.kube import NODE_CONDITION_TAINTS
 from copse.topology.links import LinkTable, LinkTier
 
@@ -42,7 +44,6 @@ EPP_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
-SSH_PORT = 2222
 PRE_STOP_SLEEP_S = 5
 """Seconds a deleted worker pod keeps serving before its engine gets SIGTERM: the routers' pod
 watches drop a deleted pod within that time, so nothing new is sent to an engine that stopped
@@ -91,6 +92,24 @@ def owner_reference(deployment: InferenceDeployment) -> dict[str, Any]:
     }
 
 
+def service_owner_reference(service: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's Service as the owner of what lives and dies with the group. Not blocking its
+    deletion: that would need update on services/finalizers under OwnerReferencesPermissionEnforcement."""
+    meta = service["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+    }
+
+
+def worker_image(deployment: InferenceDeployment) -> str:
+    engine = deployment.spec.engine
+    return engine.image or (COPSE_IMAGE if engine.backend is EngineBackend.MOCK else TRTLLM_IMAGE)
+
+
 def _metadata(
     deployment: InferenceDeployment, *, name: str, labels: dict[str, str], **extra: Any
 ) -> dict[str, Any]:
@@ -109,6 +128,7 @@ def template_hash(deployment: InferenceDeployment, role: Role) -> str:
     [pool] = [pool for pool in spec.pools() if pool.role is role]
     shaped = {
         "model": spec.model.name,
+        **({"cache": spec.model.cache.model_dump(mode="json")} if spec.model.cache else {}),
         "tp": pool.tensor_parallelism,
         "pp": pool.pipeline_parallelism,
         "engine": spec.engine.model_dump(mode="json"),
@@ -154,7 +174,7 @@ def group_service(deployment: InferenceDeployment, layout: GroupLayout) -> dict[
             "selector": {names.LABEL_GROUP: group},
             "ports": [
                 {"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT},
-                {"name": "ssh", "port": SSH_PORT, "targetPort": SSH_PORT},
+                {"name": "ssh", "port": multinode.SSH_PORT, "targetPort": multinode.SSH_PORT},
             ],
         },
     }
@@ -164,9 +184,7 @@ def group_service(deployment: InferenceDeployment, layout: GroupLayout) -> dict[
 _MOCK_ROLES = {Role.WORKER: "aggregated", Role.PREFILL: "prefill", Role.DECODE: "decode"}
 
 
-def _engine_command(
-    deployment: InferenceDeployment, layout: GroupLayout, *, rank: int, hosts: Sequence[str]
-) -> list[str]:
+def _engine_command(deployment: InferenceDeployment, layout: GroupLayout, *, rank: int) -> list[str]:
     spec = deployment.spec
     engine = spec.engine
     if engine.command is not None:
@@ -219,20 +237,21 @@ def _engine_command(
         "--extra_llm_api_options", f"{ENGINE_CONFIG_DIR}/{layout.role.value}.yaml",
         *engine.args,
     ]  # fmt: skip
-    if len(layout.pods) == 1:
+    if not mpi_world(deployment, layout):
         return serve
+    # Multi-node TP is one MPI world launched by rank 0 over ssh, the way TensorRT-LLM runs one
+    # world across pods (as LeaderWorkerSet and Dynamo do).
     if rank > 0:
-        # Multi-node TP: followers wait for the leader's mpirun to start their ranks over ssh,
-        # the way TensorRT-LLM runs one MPI world across pods (as with LeaderWorkerSet).
-        return ["/usr/sbin/sshd", "-D", "-p", str(SSH_PORT)]
-    host_list = ",".join(f"{host}:{gpus}" for host, (_, gpus) in zip(hosts, layout.pods, strict=True))
-    return [
-        "mpirun", "--allow-run-as-root", "--bind-to", "none",
-        "-np", str(layout.world_size),
-        "-H", host_list,
-        "-mca", "plm_rsh_args", f"-p {SSH_PORT}",
-        "trtllm-llmapi-launch", *serve,
-    ]  # fmt: skip
+        return multinode.follower_command()
+    return multinode.leader_command(
+        launched=["trtllm-llmapi-launch", *serve], forwarded=[var.name for var in spec.pod.env]
+    )
+
+
+def mpi_world(deployment: InferenceDeployment, layout: GroupLayout) -> bool:
+    """Whether the group runs as one MPI world over ssh (TensorRT-LLM on several nodes)."""
+    engine = deployment.spec.engine
+    return engine.backend is EngineBackend.TRTLLM and engine.command is None and len(layout.pods) > 1
 
 
 def _mock_moe(moe: MoeLayout | None, layout: GroupLayout) -> list[str]:
@@ -483,16 +502,70 @@ def modelexpress_objects(
     return objects
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Wiring:
+    """What every pod of a group gets besides its rank's own settings."""
+
+    env: dict[str, str]
+    user_env: list[dict[str, Any]]
+    volumes: list[dict[str, Any]]
+    mounts: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]]
+    resource_claims: list[dict[str, Any]]
+
+
+def _wiring(
+    deployment: InferenceDeployment,
+    layout: GroupLayout,
+    *,
+    hosts: Sequence[str],
+    image: str,
+    channel_template: str | None,
+) -> _Wiring:
+    spec = deployment.spec
+    env: dict[str, str] = {}
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if spec.pod.shm_size is not None:
+        # NCCL and MPI move data through /dev/shm; the runtime's default is 64Mi.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    cache = spec.model.cache
+    if cache is not None:
+        env |= weights.engine_env(cache)
+        volumes.append(weights.volume(cache))
+        mounts.append(weights.mount(cache))
+    if mpi_world(deployment, layout):
+        env |= multinode.ssh_env(
+            hosts=hosts, layout_pods=layout.pods, timeout_s=spec.engine.multi_node.follower_timeout_s
+        )
+        volumes += multinode.ssh_volumes(deployment.metadata.name)
+        mounts += multinode.ssh_mounts()
+    claims = []
+    if channel_template is not None:
+        claims.append({"name": multinode.CHANNEL_CLAIM, "resourceClaimTemplateName": channel_template})
+    return _Wiring(
+        env=env,
+        user_env=[var.model_dump(mode="json", by_alias=True, exclude_none=True) for var in spec.pod.env],
+        volumes=volumes,
+        mounts=mounts,
+        init_containers=weights.init_containers(deployment, image=image),
+        resource_claims=claims,
+    )
+
+
 def worker_pods(
     deployment: InferenceDeployment,
     layout: GroupLayout,
     *,
     cold_start_source: str | None,
     cold_start_ranks: int | None = None,
+    channel_template: str | None = None,
 ) -> list[dict[str, Any]]:
     """The pods of one TP group, gated and pinned to their planned nodes (with ModelExpress's client
     settings when it loads the weights; ``cold_start_ranks``: the source group's GPUs when it is one
-    pod, see :func:`modelexpress_objects`)."""
+    pod, see :func:`modelexpress_objects`); ``channel_template`` names the ResourceClaimTemplate of
+    the group's IMEX channel (its ComputeDomain's)."""
     spec = deployment.spec
     namespace = deployment.metadata.namespace
     labels = group_labels(deployment, layout)
@@ -500,7 +573,9 @@ def worker_pods(
     pod_names = [names.pod_name(group, rank) for rank in range(len(layout.pods))]
     hosts = [f"{pod}.{group}.{namespace}.svc" for pod in pod_names]
     digest = template_hash(deployment, layout.role)
-    image = spec.engine.image or (COPSE_IMAGE if spec.engine.backend is EngineBackend.MOCK else TRTLLM_IMAGE)
+    image = worker_image(deployment)
+    wiring = _wiring(deployment, layout, hosts=hosts, image=image, channel_template=channel_template)
+    mpi = mpi_world(deployment, layout)
     pods = []
     for rank, ((node, gpus), pod) in enumerate(zip(layout.pods, pod_names, strict=True)):
         env = {
@@ -515,9 +590,10 @@ def worker_pods(
             "COPSE_LEADER_ADDRESS": hosts[0],
             "COPSE_COLD_START_STRATEGY": spec.cold_start.strategy.value,
             "COPSE_COLD_START_SOURCE": cold_start_source or "",
+            **wiring.env,
         }
         # Quantities are strings in the API ("4", "500m"); the client validates them as such.
-        resources = {
+        resources: dict[str, Any] = {
             section: {name: str(amount) for name, amount in dict(amounts).items()}
             for section, amounts in spec.pod.resources.items()
         }
@@ -535,6 +611,10 @@ def worker_pods(
         if offload is not None and offload.disk_bytes and spec.engine.backend is EngineBackend.TRTLLM:
             volumes.append({"name": "kv-disk", "emptyDir": {"sizeLimit": str(offload.disk_bytes * gpus)}})
             mounts.append({"name": "kv-disk", "mountPath": KV_DISK_DIR})
+        volumes += wiring.volumes
+        mounts += wiring.mounts
+        if wiring.resource_claims:
+            resources["claims"] = [{"name": claim["name"]} for claim in wiring.resource_claims]
         env_list: list[dict[str, Any]] = [{"name": key, "value": value} for key, value in env.items()]
         if _uses_modelexpress(deployment):
             env_list += _modelexpress_env(
@@ -543,8 +623,8 @@ def worker_pods(
         container: dict[str, Any] = {
             "name": "engine",
             "image": image,
-            "command": _engine_command(deployment, layout, rank=rank, hosts=hosts),
-            "env": env_list,
+            "command": _engine_command(deployment, layout, rank=rank),
+            "env": env_list + wiring.user_env,
             "resources": resources,
             "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
             "volumeMounts": mounts,
@@ -560,6 +640,10 @@ def worker_pods(
                 "httpGet": {"path": "/health", "port": ENGINE_PORT},
                 "periodSeconds": 5,
             }
+        elif mpi:
+            # A follower is ready once its sshd answers: what rank 0 waits for.
+            container["ports"] = [{"name": "ssh", "containerPort": multinode.SSH_PORT}]
+            container["readinessProbe"] = {"tcpSocket": {"port": multinode.SSH_PORT}, "periodSeconds": 5}
         pod_labels = {
             **spec.pod.labels,
             **labels,
@@ -590,9 +674,12 @@ def worker_pods(
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": PRE_STOP_SLEEP_S + math.ceil(spec.disruption.drain_timeout_s),
         }
-        relay = _kv_relay(deployment, pod=pod, rank=rank)
-        if relay:
-            pod_spec["initContainers"] = relay
+        # The weights step first (it may wait for the download), then the relay as a native sidecar.
+        init_containers = [*wiring.init_containers, *_kv_relay(deployment, pod=pod, rank=rank)]
+        if init_containers:
+            pod_spec["initContainers"] = init_containers
+        if wiring.resource_claims:
+            pod_spec["resourceClaims"] = wiring.resource_claims
         if spec.pod.node_selector:
             pod_spec["nodeSelector"] = dict(spec.pod.node_selector)
         if spec.pod.service_account_name:

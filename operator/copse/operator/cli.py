@@ -47,5 +47,6 @@ def run(
         standalone=True,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
+        memo=kopf.Memo(namespaces=list(namespaces)),
         liveness_endpoint=f"http://{metrics_host}:{health_port}/healthz" if health_port else None,
     )

@@ -15,18 +15,18 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import pydantic
 
 from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, RouterMode, parse_deployment
-from copse.operator import children, metrics, names
+from copse.operator import children, metrics, multinode, names, weights
 from copse.operator.children import GroupLayout
 from copse.operator.inflight import InFlight, RouterInFlight
 from copse.operator.kube import KubeApi
-from copse.operator.reconcile import Decision, ReconcileSettings, reconcile
+from copse.operator.reconcile import Decision, ReconcileSettings, condition, reconcile
 from copse.operator.state import GroupState, ObservedGroup, observe_groups, pod_ready
 
 logger = logging.getLogger("copse.operator")
@@ -105,10 +105,13 @@ class Controller:
         in_flight: InFlight | None = None,
         api_concurrency: int = 16,
         stalled_after_s: float = 300.0,
+        namespaces: Sequence[str] = (),
     ) -> None:
         self.kube = kube
         self.in_flight = in_flight or RouterInFlight()
         """Where the requests still in flight on a draining group are counted (its routers)."""
+        self.namespaces = tuple(namespaces)
+        """The watched namespaces (all when empty): the start-up listing stays inside them."""
         self.api_concurrency = api_concurrency
         self.settings = settings or ReconcileSettings()
         self.stalled_after_s = stalled_after_s
@@ -119,6 +122,11 @@ class Controller:
         self._dirty: dict[Key, float] = {}
         self._wakeup = asyncio.Event()
         self._pass_started: float | None = None
+        self.compute_domains_served = False
+        """Whether the cluster has NVIDIA's ComputeDomain CRD (listed at start, then watched)."""
+        self._created: set[tuple[str, str, str, str]] = set()
+        """(kind, namespace, name, owner uid) of create-once children this process knows exist,
+        so a pass does not ask again (a restarted operator asks once and gets 409)."""
 
     def health(self) -> dict[str, float]:
         """Figures for the liveness probe: deployments queued for a pass, how long the oldest due
@@ -176,6 +184,20 @@ class Controller:
             for key in self.cache.deployments:
                 self.mark(key)
 
+    def on_crd(self, crd: Mapping[str, Any], *, deleted: bool) -> None:
+        """A CustomResourceDefinition changed: notice NVIDIA's ComputeDomain arriving or leaving."""
+        if crd.get("metadata", {}).get("name") != multinode.COMPUTE_DOMAIN_CRD:
+            return
+        versions = crd.get("spec", {}).get("versions", [])
+        served = not deleted and any(
+            v.get("name") == multinode.COMPUTE_DOMAIN_VERSION and v.get("served") for v in versions
+        )
+        if served != self.compute_domains_served:
+            logger.info("ComputeDomain CRD %s", "served" if served else "gone")
+            self.compute_domains_served = served
+            for key in self.cache.deployments:
+                self.mark(key)
+
     def _mark_unplaced(self) -> None:
         for key, body in self.cache.deployments.items():
             if body.get("status", {}).get("unplaced"):
@@ -185,13 +207,22 @@ class Controller:
         """Fill the cache with a full listing so the first pass sees every existing child."""
         for node in await self.kube.list_all("nodes"):
             self.cache.nodes[node["metadata"]["name"]] = node
+        # GPUs held anywhere count, whatever namespaces are watched (reading pods is cluster-wide).
         for pod in await self.kube.list_all("pods"):
             if holds_gpus(pod) or names.LABEL_DEPLOYMENT in pod["metadata"].get("labels", {}):
                 self.cache.pods[_key(pod)] = pod
-        for service in await self.kube.list_all("services", label_selector=names.LABEL_GROUP):
-            self.cache.services[_key(service)] = service
-        for body in await self.kube.list_all(PLURAL):
-            self.on_deployment(body, deleted=False)
+        for namespace in self.namespaces or (None,):
+            for service in await self.kube.list_all(
+                "services", label_selector=names.LABEL_GROUP, namespace=namespace
+            ):
+                self.cache.services[_key(service)] = service
+            for body in await self.kube.list_all(PLURAL, namespace=namespace):
+                self.on_deployment(body, deleted=False)
+        self.compute_domains_served = await self.kube.served(
+            group=multinode.COMPUTE_DOMAIN_GROUP,
+            version=multinode.COMPUTE_DOMAIN_VERSION,
+            plural=multinode.COMPUTE_DOMAIN_PLURAL,
+        )
 
     # -- the worker ----------------------------------------------------------------------------
 
@@ -268,6 +299,20 @@ class Controller:
             },
             settings=self.settings,
         )
+        ok, reason, message = multinode.nvlink_check(
+            deployment, groups=decision.status["groups"], pods=own_pods, served=self.compute_domains_served
+        )
+        decision.status["conditions"].append(
+            condition(
+                multinode.CONDITION,
+                ok,
+                reason=reason,
+                message=message,
+                generation=body["metadata"].get("generation"),
+                now=datetime.now(UTC),
+                previous=body.get("status", {}).get("conditions", []),
+            )
+        )
         await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
         return decision.requeue_after_s
 
@@ -327,6 +372,13 @@ class Controller:
             *model_express,
         ]:
             await self.kube.apply(obj)
+        job = weights.download_job(
+            deployment, image=children.worker_image(deployment), owner=children.owner_reference(deployment)
+        )
+        if job is not None:
+            await self._create_once(
+                job, deployment=name, owner=str(deployment.metadata.uid), make=lambda: job
+            )
         await self._each(decision.restart, lambda item: self._restart(namespace, name, *item))
         await self._each(decision.drain, lambda item: self._drain(body, namespace, *item))
         await self._each(decision.remove, lambda item: self._remove(namespace, name, *item))
@@ -380,6 +432,10 @@ class Controller:
         context = _context(namespace, name, role=group.role.value, group=group.name)
         logger.info("gang restart of %s (%s)", group.name, reason, extra=context)
         await self._delete_pods(namespace, group.pods.values(), grace_period_s=0)
+        if group.layout is not None and len(group.layout.pods) > 1:
+            # Its next placement gets a fresh ComputeDomain (the Service owns any that is left).
+            domain = names.compute_domain_name(group.name, group.restarts)
+            await self.kube.delete("ComputeDomain", namespace=namespace, name=domain)
         if group.service is not None:
             patched = await self.kube.patch_service(
                 namespace=namespace,
@@ -480,8 +536,38 @@ class Controller:
         """Create the gang's missing pods, gated; once every one of them is known to exist
         (created now, or already in the cache), release the gates in the same pass."""
         namespace, name = str(deployment.metadata.namespace), deployment.metadata.name
+        uid = str(deployment.metadata.uid)
+        group = names.group_name(name, layout.role, layout.replica)
+        if children.mpi_world(deployment, layout):
+            # Generated only when this process has not seen it exist; never logged.
+            await self._create_once(
+                {"kind": "Secret", "metadata": {"namespace": namespace, "name": names.ssh_secret_name(name)}},
+                deployment=name,
+                owner=uid,
+                make=lambda: multinode.ssh_secret(deployment, owner=children.owner_reference(deployment)),
+            )
+        channel = None
+        service = self.cache.services.get((namespace, group))
+        wanted = multinode.wants_compute_domain(deployment, pods=layout.pods, domain=layout.domain)
+        if wanted and self.compute_domains_served and service is not None:
+            restarts = int(service["metadata"].get("annotations", {}).get(names.ANNOTATION_RESTARTS, 0))
+            domain = multinode.compute_domain(
+                name=names.compute_domain_name(group, restarts),
+                namespace=namespace,
+                labels=children.group_labels(deployment, layout),
+                owner=children.service_owner_reference(service),
+                num_nodes=len(layout.pods),
+            )
+            await self._create_once(
+                domain, deployment=name, owner=service["metadata"]["uid"], make=lambda: domain
+            )
+            channel = names.channel_template_name(domain["metadata"]["name"])
         pods = children.worker_pods(
-            deployment, layout, cold_start_source=cold_start_source, cold_start_ranks=cold_start_ranks
+            deployment,
+            layout,
+            cold_start_source=cold_start_source,
+            cold_start_ranks=cold_start_ranks,
+            channel_template=channel,
         )
         members: list[Mapping[str, Any]] = []
         for pod in pods:
@@ -492,11 +578,26 @@ class Controller:
                     continue  # it exists but we have not seen it yet: the next pass releases the gang
                 self.cache.pods[_key(known)] = known
             members.append(known)
-        group = pods[0]["metadata"]["labels"][names.LABEL_GROUP]
         context = _context(namespace, name, role=layout.role.value, group=group)
         logger.info("created gated pods of %s", group, extra=context)
         if len(members) == len(pods):
             await self._lift_gates(namespace, name, layout.role, group, members)
+
+    async def _create_once(
+        self, ref: Mapping[str, Any], *, deployment: str, owner: str, make: Callable[[], Mapping[str, Any]]
+    ) -> None:
+        """Create the object ``ref`` names (kind, namespace, name) from ``make()`` unless this process
+        already knows it exists for this ``owner`` (uid); an existing one is left as it is."""
+        meta = ref["metadata"]
+        key = (ref["kind"], meta["namespace"], meta["name"], owner)
+        if key in self._created:
+            return
+        created = await self.kube.create(make())
+        if created is not None:
+            logger.info(
+                "created %s %s", ref["kind"], meta["name"], extra=_context(meta["namespace"], deployment)
+            )
+        self._created.add(key)
 
     async def _lift_gates(
         self, namespace: str, name: str, role: Role, group: str, members: Iterable[Mapping[str, Any]]

@@ -32,8 +32,12 @@ async def start(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> N
     # We post our own Events with the decisions; kopf's per-handler ones would be noise.
     settings.posting.enabled = False
     settings.watching.server_timeout = 300
+    namespaces = memo.get("namespaces", [])
+    if namespaces:
+        # Watched namespaces are exact names: no need to list Namespaces (RBAC the chart does not grant).
+        settings.scanning.disabled = True
     api_client = await _api_client()
-    controller = Controller(kube=Kube(api_client))
+    controller = Controller(kube=Kube(api_client), namespaces=namespaces)
     await controller.prime()
     memo["api_client"] = api_client
     memo["controller"] = controller
@@ -89,6 +93,12 @@ def service_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_:
 @kopf.on.event("", "v1", "nodes")
 def node_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     memo["controller"].on_node(dict(body), deleted=_deleted(event))
+
+
+@kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+def crd_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """NVIDIA's ComputeDomain CRD arriving or leaving turns multi-node NVLink on or off."""
+    memo["controller"].on_crd(dict(body), deleted=_deleted(event))
 
 
 def quiet_kopf() -> None:

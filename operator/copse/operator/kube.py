@@ -26,14 +26,17 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Pod": ("CoreV1Api", "pod"),
     "Service": ("CoreV1Api", "service"),
     "ConfigMap": ("CoreV1Api", "config_map"),
+    "Secret": ("CoreV1Api", "secret"),
+    "Job": ("BatchV1Api", "job"),
     "ServiceAccount": ("CoreV1Api", "service_account"),
     "Deployment": ("AppsV1Api", "deployment"),
     "Role": ("RbacAuthorizationV1Api", "role"),
     "RoleBinding": ("RbacAuthorizationV1Api", "role_binding"),
 }
-#: kind -> plural of the custom resources the operator applies (their group/version from apiVersion)
-_CUSTOM_KINDS: dict[str, str] = {
-    "InferencePool": "inferencepools",
+#: kind -> (group, version, plural) of the custom resources the operator applies or creates
+_CUSTOM_KINDS: dict[str, tuple[str, str, str]] = {
+    "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
+    "ComputeDomain": ("resource.nvidia.com", "v1beta1", "computedomains"),
 }
 
 
@@ -56,7 +59,10 @@ class KubeApi(Protocol):
         self, *, namespace: str, name: str, spec: Mapping[str, Any], resource_version: str | None
     ) -> bool: ...
     async def post_event(self, *, owner: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
-    async def list_all(self, resource: str, *, label_selector: str | None = None) -> list[dict[str, Any]]: ...
+    async def list_all(
+        self, resource: str, *, label_selector: str | None = None, namespace: str | None = None
+    ) -> list[dict[str, Any]]: ...
+    async def served(self, *, group: str, version: str, plural: str) -> bool: ...
 
 
 class Kube:
@@ -79,9 +85,8 @@ class Kube:
 
     async def apply(self, obj: Mapping[str, Any]) -> None:
         meta = obj["metadata"]
-        plural = _CUSTOM_KINDS.get(obj["kind"])
-        if plural is not None:
-            group, version = obj["apiVersion"].split("/")
+        if obj["kind"] in _CUSTOM_KINDS:
+            group, version, plural = _CUSTOM_KINDS[obj["kind"]]
             try:
                 await self.custom.patch_namespaced_custom_object(
                     group,
@@ -114,26 +119,48 @@ class Kube:
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create ``obj``; None when it already exists."""
+        namespace = obj["metadata"]["namespace"]
         try:
-            created = await self._method(obj["kind"], "create")(
-                namespace=obj["metadata"]["namespace"], body=dict(obj)
-            )
+            if obj["kind"] in _CUSTOM_KINDS:
+                group, version, plural = _CUSTOM_KINDS[obj["kind"]]
+                created: dict[str, Any] = await self.custom.create_namespaced_custom_object(
+                    group=group, version=version, namespace=namespace, plural=plural, body=dict(obj)
+                )
+                return created
+            model = await self._method(obj["kind"], "create")(namespace=namespace, body=dict(obj))
         except ApiException as exc:
             if exc.status == 409:
                 return None
             raise
-        return self.to_dict(created)
+        return self.to_dict(model)
 
     async def delete(
         self, kind: str, *, namespace: str, name: str, grace_period_s: int | None = None
     ) -> None:
         try:
-            await self._method(kind, "delete")(
-                name=name, namespace=namespace, grace_period_seconds=grace_period_s
-            )
+            if kind in _CUSTOM_KINDS:
+                group, version, plural = _CUSTOM_KINDS[kind]
+                await self.custom.delete_namespaced_custom_object(
+                    group=group, version=version, namespace=namespace, plural=plural, name=name
+                )
+            else:
+                await self._method(kind, "delete")(
+                    name=name, namespace=namespace, grace_period_seconds=grace_period_s
+                )
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    async def served(self, *, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``group/version`` (discovery: every
+        authenticated client may ask)."""
+        try:
+            resources = await self.custom.get_api_resources(group=group, version=version)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(resource.name == plural for resource in resources.resources)
 
     async def patch_pod(
         self, *, namespace: str, name: str, json_patch: list[dict[str, Any]]
@@ -219,16 +246,30 @@ class Kube:
             # An Event is feedback, not state: losing one must not fail the reconcile.
             logger.warning("could not post event %s for %s: %s", reason, meta["name"], exc.reason)
 
-    async def list_all(self, resource: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
-        lister = {
-            "pods": self.core.list_pod_for_all_namespaces,
-            "services": self.core.list_service_for_all_namespaces,
-        }.get(resource)
+    async def list_all(
+        self, resource: str, *, label_selector: str | None = None, namespace: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Every ``resource`` (nodes, pods, services or InferenceDeployments), in ``namespace`` or
+        in all namespaces."""
         if resource == "nodes":
-            listed = await self.core.list_node()
-        elif lister is not None:
-            listed = await lister(label_selector=label_selector)
+            return [self.to_dict(item) for item in (await self.core.list_node()).items]
+        if resource == PLURAL:
+            if namespace is None:
+                found = await self.custom.list_cluster_custom_object(
+                    group=GROUP, version=VERSION, plural=PLURAL
+                )
+            else:
+                found = await self.custom.list_namespaced_custom_object(
+                    group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL
+                )
+            return list(found["items"])
+        kind = {"pods": "pod", "services": "service"}[resource]
+        if namespace is None:
+            listed = await getattr(self.core, f"list_{kind}_for_all_namespaces")(
+                label_selector=label_selector
+            )
         else:
-            listed = await self.custom.list_cluster_custom_object(group=GROUP, version=VERSION, plural=PLURAL)
-            return list(listed["items"])
+            listed = await getattr(self.core, f"list_namespaced_{kind}")(
+                namespace, label_selector=label_selector
+            )
         return [self.to_dict(item) for item in listed.items]

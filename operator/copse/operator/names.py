@@ -48,6 +48,7 @@ GANG_GATE = f"{DOMAIN}/gang"
 COMPONENT_WORKER = "worker"
 COMPONENT_ROUTER = "router"
 COMPONENT_MODELEXPRESS = "modelexpress"
+COMPONENT_WEIGHTS = "weights"
 
 _MAX_NAME = 63
 
@@ -84,6 +85,27 @@ def modelexpress_name(deployment: str) -> str:
 def modelexpress_source_name(deployment: str) -> str:
     """The Service new groups fetch weights through: the chosen source group's worker gRPC ports."""
     return _fit(f"{deployment}-mx-source")
+
+
+def ssh_secret_name(deployment: str) -> str:
+    """The deployment's MPI ssh keys (groups spanning nodes)."""
+    return _fit(f"{deployment}-mpi-ssh")
+
+
+def compute_domain_name(group: str, restarts: int) -> str:
+    """A group's IMEX ComputeDomain, one per placement (``restarts`` counts them): a restarted
+    gang gets a new one instead of racing the deletion of the old one."""
+    return _fit(f"{group}-imex-{restarts}")
+
+
+def channel_template_name(compute_domain: str) -> str:
+    """The ResourceClaimTemplate the DRA driver creates for a ComputeDomain; the pods claim from it."""
+    return _fit(f"{compute_domain}-channel")
+
+
+def weights_job_name(deployment: str, digest: str) -> str:
+    """The Job that downloads the weights into a PVC cache, per model and cache."""
+    return _fit(f"{deployment}-weights-{digest}")
 
 
 def worker_selector(deployment: str) -> dict[str, str]:

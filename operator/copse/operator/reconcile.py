@@ -419,7 +419,7 @@ def reconcile(
     return decision
 
 
-def _condition(
+def condition(
     kind: str,
     ok: bool,
     *,
@@ -531,7 +531,7 @@ def _status(
          "; ".join(issue.message for issue in routing) or "engines and router support KV-aware routing"),
     )  # fmt: skip
     conditions = [
-        _condition(kind, ok, reason=reason, message=message, generation=generation, now=now,
+        condition(kind, ok, reason=reason, message=message, generation=generation, now=now,
                    previous=previous_conditions)
         for kind, ok, reason, message in checks
     ]  # fmt: skip
