@@ -64,6 +64,10 @@ def test_deepseek_wide_ep_groups_stay_inside_nvlink_domains(
     }
     leader_name = names.pod_name(names.group_name("deepseek-v3", Role.DECODE, 0), 0)
     leader = next(pod for pod in pods if pod["metadata"]["name"] == leader_name)
-    command = leader["spec"]["containers"][0]["command"]
-    assert command[0] == "mpirun", "a DEP32 group is one MPI world over its 8 pods"
+    engine = leader["spec"]["containers"][0]
+    command = engine["command"]
+    # A DEP32 group is one MPI world over its 8 pods: rank 0's script launches it (test_multinode.py).
+    assert command[4] == "trtllm-llmapi-launch"
+    hosts = next(item["value"] for item in engine["env"] if item["name"] == "COPSE_MPI_HOSTS")
+    assert len(hosts.split(",")) == 8
     assert command[command.index("--tp_size") + 1] == "32"
