@@ -667,6 +667,11 @@ class EngineSpec(_SpecModel):
         "(trtllm-serve --extra_llm_api_options); your keys win, and settings that defeat KV-aware "
         "routing are reported in the KVRouting condition.",
     )
+    multi_node: MultiNodeSpec = Field(
+        default_factory=MultiNodeSpec,
+        json_schema_extra=_defaults_of(MultiNodeSpec),
+        description="How a group spanning several nodes starts (one MPI world over ssh).",
+    )
 
 
 #: A directory inside a volume: relative, segments starting with a letter, digit or underscore
