@@ -557,7 +557,7 @@ def test_mocked_engines_hold_the_whole_groups_offload_tiers() -> None:
     assert params["host_bandwidth_gbps"] == 8 * 50.0
     assert engine["resources"]["requests"]["memory"] == str(8 * 16 * 2**30)
     assert "limits" not in engine["resources"] or "memory" not in engine["resources"]["limits"]
-    assert [volume["name"] for volume in pod["spec"]["volumes"]] == ["engine-config"]
+    assert "kv-disk" not in [volume["name"] for volume in pod["spec"]["volumes"]]
 
 
 def test_modelexpress_cold_start_runs_its_server_and_loads_through_it() -> None:

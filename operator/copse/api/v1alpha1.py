@@ -738,11 +738,6 @@ class PerfProfileSource(_SpecModel):
         pattern=r"^[-._a-zA-Z0-9]+$",
         description="Key of the profile in the ConfigMap; .json is read as JSON, anything else as NPZ.",
     )
-    multi_node: MultiNodeSpec = Field(
-        default_factory=MultiNodeSpec,
-        json_schema_extra=_defaults_of(MultiNodeSpec),
-        description="How a group spanning several nodes starts (one MPI world over ssh).",
-    )
 
 
 class RouterSpec(_SpecModel):
