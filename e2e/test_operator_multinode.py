@@ -37,43 +37,51 @@ def crd_installed(kubectl: Kubectl) -> bool:
 
 
 @pytest.fixture
-def compute_domain_crd(kubectl: Kubectl) -> Iterator[None]:
+def compute_domain_crd(kubectl: Kubectl, operator: Operator) -> Iterator[None]:
     """The ComputeDomain CRD (a copy of the driver's schema), a DeviceClass and one IMEX channel
     device per GPU node, as NVIDIA's DRA driver would publish them; removed afterwards."""
     if crd_installed(kubectl):
         pytest.skip("the cluster has NVIDIA's DRA driver CRD already; this test installs its own")
-    kubectl.apply(CRD)
-    kubectl.wait("--for=condition=Established", f"crd/{multinode.COMPUTE_DOMAIN_CRD}", timeout=60)
-    gpu_nodes = [
-        node["metadata"]["name"]
-        for node in kubectl.items("nodes")
-        if int(node["status"].get("allocatable", {}).get("nvidia.com/gpu", 0)) > 0
-    ]
-    kubectl.apply(
-        [
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "DeviceClass",
-                "metadata": {"name": DEVICE_CLASS, "labels": {"copse.dev/e2e": "dra-stand-in"}},
-                "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-            },
-            *(
+    try:
+        kubectl.apply(CRD)
+
+        def established() -> bool:
+            found = kubectl.run(
+                "get", "crd", multinode.COMPUTE_DOMAIN_CRD,
+                "-o", 'jsonpath={.status.conditions[?(@.type=="Established")].status}',
+            )  # fmt: skip
+            return found.stdout.strip() == "True"
+
+        wait_until("the ComputeDomain CRD to be established", established, operator=operator)
+        gpu_nodes = [
+            node["metadata"]["name"]
+            for node in kubectl.items("nodes")
+            if int(node["status"].get("allocatable", {}).get("nvidia.com/gpu", 0)) > 0
+        ]
+        kubectl.apply(
+            [
                 {
                     "apiVersion": "resource.k8s.io/v1",
-                    "kind": "ResourceSlice",
-                    "metadata": {"name": f"imex-{node}", "labels": {"copse.dev/e2e": "dra-stand-in"}},
-                    "spec": {
-                        "driver": DRIVER,
-                        "nodeName": node,
-                        "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-                        "devices": [{"name": "channel-0"}],
-                    },
-                }
-                for node in gpu_nodes
-            ),
-        ]
-    )
-    try:
+                    "kind": "DeviceClass",
+                    "metadata": {"name": DEVICE_CLASS, "labels": {"copse.dev/e2e": "dra-stand-in"}},
+                    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+                },
+                *(
+                    {
+                        "apiVersion": "resource.k8s.io/v1",
+                        "kind": "ResourceSlice",
+                        "metadata": {"name": f"imex-{node}", "labels": {"copse.dev/e2e": "dra-stand-in"}},
+                        "spec": {
+                            "driver": DRIVER,
+                            "nodeName": node,
+                            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                            "devices": [{"name": "channel-0"}],
+                        },
+                    }
+                    for node in gpu_nodes
+                ),
+            ]
+        )
         yield
     finally:
         kubectl.run("delete", "resourceslices,deviceclasses", "-l", "copse.dev/e2e=dra-stand-in")
@@ -147,7 +155,8 @@ def test_without_the_crd_groups_run_and_say_multi_node_nvlink_is_unavailable(
 def test_each_group_spanning_trays_gets_a_compute_domain_and_each_rank_its_channel(
     kubectl: Kubectl, namespace: str, operator: Operator, compute_domain_crd: None
 ) -> None:
-    kubectl.apply(seed("mnnvl"), namespace=namespace)
+    # No routers run on kwok nodes to report in-flight requests: removed groups go without draining.
+    kubectl.apply(seed("mnnvl", disruption={"drainTimeout": "0s"}), namespace=namespace)
     wait_until(
         "a ComputeDomain per group",
         lambda: len(kubectl.items("computedomains", namespace=namespace)) == 2,
