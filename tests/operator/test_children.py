@@ -64,7 +64,7 @@ def test_gang_pods_are_gated_pinned_and_ranked() -> None:
     launched = leader["command"][4:]
     assert launched[:2] == ["trtllm-llmapi-launch", "trtllm-serve"]
     assert launched[launched.index("--tp_size") + 1] == "8"
-    env = {item["name"]: item["value"] for item in leader["env"]}
+    env = {item["name"]: item["value"] for item in leader["env"] if "value" in item}
     assert env["COPSE_MPI_HOSTS"] == (
         "llama-worker-1-0.llama-worker-1.serving.svc:4,llama-worker-1-1.llama-worker-1.serving.svc:4"
     )
