@@ -253,3 +253,58 @@ async def test_a_stop_string_split_across_a_migration_stops_as_without_one(
     assert _text(broken) == (streamed + " fox" if include else streamed)
     generated = fox + 1 - (2 if reason == "as token ids" else 0)  # the engine removes the stop's ids
     assert _usage(broken) == (fleet.script.origin, generated)
+
+
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text prompt", "token-id prompt"])
+@pytest.mark.parametrize("after", [None, 4])
+async def test_echo_puts_the_prompt_in_front_of_the_first_text(
+    fleet: Fleet, hf: PreTrainedTokenizerBase, as_ids: bool, after: int | None
+) -> None:
+    """trtllm-serve prepends the prompt text to the first chunk with echo; with detokenize false
+    it cannot, so the router does (a token-id prompt decoded as the output is: trtllm-serve itself
+    fails on one), once, also when the stream moves to another engine; the engines are not asked
+    to echo."""
+    prompt: str | list[int] = engine_completion_ids(hf, {"prompt": PROMPT}) if as_ids else PROMPT
+    fleet.script.break_after = after
+    events = await fleet.stream({"max_tokens": 22, "echo": True, "prompt": prompt})
+    assert _migrations(fleet) == (0 if after is None else 1)
+    assert _text(events) == PROMPT + _decode(hf, fleet.script.tokens[:22])
+    if as_ids:
+        assert isinstance(prompt, list)
+        assert prompt[0] == hf.bos_token_id  # skipped in the echo as in the output
+    assert _chunks(events)[0]["choices"][0]["text"].startswith(PROMPT)
+    assert all("echo" not in body for body in fleet.requests)
+    assert _usage(events) == (fleet.script.origin, 22)
+
+
+@pytest.mark.parametrize("fleet", [True], ids=["chat"], indirect=True)
+@pytest.mark.parametrize(
+    ("last", "generation_prompt", "role"),
+    [
+        ("assistant", False, "assistant"),
+        ("assistant", True, "assistant"),
+        ("user", False, "user"),
+        ("user", True, None),
+    ],
+)
+async def test_chat_echo_repeats_the_last_message_of_the_answers_role(
+    fleet: Fleet, hf: PreTrainedTokenizerBase, last: str, generation_prompt: bool, role: str | None
+) -> None:
+    """trtllm-serve's chat echo: the last message's text, in a chunk of its own after the role
+    header, when that message has the answer's role (``assistant``, or the last message's role
+    without the generation prompt); nothing otherwise."""
+    started = "The fox"
+    messages = [*CHAT, {"role": last, "content": [{"type": "text", "text": started}]}]
+    body = {"max_tokens": 22, "echo": True, "messages": messages, "add_generation_prompt": generation_prompt}
+    fleet.script.origin = len(engine_chat_ids(hf, body))
+    events = await fleet.stream(body)
+    chunks = _chunks(events)
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": role or "assistant"}}]
+    generated = _decode(hf, fleet.script.tokens[:22])
+    if role is None:
+        assert _text(events) == generated
+    else:
+        assert chunks[1]["choices"] == [{"index": 0, "delta": {"content": started}}]
+        assert _text(events) == started + generated
+    assert "echo" not in fleet.requests[0]
+    assert fleet.requests[0]["prompt"] == engine_chat_ids(hf, body)

@@ -95,12 +95,12 @@ class StreamProgress:
         body = dict(payload)
         ids = self.prompt + self.output
         remaining = self.remaining
+        body.pop("echo", None)  # the client has its prompt (or last message) echoed already
         if chat:
             body["prompt_token_ids"] = ids
             keys = [key for key in ("max_tokens", "max_completion_tokens") if key in body]
         else:
             body["prompt"] = ids
-            body.pop("echo", None)  # the client has its prompt echoed already
             keys = ["max_tokens"]
         for key in keys or ["max_tokens"]:
             body[key] = remaining

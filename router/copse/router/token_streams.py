@@ -29,8 +29,12 @@ chunks the client asked for (:class:`TokenRelay`):
   with ``echo``) and ``token_ids: null``;
 * chat: rendered by the router's chat template (the exact prompt ids it hashes), sent as a
   completions request, and answered in chat chunks: the role header once (``assistant``, or the
-  last message's role without ``add_generation_prompt``), ``delta.content``, ``finish_reason`` and
-  ``stop_reason``, the usage chunk; ids ``chatcmpl-...``.
+  last message's role without ``add_generation_prompt``), with ``echo`` the last message's text
+  in a chunk of its own, ``delta.content``, ``finish_reason`` and ``stop_reason``, the usage chunk;
+  ids ``chatcmpl-...``.
+
+``echo`` is not sent to the engine (with ``detokenize: false`` its echoed text is dropped with the
+rest, and a token-id prompt makes its post-processor fail); the router writes it (:func:`echoed`).
 
 After a migration the continuation's engine sees the streamed ids as prompt. Its sampler still
 stops on a stop word split across the break (it compares the request's last tokens), but its
@@ -148,15 +152,37 @@ class OutputText:
 
 def relayable(request: CompletionRequest | ChatCompletionRequest) -> bool:
     """Whether a request to ``trtllm-serve`` is streamed in token ids through the router. Not: an
-    answer that is not streamed (retried whole when its worker fails, never migrated), a
+    answer that is not streamed (retried whole when its worker fails, never migrated), and a
     completions request that asks for ``detokenize: false`` itself (passed as it is: its chunks
-    carry their ids already), and ``echo`` with a token-id prompt (passed as it is: ``trtllm-serve``
-    adds the prompt to the text, which it cannot do with ids)."""
+    carry their ids already)."""
     if not request.stream:
         return False
-    if isinstance(request, CompletionRequest):
-        return request.detokenize and not (request.echo and not isinstance(request.prompt, str))
-    return True
+    return request.detokenize if isinstance(request, CompletionRequest) else True
+
+
+def echoed(request: CompletionRequest | ChatCompletionRequest, tokenizer: HfPromptTokenizer) -> str:
+    """The text ``trtllm-serve`` puts in front of the output with ``echo`` (``""``: none).
+
+    Completions (``completion_stream_post_processor``): the prompt, in front of the first chunk's
+    text. ``trtllm-serve`` prepends the prompt *as the request gave it*, so a token-id prompt makes
+    its post-processor fail (a list added to a string); here it is the ids decoded as the output is.
+    Chat (``openai_chat``, ``chat_stream_post_processor``): the last message's text when that
+    message has the role of the answer (``assistant``, or the last message's own role without
+    ``add_generation_prompt``) and some text, in a chunk of its own after the role header."""
+    if not request.echo:
+        return ""
+    if isinstance(request, ChatCompletionRequest):
+        last = request.messages[-1]
+        return last.text() if last.role == _answer_role(request) else ""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    decoder = tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens)
+    return decoder.decode(request.prompt)
+
+
+def _answer_role(request: ChatCompletionRequest) -> str:
+    """The role of a chat's answer in ``trtllm-serve`` (``ChatPostprocArgs.role``)."""
+    return "assistant" if request.add_generation_prompt else request.messages[-1].role
 
 
 class TokenRelay:
@@ -180,13 +206,9 @@ class TokenRelay:
         options = request.stream_options
         self.include_usage = options is not None and options.include_usage
         self.continuous_usage = self.include_usage and options is not None and options.continuous_usage_stats
-        self.role = "assistant"
-        self.echo = ""
-        if isinstance(request, ChatCompletionRequest):
-            if not request.add_generation_prompt:
-                self.role = request.messages[-1].role
-        elif request.echo and isinstance(request.prompt, str):
-            self.echo = request.prompt
+        self.role = _answer_role(request) if isinstance(request, ChatCompletionRequest) else "assistant"
+        self.echo = echoed(request, tokenizer)
+        """What ``echo`` puts in front of the output (written once, before the first text)."""
         self.trimmed = 0
         """Output tokens removed by the router (subtracted from the engine's usage)."""
         self._started = False
@@ -223,12 +245,12 @@ class TokenRelay:
         )
         self.trimmed += step.trimmed
         text = step.text
-        if not self._started and self.echo:
-            text = self.echo + text
         out: list[dict[str, Any]] = []
         if self.chat:
             if not self._started:
-                out.append(self._chat_header(event))
+                out.append(self._chat_header(event, {"role": self.role}))
+                if self.echo:
+                    out.append(self._chat_header(event, {"content": self.echo}))
             chat_choice: dict[str, Any] = {"index": choice.get("index", 0), "delta": {"content": text}}
             if step.finish_reason is not None:
                 chat_choice["finish_reason"] = step.finish_reason
@@ -236,6 +258,8 @@ class TokenRelay:
                 chat_choice["stop_reason"] = step.stop_reason
             chunk = self._chat_chunk(event, [chat_choice])
         else:
+            if not self._started:
+                text = self.echo + text
             chunk = {
                 **event,
                 "choices": [
@@ -290,8 +314,10 @@ class TokenRelay:
         }
         return chunk
 
-    def _chat_header(self, event: dict[str, Any]) -> dict[str, Any]:
-        header = self._chat_chunk(event, [{"index": 0, "delta": {"role": self.role}}])
+    def _chat_header(self, event: dict[str, Any], delta: dict[str, str]) -> dict[str, Any]:
+        """A chunk ``trtllm-serve`` writes before the output (``yield_first_chat``): the role, then
+        the echoed last message."""
+        header = self._chat_chunk(event, [{"index": 0, "delta": delta}])
         usage = event.get("usage")
         if self.continuous_usage and isinstance(usage, dict):
             prompt = usage.get("prompt_tokens")

@@ -236,6 +236,9 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     """Render the header of the assistant's turn after the messages."""
+    echo: bool = False
+    """Put the last message's text in front of the answer when that message has the answer's role
+    (``trtllm-serve``'s and vLLM's extra parameter: continuing a started assistant turn)."""
     add_special_tokens: bool = False
     """Add the tokenizer's special tokens (e.g. BOS) on top of what the chat template renders."""
     chat_template: str | None = None
