@@ -357,6 +357,50 @@ def test_trtllm_leader_gets_a_kv_relay_sidecar_when_events_have_a_bus() -> None:
     assert "initContainers" not in without_bus[0]["spec"]
 
 
+def _relay_capacity(deployment: InferenceDeployment, layout: GroupLayout) -> int | None:
+    relay = children.worker_pods(deployment, layout, cold_start_source=None)[0]["spec"]["initContainers"][0]
+    capacity = kv_relay.make_context("kv-relay", relay["command"][3:]).params["kv_capacity_blocks"]
+    assert capacity is None or isinstance(capacity, int)
+    return capacity
+
+
+def test_the_kv_relay_is_told_the_engines_cache_size_in_blocks_every_tier_together() -> None:
+    """What lets a relay restarted mid-run prove it knows every block again: the GPU pool of
+    spec.router.kvCapacityTokens, plus the host and disk tiers in blocks of the model's KV bytes
+    spread over the group's GPUs (an upper bound: a rank holds at least its share of a block)."""
+    bus = {"natsUrl": "nats://nats:4222", "kvCapacityTokens": 100_000}
+    model = {"name": "meta-llama/Llama-3-70B", "tensorParallelism": 8, "kvBytesPerToken": 327_680}
+    gpu_only = make_deployment(replicas=1, model=model, router=bus)
+    assert _relay_capacity(gpu_only, ONE_NODE) == 3125  # 100000 tokens / 32 per block
+    uneven = make_deployment(replicas=1, model=model, router={**bus, "kvCapacityTokens": 100_001})
+    assert _relay_capacity(uneven, ONE_NODE) == 3126  # rounded up: a bound
+    offload = {"hostMemory": "16Gi", "disk": "64Gi"}
+    tiered = make_deployment(replicas=1, model=model, router=bus, engine={"kvCacheOffload": offload})
+    # (16 + 64) GiB per GPU x 8 GPUs / (32 tokens x 320 KiB per token)
+    assert _relay_capacity(tiered, ONE_NODE) == 3125 + 65_536
+    assert _relay_capacity(tiered, TWO_NODES) == 3125 + 65_536  # the same group of 8 on two pods
+    # what the manifest cannot bound, the relay learns from the engine's created event, or never
+    unsized = make_deployment(
+        replicas=1, model={**model, "kvBytesPerToken": None}, router=bus, engine={"kvCacheOffload": offload}
+    )
+    assert _relay_capacity(unsized, ONE_NODE) is None
+    no_capacity = make_deployment(replicas=1, model=model, router={"natsUrl": "nats://nats:4222"})
+    assert _relay_capacity(no_capacity, ONE_NODE) is None
+
+
+def test_the_models_kv_bytes_reach_the_router_and_mocked_engines() -> None:
+    model = {"name": "meta-llama/Llama-3-70B", "tensorParallelism": 8, "kvBytesPerToken": 327_680}
+    deployment = make_deployment(replicas=1, model=model, engine={"backend": "mock"})
+    _, raw = _router(deployment)
+    assert RouterConfig.model_validate(raw).kv_transfer.kv_bytes_per_token == 327_680
+    [pod] = children.worker_pods(deployment, ONE_NODE, cold_start_source=None)
+    command = pod["spec"]["containers"][0]["command"]
+    assert mock.make_context("mock", command[3:]).params["kv_bytes_per_token"] == 327_680
+    unset = make_deployment(replicas=1, engine={"backend": "mock"})
+    _, raw = _router(unset)
+    assert "kv_transfer" not in raw  # the router's own default
+
+
 def test_worker_pods_leave_not_ready_nodes_only_when_the_operator_moves_the_gang() -> None:
     """The taint manager would evict each pod alone after 300 s; the gang's pods tolerate the
     node controller's taints instead, unless the user tolerates them their own way."""

@@ -14,8 +14,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from copse.api import Role, parse_deployment
+from copse.operator import children
+from copse.operator.children import GroupLayout
 from copse.router.indexer import RadixIndexer
 from copse.router.slots import WorkerSlots
+from copse.workers.cli import kv_relay
 from copse.workers.protocol import (
     KvEvent,
     KvEventBatch,
@@ -200,6 +204,45 @@ def test_a_relay_started_late_proves_it_knows_everything_once_enough_blocks_left
     events = relay.ingest([_removed(43, 7003)])  # 3 unknown blocks gone: nothing unknown is left
     assert _types(events) == ["exact"]
     assert relay.exact
+    assert relay.dump().exact
+
+
+def test_a_relay_restarted_mid_run_knows_every_block_again_from_the_operators_capacity() -> None:
+    """The relay the operator runs next to an engine with a host tier: restarted mid-run, it proves
+    it knows every block once as many unknown blocks left as the engine's GPU *and* host pools
+    hold (a block offloaded to host memory is still held; its eviction there is a removal)."""
+    body = {
+        "apiVersion": "copse.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "llama", "namespace": "serving", "uid": "u", "generation": 1},
+        "spec": {
+            "model": {"name": "m", "kvBytesPerToken": 64},
+            "engine": {"blockSize": BLOCK, "kvCacheOffload": {"hostMemory": "2Ki"}},
+            "router": {"natsUrl": "nats://nats:4222", "kvCapacityTokens": 16 * BLOCK},
+        },
+    }
+    deployment = parse_deployment(body, source="test")
+    layout = GroupLayout(role=Role.WORKER, replica=0, pods=(("gpu-a", 1),), domain=None, rack=None, cost=0.0)
+    [pod] = children.worker_pods(deployment, layout, cold_start_source=None)
+    [sidecar] = pod["spec"]["initContainers"]
+    params = kv_relay.make_context("kv-relay", sidecar["command"][3:]).params
+    gpu, host = 16, 2048 // (BLOCK * 64)  # hostMemory over a block's bytes
+    assert params["kv_capacity_blocks"] == gpu + host
+    # the engine holds 24 blocks the relay never saw stored: 8 of them went to host memory, then
+    # the engine evicts them all, with consecutive event ids
+    held = list(range(9001, 9001 + gpu + host))
+    offloads = [_updated(500 + k, engine_hash) for k, engine_hash in enumerate(held[:host])]
+    removals = [_removed(500 + host + k, engine_hash) for k, engine_hash in enumerate(held)]
+    relay, _ = _relay(capacity_blocks=params["kv_capacity_blocks"])
+    relay.ingest(offloads)
+    assert not relay.exact
+    assert "exact" not in _types(relay.ingest(removals[:-1]))
+    assert _types(relay.ingest(removals[-1:])) == ["exact"]
+    assert relay.dump().exact
+    # a bound of the GPU pool alone would claim it with 8 blocks still held in host memory
+    gpu_only, _ = _relay(capacity_blocks=gpu)
+    gpu_only.ingest(offloads)
+    assert "exact" in _types(gpu_only.ingest(removals[:gpu]))
     assert relay.dump().exact
 
 

@@ -319,6 +319,13 @@ class ModelSpec(_SpecModel):
     cache: Nullable[ModelCacheSpec] = Field(
         default=None, description="Weights cache (PVC or node path); without it engines pull from the hub."
     )
+    kv_bytes_per_token: Nullable[PositiveInt] = Field(
+        default=None,
+        description="KV cache bytes of one token across the whole model: 2 (K and V) x layers x KV "
+        "heads x head dim x bytes per element (Llama-3.1-8B in bf16: 131072). Sizes the "
+        "engine.kvCacheOffload tiers in blocks for the KV relay, and what the router and mocked "
+        "engines charge for moving KV; unset: 131072 for those, and no relay bound with offload tiers.",
+    )
 
     @property
     def gpus_per_group(self) -> int:

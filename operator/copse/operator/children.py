@@ -201,6 +201,12 @@ def _engine_command(deployment: InferenceDeployment, layout: GroupLayout, *, ran
             if spec.router.kv_capacity_tokens
             else []
         )
+        # The KV bytes its offload tiers and transfers move, as the router charges them.
+        kv_bytes = (
+            ["--kv-bytes-per-token", str(spec.model.kv_bytes_per_token)]
+            if spec.model.kv_bytes_per_token
+            else []
+        )
         leader = names.pod_name(names.group_name(deployment.metadata.name, layout.role, layout.replica), 0)
         gpus = pool.tensor_parallelism * pool.pipeline_parallelism
         return [
@@ -222,6 +228,7 @@ def _engine_command(deployment: InferenceDeployment, layout: GroupLayout, *, ran
             *_mock_moe(pool.moe, layout),
             *_mock_offload(deployment, gpus=gpus),
             *capacity,
+            *kv_bytes,
             *engine.args,
         ]  # fmt: skip
     serve = [
@@ -308,17 +315,21 @@ def _offload_memory(
             amounts["memory"] = str(parse_quantity(amounts.get("memory", "0")) + extra)
 
 
-def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[dict[str, Any]]:
+def _kv_relay(
+    deployment: InferenceDeployment, layout: GroupLayout, *, pod: str, rank: int
+) -> list[dict[str, Any]]:
     """The sidecar that drains trtllm-serve's ``/kv_cache_events`` into copse KV events on NATS,
     on the rank that serves HTTP; the mocker publishes its own events.
 
     A native sidecar (an init container with ``restartPolicy: Always``, Kubernetes >= 1.29): the
     kubelet restarts it whenever it exits although the pod's own policy is ``Never`` (a gang is
     restarted whole by the operator), starts it before the engine and stops it after. A restarted
-    relay has missed events: it publishes a reset (see copse.workers.relay)."""
+    relay has missed events: it publishes a reset (see copse.workers.relay), and proves it knows
+    every block again from the engine's cache size (:func:`relay_capacity_blocks`)."""
     spec = deployment.spec
     if rank > 0 or spec.engine.backend is not EngineBackend.TRTLLM or not spec.router.nats_url:
         return []
+    capacity = relay_capacity_blocks(deployment, gpus=layout.world_size)
     command = [
         "copse", "worker", "kv-relay",
         "--engine", f"http://127.0.0.1:{ENGINE_PORT}",
@@ -327,6 +338,7 @@ def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[d
         "--deployment", deployment.metadata.name,
         "--worker-id", pod,
         "--block-size", str(spec.engine.block_size),
+        *(["--kv-capacity-blocks", str(capacity)] if capacity is not None else []),
     ]  # fmt: skip
     return [
         {
@@ -336,6 +348,31 @@ def _kv_relay(deployment: InferenceDeployment, *, pod: str, rank: int) -> list[d
             "restartPolicy": "Always",
         }
     ]
+
+
+def relay_capacity_blocks(deployment: InferenceDeployment, *, gpus: int) -> int | None:
+    """An upper bound on the blocks one engine of ``gpus`` GPUs holds, every cache level together
+    (what the relay's bound needs: TensorRT-LLM's ``created`` event counts ``num_blocks_per_cache_level``
+    of the GPU, host and disk pools, and a block offloaded below the GPU is still held, its eviction
+    from there a ``removed`` event). ``None`` when the manifest cannot bound it: no
+    ``spec.router.kvCapacityTokens`` (the GPU pool, as the engine logs it), or offload tiers without
+    ``spec.model.kvBytesPerToken`` (a tier's blocks are its bytes per GPU over a rank's bytes per
+    block, at least the model's block bytes over the group's GPUs; a smaller bound would let the
+    relay claim it knows every block while some below the GPU are unknown to it)."""
+    spec = deployment.spec
+    tokens = spec.router.kv_capacity_tokens
+    if tokens is None:
+        return None
+    block_size = spec.engine.block_size
+    blocks = -(-tokens // block_size)
+    offload = spec.engine.kv_cache_offload
+    lower_tiers = 0 if offload is None else offload.host_bytes + offload.disk_bytes
+    if lower_tiers:
+        per_token = spec.model.kv_bytes_per_token
+        if per_token is None:
+            return None
+        blocks += -(-lower_tiers * gpus // (block_size * per_token))
+    return blocks
 
 
 def _worker_tolerations(deployment: InferenceDeployment) -> list[dict[str, Any]]:
@@ -675,7 +712,7 @@ def worker_pods(
             "terminationGracePeriodSeconds": PRE_STOP_SLEEP_S + math.ceil(spec.disruption.drain_timeout_s),
         }
         # The weights step first (it may wait for the download), then the relay as a native sidecar.
-        init_containers = [*wiring.init_containers, *_kv_relay(deployment, pod=pod, rank=rank)]
+        init_containers = [*wiring.init_containers, *_kv_relay(deployment, layout, pod=pod, rank=rank)]
         if init_containers:
             pod_spec["initContainers"] = init_containers
         if wiring.resource_claims:
@@ -904,6 +941,8 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
     }
     if router.kv_capacity_tokens is not None:
         config["kv_capacity_tokens"] = router.kv_capacity_tokens
+    if spec.model.kv_bytes_per_token is not None:
+        config["kv_transfer"] = {"kv_bytes_per_token": spec.model.kv_bytes_per_token}
     offload = spec.engine.kv_cache_offload
     if offload is not None:
         # Onboarding copies every rank's share over its own link at once; the pool that prefills
