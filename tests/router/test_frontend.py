@@ -348,6 +348,33 @@ async def test_requests_wait_in_the_queue_until_a_worker_frees(
         await running.close()
 
 
+async def test_more_streams_than_a_connection_pool_holds_all_reach_the_worker_at_once(
+    fake_worker: tuple[str, dict[str, Any]],
+) -> None:
+    """The router caps streams with its queue and busy thresholds only: 150 held streams are all on
+    the worker together (aiohttp's default pool held the 101st back until one of them ended)."""
+    url, state = fake_worker
+    state["mode"] = "hold"
+    streams = 150
+    running = await _started(_config([url], busy_prefill_tokens=1e9, busy_kv_fraction=1e9), 1)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+            tasks = [
+                asyncio.create_task(http.post(f"{running.url}/v1/completions", json=body))
+                for _ in range(streams)
+            ]
+            await eventually(lambda: state["hits"] == streams)
+            assert running.service.router.queued == 0
+            state["release"].set()
+            for task in tasks:
+                response = await task
+                assert response.status == 200
+                assert (await _sse(response))[-1] == "[DONE]"
+    finally:
+        await running.close()
+
+
 async def test_disaggregated_requests_prefill_on_one_worker_and_decode_on_another() -> None:
     async with (
         mock_fleet(engines=1, config=EngineConfig(role="prefill")) as prefill,

@@ -271,7 +271,11 @@ class RoutingService:
     async def start(self) -> None:
         """Open the worker HTTP session, start discovery and the health probes."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        # No cap on connections to the workers: aiohttp's default (100 in all) held every stream
+        # beyond the 100th outside the router's queue and busy thresholds, waiting for a connection
+        # that a random host's release handed over (TTFT p99 of seconds at 256 streams).
+        connector = aiohttp.TCPConnector(limit=0)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._started_at = self.now()
         self._tasks.append(asyncio.create_task(self.source.run(self._on_discovery), name="discovery"))
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="health-probes"))
