@@ -103,18 +103,25 @@ def test_it_sizes_the_forecast_load(linear: CapacityModel) -> None:
 
 
 def test_the_lead_time_comes_from_the_deployments_cold_start_unless_configured(linear: CapacityModel) -> None:
-    def spec(**cold_start: object) -> Limits:
+    def spec(cache: dict[str, str] | None = None, **cold_start: object) -> Limits:
+        model = {"name": "m"} if cache is None else {"name": "m", "cache": cache}
         body = {
             "apiVersion": "copse.dev/v1alpha1",
             "kind": "InferenceDeployment",
             "metadata": {"name": "x"},
-            "spec": {"model": {"name": "m"}, "coldStart": cold_start},
+            "spec": {"model": model, "coldStart": cold_start},
         }
         return Limits.from_spec(parse_deployment(body, source="x").spec)
 
+    shared = {"persistentVolumeClaim": "weights"}
     assert spec().startup_delay_s == STARTUP_DELAYS_S["hub"] == 944.0
+    assert spec(shared).startup_delay_s == STARTUP_DELAYS_S["model-cache"] == 481.0
+    # A node-local cache is filled per node: a group on a node without the copy pulls from the hub.
+    assert spec({"hostPath": "/var/lib/weights"}).startup_delay_s == STARTUP_DELAYS_S["hub"]
     assert spec(strategy="modelexpress").startup_delay_s == STARTUP_DELAYS_S["modelexpress"] == 420.0
+    assert spec(shared, strategy="modelexpress").startup_delay_s == STARTUP_DELAYS_S["modelexpress"]
     assert spec(strategy="modelexpress", startupDelay="90s").startup_delay_s == 90.0
+    assert spec(shared, startupDelay="90s").startup_delay_s == 90.0
     from_manifest = planner(linear, cfg=config(startup_delay_s=None), lim=spec(startupDelay="150s"))
     assert (from_manifest.startup_delay_s, from_manifest.horizon) == (150.0, 4)
     configured = planner(linear, cfg=config(startup_delay_s=30.0), lim=spec(startupDelay="150s"))

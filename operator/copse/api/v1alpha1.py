@@ -493,7 +493,8 @@ class ColdStartSpec(_SpecModel):
         default=None,
         pattern=DURATION_PATTERN,
         description="Time from scaling up to the new group serving, the planner's lead time; unset: the "
-        "strategy's typical figure (ModelExpress's published DeepSeek-V4-Pro start-up times).",
+        "typical figure for how a new group gets its weights: ModelExpress, else a spec.model.cache "
+        "persistentVolumeClaim, else the hub (ModelExpress's published DeepSeek-V4-Pro start-up times).",
     )
     model_express: ModelExpressSpec = Field(
         default_factory=ModelExpressSpec,
@@ -508,17 +509,22 @@ class ColdStartSpec(_SpecModel):
             parse_duration(value)
         return value
 
-    @property
-    def startup_path(self) -> str:
-        """How a new group gets its weights, a key of :data:`STARTUP_DELAYS_S`."""
-        return "modelexpress" if self.strategy is ColdStartStrategy.MODELEXPRESS else "hub"
+    def startup_path(self, *, model_cache: ModelCacheSpec | None) -> str:
+        """How a new group gets its weights, a key of :data:`STARTUP_DELAYS_S`: ModelExpress's
+        transfer; else the shared cache a ``persistentVolumeClaim`` holds (``spec.model.cache``, filled
+        once by the download Job before any group starts); else the hub. A ``hostPath`` cache counts as
+        the hub: each node fills its own copy, so a group landing on a node without one pulls first."""
+        if self.strategy is ColdStartStrategy.MODELEXPRESS:
+            return "modelexpress"
+        if model_cache is not None and model_cache.persistent_volume_claim is not None:
+            return "model-cache"
+        return "hub"
 
-    @property
-    def startup_delay_s(self) -> float:
-        """The planner's lead time: ``startupDelay``, else the strategy's typical start-up time."""
+    def startup_delay_s(self, *, model_cache: ModelCacheSpec | None) -> float:
+        """The planner's lead time: ``startupDelay``, else the typical start-up time of the path."""
         if self.startup_delay is not None:
             return parse_duration(self.startup_delay)
-        return STARTUP_DELAYS_S[self.startup_path]
+        return STARTUP_DELAYS_S[self.startup_path(model_cache=model_cache)]
 
 
 class PoolSpec(_SpecModel):

@@ -104,7 +104,7 @@ class Limits:
             scale_down_delay_s=scaling.scale_down_delay_s,
             queue_depth=scaling.scale_up_trigger.queue_depth,
             max_num_seqs=spec.engine.max_num_sequences,
-            startup_delay_s=spec.cold_start.startup_delay_s,
+            startup_delay_s=spec.cold_start.startup_delay_s(model_cache=spec.model.cache),
         )
 
 
