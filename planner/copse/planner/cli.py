@@ -176,11 +176,13 @@ def dry_run_command(
     as_json: bool,
     plot: Path | None,
 ) -> None:
-    """Replay recorded load through the planner and estimate what it would have done.
+    """Replay recorded load through the planner: a fast analytic estimate of what it would have done.
 
     Each interval's replicas are decided before the interval is seen; new replicas serve only
     after the start-up delay; the interval's actual load on those replicas gives the estimated
-    TTFT/ITL (with queueing), so a burst the forecast missed is a miss.
+    TTFT/ITL (with queueing), so a burst the forecast missed is a miss. No request is simulated:
+    the capacity model judges its own sizing. For measured figures, "copse bench planner" runs
+    the planner against a simulated fleet, every request routed and served.
     """
     from copse.planner.dryrun import dry_run, write_json  # noqa: PLC0415
     from copse.planner.report import format_summary, format_table  # noqa: PLC0415
