@@ -133,7 +133,7 @@ def limits_from_options(
     help=f"Seconds per decision: trace bucket size (default {DEFAULT_TRACE_INTERVAL_S:g}) or a whole "
     "multiple of the recording's interval.",
 )
-@click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default: arima).")
+@click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default constant).")
 @click.option("--gpu-budget", type=click.IntRange(min=1), help="Most GPUs both pools together may use.")
 @click.option("--min-replicas", type=click.IntRange(min=0), help="Fewest replicas per pool (default 1).")
 @click.option("--max-replicas", type=click.IntRange(min=1), help="Most replicas per pool (default 16).")
@@ -284,7 +284,7 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
 )
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
 @click.option("--interval", type=click.FloatRange(min=1), help="Seconds between decisions (default: config).")
-@click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default: arima).")
+@click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default constant).")
 @click.option(
     "--observe-only",
     "--dry-run",
