@@ -20,12 +20,17 @@ Rounds alternate direct, router, direct, router... so both see the same machine 
 copied in) in front of the same engines, a round of it after each round of this tree's router: a
 change to the router measured before and after in one run, on the same machine load.
 
+``--router-set KEY=VALUE`` (repeatable) sets a router config key for every router, e.g.
+``busy_prefill_tokens=1e12 --router-set busy_kv_fraction=1e6`` to take the router's admission
+control (its queue in front of busy workers) out of the comparison and leave the proxy alone.
+
 ``--profile FILE`` also samples this tree's router with ``py-spy`` (when installed) during one
 routed round at the highest concurrency and prints where its time goes.
 
 Usage: ``.venv/bin/python benchmarks/router_proxy.py [--concurrency 64,256] [--rounds 2]
 [--requests-per-stream 4] [--engines 4] [--prompt-tokens 1024] [--max-tokens 128]
-[--decode-speedup 0.25] [--router-tree before=/tmp/copse-before] [--profile /tmp/router.prof]``
+[--decode-speedup 0.25] [--router-tree before=/tmp/copse-before] [--router-set KEY=VALUE]
+[--profile /tmp/router.prof]``
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ async def _processes(args: argparse.Namespace) -> AsyncIterator[tuple[list[str],
                 "policy": "round_robin",
                 "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
                 "seed": 0,
+                **dict(args.router_set),
             }
             with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
                 yaml.safe_dump(config, file)
@@ -318,6 +324,13 @@ async def main(args: argparse.Namespace) -> None:
         _profile_report(args.profile)
 
 
+def _setting(spec: str) -> tuple[str, object]:
+    key, sep, value = spec.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--router-set {spec!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)
+
+
 def _tree(spec: str) -> tuple[str, Path]:
     name, sep, path = spec.partition("=")
     root = Path(path)
@@ -359,6 +372,13 @@ if __name__ == "__main__":
         action="append",
         default=[],
         help="NAME=DIR: also this checkout's router.",
+    )
+    parser.add_argument(
+        "--router-set",
+        type=_setting,
+        action="append",
+        default=[],
+        help="KEY=VALUE (YAML value): a config setting of every router.",
     )
     parser.add_argument("--profile", type=Path, default=None, help="py-spy raw profile of the router here.")
     uvloop.run(main(parser.parse_args()))
