@@ -3,14 +3,16 @@ engines report, the kv_expert policy, and the rebalancer's proposal."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from copse.router.core import Role, Router, WorkerInfo
 from copse.router.experts import ExpertTracker
 from copse.router.policies import RouteRequest, SelectionSettings
-from copse.workers.moe import ExpertPlacement, MoeConfig, static_placement
-from copse.workers.perf import PolynomialPerfModel
+from copse.workers.moe import ExpertPlacement, MoeConfig, moe_terms, static_placement
+from copse.workers.perf import PerfModel, PolynomialPerfModel
 from copse.workers.protocol import block_hashes
 
 BS = 16
@@ -167,3 +169,94 @@ def test_kv_expert_picks_the_decode_worker_where_the_class_is_cold(cls: int) -> 
     assert route is not None
     assert route.prefill_worker_id == "p0"
     assert route.worker_id == ("d1" if cls == 0 else "d0")
+
+
+# A slow expert-parallel link (0.5 GB/s): the all-to-all is a large part of the step.
+SLOW_LINK = dataclasses.replace(SMALL, link_bandwidth_gbps=0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfiledMoe(PerfModel):
+    """What a profiler measures of ``SLOW_LINK`` engines of balanced ``base`` steps: each decode
+    step holds the all-to-all of its batch (requests alike, so no stretch)."""
+
+    base: PerfModel
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_capacity_tokens", self.base.kv_capacity_tokens)
+        object.__setattr__(self, "gpus_per_engine", self.base.gpus_per_engine)
+
+    def prefill_curve_ms(self, isl: float) -> float:
+        return self.base.prefill_curve_ms(isl)
+
+    def decode_itl_ms(self, *, active_kv_tokens: float, context_length: float) -> float:
+        requests = active_kv_tokens / max(context_length, 1.0)
+        loads = np.full(4, requests * SLOW_LINK.experts_per_token / 4)
+        _, all_to_all_ms = moe_terms(SLOW_LINK, loads)
+        base = self.base.decode_itl_ms(active_kv_tokens=active_kv_tokens, context_length=context_length)
+        return base + float(all_to_all_ms)
+
+
+def _choice(*, perf: PerfModel, moe_perf: PerfModel | None) -> str:
+    """Where ``kv_expert`` sends a request when w0 is prefilling a long prompt (its time to first
+    token is longer) and w1 decodes 8 requests (its all-to-all carries more)."""
+    router = Router(
+        perf=perf,
+        settings=SelectionSettings(block_size=BS),
+        policy="kv_expert",
+        seed=1,
+        moe=SLOW_LINK,
+        moe_perf=moe_perf,
+    )
+    for name in ("w0", "w1"):
+        router.add_worker(WorkerInfo(worker_id=name, role=Role.WORKER), now=0.0)
+    for i in range(8):
+        route = router.submit(request(f"d{i}", [3000 + i] * 4 * BS, 200), now=0.0, exclude=frozenset({"w0"}))
+        assert route is not None
+        assert route.worker_id == "w1"
+        router.prefill_done(route.request_id, now=0.0)
+    route = router.submit(request("long", [2000] * 2048), now=0.0, exclude=frozenset({"w1"}))
+    assert route is not None
+    assert route.worker_id == "w0"
+    route = router.submit(request("new", [4000] * 4 * BS, 200), now=0.0)
+    assert route is not None
+    return route.worker_id
+
+
+def test_on_a_measured_profile_kv_expert_does_not_count_the_all_to_all_twice() -> None:
+    profiled = ProfiledMoe(base=PERF)
+    # The oracle: the engines' balanced step, the all-to-all added once. w1's 8 decodes cost the
+    # new request less than waiting behind w0's prefill.
+    assert _choice(perf=PERF, moe_perf=PERF) == "w1"
+    # The profile (its steps hold the all-to-all) with the balanced step beside it, and the
+    # profile alone (only the deviation from an average load added: none here): w1 too.
+    assert _choice(perf=profiled, moe_perf=PERF) == "w1"
+    assert _choice(perf=profiled, moe_perf=None) == "w1"
+    # Adding the all-to-all to the profile's steps again charges w1's large batch twice: w0.
+    assert _choice(perf=profiled, moe_perf=profiled) == "w0"
+
+
+def test_without_a_balanced_step_only_the_deviation_from_an_average_load_is_added() -> None:
+    tracker = ExpertTracker(SMALL)
+    for cls, experts in ((0, (0, 1)), (1, (4, 5))):  # class 0 on rank 0, class 1 on rank 1
+        tracker.add(f"teach{cls}", slot=0, key=key(cls))
+        tracker.report(f"teach{cls}", counts(*experts))
+        tracker.remove(f"teach{cls}")
+    for i in range(3):
+        tracker.add(f"busy{i}", slot=0, key=key(0))  # w0: class 0 in flight, its rank 0 hot
+    tracker.add("other", slot=1, key=key(1))  # w1: one of class 1
+    balanced = np.array([5.0, 7.0])
+    # What a profile of these engines measured: the average load of as many requests on each
+    # (the new request included), half on rank 0 and half on rank 1.
+    average = np.array([4.0, 2.0])[:, None] * SMALL.experts_per_token * np.array([0.5, 0.5, 0.0, 0.0])
+    factor, all_to_all_ms = moe_terms(SMALL, average)
+    profiled = balanced * factor + all_to_all_ms
+    predicted = profiled + tracker.moe_ms(key(0), profiled, balanced=False)
+    # The balanced step with the whole terms for the real load, whichever step the router has.
+    assert predicted == pytest.approx(balanced + tracker.moe_ms(key(0), balanced, balanced=True))
+    assert predicted[0] > profiled[0], "class 0 joining class 0: more skewed than the average"
+    assert predicted[1] == pytest.approx(profiled[1]), "class 0 joining class 1: the average"
+    # Nothing reported: every request alike, as the profile's average; nothing to add.
+    blind = ExpertTracker(SMALL)
+    blind.add("x", slot=0, key=key(0))
+    assert blind.moe_ms(key(1), profiled, balanced=False) == pytest.approx(np.zeros(2))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from copse.sim.profiler import ProfileGrid, ScaledPerfModel, measure_profile
 from copse.workers.mocker import EngineConfig
+from copse.workers.moe import MoeConfig
 from copse.workers.perf import PolynomialPerfModel
 
 PERF = PolynomialPerfModel()
@@ -59,3 +62,21 @@ def test_scaled_model_changes_prefill_only() -> None:
     assert faster.kv_capacity_tokens == PERF.kv_capacity_tokens
     with pytest.raises(ValueError, match="prefill_scale=0 must be positive"):
         ScaledPerfModel(base=PERF, prefill_scale=0)
+
+
+def test_the_balanced_profile_of_an_moe_engine_is_its_step_without_the_moe_terms() -> None:
+    moe = MoeConfig(experts=16, experts_per_token=2, hidden_size=4096, layers=8, expert_parallelism=4)
+    config = EngineConfig(block_size=64, num_blocks=2048, moe=moe)
+    measured = measure_profile(config=config, perf=PERF, grid=SMALL)
+    balanced = measure_profile(config=config, perf=PERF, grid=SMALL, balanced=True)
+    dense = measure_profile(config=dataclasses.replace(config, moe=None), perf=PERF, grid=SMALL)
+    assert balanced.prefill_ttft_ms == measured.prefill_ttft_ms, "only the decode steps differ"
+    measured_itl, balanced_itl, dense_itl = (
+        np.array(profile.decode_itl) for profile in (measured, balanced, dense)
+    )
+    assert np.all(measured_itl > dense_itl), "a profile times the stretch and all-to-all too"
+    assert balanced_itl == pytest.approx(dense_itl, rel=1e-6)
+    assert (
+        measure_profile(config=dataclasses.replace(config, moe=None), perf=PERF, grid=SMALL, balanced=True)
+        == dense
+    )

@@ -180,6 +180,7 @@ class Router:
         share_load: bool = False,
         seed: int | None = None,
         moe: MoeConfig | None = None,
+        moe_perf: PerfModel | None = None,
     ) -> None:
         self.settings = settings
         self.thresholds = thresholds or Thresholds()
@@ -208,6 +209,9 @@ class Router:
         self.rng = random.Random(seed)
         self.experts = None if moe is None else ExpertTracker(moe)
         """Expert placement and in-flight expert load per worker (Mixture-of-Experts models)."""
+        self.moe_perf = None if moe is None or moe_perf is None else PerfTable(moe_perf)
+        """The expert-parallel engines' balanced step, without the MoE terms ``perf``'s profile
+        holds (``kv_expert`` adds them for the expert load it expects; :attr:`Selection.moe_perf`)."""
         self.workers: dict[str, WorkerInfo] = {}
         self._roles = {role: np.zeros(0, dtype=bool) for role in Role}
         self._role_count = dict.fromkeys(Role, 0)
@@ -420,6 +424,7 @@ class Router:
             rng=self.rng,
             now=now,
             experts=self.experts,
+            moe_perf=self.moe_perf,
         )
 
     def _try_route(self, request: RouteRequest, *, now: float, exclude: frozenset[str]) -> Route | None:

@@ -18,6 +18,21 @@ share of each step (:func:`copse.workers.moe.moe_terms`: the slowest rank's stre
 routed-expert compute, plus the all-to-all) for the expert load in flight there plus the request's
 expected experts: a worker whose hot ranks this request's experts would make hotter costs more,
 one whose cold ranks they would fill less.
+
+What step it stretches. A perf profile measured on the MoE engines (what a deployment has: a
+profiler times whole steps) already holds the all-to-all and the slowest-rank stretch of the expert
+load its own batches had; both terms on top of it count them twice (measured on the DEP32 example:
+the profiled step is 1.10-1.31x the balanced one, and ``kv_expert`` so fell behind its own
+ablation). So the router takes the engines' balanced step (``Router(moe_perf=...)``: a profile of
+the same measured steps less the MoE terms their engines' expert-load statistics give,
+:func:`copse.sim.profiler.measure_profile` with ``balanced``; in the simulator's oracle, the
+engines' exact model), stretches it for the load it expects and adds the all-to-all. The other
+choices considered: treating the profile's step as an average-case MoE step and adding only the
+request's deviation from an average load, which is what is left when no balanced step is known
+(its average is the model-wide expert shares learned from engine reports, while the profiler's
+batches had their own prompts' preferences, more imbalance at small batches: a part is still
+counted twice, and measured, it recovered little: ITL 11.10 -> 10.79 ms against the ablation's
+10.15); and profiling a dense engine, which a real MoE deployment cannot run.
 """
 
 from __future__ import annotations
@@ -103,6 +118,11 @@ class ExpertTracker:
         if counts is not None and counts.sum() > 0:
             shares: FloatArray = counts / counts.sum()
             return shares
+        return self.average()
+
+    def average(self) -> FloatArray:
+        """The model-wide expert shares of all requests reported so far (before any report, every
+        expert alike; sums to 1)."""
         total = self._global.sum()
         if total > 0:
             average: FloatArray = self._global / total
@@ -153,19 +173,32 @@ class ExpertTracker:
 
     # -- the routing term ---------------------------------------------------------------------
 
-    def moe_ms(self, key: int | None, step_ms: FloatArray) -> FloatArray:
-        """Per worker slot, the time the MoE layers would add to each of its steps (the slowest
-        rank's stretch of the balanced ``step_ms``, plus the all-to-all) with a request of class
-        ``key`` joining the expert load in flight there."""
+    def moe_ms(self, key: int | None, step_ms: FloatArray, *, balanced: bool) -> FloatArray:
+        """Per worker slot, the time the MoE layers add to each of its steps with a request of class
+        ``key`` joining the expert load in flight there, ms.
+
+        ``step_ms`` is each worker's predicted step. ``balanced``: the step without MoE terms, and
+        the whole stretch and all-to-all are added. Otherwise a profile of the MoE engines, taken to
+        hold the terms of an average batch of as many requests (the model-wide expert shares, on
+        the worker's placement): only the deviation from those is added (negative where the load
+        would be less imbalanced than that average)."""
         size = len(step_ms)
         self.ensure(size)
         config = self.config
+        placements = self._shares[:size]
         joined = self._loads[:size] + config.experts_per_token * np.einsum(
-            "e,wer->wr", self.expected(key), self._shares[:size]
+            "e,wer->wr", self.expected(key), placements
         )
         factor, all_to_all_ms = moe_terms(config, joined)
-        added: FloatArray = step_ms * (factor - 1.0) + all_to_all_ms
-        return added
+        if balanced:
+            added: FloatArray = step_ms * (factor - 1.0) + all_to_all_ms
+            return added
+        # The same number of activations per step, spread as the average request spreads them.
+        average = joined.sum(axis=-1, keepdims=True) * np.einsum("e,wer->wr", self.average(), placements)
+        average_factor, average_all_to_all_ms = moe_terms(config, average)
+        base = np.maximum(step_ms - average_all_to_all_ms, 0.0) / average_factor
+        deviation: FloatArray = base * factor + all_to_all_ms - step_ms
+        return deviation
 
     # -- the rebalancer -----------------------------------------------------------------------
 

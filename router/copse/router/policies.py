@@ -13,8 +13,9 @@ operations however many workers there are. A policy returns the slot of its choi
   default, see ``SelectionSettings``). The minimum wins; a softmax temperature spreads near-ties.
 * ``kv_expert``: ``kv``'s predicted time to first token plus ``expert_weight`` x the request's
   decode time on each worker, each step stretched by the slowest EP rank for the expert load in
-  flight there plus the request's expected experts, and the all-to-all added
-  (:mod:`copse.router.experts`); ``kv`` for a dense model. In disaggregated routing the decode
+  flight there plus the request's expected experts, and the all-to-all added, to the engines'
+  balanced step (a profile's steps already hold both terms: :mod:`copse.router.experts`); ``kv``
+  for a dense model. In disaggregated routing the decode
   worker is picked by that decode time plus the KV transfer.
 * ``dynamo``: NVIDIA Dynamo's default cost, ``overlap_weight x prefill blocks + decode blocks``
   with weight 1, exact ties to the worker holding fewest blocks.
@@ -116,6 +117,10 @@ class Selection:
     """Seconds on the caller's clock (the backlog of a worker decays with it)."""
     experts: ExpertTracker | None = None
     """Expert placement and load per worker (Mixture-of-Experts deployments)."""
+    moe_perf: PerfTable | None = None
+    """The expert-parallel engines' balanced step (without their MoE terms), which ``kv_expert``
+    stretches for the expert load it expects; ``None``: ``perf``'s step holds the MoE terms of an
+    average expert load (a profile of the MoE engines), and only the deviation from it is added."""
     _overlaps: FloatArray | None = None
     _lower: FloatArray | None = None
     _ttft: FloatArray | None = None
@@ -200,17 +205,20 @@ class Selection:
 
     def moe_decode_ms(self) -> FloatArray:
         """Predicted decode time of the request on each expert-parallel worker: its output tokens
-        times that worker's step once the request joined it (``decode_ms``'s balanced step,
+        times that worker's step once the request joined it: the balanced step (:attr:`moe_perf`)
         stretched by the slowest EP rank for the expert load in flight there plus the request's
-        expected experts, plus the all-to-all; :meth:`ExpertTracker.moe_ms`), ms. Needs
-        :attr:`experts`."""
+        expected experts, plus the all-to-all; without a balanced step, the perf model's step plus
+        the deviation of those terms from an average load's (:meth:`ExpertTracker.moe_ms`), ms.
+        Needs :attr:`experts`."""
         request, seq, experts = self.request, self.sequences, self.experts
         if experts is None:
             raise ValueError("moe_decode_ms needs the expert tracker of a Mixture-of-Experts deployment")
         kv = seq.kv_tokens()
-        step_ms = self.perf.itl_ms(kv + request.prompt_tokens + request.max_tokens, seq.requests + 1.0)
+        perf = self.perf if self.moe_perf is None else self.moe_perf
+        step_ms = perf.itl_ms(kv + request.prompt_tokens + request.max_tokens, seq.requests + 1.0)
         key = request.hashes[0] if request.hashes else None
-        out: FloatArray = request.max_tokens * (step_ms + experts.moe_ms(key, step_ms))
+        added = experts.moe_ms(key, step_ms, balanced=self.moe_perf is not None)
+        out: FloatArray = request.max_tokens * (step_ms + added)
         return out
 
     def latency_ms(self) -> FloatArray:

@@ -9,6 +9,13 @@ latency of steady batches over a range of context lengths and batch sizes. The r
 profile layout Dynamo's profiler writes, read back as an
 :class:`~copse.workers.perf.InterpolatedPerfModel`: close to the engine's model, not equal to it.
 
+Mixture-of-Experts engines: a profile times whole steps, so its decode points hold the all-to-all
+and slowest-rank stretch of the expert load the profiler's own batches had (each of its prompts
+prefers its own experts). ``balanced=True`` profiles the balanced step instead: each measured step
+less the MoE terms its engine reports for it (what a profiler can do with the engine's per-rank
+expert-load statistics), which the ``kv_expert`` router policy stretches for the expert load it
+expects (:meth:`copse.router.experts.ExpertTracker.moe_ms`).
+
 :class:`ScaledPerfModel` mis-specifies a model on purpose (a router that believes prefill is
 30 % faster than it is), to see how routing degrades when the profile is wrong.
 """
@@ -104,35 +111,53 @@ def _largest_batch(config: EngineConfig, *, context: int, steps: int, num_blocks
     return 0
 
 
-def _decode_point(bench: _Bench, *, context: int, batch: int, steps: int) -> tuple[float, float]:
+def _decode_point(
+    bench: _Bench, *, context: int, batch: int, steps: int, balanced: bool
+) -> tuple[float, float]:
     """(mean active KV tokens, mean ITL ms) over the first ``steps`` decode steps in which the whole
-    batch of ``batch`` sequences of ``context`` prompt tokens decodes together."""
+    batch of ``batch`` sequences of ``context`` prompt tokens decodes together; with ``balanced``,
+    less the MoE terms the engine reports for those steps."""
     prefill_steps = _prefill_steps(bench.config, context=context, batch=batch)
     step_ms: list[float] = []
     active: list[float] = []
+    engine = bench.engine()
+    moe = engine.moe if balanced else None
+    # The engine's MoE totals at the previous output: what they grew by since is this output's share.
+    seen = [0.0, 0.0]
+    moe_ms = [0.0, 0.0]
+    """MoE terms and whole step time of the measured steps, ms."""
 
     def on_step(_: int, out: StepOutput) -> None:
+        if moe is not None:
+            grown = (moe.moe_ms - seen[0], moe.step_ms - seen[1])
+            seen[:] = moe.moe_ms, moe.step_ms
         if out.prefill_tokens or out.decode_tokens != batch * out.steps or len(step_ms) >= steps:
             return
+        if moe is not None:
+            moe_ms[0] += grown[0]
+            moe_ms[1] += grown[1]
         # KV of the batch after the output's last step, less half the tokens its steps added
         after = sum(request.num_tokens for request in out.advanced)
         step_ms.extend([(out.end_ms - out.start_ms) / out.steps] * out.steps)
         active.extend([after - batch * (out.steps + 1) / 2] * out.steps)
 
-    sim = Simulator([bench.engine()], on_step=on_step)
+    sim = Simulator([engine], on_step=on_step)
     for i in range(batch):
         sim.submit(0, request_id=str(i), tokens=bench.prompt(context), max_tokens=prefill_steps + steps + 1)
     sim.run()
     if not step_ms:
         raise RuntimeError(f"no steady decode steps for {batch} sequences of {context} tokens")
-    return float(np.mean(active[:steps])), float(np.mean(step_ms[:steps]))
+    moe_share = moe_ms[0] / moe_ms[1] if moe_ms[1] > 0 else 0.0
+    return float(np.mean(active[:steps])), float(np.mean(step_ms[:steps])) * (1.0 - moe_share)
 
 
 def measure_profile(
-    *, config: EngineConfig, perf: PerfModel, grid: ProfileGrid | None = None
+    *, config: EngineConfig, perf: PerfModel, grid: ProfileGrid | None = None, balanced: bool = False
 ) -> InterpolatedPerfModel:
     """Profile mocked engines of ``config`` timed by ``perf`` (noise from ``config.step_time_cv``,
-    seeded by ``config.seed``) and interpolate the measured points, as a deployment's profile would."""
+    seeded by ``config.seed``) and interpolate the measured points, as a deployment's profile would.
+    ``balanced``: decode steps without the MoE terms of an expert-parallel engine (see the module
+    documentation; the same profile for a dense one)."""
     grid = grid or ProfileGrid()
     bench = _Bench(config=config, perf=perf)
     num_blocks = config.num_blocks or perf.kv_capacity_tokens // config.block_size
@@ -150,7 +175,10 @@ def measure_profile(
         if most < 1:
             continue
         batches = _axis(1, most, grid.batch_points)
-        points = [_decode_point(bench, context=context, batch=b, steps=grid.decode_steps) for b in batches]
+        points = [
+            _decode_point(bench, context=context, batch=b, steps=grid.decode_steps, balanced=balanced)
+            for b in batches
+        ]
         active = np.array([kv for kv, _ in points])
         columns.append((active, np.array([itl for _, itl in points])))
         measured_contexts.append(float(np.mean(active / np.array(batches))))

@@ -128,9 +128,10 @@ DEFAULT_KV_EVENT_LAG_MS = 50.0
 
 
 @functools.lru_cache(maxsize=8)
-def _measured(config: EngineConfig, perf: PerfModel) -> PerfModel:
-    """The profile of engines of ``config`` (once per config: replays of several policies share it)."""
-    return measure_profile(config=config, perf=perf)
+def _measured(config: EngineConfig, perf: PerfModel, *, balanced: bool = False) -> PerfModel:
+    """The profile of engines of ``config`` (once per config: replays of several policies share it);
+    ``balanced``: of their steps without MoE terms."""
+    return measure_profile(config=config, perf=perf, balanced=balanced)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,6 +157,21 @@ class RouterModel:
         else:
             assert not isinstance(self.source, str)
             base = self.source
+        return (
+            base
+            if self.prefill_scale == 1.0
+            else ScaledPerfModel(base=base, prefill_scale=self.prefill_scale)
+        )
+
+    def balanced(self, *, config: EngineConfig, perf: PerfModel) -> PerfModel | None:
+        """The balanced step of expert-parallel engines of ``config`` (without the MoE terms the
+        :meth:`resolve` model's steps hold, see :meth:`copse.router.experts.ExpertTracker.moe_ms`):
+        ``measured``, the same profile less the MoE terms its engines report; ``exact``, the engines'
+        own model (they stretch it and add the all-to-all); ``None`` for a given model (what its
+        steps hold is not known) and for dense engines."""
+        if config.moe is None or not isinstance(self.source, str):
+            return None
+        base = _measured(config, perf, balanced=True) if self.source == "measured" else perf
         return (
             base
             if self.prefill_scale == 1.0
@@ -395,6 +411,7 @@ class Fleet:
             thresholds=settings.thresholds,
             seed=settings.seed,
             moe=config.moe,
+            moe_perf=settings.router_model.balanced(config=config, perf=self._perf),
         )
         radix = self.router.radix
         assert radix is not None
