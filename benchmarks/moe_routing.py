@@ -16,7 +16,8 @@ expected to use the experts alike). Every router gets the same KV events and eng
 expert-blind ones ignore the expert reports.
 
 By default the routers work as ``copse bench replay``'s do: with a profile measured from the engines
-(for these engines it holds their MoE stretch too), KV events 50 ms late, 5 % step noise;
+(for these engines it holds their MoE stretch and all-to-all; ``kv_expert`` stretches its balanced
+twin, the same steps less the MoE terms the engines report), KV events 50 ms late, 5 % step noise;
 ``--oracle`` hands them the engines' exact model, events at the end of each step, no noise.
 
 Usage: ``.venv/bin/python benchmarks/moe_routing.py [--requests 3000] [--rate 20] [--workers 8] [--oracle]``

@@ -16,6 +16,7 @@ from copse.sim.replay import (
     MoeReport,
     ReplayReport,
     ReplaySettings,
+    RouterModel,
     load_engine_setup,
     replay,
 )
@@ -119,3 +120,19 @@ def test_bench_replay_prints_the_moe_line_and_refuses_live_moe(trace: Path) -> N
     live = runner.invoke(bench, [*args, "--live", "--limit", "5"])
     assert live.exit_code == 2
     assert "virtual clock only" in live.output
+
+
+def test_kv_expert_gets_the_balanced_step_the_router_model_knows() -> None:
+    setup = load_engine_setup(EXAMPLES / "engine-static.yaml")
+    config, perf = setup.config, setup.perf
+    assert RouterModel(source="exact").balanced(config=config, perf=perf) is perf, "the oracle is balanced"
+    measured = RouterModel().resolve(config=config, perf=perf)
+    balanced = RouterModel().balanced(config=config, perf=perf)
+    assert balanced is not None
+    point = {"active_kv_tokens": 8000.0, "context_length": 2000.0}
+    assert balanced.decode_itl_ms(**point) < measured.decode_itl_ms(**point), "less the MoE terms"
+    assert balanced.prefill_curve_ms(4096.0) == measured.prefill_curve_ms(4096.0)
+    # A given profile: what its steps hold is not known (kv_expert adds only the deviation).
+    assert RouterModel(source=perf).balanced(config=config, perf=perf) is None
+    dense = dataclasses.replace(config, moe=None)
+    assert RouterModel(source="exact").balanced(config=dense, perf=perf) is None
