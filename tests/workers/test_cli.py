@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,3 +129,34 @@ def test_mock_on_sigterm_finishes_the_stream_in_flight_and_takes_nothing_new() -
             process.kill()
             process.wait()
         process.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_kv_relay_stops_on_sigterm_while_nats_is_unreachable() -> None:
+    """A relay whose NATS never answers still ends when its pod is deleted, and says once per
+    outage, in one line, that NATS is away (nats-py alone logs a traceback every second)."""
+    refusing = socket.socket()  # bound but not listening: every connection is refused
+    refusing.bind(("127.0.0.1", 0))
+    nats_url = f"nats://127.0.0.1:{refusing.getsockname()[1]}"
+    command = [sys.executable, "-c", "from copse.cli import main; main()", "worker", "kv-relay"]
+    process = subprocess.Popen(
+        [*command, "--engine", "http://127.0.0.1:1", "--nats", nats_url, "--deployment", "d"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    try:
+        first = next(line for line in process.stderr if nats_url in line)
+        assert "WARNING" in first, first
+        assert "retrying every" in first, first
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+        rest = process.stderr.read()
+        assert "Traceback" not in rest
+        assert nats_url not in rest.replace("DEBUG", ""), "one warning per outage, not one per retry"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+        refusing.close()

@@ -4,16 +4,21 @@ trtllm-serve drain (here a mocked engine's) into the same copse events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
 
 import httpx
 import nats
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import request_dump
 from copse.workers.protocol import KvEvent, KvEventBatch, kv_events_subject
 from copse.workers.relay import run_relay
-from copse.workers.testing import mock_fleet
+from copse.workers.testing import mock_fleet, nats_server
 
 
 class Subscriber:
@@ -165,3 +170,83 @@ async def test_the_relay_says_which_tier_each_block_is_on(nats_url: str) -> None
         stop.set()
         await relay
     await nc.drain()
+
+
+class _Logged(logging.Handler):
+    """Sets ``seen`` when a record of ``logger`` containing ``text`` is emitted."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text = text
+        self.seen = asyncio.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.records.append(record)
+            self.seen.set()
+
+
+@contextlib.contextmanager
+def _logged(text: str) -> Iterator[_Logged]:
+    handler = _Logged(text)
+    logger = logging.getLogger("copse.workers.nats_io")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _relay(nats_url: str, stop: asyncio.Event) -> asyncio.Task[None]:
+    return asyncio.create_task(
+        run_relay(
+            engine_url="http://127.0.0.1:1",
+            nats_url=nats_url,
+            worker_id="pod-0",
+            namespace="ns",
+            deployment="away",
+            block_size=16,
+            stop=stop,
+        )
+    )
+
+
+async def test_a_relay_whose_nats_never_answers_stops_when_told() -> None:
+    refusing = socket.socket()  # bound, not listening: connections are refused
+    refusing.bind(("127.0.0.1", 0))
+    url = f"nats://127.0.0.1:{refusing.getsockname()[1]}"
+    try:
+        with _logged(url) as logged:
+            stop = asyncio.Event()
+            relay = _relay(url, stop)
+            while len(logged.records) < 2:  # the first attempt and a retry failed
+                logged.seen.clear()
+                await logged.seen.wait()
+            stop.set()
+            await asyncio.wait_for(relay, 10)
+        assert all(record.exc_info is None for record in logged.records), "one line, no traceback"
+        assert [r.levelno for r in logged.records[:2]] == [logging.WARNING, logging.DEBUG]
+    finally:
+        refusing.close()
+
+
+async def test_a_relay_stops_cleanly_while_nats_is_gone_mid_run() -> None:
+    stop = asyncio.Event()
+    with _logged("disconnected") as logged:
+        with nats_server() as url:
+            nc = await nats.connect(url)
+            relay = _relay(url, stop)
+            while True:  # until the relay is connected: it answers dump requests
+                try:
+                    await request_dump(nc, namespace="ns", deployment="away", worker_id="pod-0", timeout_s=1)
+                    break
+                except NoRespondersError:
+                    await asyncio.sleep(0.05)
+            await nc.close()
+        await logged.seen.wait()  # the server is gone and the relay knows it
+        stop.set()
+        await asyncio.wait_for(relay, 10)  # no drain of a reconnecting connection (that raises)

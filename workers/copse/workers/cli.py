@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from copse.workers.mocker.config import ROLES, EngineConfig
 from copse.workers.mocker.server import MockFleetSettings, start_fleet
 from copse.workers.moe import MoeConfig
-from copse.workers.nats_io import KvEventPublisher, connect
+from copse.workers.nats_io import KvEventPublisher, close_connection, connect
 from copse.workers.perf import KvOffload, PerfModel, ProfileError, load_perf_model, save_profile
 from copse.workers.protocol.subjects import subject_token
 from copse.workers.relay import run_relay
@@ -271,7 +271,7 @@ def mock(
         finally:
             await fleet.close()
             if connection is not None:
-                await connection.drain()
+                await close_connection(connection)
 
     uvloop.run(serve())
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any, overload
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -21,10 +23,82 @@ RECONNECT_WAIT_S = 1
 """Seconds between attempts to reach a NATS server that went away."""
 
 
-async def connect(url: str) -> NATS:
+class _ConnectionLog:
+    """nats-py's callbacks for one connection, each one log line (its default error callback logs
+    a whole traceback for every failed attempt, once a second while NATS is away): the first
+    failure of an outage is a warning, the retries after it debug lines, the return an info line."""
+
+    def __init__(self, url: str, nc: NATS) -> None:
+        self.url = url
+        self.nc = nc
+        self.away = False
+
+    async def error(self, exc: Exception) -> None:
+        level = logging.DEBUG if self.away else logging.WARNING
+        self.away = not self.nc.is_connected
+        retrying = f"; retrying every {RECONNECT_WAIT_S:g} s" if self.away else ""
+        log.log(level, "NATS at %s: %s%s", self.url, exc or repr(exc), retrying)
+
+    async def disconnected(self) -> None:
+        if not self.away:
+            log.warning("NATS at %s disconnected; retrying every %g s", self.url, RECONNECT_WAIT_S)
+        self.away = True
+
+    async def connected(self) -> None:
+        if self.away:
+            log.info("NATS at %s connected", self.url)
+        self.away = False
+
+
+@overload
+async def connect(url: str) -> NATS: ...
+@overload
+async def connect(url: str, *, stop: asyncio.Event) -> NATS | None: ...
+async def connect(url: str, *, stop: asyncio.Event | None = None) -> NATS | None:
     """A connection for publishing KV events that outlives NATS restarts: it retries every
-    :data:`RECONNECT_WAIT_S` for ever (the first connection too) and resubscribes when back."""
-    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S)
+    :data:`RECONNECT_WAIT_S` for ever (the first connection too) and resubscribes when back.
+
+    ``None`` when ``stop`` is set before the first connection succeeds (the attempt is abandoned
+    and closed): a process told to stop while NATS is unreachable stops."""
+    nc = NATS()
+    callbacks = _ConnectionLog(url, nc)
+    attempt = asyncio.ensure_future(
+        nc.connect(
+            url,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=RECONNECT_WAIT_S,
+            error_cb=callbacks.error,
+            disconnected_cb=callbacks.disconnected,
+            reconnected_cb=callbacks.connected,
+        )
+    )
+    waits: set[asyncio.Future[Any]] = {attempt}
+    if stop is not None:
+        waits.add(asyncio.ensure_future(stop.wait()))
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits - {attempt}:
+            waiting.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await attempt
+            await nc.close()
+    if attempt.cancelled():
+        return None
+    attempt.result()  # raises what made connecting fail for good
+    await callbacks.connected()
+    return nc
+
+
+async def close_connection(nc: NATS) -> None:
+    """Flush what is pending and close; only close when NATS is away (a drain would raise)."""
+    if nc.is_connected:
+        with contextlib.suppress(NatsError, OSError, TimeoutError):
+            await nc.drain()
+            return
+    await nc.close()
 
 
 class KvEventPublisher:

@@ -58,7 +58,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
 from copse.workers import metrics as names
-from copse.workers.nats_io import KvEventPublisher, connect
+from copse.workers.nats_io import KvEventPublisher, close_connection, connect
 from copse.workers.protocol.hashing import chain_hash, tokens_hashes
 from copse.workers.protocol.kv_events import (
     DumpBlock,
@@ -438,7 +438,9 @@ async def run_relay(
         capacity_blocks=capacity_blocks,
         registry=registry,
     )
-    connection = await connect(nats_url)
+    connection = await connect(nats_url, stop=stop)
+    if connection is None:  # stopped before NATS could be reached
+        return
     publisher = KvEventPublisher(connection, namespace=namespace, deployment=deployment)
     await publisher.publish(worker_id=worker_id, epoch=relay.epoch, events=relay.ingest([]))
     await publisher.serve_dumps(worker_id=worker_id, dump=relay.dump)
@@ -461,7 +463,7 @@ async def run_relay(
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), interval_s)
     finally:
-        await connection.drain()
+        await close_connection(connection)
 
 
 def _event_list(body: bytes) -> list[Mapping[str, Any]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from copse.workers.mocker.config import EngineConfig
 from copse.workers.mocker.server import MockFleet, MockFleetSettings, start_fleet
-from copse.workers.nats_io import KvEventPublisher, connect
+from copse.workers.nats_io import KvEventPublisher, close_connection, connect
 from copse.workers.perf import PerfModel, PolynomialPerfModel
 
 _LISTENING = re.compile(rb"Listening for client connections on [^\s:]+:(\d+)")
@@ -116,4 +116,4 @@ async def mock_fleet(
             await fleet.close()
     finally:
         if connection is not None:
-            await connection.drain()
+            await close_connection(connection)
