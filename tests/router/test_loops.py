@@ -4,6 +4,7 @@ reports the same figures to the bit (the loops themselves: tests/router/test_nat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -63,6 +64,33 @@ def test_requiring_an_extension_that_is_not_built_fails_by_name() -> None:
     assert "COPSE_ROUTER_NATIVE=1 but the compiled router loops are not built" in run.stderr
     run = _python("from copse.router import loops", native="/nowhere/_native.so")
     assert "COPSE_ROUTER_NATIVE='/nowhere/_native.so': expected 0, 1 or the path of a built" in run.stderr
+
+
+_STALE = (
+    "import sys, types\n"
+    "stale = types.ModuleType('copse.router._native')\n"
+    "stale.SOURCE_SHA256 = '0' * 64  # built from another _native.c\n"
+    "sys.modules['copse.router._native'] = stale\n"
+)
+
+
+def test_an_out_of_date_build_is_not_used_and_says_to_rebuild() -> None:
+    """A build of an older ``_native.c`` would take other arguments than the Python side passes
+    (a TypeError deep in a decision): the Python loops run instead, and the warning says why."""
+    run = _python(_STALE + "from copse.router import loops; print(loops.IMPLEMENTATION)", native=None)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "python\n"
+    assert "the compiled router loops are out of date (built from 000000000000" in run.stderr
+    assert "run `make venv`" in run.stderr
+    required = _python(_STALE + "from copse.router import loops", native="1")
+    assert required.returncode != 0
+    assert "COPSE_ROUTER_NATIVE=1 but the compiled router loops are out of date" in required.stderr
+
+
+def test_the_build_names_the_source_it_was_compiled_from() -> None:
+    native = pytest.importorskip("copse.router._native", reason="no C compiler: nothing was built")
+    source = Path(loops.__file__).with_name("_native.c").read_bytes()
+    assert hashlib.sha256(source).hexdigest() == native.SOURCE_SHA256, "stale build: run make venv"
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,12 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The SHA-256 of this file, as setup.py computed it for the build (SOURCE_SHA256 in the module):
+ * copse.router.loops compares it with the source it sits next to, so a stale build is not used. */
+#ifndef COPSE_NATIVE_SOURCE_SHA256
+#define COPSE_NATIVE_SOURCE_SHA256 "unknown"
+#endif
+
 /* Highest worker slot accepted: index masks are as wide as the highest slot seen, so a stray huge
  * slot number would cost memory for every block. */
 #define MAX_SLOTS (1 << 16)
@@ -1540,6 +1546,8 @@ PyMODINIT_FUNC PyInit__native(void)
         Py_DECREF(rows);
         goto failed;
     }
+    if (PyModule_AddStringConstant(module, "SOURCE_SHA256", COPSE_NATIVE_SOURCE_SHA256) < 0)
+        goto failed;
     for (size_t k = 0; k < sizeof(types) / sizeof(types[0]); k++) {
         if (PyModule_AddObjectRef(module, names[k], (PyObject *)types[k]) < 0)
             goto failed;

@@ -8,6 +8,7 @@ import numpy.typing as npt
 _Floats = npt.NDArray[np.float64]
 
 LOAD_ROWS: tuple[str, ...]
+SOURCE_SHA256: str
 
 class BlockIndex:
     @property

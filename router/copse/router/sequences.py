@@ -51,24 +51,8 @@ class Flight:
     prefilling: bool = True
 
 
-#: Rows of :attr:`ActiveSequences.columns`, as the compiled load table knows them.
-ROWS = (
-    "requests",
-    "prefilling",
-    "prefill_tokens",
-    "prefill_ms",
-    "active_blocks",
-    "kv_extra",
-    "kv",
-    "head_start",
-    "head_ms",
-    "step_ms",
-    "free",
-)
-if ROWS != loops.LOAD_ROWS:  # the compiled module is built from the same tree
-    raise ImportError(
-        f"the router loops ({loops.IMPLEMENTATION}) have load rows {loops.LOAD_ROWS}, not {ROWS}: rebuild"
-    )
+ROWS = loops.LOAD_ROWS
+"""Rows of :attr:`ActiveSequences.columns`, as the load table knows them."""
 
 
 class ActiveSequences:
