@@ -15,7 +15,7 @@ PYTEST := $(BIN)/pytest
 # Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
 COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers sim))))
 
-.PHONY: venv test unit e2e lint asan crds cluster-up cluster-down demo bench bench-dynamo clean
+.PHONY: venv test unit e2e lint asan lint-chart crds cluster-up cluster-down demo bench-dynamo clean
 
 venv: $(STAMP)
 
@@ -80,7 +80,6 @@ asan: venv
 
 # helm lint --strict and helm template of charts/copse, with its default values and with every optional
 # part on (ci/all-optional-values.yaml). helm is the one the cluster build caches (built if missing).
-.PHONY: lint-chart
 lint-chart: venv
 	@set -e; \
 	helm="$$($(BIN)/python -c 'from copse.cluster import binaries_for; print(binaries_for().helm)')"; \
