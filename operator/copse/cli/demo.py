@@ -99,11 +99,34 @@ def _compare(runs: dict[str, tuple[str, ...]], *, env: dict[str, str]) -> None:
         )
 
 
+def _missing_inputs() -> list[Path]:
+    """The files the demo reads that are not there (the trace and the seed manifest come from the
+    sibling ``shared/`` checkout)."""
+    wanted = (TRACE, SEED, DISAGGREGATED, PLANNER / "servegen-m-large-3d.jsonl", PLANNER / "mock-profile.npz")
+    return [path for path in wanted if not path.is_file()]
+
+
 @click.command()
-@click.option("--requests", default=600, show_default=True, help="Mooncake requests replayed per policy.")
-@click.option("--workers", default=8, show_default=True, help="Mocked engines behind the router.")
 @click.option(
-    "--speedup", default=3.0, show_default=True, help="Replay the trace this much faster than real time."
+    "--requests",
+    type=click.IntRange(min=1),
+    default=600,
+    show_default=True,
+    help="Mooncake requests replayed per policy.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Mocked engines behind the router.",
+)
+@click.option(
+    "--speedup",
+    type=click.FloatRange(min=0, min_open=True),
+    default=3.0,
+    show_default=True,
+    help="Replay the trace this much faster than real time.",
 )
 @click.option(
     "--out",
@@ -112,9 +135,21 @@ def _compare(runs: dict[str, tuple[str, ...]], *, env: dict[str, str]) -> None:
     show_default=True,
     help="Where the operator log and the planner plot go.",
 )
-def demo(requests: int, workers: int, speedup: float, out: Path) -> None:
+def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
     """Local cluster with fake NVL72 racks, the operator, placement, KV-aware routing, the planner."""
-    out.mkdir(parents=True, exist_ok=True)
+    missing = _missing_inputs()
+    if missing:  # before anything starts: the cluster and the operator take a minute
+        raise DemoError(
+            "the demo reads files that are not there: "
+            + ", ".join(str(path) for path in missing)
+            + f" (the trace and the seed manifest come from the shared/ checkout next to {REPO.name}/)"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot create directory {out}: {exc.strerror}", param_hint="--out"
+        ) from exc
     started = time.monotonic()
 
     _step("local Kubernetes control plane with fake GB200 NVL72 racks (first run builds it from Go)")
