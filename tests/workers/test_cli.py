@@ -28,6 +28,11 @@ from copse.workers.perf import PolynomialPerfModel, load_profile
         (["mock", "--namespace", "a b"], "--namespace"),
         (["mock", "--port-base", "65000", "--engines", "1000"], "65535"),
         (["mock", "--speedup-ratio", "0"], "--speedup-ratio"),
+        (["mock", "--moe", "nosuch"], "not JSON"),
+        (
+            ["mock", "--moe", "[8]"],
+            'expected a JSON object of MoeConfig fields, got list (e.g. {"experts": 256',
+        ),
         (["kv-relay", "--nats", "nats://127.0.0.1:4222", "--deployment", "d"], "--engine"),
         (["save-profile"], "--out"),
     ],

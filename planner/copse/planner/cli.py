@@ -17,6 +17,7 @@ from copse.planner.observations import Observation, resample
 from copse.planner.policy import AGGREGATED, DISAGGREGATED, Limits
 from copse.planner.predictors import PREDICTORS
 from copse.planner.recording import RecordingError, read_metrics, read_trace
+from copse.workers.files import OutputPath
 from copse.workers.perf import PerfModel, ProfileError, load_perf_model, load_profile, save_profile
 
 #: Bucket size for traces when --interval is not given.
@@ -154,7 +155,7 @@ def limits_from_options(
 @click.option("--scale-down-delay", type=click.FloatRange(min=0), help="Seconds the need must stay lower.")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bar).")
-@click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of load, replicas and latency.")
+@click.option("--plot", type=OutputPath(), help="Write a PNG of load, replicas and latency.")
 def dry_run_command(
     *,
     metrics: Path | None,
@@ -236,7 +237,7 @@ def dry_run_command(
 )
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=OutputPath(),
     default=Path("profile.npz"),
     show_default=True,
     help="Profile file to write (.json for JSON, NPZ otherwise).",
@@ -450,7 +451,7 @@ async def _run(
 @click.option(
     "--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML (queries)."
 )
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="File to write.")
+@click.option("--out", type=OutputPath(), required=True, help="File to write.")
 def record(
     *,
     trace: Path | None,

@@ -25,6 +25,7 @@ from copse.sim.replay import (
     replay,
 )
 from copse.sim.trace import TRACE_FORMATS, TraceError, TraceFormat, load_trace
+from copse.workers.files import OutputPath
 from copse.workers.perf import PerfModel, ProfileError, load_profile
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def _table(report: ReplayReport) -> str:
     help="Delay from an engine step's end to its KV events reaching the router.",
 )
 @click.option("--queue-size", type=int, default=Thresholds().queue_size, show_default=True)
-@click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Replay only the first N requests.")
 @click.option(
     "--live",
     is_flag=True,
@@ -292,9 +293,15 @@ def faults_command(
 
 
 @bench.command("moe-workload")
-@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Mooncake JSONL to write.")
-@click.option("--requests", type=int, default=4000, show_default=True)
-@click.option("--rate", type=float, default=20.0, show_default=True, help="Mean arrivals per second.")
+@click.option("--out", "out", required=True, type=OutputPath(), help="Mooncake JSONL to write.")
+@click.option("--requests", type=click.IntRange(min=1), default=4000, show_default=True)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=20.0,
+    show_default=True,
+    help="Mean arrivals per second.",
+)
 @click.option(
     "--class-weights",
     default="0.4,0.3,0.2,0.1",
@@ -302,9 +309,19 @@ def faults_command(
     help="Share of requests per class, comma-separated (one class each).",
 )
 @click.option(
-    "--prefix-blocks", type=int, default=4, show_default=True, help="System-prompt blocks per class."
+    "--prefix-blocks",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="System-prompt blocks per class.",
 )
-@click.option("--output-mean", type=float, default=300.0, show_default=True, help="Mean output tokens.")
+@click.option(
+    "--output-mean",
+    type=click.FloatRange(min=1),
+    default=300.0,
+    show_default=True,
+    help="Mean output tokens.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 def moe_workload(
     *,
@@ -320,7 +337,7 @@ def moe_workload(
     (so, to the mocked model, their own expert preferences), Poisson arrivals, as Mooncake JSONL."""
     from copse.sim.moe import MoeWorkload, generate, write_jsonl  # noqa: PLC0415
 
-    try:
+    try:  # the other options are checked by their types: what is left to fail is the weights
         weights = tuple(float(part) for part in class_weights.split(","))
         workload = MoeWorkload(
             requests=requests,
@@ -331,7 +348,7 @@ def moe_workload(
             seed=seed,
         )
     except ValueError as exc:
-        raise _fail(f"--class-weights/--requests/--rate: {exc}") from exc
+        raise _fail(f"--class-weights {class_weights!r}: {exc}") from exc
     with out.open("w") as handle:
         write_jsonl(generate(workload), handle)
     click.echo(f"wrote {requests} requests in {len(weights)} classes to {out}", err=True)
@@ -341,9 +358,7 @@ def moe_workload(
 @click.option(
     "--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Mooncake JSONL trace."
 )
-@click.option(
-    "--output", type=click.Path(path_type=Path), default=None, help="Output JSONL (default: stdout)."
-)
+@click.option("--output", type=OutputPath(), default=None, help="Output JSONL (default: stdout).")
 @click.option("--block-size", type=int, default=512, show_default=True, help="Tokens per hash id.")
 @click.option("--num-requests", type=int, default=1000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -14,6 +14,7 @@ import click
 import uvloop
 from prometheus_client import CollectorRegistry, start_http_server
 
+from copse.workers.files import OutputPath
 from copse.workers.mocker.config import ROLES, EngineConfig
 from copse.workers.mocker.server import MockFleetSettings, start_fleet
 from copse.workers.moe import MoeConfig
@@ -40,19 +41,28 @@ def _check_token(value: str, option: str) -> str:
     return value
 
 
+_MOE_EXAMPLE = '{"experts": 256, "experts_per_token": 8, "expert_parallelism": 32}'
+
+
 def _moe_config(text: str | None) -> MoeConfig | None:
     if text is None:
         return None
     try:
-        fields = json.loads(text)
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc}); expected an object (e.g. {_MOE_EXAMPLE})") from exc
         if not isinstance(fields, dict):
-            raise TypeError(f"expected a JSON object, got {type(fields).__name__}")
+            raise TypeError(
+                f"expected a JSON object of MoeConfig fields, got {type(fields).__name__}"
+                f" (e.g. {_MOE_EXAMPLE})"
+            )
         known = {field.name for field in dataclasses.fields(MoeConfig)}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise TypeError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return MoeConfig(**fields)
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="--moe") from exc
 
 
@@ -155,7 +165,7 @@ _PERF_OPTIONS = [
     "moe_json",
     default=None,
     help="Make every engine an expert-parallel MoE group: a JSON object of MoeConfig fields "
-    '(e.g. \'{"experts": 256, "experts_per_token": 8, "expert_parallelism": 32}\').',
+    f"(e.g. '{_MOE_EXAMPLE}').",
 )
 @click.option(
     "--virtual-clock", is_flag=True, help="Steps take no wall time (each engine keeps its own time)."
@@ -356,7 +366,7 @@ def kv_relay(
 
 
 @worker.command("save-profile")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help=".npz or .json")
+@click.option("--out", type=OutputPath(), required=True, help=".npz or .json")
 @click.option("--points", type=click.IntRange(min=2), default=100, show_default=True)
 @click.option("--max-context-length", type=click.IntRange(min=1), default=131072, show_default=True)
 @_PERF_OPTIONS[0]
