@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from copse.cli import main
 from copse.router.cli import router
 from copse.router.config import ConfigError, KubernetesDiscovery, load_config, parse_config
 from copse.router.core import Role
@@ -191,3 +193,42 @@ def test_router_run_rejects_bad_config_with_exit_2(tmp_path: Path) -> None:
     no_model = CliRunner().invoke(router, ["run", "--worker", "http://127.0.0.1:9"])
     assert no_model.exit_code == 2
     assert "command line: model: Field required" in no_model.stderr
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """The root logger's handlers and level back as they were (``copse`` configures them)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:], root.level = handlers, level
+
+
+@pytest.mark.parametrize(
+    ("group_level", "router_level", "info", "debug"),
+    [
+        ("info", "WARNING", False, False),
+        ("info", "debug", True, True),
+        ("warning", None, False, False),
+        ("info", None, True, False),
+    ],
+)
+@pytest.mark.usefixtures("root_logging")
+def test_router_run_log_level_overrides_the_groups(
+    monkeypatch: pytest.MonkeyPatch, group_level: str, router_level: str | None, info: bool, debug: bool
+) -> None:
+    """``copse --log-level`` configures logging first; ``router run --log-level`` still decides."""
+    seen: dict[str, bool] = {}
+
+    async def serve(config: object) -> None:
+        logger = logging.getLogger("copse.router.frontend")
+        seen.update(info=logger.isEnabledFor(logging.INFO), debug=logger.isEnabledFor(logging.DEBUG))
+
+    monkeypatch.setattr("copse.router.server.serve", serve)
+    args = ["--log-level", group_level, "router", "run", "--worker", "http://127.0.0.1:9", "--model", "m"]
+    args += ["--engine", "mock"]
+    if router_level is not None:
+        args += ["--log-level", router_level]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert seen == {"info": info, "debug": debug}

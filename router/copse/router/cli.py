@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 import uvloop
-import yaml
 
 from copse.router.policies import POLICIES
 
@@ -74,7 +73,12 @@ def router() -> None:
     "--pool-name", default=None, help="Discover the pods of this InferencePool (with --pool-namespace)."
 )
 @click.option("--pool-namespace", default=None, help="Namespace of --pool-name (default: default).")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default=None,
+    help="The router's log level (as `copse --log-level`, which it overrides).",
+)
 def run_command(
     *,
     config_path: Path | None,
@@ -95,26 +99,25 @@ def run_command(
     fallback_endpoints: int | None,
     pool_name: str | None,
     pool_namespace: str | None,
-    log_level: str,
+    log_level: str | None,
 ) -> None:
     """Serve the OpenAI API in front of the workers, or (--epp) pick endpoints for a gateway."""
     # Imported here: the HTTP stack (aiohttp, the Kubernetes client) costs ~1 s of start-up.
-    from copse.router.config import ConfigError, parse_config  # noqa: PLC0415
+    from copse.router.config import ConfigError, parse_config, read_config  # noqa: PLC0415
     from copse.router.server import serve  # noqa: PLC0415
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level is not None:
+        root = logging.getLogger()
+        if not root.handlers:  # run without the copse group, which sets the handler and format
+            logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        root.setLevel(log_level.upper())
     raw: dict[str, object] = {}
     source = "command line"
     if config_path is not None:
         try:
-            loaded = yaml.safe_load(config_path.read_text())
-        except OSError as exc:
-            raise _fail(f"{config_path}: cannot read ({exc.strerror})") from exc
-        except yaml.YAMLError as exc:
-            raise _fail(f"{config_path}: not valid YAML ({exc})") from exc
-        if not isinstance(loaded, dict):
-            raise _fail(f"{config_path}: expected a mapping of router settings")
-        raw, source = loaded, str(config_path)
+            raw, source = read_config(config_path), str(config_path)
+        except ConfigError as exc:
+            raise _fail(str(exc)) from exc
     overrides = {
         "model": model,
         "engine": engine,
