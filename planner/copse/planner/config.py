@@ -12,10 +12,10 @@ import dataclasses
 from pathlib import Path
 
 import pydantic
-import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from copse.planner.predictors import PREDICTORS, PredictorSettings
+from copse.workers.files import read_yaml_mapping
 
 #: Quantile the planner's latency estimates are taken at: the InferenceDeployment's targets are p99.
 DEFAULT_QUANTILE = 0.99
@@ -120,12 +120,7 @@ def load_config(path: Path | None) -> PlannerConfig:
     """The config in a YAML file, or the defaults when ``path`` is ``None``."""
     if path is None:
         return PlannerConfig()
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    raw = read_yaml_mapping(path, what="planner settings", error=ConfigError)
     try:
         return PlannerConfig.model_validate(raw)
     except pydantic.ValidationError as exc:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.policies import POLICIES, SelectionSettings
+from copse.workers.files import read_yaml_mapping
 from copse.workers.perf import KvOffload
 
 
@@ -282,15 +282,12 @@ def parse_config(raw: object, *, source: str) -> RouterConfig:
         raise ConfigError(_describe(exc, source=source)) from exc
 
 
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The settings in a YAML (or JSON) router config, not yet validated (the command line
+    overrides some before :func:`parse_config`). Raises :class:`ConfigError`."""
+    return read_yaml_mapping(Path(path), what="router settings", error=ConfigError)
+
+
 def load_config(path: str | Path) -> RouterConfig:
     """Read and validate a YAML (or JSON) router config. Raises :class:`ConfigError`."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of router settings")
-    return parse_config(raw, source=str(path))
+    return parse_config(read_config(path), source=str(path))

@@ -37,12 +37,12 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-import yaml
 
 from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, Thresholds, WorkerInfo
 from copse.router.policies import RouteRequest, SelectionSettings
 from copse.sim.profiler import ScaledPerfModel, measure_profile
 from copse.sim.trace import TokenSynth, TraceRequest
+from copse.workers.files import read_yaml_mapping
 from copse.workers.mocker import (
     Engine,
     EngineConfig,
@@ -78,15 +78,7 @@ def load_engine_setup(path: str | Path | None) -> EngineSetup:
     if path is None:
         return EngineSetup()
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise EngineConfigError(f"{path}: cannot read ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise EngineConfigError(f"{path}: not valid YAML ({exc})") from exc
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise EngineConfigError(f"{path}: expected a mapping of engine settings")
+    raw = read_yaml_mapping(path, what="engine settings", error=EngineConfigError)
     profile = raw.pop("perf_profile", None)
     known = {field.name for field in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(raw) - known)

@@ -1,4 +1,5 @@
-"""Files the command lines name: an output path checked before the work that fills it."""
+"""Files the command lines name: a YAML (or JSON) mapping of settings read with one wording of
+its errors, and an output path checked before the work that fills it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,23 @@ from pathlib import Path
 from typing import Any
 
 import click
+import yaml
+
+
+def read_yaml_mapping(path: Path, *, what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The mapping in a YAML (or JSON) file of ``what`` (e.g. "router settings"); an empty file is
+    an empty mapping. Raises ``error`` naming the file: cannot read, not valid YAML, not a mapping."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML ({exc})") from exc
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise error(f"{path}: expected a mapping of {what}, got a {type(raw).__name__}")
+    return raw
 
 
 def unwritable(path: Path) -> str | None:
