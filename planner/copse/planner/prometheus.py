@@ -9,7 +9,9 @@ a deployment passes its router, so request counts, prompt and output lengths and
 depend on which engine serves) and the engines' queue/batch gauges (TensorRT-LLM's
 ``num_requests_waiting``/``num_requests_running``, with or without the ``trtllm_`` prefix; the
 mocker exports the same names). ``tests/planner/test_trtllm_metrics.py`` evaluates them against
-a ``/prometheus/metrics`` text built from ``tensorrt_llm/metrics/collector.py``. ``{selector}``
+a ``/prometheus/metrics`` text built from ``tensorrt_llm/metrics/collector.py``; the planner does not
+import the router, so ``tests/planner/test_router_metrics.py`` checks every ``copse_router_*``
+series named here against a real router's scrape. ``{selector}``
 picks one deployment's series (the chart's PodMonitor labels them ``namespace``, ``deployment``,
 ``role``), ``{window}`` is the decision interval and ``{quantile}`` the SLO quantile.
 """

@@ -16,6 +16,58 @@ from copse.router.core import Router
 
 PREFIX = "copse_router"
 
+# Metric names (other packages import these rather than spell them) -----------------------------
+REQUESTS = f"{PREFIX}_requests"
+"""Counter (``_total``) by ``status``: requests answered."""
+TTFT_SECONDS = f"{PREFIX}_time_to_first_token_seconds"
+"""Histogram: request arrival to its first streamed token."""
+ITL_SECONDS = f"{PREFIX}_inter_token_latency_seconds"
+"""Histogram: mean gap between streamed tokens of a request."""
+DURATION_SECONDS = f"{PREFIX}_request_duration_seconds"
+"""Histogram: request arrival to its last byte."""
+PROMPT_TOKENS = f"{PREFIX}_prompt_tokens"
+"""Counter (``_total``): prompt tokens of routed requests."""
+PROMPT_LENGTH_TOKENS = f"{PREFIX}_prompt_length_tokens"
+"""Histogram: prompt length per request."""
+OUTPUT_TOKENS = f"{PREFIX}_output_tokens"
+"""Counter (``_total``): output tokens returned to clients."""
+PREDICTED_CACHED_TOKENS = f"{PREFIX}_predicted_cached_tokens"
+"""Counter (``_total``): prompt tokens the chosen worker was predicted to hold."""
+PREDICTED_ONBOARD_SECONDS = f"{PREFIX}_predicted_onboard_seconds"
+"""Counter (``_total``): predicted time to bring cached blocks back from host or disk."""
+RETRIES = f"{PREFIX}_retries"
+"""Counter (``_total``): requests sent again before their first token."""
+MIGRATIONS = f"{PREFIX}_migrations"
+"""Counter (``_total``) by ``reason``: streams continued on another worker."""
+FAILED_STREAMS = f"{PREFIX}_failed_streams"
+"""Counter (``_total``) by ``reason``: streams ended with an error after their first token."""
+KV_RESYNCS = f"{PREFIX}_kv_resyncs"
+"""Counter (``_total``) by ``reason``: worker cache dumps requested."""
+KV_EVENT_BATCHES = f"{PREFIX}_kv_event_batches"
+"""Counter (``_total``): KV event batches received."""
+QUEUE_DEPTH = f"{PREFIX}_queue_depth"
+"""Gauge: requests waiting for a worker."""
+WORKERS = f"{PREFIX}_workers"
+"""Gauge by ``role``: workers the router may use."""
+PEERS = f"{PREFIX}_peers"
+"""Gauge: other router replicas heard from recently."""
+PEER_SNAPSHOTS = f"{PREFIX}_peer_snapshots"
+"""Counter (``_total``) by ``result``: load snapshots asked of peers."""
+NATS_CONNECTED = f"{PREFIX}_nats_connected"
+"""Gauge: 1 while connected to NATS (exact mode), 0 in approximate mode."""
+READY = f"{PREFIX}_ready"
+"""Gauge: 1 once the router has a picture of caches and peers' load."""
+WORKER_INFLIGHT_REQUESTS = f"{PREFIX}_worker_inflight_requests"
+"""Gauge by ``worker``: requests in flight."""
+WORKER_CACHED_BLOCKS = f"{PREFIX}_worker_cached_blocks"
+"""Gauge by ``worker``: blocks the index holds."""
+WORKER_KV_APPROXIMATE = f"{PREFIX}_worker_kv_approximate"
+"""Gauge by ``worker``: 1 while its KV picture is approximate."""
+WORKER_KV_TOKENS = f"{PREFIX}_worker_kv_tokens"
+"""Gauge by ``worker``: KV tokens in use."""
+WORKER_PREFILL_TOKENS = f"{PREFIX}_worker_prefill_tokens"
+"""Gauge by ``worker``: prompt tokens still to prefill."""
+
 #: Latency buckets (seconds) spanning a fast decode step to a long queued prefill.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 #: Inter-token latency buckets (seconds).
@@ -30,65 +82,61 @@ class RouterMetrics:
     def __init__(self, router: Callable[[], Router]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            f"{PREFIX}_requests", "Requests answered, by HTTP status.", ["status"], registry=r
-        )
+        self.requests = Counter(REQUESTS, "Requests answered, by HTTP status.", ["status"], registry=r)
         self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
+            TTFT_SECONDS,
             "Time from request arrival to its first streamed token.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
-            f"{PREFIX}_inter_token_latency_seconds",
+            ITL_SECONDS,
             "Mean gap between streamed tokens of a request.",
             buckets=ITL_BUCKETS,
             registry=r,
         )
         self.duration = Histogram(
-            f"{PREFIX}_request_duration_seconds",
+            DURATION_SECONDS,
             "Time from request arrival to its last byte.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "Prompt tokens of routed requests.", registry=r
-        )
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of routed requests.", registry=r)
         self.prompt_length = Histogram(
-            f"{PREFIX}_prompt_length_tokens",
+            PROMPT_LENGTH_TOKENS,
             "Prompt length of routed requests (the planner sizes prefill for its p90).",
             buckets=PROMPT_LENGTH_BUCKETS,
             registry=r,
         )
         self.output_tokens = Counter(
-            f"{PREFIX}_output_tokens",
+            OUTPUT_TOKENS,
             "Output tokens returned to clients: the worker's usage count when it reports one, else "
             "the tokens streamed.",
             registry=r,
         )
         self.cached_tokens = Counter(
-            f"{PREFIX}_predicted_cached_tokens",
+            PREDICTED_CACHED_TOKENS,
             "Prompt tokens the chosen worker was predicted to hold (hit rate = this / prompt tokens).",
             registry=r,
         )
         self.onboard_seconds = Counter(
-            f"{PREFIX}_predicted_onboard_seconds",
+            PREDICTED_ONBOARD_SECONDS,
             "Time the chosen workers were predicted to spend bringing cached prompt blocks back from "
             "host memory or disk (the planner adds it per request to its prefill service time).",
             registry=r,
         )
         self.retries = Counter(
-            f"{PREFIX}_retries", "Requests sent again to another worker before their first token.", registry=r
+            RETRIES, "Requests sent again to another worker before their first token.", registry=r
         )
         self.migrations = Counter(
-            f"{PREFIX}_migrations",
+            MIGRATIONS,
             "Streams continued on another worker after their worker failed mid-stream, by what failed:"
             " disconnected, ended_early, worker_error, worker_lost (dropped by health probes), timeout.",
             ["reason"],
             registry=r,
         )
         self.failed_streams = Counter(
-            f"{PREFIX}_failed_streams",
+            FAILED_STREAMS,
             "Streams ended with an error event after their first token, by why they could not go on:"
             " limit (migration_limit reached), unavailable (no worker), untracked (no token ids streamed),"
             " refused (a worker answered the continuation with a 4xx).",
@@ -96,30 +144,28 @@ class RouterMetrics:
             registry=r,
         )
         self.kv_resyncs = Counter(
-            f"{PREFIX}_kv_resyncs",
+            KV_RESYNCS,
             "Worker cache dumps requested after a gap in KV events.",
             ["reason"],
             registry=r,
         )
-        self.kv_events = Counter(f"{PREFIX}_kv_event_batches", "KV event batches received.", registry=r)
-        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "Requests waiting for a worker.", registry=r)
-        self.workers = Gauge(
-            f"{PREFIX}_workers", "Workers the router may use, by role.", ["role"], registry=r
-        )
-        self.peers = Gauge(f"{PREFIX}_peers", "Other router replicas heard from recently.", registry=r)
+        self.kv_events = Counter(KV_EVENT_BATCHES, "KV event batches received.", registry=r)
+        self.queue_depth = Gauge(QUEUE_DEPTH, "Requests waiting for a worker.", registry=r)
+        self.workers = Gauge(WORKERS, "Workers the router may use, by role.", ["role"], registry=r)
+        self.peers = Gauge(PEERS, "Other router replicas heard from recently.", registry=r)
         self.peer_snapshots = Counter(
-            f"{PREFIX}_peer_snapshots",
+            PEER_SNAPSHOTS,
             "Load snapshots asked of peer replicas (a new or restarted peer, or lost messages), by result.",
             ["result"],
             registry=r,
         )
         self.nats_connected = Gauge(
-            f"{PREFIX}_nats_connected",
+            NATS_CONNECTED,
             "1 while connected to NATS (exact mode: KV events, shared load); 0 in approximate mode.",
             registry=r,
         )
         self.ready = Gauge(
-            f"{PREFIX}_ready",
+            READY,
             "1 once the router has a picture of the workers' caches and its peers' load (or gave up"
             " waiting after recovery_timeout_s), 0 before and while draining.",
             registry=r,
@@ -137,25 +183,25 @@ class _WorkerLoad(Collector):
         kv = seq.kv_tokens()
         families = {
             "inflight": GaugeMetricFamily(
-                f"{PREFIX}_worker_inflight_requests", "Requests in flight per worker.", labels=["worker"]
+                WORKER_INFLIGHT_REQUESTS, "Requests in flight per worker.", labels=["worker"]
             ),
             "prefill": GaugeMetricFamily(
-                f"{PREFIX}_worker_prefill_tokens",
+                WORKER_PREFILL_TOKENS,
                 "Uncached prompt tokens still to prefill per worker.",
                 labels=["worker"],
             ),
             "kv": GaugeMetricFamily(
-                f"{PREFIX}_worker_kv_tokens",
+                WORKER_KV_TOKENS,
                 "KV tokens in use per worker (router's estimate).",
                 labels=["worker"],
             ),
             "cached": GaugeMetricFamily(
-                f"{PREFIX}_worker_cached_blocks",
+                WORKER_CACHED_BLOCKS,
                 "KV blocks the indexer believes each worker holds.",
                 labels=["worker"],
             ),
             "approximate": GaugeMetricFamily(
-                f"{PREFIX}_worker_kv_approximate",
+                WORKER_KV_APPROXIMATE,
                 "1 while a worker's KV events lost track: its cache is partly guessed from routing.",
                 labels=["worker"],
             ),

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from copse.router import metrics as router_metrics
 from copse.sim.faults import (
     DEPLOYMENT,
     MODEL,
@@ -295,7 +296,7 @@ async def _drive(
     migrations: dict[str, int] = {}
     for url in deployment.router_urls:
         try:
-            samples = (await _metrics(url)).get("copse_router_migrations_total", {})
+            samples = (await _metrics(url)).get(f"{router_metrics.MIGRATIONS}_total", {})
         except aiohttp.ClientError:
             continue  # a replica the scenario killed, or one that drained and exited
         for labels, value in samples.items():
@@ -333,11 +334,11 @@ async def _nats_recovery(url: str) -> str:
     deadline = time.monotonic() + 30
     while True:
         metrics = await _metrics(url)
-        connected = metrics.get("copse_router_nats_connected", {}).get((), 0.0)
+        connected = metrics.get(router_metrics.NATS_CONNECTED, {}).get((), 0.0)
         if connected == 1.0 or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.2)
-    resyncs = metrics.get("copse_router_kv_resyncs_total", {})
+    resyncs = metrics.get(f"{router_metrics.KV_RESYNCS}_total", {})
     after = sum(value for labels, value in resyncs.items() if dict(labels).get("reason") == "connected")
     mode = "exact again" if connected == 1.0 else "still approximate after 30 s"
     return f"router {mode}, {int(after)} worker resyncs on reconnect"
