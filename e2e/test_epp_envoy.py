@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -235,10 +234,9 @@ async def test_same_hit_rate_as_the_http_router(tmp_path: Path) -> None:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         results["epp"] = (*await run(client), picker.router.cached_tokens_routed)
         await client.close()
-    print(json.dumps(results))
     (cached_http, total_http, predicted_http) = results["http"]
     (cached_epp, total_epp, predicted_epp) = results["epp"]
-    assert total_http == total_epp
-    assert cached_http > 0.4 * total_http  # the contexts were reused
-    assert cached_epp == cached_http
-    assert predicted_epp == predicted_http
+    assert total_http == total_epp, results
+    assert cached_http > 0.4 * total_http, results  # the contexts were reused
+    assert cached_epp == cached_http, results
+    assert predicted_epp == predicted_http, results

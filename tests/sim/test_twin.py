@@ -45,10 +45,14 @@ def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
     buckets = (1.0, 2.0, 4.0)
     values = np.array([0.5, 1.5, 1.5, 3.0])
     # rank 0.5 x 4 = 2 falls in (1, 2], which holds ranks 1..3: 1 + (2 - 1) x (2 - 1) / 2
-    assert histogram_quantile(0.5, values, buckets) == pytest.approx(1.5)
-    assert histogram_quantile(0.25, values, buckets) == pytest.approx(1.0)  # first bucket starts at 0
-    assert histogram_quantile(0.99, np.array([0.5, 9.0]), buckets) == 4.0  # the +Inf bucket: highest bound
-    assert histogram_quantile(0.9, np.array([]), buckets) is None
+    assert histogram_quantile(0.5, values, buckets=buckets) == pytest.approx(1.5)
+    assert histogram_quantile(0.25, values, buckets=buckets) == pytest.approx(1.0)  # first bucket starts at 0
+    assert histogram_quantile(0.99, np.array([0.5, 9.0]), buckets=buckets) == 4.0  # +Inf: highest bound
+    assert histogram_quantile(0.9, np.array([]), buckets=buckets) is None
+    # q = 0: the lower bound of the first bucket holding anything (the first one is empty here)
+    assert histogram_quantile(0.0, np.array([1.5, 3.0]), buckets=buckets) == 1.0
+    with pytest.raises(ValueError, match=r"quantile 1\.5 is not in"):
+        histogram_quantile(1.5, values, buckets=buckets)
 
 
 def test_the_planner_observes_what_the_routers_series_would_say() -> None:

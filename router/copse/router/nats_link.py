@@ -56,16 +56,11 @@ class NatsLink:
         self.on_disconnect: list[Callable[[], object]] = []
         """Run when the connection is lost."""
         self._task: asyncio.Task[None] | None = None
-        self._connected = asyncio.Event()
         self._tried = asyncio.Event()
 
     @property
     def connected(self) -> bool:
         return self.nc is not None
-
-    async def wait_connected(self) -> None:
-        """Until the link is connected (tests, and callers that cannot do without NATS)."""
-        await self._connected.wait()
 
     async def start(self) -> None:
         """Start connecting; returns after the first attempt, connected or not (then the link
@@ -137,13 +132,11 @@ class NatsLink:
                 self.url,
                 self.connections,
             )
-            self._connected.set()
             self._tried.set()
             if self.on_state is not None:
                 self.on_state(True)
             await lost.wait()
             self.nc = None
-            self._connected.clear()
             if self.on_state is not None:
                 self.on_state(False)
             log.warning("NATS connection to %s lost: approximate mode until it is back", self.url)

@@ -50,18 +50,21 @@ from copse.sim.trace import TraceRequest
 FloatArray = npt.NDArray[np.float64]
 
 
-def histogram_quantile(q: float, values: FloatArray, buckets: Sequence[float]) -> float | None:
+def histogram_quantile(q: float, values: FloatArray, *, buckets: Sequence[float]) -> float | None:
     """Prometheus' ``histogram_quantile(q, ...)`` over a histogram with upper bounds ``buckets``
     (plus +Inf) that observed ``values``: linear within the bucket holding rank ``q x count``
     (from 0 for the first bucket), the highest finite bound when that bucket is +Inf; ``None``
-    without observations."""
+    without observations. ``q = 0`` is the lower bound of the first bucket holding anything
+    (Prometheus divides 0 by 0 there when the first bucket is empty)."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile {q} is not in [0, 1]")
     if not len(values):
         return None
     bounds = np.asarray(buckets, dtype=np.float64)
     counts = np.searchsorted(bounds, values, side="left")  # bucket index: first bound >= value
     cumulative = np.cumsum(np.bincount(counts, minlength=len(bounds) + 1))
     rank = q * len(values)
-    bucket = int(np.searchsorted(cumulative, rank, side="left"))
+    bucket = int(np.searchsorted(cumulative, rank, side="left") if rank > 0 else np.argmax(cumulative > 0))
     if bucket >= len(bounds):
         return float(bounds[-1])
     lower = float(bounds[bucket - 1]) if bucket > 0 else 0.0
@@ -93,8 +96,8 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         itl = (fleet.finish_ms[finished] - fleet.first_ms[finished]) / (outputs - 1)
     itl = itl[outputs > 1]
     ttft = fleet.first_ms[first] - fleet.arrival_ms[first]
-    ttft_s = histogram_quantile(quantile, ttft / 1000.0, LATENCY_BUCKETS)
-    itl_s = histogram_quantile(quantile, itl / 1000.0, ITL_BUCKETS)
+    ttft_s = histogram_quantile(quantile, ttft / 1000.0, buckets=LATENCY_BUCKETS)
+    itl_s = histogram_quantile(quantile, itl / 1000.0, buckets=ITL_BUCKETS)
     return Observation(
         timestamp=start_ms / 1000.0,
         duration_s=(end_ms - start_ms) / 1000.0,
@@ -102,7 +105,7 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         # ratios of increases: no answered request, no mean (PromQL's 0/0 or x/0)
         isl=prompt_tokens / requests if requests else None,
         osl=float(outputs.sum()) / requests if requests else None,
-        isl_p90=histogram_quantile(0.9, fleet.prompts[routed], PROMPT_LENGTH_BUCKETS),
+        isl_p90=histogram_quantile(0.9, fleet.prompts[routed], buckets=PROMPT_LENGTH_BUCKETS),
         kv_hit_rate=float(fleet.predicted_cached[routed].sum()) / prompt_tokens if prompt_tokens else None,
         onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
@@ -241,10 +244,6 @@ class Replicas:
         return sum(
             1 for r in self.all if r.engine is not None and r.ended_ms is None and not self._draining(r)
         )
-
-    def holding_gpus(self, now_ms: float) -> int:
-        self.settle()
-        return sum(1 for r in self.all if r.launched_ms <= now_ms and r.ended_ms is None)
 
     def _draining(self, replica: Replica) -> bool:
         return replica.engine is not None and replica.engine in self.fleet.draining
