@@ -18,6 +18,7 @@ import pytest
 from e2e.operator_harness import Operator, operator_kubeconfig
 
 from copse.cluster import Kubectl, KubeTarget, LocalCluster, resolve_target
+from copse.workers.testing import nats_server
 
 REPO = Path(__file__).resolve().parents[1]
 CRDS = REPO / "crds"
@@ -93,3 +94,10 @@ def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iter
     running.start()
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    """A throwaway NATS server for the module's tests (routers and mocked engines share it)."""
+    with nats_server() as url:
+        yield url

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,54 +14,18 @@ import aiohttp
 import openai
 import pytest
 from e2e.envoy_gateway import SERVED_BY, Upstream, envoy_gateway
+from e2e.local_router import MODEL, static_router, until
 
-from copse.router.config import parse_config
 from copse.router.epp import EndpointPicker
-from copse.router.server import RunningRouter, start_router
-from copse.workers.testing import mock_fleet, nats_server
+from copse.router.server import RunningRouter
+from copse.workers.testing import mock_fleet
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "mock-model"
 
-
-async def _until(condition: Callable[[], bool], *, timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with nats_server() as url:
-        yield url
-
-
-@contextlib.asynccontextmanager
-async def _router(
-    urls: list[str], *, epp: dict[str, Any] | None, **extra: Any
-) -> AsyncIterator[RunningRouter]:
-    raw: dict[str, Any] = {
-        "model": MODEL,
-        "engine": "mock",
-        "port": 0,
-        "block_size": 32,
-        "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
-        "health_interval_s": 0.1,
-        "seed": 3,
-        **extra,
-    }
-    if epp is not None:
-        raw["epp"] = {"grpc_port": 0, "health_port": None, "metrics_port": 0, **epp}
-    running = await start_router(parse_config(raw, source="e2e"), router_id=f"e2e-{uuid.uuid4().hex[:6]}")
-    try:
-        await _until(lambda: len(running.service.router.workers) == len(urls))
-        yield running
-    finally:
-        await running.close()
+def _router(urls: list[str], **kwargs: Any) -> contextlib.AbstractAsyncContextManager[RunningRouter]:
+    """:func:`static_router` with a fixed seed (the comparisons below replay the same choices)."""
+    return static_router(urls, seed=3, **kwargs)
 
 
 @contextlib.asynccontextmanager
@@ -132,7 +95,7 @@ async def test_openai_client_streams_through_envoy_and_the_picker(nats_url: str,
             def indexed(slot: int = slot) -> bool:
                 return picker.router.indexer.blocks_held(slot) >= 16  # its KV events reached the index
 
-            await _until(indexed)
+            await until(indexed)
             second = await client.completions.with_raw_response.create(
                 model=MODEL, prompt=[*shared, 2], max_tokens=2
             )
@@ -164,7 +127,7 @@ async def test_openai_client_streams_through_envoy_and_the_picker(nats_url: str,
             return len([chunk async for chunk in stream if chunk.choices])
 
         assert await asyncio.gather(*(one(i) for i in range(8))) == [16] * 8
-        await _until(lambda: _inflight(picker) == 0, timeout_s=10)
+        await until(lambda: _inflight(picker) == 0, timeout_s=10)
         assert picker.metrics.output_tokens._value.get() >= 8 * 16
         await client.close()
 
@@ -195,7 +158,7 @@ async def test_an_engine_killed_before_the_first_token_is_retried_on_the_fallbac
         pieces = [chunk.choices[0].text async for chunk in stream if chunk.choices]
         assert len(pieces) == 12
         assert picker.metrics.retries._value.get() == 1
-        await _until(lambda: _inflight(picker) == 0, timeout_s=10)
+        await until(lambda: _inflight(picker) == 0, timeout_s=10)
         # The dead holder is still registered (probes are slow), so the fallback was the picker's
         # second choice, not a discovery change.
         assert holder in picker.addresses()

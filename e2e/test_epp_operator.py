@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from e2e.local_router import until
 from e2e.operator_harness import REPO, Operator, seed, wait_running, wait_until
 
 from copse.cluster import Kubectl
@@ -18,15 +18,6 @@ from copse.router.discovery import Endpoint, InferencePoolSource, KubeAioPodApi
 pytestmark = pytest.mark.e2e
 
 POOL_CRD = REPO / "charts" / "copse" / "files" / "inferencepool-crd.yaml"
-
-
-async def _until(condition: Callable[[], bool], *, timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.1)
 
 
 async def test_epp_mode_gets_an_inference_pool_the_picker_follows(
@@ -77,7 +68,7 @@ async def test_epp_mode_gets_an_inference_pool_the_picker_follows(
     source = InferencePoolSource(api, namespace=namespace, name="manual")
     task = asyncio.create_task(source.run(lambda endpoints: seen.append(dict(endpoints))))
     try:
-        await _until(lambda: bool(seen) and set(seen[-1]) == leaders)
+        await until(lambda: bool(seen) and set(seen[-1]) == leaders, timeout_s=60)
         assert all(endpoint.url.endswith(":8001") for endpoint in seen[-1].values())
         kubectl.run(
             "patch",
@@ -88,11 +79,12 @@ async def test_epp_mode_gets_an_inference_pool_the_picker_follows(
             "-p",
             '{"spec": {"targetPorts": [{"number": 8002}]}}',
         )
-        await _until(
-            lambda: set(seen[-1]) == leaders and all(e.url.endswith(":8002") for e in seen[-1].values())
+        await until(
+            lambda: set(seen[-1]) == leaders and all(e.url.endswith(":8002") for e in seen[-1].values()),
+            timeout_s=60,
         )
         kubectl.run("delete", "inferencepool", "manual", f"--namespace={namespace}")
-        await _until(lambda: seen[-1] == {})
+        await until(lambda: seen[-1] == {}, timeout_s=60)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

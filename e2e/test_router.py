@@ -5,59 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from e2e.local_router import MODEL, until
+from e2e.local_router import static_router as _router
 
 from copse.cluster import Kubectl
-from copse.router.config import parse_config
 from copse.router.discovery import Endpoint, KubeAioPodApi, KubernetesSource
 from copse.router.sequences import ActiveSequences
-from copse.router.server import RunningRouter, start_router
-from copse.workers.testing import mock_fleet, nats_server
+from copse.workers.testing import mock_fleet
 
 pytestmark = pytest.mark.e2e
-
-MODEL = "mock-model"
-
-
-async def _until(condition: Callable[[], bool], *, timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with nats_server() as url:
-        yield url
-
-
-@contextlib.asynccontextmanager
-async def _router(urls: list[str], **extra: Any) -> AsyncIterator[RunningRouter]:
-    raw: dict[str, Any] = {
-        "model": MODEL,
-        "engine": "mock",
-        "port": 0,
-        "block_size": 32,
-        "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
-        "health_interval_s": 0.1,
-    }
-    raw.update(extra)
-    router_id = f"e2e-{uuid.uuid4().hex[:6]}"
-    running = await start_router(parse_config(raw, source="e2e"), router_id=router_id)
-    try:
-        await _until(lambda: len(running.service.router.workers) == len(urls))
-        yield running
-    finally:
-        await running.close()
 
 
 async def test_openai_client_streams_through_the_router(nats_url: str) -> None:
@@ -98,7 +60,7 @@ async def test_two_router_replicas_keep_one_pool_balanced(nats_url: str) -> None
         assert one.replica_sync is not None
         assert two.replica_sync is not None
         sync_one, sync_two = one.replica_sync, two.replica_sync
-        await _until(lambda: bool(sync_one.peers) and bool(sync_two.peers))
+        await until(lambda: bool(sync_one.peers) and bool(sync_two.peers))
         clients = {
             name: openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
             for name, running in (("one", one), ("two", two))
@@ -112,7 +74,7 @@ async def test_two_router_replicas_keep_one_pool_balanced(nats_url: str) -> None
                 asyncio.create_task(client.completions.create(model=MODEL, prompt=prompt, max_tokens=400))
             )
             # Both replicas account for every request routed so far before the next decision.
-            await _until(_accounted(views, i + 1), timeout_s=10)
+            await until(_accounted(views, i + 1), timeout_s=10)
         in_flight = [len(server.engine.requests) for server in fleet.servers]
         assert sum(in_flight) == 16
         assert max(in_flight) - min(in_flight) <= 1, in_flight
@@ -156,14 +118,14 @@ async def test_pod_discovery_follows_ready_worker_pods(
     source = KubernetesSource(api, namespace=namespace, selector=selector, port=8000)
     task = asyncio.create_task(source.run(lambda endpoints: seen.append(dict(endpoints))))
     try:
-        await _until(lambda: bool(seen) and set(seen[-1]) == {"w-0", "w-1"}, timeout_s=60)
+        await until(lambda: bool(seen) and set(seen[-1]) == {"w-0", "w-1"}, timeout_s=60)
         endpoint = seen[-1]["w-0"]
         assert endpoint.url.startswith("http://")
         assert endpoint.url.endswith(":8000")
         assert endpoint.role.value == "decode"
         assert endpoint.worker_id == "w-0"
         kubectl.run("delete", "pod", "w-0", "--wait=false", f"--namespace={namespace}")
-        await _until(lambda: set(seen[-1]) == {"w-1"}, timeout_s=60)
+        await until(lambda: set(seen[-1]) == {"w-1"}, timeout_s=60)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
