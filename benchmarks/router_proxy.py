@@ -56,7 +56,7 @@ import numpy as np
 import uvloop
 import yaml
 
-from copse.sim.live import _free_port_range
+from copse.workers.testing import free_port_range
 
 MODEL = "proxy-bench"
 ROOTS = ("operator", "planner", "router", "workers", "sim")
@@ -84,7 +84,7 @@ async def _wait_ready(http: aiohttp.ClientSession, url: str, *, path: str, deadl
 async def _processes(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], dict[str, tuple[str, int]]]]:
     """The engines and the routers; yields (engine URLs, router name -> (URL, pid))."""
     trees: list[tuple[str, Path | None]] = [("router", None), *args.router_tree]
-    base = _free_port_range(args.engines + len(trees))  # the engines', then the routers' ports
+    base = free_port_range(args.engines + len(trees))  # the engines', then the routers' ports
     engines = subprocess.Popen(
         [
             sys.executable, "-m", "copse.cli", "worker", "mock",

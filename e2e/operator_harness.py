@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,18 +24,11 @@ import yaml
 from copse.cluster import Kubectl, KubectlError, binaries_for
 from copse.operator import names
 from copse.topology.fake import FAKE_NODE_ANNOTATION, FAKE_NODE_VALUE
+from copse.workers.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
 OPERATOR_NAMESPACE = "copse-system"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Operator:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import socket
 import sys
 import types
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import pytest
 from copse.api import Role
 from copse.operator import children, names
 from copse.operator.children import GroupLayout
+from copse.workers.testing import free_port
 
 from .conftest import make_deployment
 
@@ -72,13 +72,6 @@ def _env(pod: dict[str, Any]) -> dict[str, str]:
 
 def _deployment() -> Any:
     return make_deployment(replicas=2, coldStart={"strategy": "modelexpress"})
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def test_the_workers_reach_the_server_the_operator_runs(
@@ -192,7 +185,7 @@ def test_a_new_group_is_pointed_at_its_source_groups_leader(
     worker = grpc_stubs.WorkerServiceServicer()
     worker.GetTensorManifest = manifest
 
-    base = _free_port() - rank
+    base = free_port() - rank
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     grpc_stubs.add_WorkerServiceServicer_to_server(worker, server)
     server.add_insecure_port(f"127.0.0.1:{base + rank}")

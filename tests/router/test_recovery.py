@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from typing import Any
 
@@ -26,19 +25,12 @@ from copse.router.replica_sync import (
 )
 from copse.router.server import RunningRouter, start_router
 from copse.workers.protocol import block_hashes
-from copse.workers.testing import mock_fleet, nats_server
+from copse.workers.testing import free_port, mock_fleet, nats_server
 
 from .conftest import eventually
 
 MODEL = "mock-model"
 PROMPT = list(range(2000, 2000 + 640))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _config(urls: list[str], nats_url: str, deployment: str, **extra: Any) -> RouterConfig:
@@ -82,7 +74,7 @@ def _holders(running: RunningRouter, prompt: list[int]) -> dict[str, int]:
 
 
 async def test_without_nats_the_router_serves_approximately_and_resyncs_when_it_comes() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"nats://127.0.0.1:{port}"
     async with mock_fleet(engines=2) as fleet:  # engines without NATS: their dumps come over HTTP
         running = await start_router(
@@ -118,7 +110,7 @@ async def test_without_nats_the_router_serves_approximately_and_resyncs_when_it_
 
 
 async def test_nats_restarting_under_a_router_and_engines_loses_nothing_for_good() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"nats://127.0.0.1:{port}"
     server = contextlib.ExitStack()
     server.enter_context(nats_server(port=port))

@@ -27,8 +27,7 @@ from copse.sim.faults import (
     StreamOutcome,
     prompts,
 )
-from copse.sim.live import _free_port_range
-from copse.workers.testing import nats_server_binary
+from copse.workers.testing import free_port_range, nats_server_binary
 
 
 class _Process:
@@ -57,7 +56,7 @@ class _Deployment:
         self.settings = settings
         self.workdir = workdir
         self.nats: _Process | None = None
-        self.nats_port = _free_port_range(1)
+        self.nats_port = free_port_range(1)
         self.engines: list[_Process] = []
         self.engine_urls: list[str] = []
         self.routers: list[_Process] = []
@@ -87,7 +86,7 @@ class _Deployment:
 
     async def start_engines(self) -> None:
         settings = self.settings
-        base = _free_port_range(settings.engines)
+        base = free_port_range(settings.engines)
         starting = []
         for index in range(settings.engines):
             port = base + index
@@ -110,7 +109,7 @@ class _Deployment:
                 raise RuntimeError(f"{engine.name} exited before serving; see {engine.log}")
 
     async def start_router(self, index: int) -> None:
-        port = _free_port_range(1)
+        port = free_port_range(1)
         config = {
             "model": MODEL,
             "engine": "mock",

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import math
-import socket
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
 from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.metrics import MOCK_STEP_LAG_SECONDS
 from copse.workers.perf import save_profile
-from copse.workers.testing import nats_server
+from copse.workers.testing import free_port_range, nats_server
 
 MODEL = "live-replay"
 DEPLOYMENT = "live-replay"
@@ -42,29 +41,6 @@ HEALTH_TIMEOUT_S = 2.0
 on a machine shared with the router, this client and whatever else runs, so a probe can wait behind
 the other engines' steps for longer than the 0.5 s default meant for engine pods of their own (then
 the router dropped healthy engines and migrated their streams)."""
-
-
-def _free_port_range(count: int, *, attempts: int = 50) -> int:
-    """A port p such that p .. p+count-1 are free on 127.0.0.1 right now."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + count > 65535:
-            continue
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
 
 
 @contextlib.contextmanager
@@ -77,7 +53,7 @@ async def _engines(
     settings: ReplaySettings, *, block_size: int, nats_url: str
 ) -> tuple[asyncio.subprocess.Process, list[str]]:
     config = settings.engines.config
-    base = _free_port_range(settings.workers)
+    base = free_port_range(settings.workers)
     args = [
         sys.executable, "-m", "copse.cli", "worker", "mock",
         "--engines", str(settings.workers),
@@ -156,7 +132,7 @@ async def _router(
     config: dict[str, Any], *, workdir: Path, workers: int
 ) -> tuple[asyncio.subprocess.Process, str]:
     """``copse router run`` with ``config``, once it lists all ``workers`` as live."""
-    port = _free_port_range(1)
+    port = free_port_range(1)
     path = workdir / "router.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))
     process = await asyncio.create_subprocess_exec(

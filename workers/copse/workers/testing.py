@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,35 @@ from copse.workers.perf import PerfModel, PolynomialPerfModel
 
 _LISTENING = re.compile(rb"Listening for client connections on [^\s:]+:(\d+)")
 _READY = b"Server is ready"
+
+
+def free_port_range(count: int, *, attempts: int = 50) -> int:
+    """A port p such that p .. p+count-1 are free on 127.0.0.1 right now (another process may take
+    one before the caller binds it: bind soon, or ask for port 0 where the server allows)."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + count > 65535:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    return free_port_range(1)
 
 
 def nats_server_binary() -> str:
