@@ -1,8 +1,11 @@
-"""Instant evaluation of the PromQL the planner's engine-gauge queries use, over scraped samples:
+"""Evaluation of the PromQL the planner's default queries use, over scraped samples:
 vector selectors (a metric name and/or ``{label op "value", ...}`` with ``=``, ``!=``, ``=~``,
-``!~``, regexes fully anchored as in Prometheus), ``sum(...)``, ``vector(N)``, ``or`` and ``+``,
-with parentheses. Enough to check that a query finds the series an exporter writes and adds them
-up; anything else is a :class:`ValueError`, never a silent guess."""
+``!~``, regexes fully anchored as in Prometheus), ``sum(...)``, ``sum by (labels) (...)``,
+``vector(N)``, numbers, ``or``, ``+``, ``*`` and ``/`` (one-element operands), with parentheses;
+``increase(v[d])`` and ``rate(v[d])`` over two scrapes (``earlier``, then ``samples``, ``d`` apart:
+the difference per series, no extrapolation), and ``histogram_quantile(q, v)`` with Prometheus'
+interpolation. Enough to check that a query finds the series an exporter writes and computes
+with them; anything else is a :class:`ValueError`, never a silent guess."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ Vector = list[tuple[dict[str, str], float]]
 
 _TOKEN = re.compile(
     r'\s*(?:(?P<number>\d+(?:\.\d+)?)|(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)|(?P<string>"(?:[^"\\]|\\.)*")'
-    r"|(?P<op>=~|!~|!=|=|[(){},+]))"
+    r"|(?P<op>=~|!~|!=|=|[(){},+*/\[\]]))"
 )
 
 
@@ -24,7 +27,9 @@ _TOKEN = re.compile(
 class _Parser:
     tokens: list[tuple[str, str]]
     samples: Sequence[Sample]
+    earlier: Sequence[Sample] | None = None
     pos: int = 0
+    _selector_start: int = 0
 
     def peek(self) -> tuple[str, str] | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -37,18 +42,78 @@ class _Parser:
         return token[1]
 
     def expression(self) -> Vector:
-        left = self.term()
+        left = self.product()
         while (token := self.peek()) is not None and token in (("op", "+"), ("name", "or")):
             self.pos += 1
-            right = self.term()
+            right = self.product()
             if token == ("name", "or"):
                 left = left or right
             else:  # one-element vectors with the same (empty, after sum) labels
                 left = [(labels, value + right[0][1]) for labels, value in left] if left and right else []
         return left
 
+    def product(self) -> Vector:
+        left = self.term()
+        while (token := self.peek()) is not None and token in (("op", "*"), ("op", "/")):
+            self.pos += 1
+            right = self.term()
+            if len(left) > 1 or len(right) > 1:
+                raise ValueError("* and / of vectors of several series are not supported")
+            if not left or not right:
+                left = []
+            elif token == ("op", "*"):
+                left = [(left[0][0] or right[0][0], left[0][1] * right[0][1])]
+            else:
+                quotient = left[0][1] / right[0][1] if right[0][1] else float("nan")
+                left = [(left[0][0] or right[0][0], quotient)]
+        return left
+
     def term(self) -> Vector:
         token = self.peek()
+        if token is not None and token[0] == "number":
+            self.pos += 1
+            return [({}, float(token[1]))]
+        if token in (("name", "increase"), ("name", "rate")):
+            self.pos += 1
+            self.take("op", "(")
+            now = self.selector()
+            seconds = self.range_s()
+            self.take("op", ")")
+            if self.earlier is None:
+                raise ValueError("increase/rate need the earlier scrape")
+            before = _Parser(self.tokens, self.earlier, pos=self._selector_start).selector()
+            old = {tuple(sorted(labels.items())): value for labels, value in before}
+            changes = [(labels, value - old.get(tuple(sorted(labels.items())), 0.0)) for labels, value in now]
+            if token == ("name", "rate"):
+                changes = [(labels, value / seconds) for labels, value in changes]
+            return [
+                ({k: v for k, v in labels.items() if k != "__name__"}, value) for labels, value in changes
+            ]
+        if token == ("name", "histogram_quantile"):
+            self.pos += 1
+            self.take("op", "(")
+            q = float(self.take("number"))
+            self.take("op", ",")
+            buckets = self.expression()
+            self.take("op", ")")
+            return _histogram_quantile(q, buckets)
+        if token == ("name", "sum") and self.tokens[self.pos + 1] == ("name", "by"):
+            self.pos += 2
+            self.take("op", "(")
+            by: list[str] = []
+            while self.peek() != ("op", ")"):
+                by.append(self.take("name"))
+                if self.peek() == ("op", ","):
+                    self.take("op", ",")
+            self.take("op", ")")
+            self.take("op", "(")
+            inner = self.expression()
+            self.take("op", ")")
+            groups: dict[tuple[str, ...], float] = {}
+            for labels, value in inner:
+                key = tuple(labels.get(label, "") for label in by)
+                groups[key] = groups.get(key, 0.0) + value
+            return [(dict(zip(by, key, strict=True)), value) for key, value in groups.items()]
         if token == ("op", "("):
             self.take("op", "(")
             inner = self.expression()
@@ -68,7 +133,19 @@ class _Parser:
             return [({}, number)]
         return self.selector()
 
+    def range_s(self) -> float:
+        """A range ``[<number><unit>]`` in seconds."""
+        self.take("op", "[")
+        number = float(self.take("number"))
+        unit = self.take("name")
+        self.take("op", "]")
+        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}.get(unit)
+        if scale is None:
+            raise ValueError(f"unsupported duration unit {unit!r}")
+        return number * scale
+
     def selector(self) -> Vector:
+        self._selector_start = self.pos
         matchers: list[tuple[str, str, str]] = []
         if (token := self.peek()) is not None and token[0] == "name":
             matchers.append(("__name__", "=", self.take("name")))
@@ -102,8 +179,31 @@ def _matches(value: str, op: str, want: str) -> bool:
     return hit if op == "=~" else not hit
 
 
-def evaluate(query: str, samples: Sequence[Sample]) -> float | None:
-    """The query's single value over ``samples``; ``None`` when it selects nothing."""
+def _histogram_quantile(q: float, buckets: Vector) -> Vector:
+    """Prometheus' bucketQuantile over cumulative ``le`` buckets (one histogram)."""
+    ordered = sorted(buckets, key=lambda bucket: float(bucket[0]["le"]))
+    if not ordered or ordered[-1][0]["le"] != "+Inf":
+        raise ValueError("a histogram needs its +Inf bucket")
+    bounds = [float(labels["le"]) for labels, _ in ordered]
+    counts = [value for _, value in ordered]
+    total = counts[-1]
+    if total == 0:
+        return [({}, float("nan"))]
+    rank = q * total
+    index = next(i for i, count in enumerate(counts) if count >= rank)
+    if index == len(counts) - 1:
+        return [({}, bounds[-2])]
+    start = bounds[index - 1] if index > 0 else 0.0
+    below = counts[index - 1] if index > 0 else 0.0
+    inside = counts[index] - below
+    return [({}, start + (bounds[index] - start) * (rank - below) / inside)]
+
+
+def evaluate(
+    query: str, samples: Sequence[Sample], *, earlier: Sequence[Sample] | None = None
+) -> float | None:
+    """The query's single value over ``samples`` (and ``earlier``, the scrape one range before, for
+    ``increase``/``rate``); ``None`` when it selects nothing."""
     tokens: list[tuple[str, str]] = []
     pos = 0
     while pos < len(query.rstrip()):
@@ -114,7 +214,7 @@ def evaluate(query: str, samples: Sequence[Sample]) -> float | None:
         assert kind is not None
         tokens.append((kind, match.group(kind)))
         pos = match.end()
-    parser = _Parser(tokens, samples)
+    parser = _Parser(tokens, samples, earlier)
     result = parser.expression()
     if parser.peek() is not None:
         raise ValueError(f"unread tokens from {parser.pos}: {tokens[parser.pos :]}")

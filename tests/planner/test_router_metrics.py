@@ -1,6 +1,7 @@
-"""The planner's default queries name series the router really exports (the planner may not import
-the router, so the names are spelt twice; this test ties them): every ``copse_router_*`` series in
-every default query is in a real router's scrape, as the sample name Prometheus stores."""
+"""The planner's default queries read series the router really exports (the planner may not import
+the router, so the names are spelt twice; these tests tie them): every ``copse_router_*`` series in
+every default query is in a real router's scrape, and every query computes its field from two
+such scrapes."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from copse.planner.prometheus import DEFAULT_QUERIES
+from copse.planner.config import PrometheusConfig
+from copse.planner.prometheus import DEFAULT_QUERIES, Queries
 from copse.router.core import Router
 from copse.router.metrics import RouterMetrics
 from copse.router.policies import SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
+
+from .promql_subset import Sample, evaluate
 
 
 def scraped_names() -> set[str]:
@@ -39,3 +43,47 @@ def test_the_planner_reads_the_routers_request_series() -> None:
     """Not vacuous: the request-level fields read router series at all."""
     for field in ("num_requests", "isl", "osl", "isl_p90", "kv_hit_rate", "onboard_ms", "ttft_ms", "itl_ms"):
         assert re.search(r"\bcopse_router_\w+", DEFAULT_QUERIES[field]), field
+
+
+def _scrape(metrics: RouterMetrics) -> list[Sample]:
+    """Samples as Prometheus stores them: the router pod's target labels added."""
+    target = {"namespace": "serving", "deployment": "llama", "role": "router"}
+    text = generate_latest(metrics.registry).decode()
+    return [
+        (sample.name, {**sample.labels, **target}, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> None:
+    """Two scrapes of a real router's registry 60 s apart, 10 requests between them: each default
+    query (evaluated with tests/planner/promql_subset.py) gives the figure those requests make."""
+    router = Router(perf=PolynomialPerfModel(), settings=SelectionSettings(block_size=32))
+    metrics = RouterMetrics(lambda: router)
+    metrics.requests.labels(status="200").inc(5)  # before the window: not counted
+    earlier = _scrape(metrics)
+    for _ in range(10):
+        metrics.requests.labels(status="200").inc()
+        metrics.prompt_tokens.inc(1000)
+        metrics.prompt_length.observe(1000)
+        metrics.output_tokens.inc(200)
+        metrics.cached_tokens.inc(250)
+        metrics.onboard_seconds.inc(0.002)
+        metrics.ttft.observe(0.3)  # in the (0.25, 0.5] bucket
+        metrics.itl.observe(0.015)  # in (0.01, 0.02]
+    metrics.queue_depth.set(4)
+    now = _scrape(metrics)
+    text = Queries(PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99).text
+    values = {field: evaluate(query, now, earlier=earlier) for field, query in text.items()}
+    assert values["num_requests"] == 10
+    assert values["isl"] == 1000
+    assert values["osl"] == 200
+    assert values["kv_hit_rate"] == 0.25
+    assert values["onboard_ms"] == pytest.approx(2.0)
+    assert values["isl_p90"] == pytest.approx(512 + (1024 - 512) * 0.9)  # (512, 1024], linear
+    assert values["ttft_ms"] == pytest.approx(1000 * (0.25 + 0.25 * 0.99))
+    assert values["itl_ms"] == pytest.approx(1000 * (0.01 + 0.01 * 0.99))
+    assert values["queue_depth"] == 4  # no engine series: the router's queue alone
+    assert values["decode_queue_depth"] is None  # engine gauges: tests/planner/test_trtllm_metrics.py
+    assert values["inflight"] is None

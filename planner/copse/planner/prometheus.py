@@ -11,7 +11,7 @@ depend on which engine serves) and the engines' queue/batch gauges (TensorRT-LLM
 mocker exports the same names). ``tests/planner/test_trtllm_metrics.py`` evaluates them against
 a ``/prometheus/metrics`` text built from ``tensorrt_llm/metrics/collector.py``; the planner does not
 import the router, so ``tests/planner/test_router_metrics.py`` checks every ``copse_router_*``
-series named here against a real router's scrape. ``{selector}``
+series named here against a real router's scrape and evaluates every query on two such scrapes. ``{selector}``
 picks one deployment's series (the chart's PodMonitor labels them ``namespace``, ``deployment``,
 ``role``), ``{window}`` is the decision interval and ``{quantile}`` the SLO quantile.
 """
