@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from copse.sim import live
 from copse.sim.live import run_live
 from copse.sim.replay import ReplaySettings
 from copse.sim.trace import TraceRequest
+from copse.workers.testing import free_port
 
 
 def test_a_live_replay_routes_every_request_and_reuses_shared_prefixes() -> None:
@@ -29,3 +37,32 @@ def test_a_live_replay_routes_every_request_and_reuses_shared_prefixes() -> None
     assert report.engine_lag_ms is not None
     assert report.engine_lag_ms >= 0
     assert report.ttft_ms.p50 > 0
+
+
+async def test_a_router_start_that_is_abandoned_stops_the_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting for the router to see its engines can be cancelled (Ctrl-C, a timeout): the router
+    process it started must not outlive the wait."""
+    started: list[asyncio.subprocess.Process] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def recording_spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        process = await spawn(*args, **kwargs)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recording_spawn)
+    config = {
+        "model": "m",
+        "engine": "mock",
+        "policy": "round_robin",
+        "discovery": {"kind": "static", "workers": [{"url": f"http://127.0.0.1:{free_port()}"}]},
+    }
+    waiting = asyncio.create_task(live._router(config, workdir=tmp_path, workers=1))
+    while not started:  # the router process is spawned first thing
+        await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert started[0].returncode is not None

@@ -140,18 +140,23 @@ async def _router(
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
-    async with aiohttp.ClientSession() as http:
-        while True:
-            if process.returncode is not None:
-                raise RuntimeError(f"copse router run exited with {process.returncode} before serving")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{url}/workers") as response:
-                    if response.status == 200 and len((await response.json())["workers"]) >= workers:
-                        return process, url
-            if time.monotonic() > deadline:
-                process.terminate()
-                raise RuntimeError("the router did not see every mocked engine healthy within 60 s")
-            await asyncio.sleep(0.1)
+    try:
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if process.returncode is not None:
+                    raise RuntimeError(f"copse router run exited with {process.returncode} before serving")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"{url}/workers") as response:
+                        if response.status == 200 and len((await response.json())["workers"]) >= workers:
+                            return process, url
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the router did not see every mocked engine healthy within 60 s")
+                await asyncio.sleep(0.1)
+    except BaseException:  # a failed start or Ctrl-C must not leave the router running
+        if process.returncode is None:
+            process.terminate()
+            await process.wait()
+        raise
 
 
 async def _mean_lag_ms(urls: Sequence[str]) -> float:
