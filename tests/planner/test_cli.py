@@ -284,6 +284,20 @@ def test_record_needs_one_source(tmp_path: Path) -> None:
     assert "exactly one of --trace FILE or --prometheus URL" in result.stderr
 
 
+def test_record_refuses_a_config_it_would_not_read(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    request = {"timestamp": 0, "input_length": 600, "output_length": 20, "hash_ids": [0]}
+    trace.write_text(json.dumps(request) + "\n")
+    result = CliRunner().invoke(
+        main,
+        ["planner", "record", "--trace", str(trace), "--config", str(tmp_path / "planner.yaml"),
+         "--out", str(tmp_path / "m.jsonl")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "--config holds the Prometheus queries" in result.stderr
+    assert not (tmp_path / "m.jsonl").exists()
+
+
 def test_run_argument_errors_exit_2(tmp_path: Path) -> None:
     metrics = metrics_file(tmp_path / "m.jsonl", [1.0, 1.0])
     both = CliRunner().invoke(main, ["planner", "run", "llama", "-n", "a", "-n", "b"])

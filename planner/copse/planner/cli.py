@@ -472,6 +472,8 @@ def record(
 
     if (trace is None) == (prometheus is None):
         fail("give exactly one of --trace FILE or --prometheus URL")
+    if trace is not None and config_path is not None:
+        fail("--config holds the Prometheus queries: it is read with --prometheus only, not with --trace")
     if trace is not None:
         observations = _observations(None, trace, interval)
         with out.open("w") as handle:
