@@ -72,7 +72,8 @@ class Fleet:
 
     @property
     def requests(self) -> list[dict[str, Any]]:
-        return [body for engine in self.engines for body in engine.requests]
+        """What the engines received, in arrival order (whichever engine the router picked)."""
+        return self.script.requests
 
     async def stream(self, body: dict[str, Any]) -> list[Any]:
         chat = self.chat

@@ -58,13 +58,14 @@ class Script:
     """The engine's encoding of a stop string."""
     break_after: int | None = None
     """The next request served (by any engine) drops its connection after this many output chunks."""
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    """The bodies every engine of the script received, in the order they arrived."""
 
 
 @dataclass
 class FakeTrtllm:
     script: Script
     url: str = ""
-    requests: list[dict[str, Any]] = field(default_factory=list)
 
     def next_token(self, sequence: list[int]) -> int:
         at = len(sequence) - self.script.origin
@@ -102,7 +103,7 @@ async def fake_trtllm(script: Script) -> AsyncIterator[FakeTrtllm]:
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        state.requests.append(body)
+        state.script.requests.append(body)
         unknown = sorted(set(body) - TRTLLM_COMPLETION_FIELDS)
         if unknown:
             error = {
@@ -122,7 +123,7 @@ async def fake_trtllm(script: Script) -> AsyncIterator[FakeTrtllm]:
         words += [(s, script.encode_stop(s)) for s in strings]
         include = bool(body.get("include_stop_str_in_output"))
         max_tokens = body.get("max_tokens") or 32
-        rid, created, model = f"cmpl-{len(state.requests)}", int(time.time()), body["model"]
+        rid, created, model = f"cmpl-{len(state.script.requests)}", int(time.time()), body["model"]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         breaks, script.break_after = script.break_after, None
