@@ -83,7 +83,7 @@ def measure(racks: int, work: Path) -> dict[str, float]:
     operator = None
     try:
         kubectl.apply(REPO / "crds", server_side=True)
-        kubectl.wait("--for=condition=Established", "-f", str(REPO / "crds"), timeout=60)
+        kubectl.wait_established("-f", str(REPO / "crds"), timeout=60)
         log = (work / f"operator-{racks}.log").open("wb")
         operator = subprocess.Popen(
             [

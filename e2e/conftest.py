@@ -55,7 +55,7 @@ def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             patch.setenv("KUBECONFIG", str(target.kubeconfig))
             if any(CRDS.glob("*.yaml")):
                 target.kubectl.apply(CRDS, server_side=True)
-                target.kubectl.wait("--for=condition=Established", "-f", str(CRDS), timeout=60)
+                target.kubectl.wait_established("-f", str(CRDS), timeout=60)
             yield target
     finally:
         if target.started and target.local is not None:

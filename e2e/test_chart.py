@@ -345,7 +345,7 @@ def monitoring_crds(kubectl: Kubectl) -> Iterator[None]:
         created.append(name)
     try:
         for name in created:
-            kubectl.wait("--for=condition=Established", f"crd/{name}", timeout=60)
+            kubectl.wait_established(f"crd/{name}", timeout=60)
         yield
     finally:
         for name in created:

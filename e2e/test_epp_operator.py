@@ -24,7 +24,7 @@ async def test_epp_mode_gets_an_inference_pool_the_picker_follows(
     kubectl: Kubectl, kubeconfig: Path, namespace: str, operator: Operator
 ) -> None:
     kubectl.apply(POOL_CRD, server_side=True)
-    kubectl.wait("--for=condition=Established", "-f", str(POOL_CRD), timeout=60)
+    kubectl.wait_established("-f", str(POOL_CRD), timeout=60)
     kubectl.apply(seed("pooled", router={"mode": "epp"}), namespace=namespace)
     wait_running(kubectl, "pooled", namespace, operator)
     wait_until(

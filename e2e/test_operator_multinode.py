@@ -37,22 +37,14 @@ def crd_installed(kubectl: Kubectl) -> bool:
 
 
 @pytest.fixture
-def compute_domain_crd(kubectl: Kubectl, operator: Operator) -> Iterator[None]:
+def compute_domain_crd(kubectl: Kubectl) -> Iterator[None]:
     """The ComputeDomain CRD (a copy of the driver's schema), a DeviceClass and one IMEX channel
     device per GPU node, as NVIDIA's DRA driver would publish them; removed afterwards."""
     if crd_installed(kubectl):
         pytest.skip("the cluster has NVIDIA's DRA driver CRD already; this test installs its own")
     try:
         kubectl.apply(CRD)
-
-        def established() -> bool:
-            found = kubectl.run(
-                "get", "crd", multinode.COMPUTE_DOMAIN_CRD,
-                "-o", 'jsonpath={.status.conditions[?(@.type=="Established")].status}',
-            )  # fmt: skip
-            return found.stdout.strip() == "True"
-
-        wait_until("the ComputeDomain CRD to be established", established, operator=operator)
+        kubectl.wait_established(f"crd/{multinode.COMPUTE_DOMAIN_CRD}", timeout=60)
         gpu_nodes = [
             node["metadata"]["name"]
             for node in kubectl.items("nodes")

@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from copse.cluster.kubectl import Kubectl, KubectlError
+
 REPO = Path(__file__).resolve().parents[3]
 NAMESPACE = "copse-demo"
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
@@ -155,7 +157,12 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
     _step("local Kubernetes control plane with fake GB200 NVL72 racks (first run builds it from Go)")
     env, kubectl = _cluster_env()
     _run([kubectl, "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds")], env=env)
-    _run([kubectl, "wait", "--for=condition=Established", "-f", str(REPO / "crds"), "--timeout=60s"], env=env)
+    try:
+        Kubectl(executable=Path(kubectl), kubeconfig=Path(env["KUBECONFIG"])).wait_established(
+            "-f", str(REPO / "crds"), timeout=60
+        )
+    except KubectlError as exc:
+        raise DemoError(str(exc)) from exc
 
     _step("the operator, placing the design documents' deployment and a disaggregated one")
     log_path = out / "operator.log"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +102,21 @@ class Kubectl:
         """``kubectl wait ... --timeout`` (server-side watch; no polling loop here)."""
         extra = [f"--namespace={namespace}"] if namespace is not None else []
         self.run("wait", *args, *extra, f"--timeout={int(timeout)}s", timeout=timeout + 30)
+
+    def wait_established(self, *targets: str, timeout: float = 60.0) -> None:
+        """Wait until the CRDs of ``targets`` (``-f PATH`` or ``crd/NAME``) are Established.
+
+        ``kubectl wait`` fails at once instead of waiting when the API server has not yet written
+        a new CRD's first status condition (".status.conditions accessor error"): that is retried
+        until ``timeout``, every other error is raised."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.wait(
+                    "--for=condition=Established", *targets, timeout=max(1.0, deadline - time.monotonic())
+                )
+                return
+            except KubectlError as exc:
+                if "status.conditions accessor error" not in exc.stderr or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.2)  # the CRD has no status yet; kubectl cannot watch for its first condition
