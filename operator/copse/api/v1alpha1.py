@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 import pydantic
 from kube_custom_resource import schema
 from kube_custom_resource.custom_resource import CustomResource
-from pydantic import ConfigDict, Field, GetJsonSchemaHandler, field_validator, model_validator
+from pydantic import ConfigDict, Field, GetJsonSchemaHandler, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
@@ -94,6 +94,16 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"{text!r} is not a duration such as '300s', '5m' or '1h30m'")
     hours, minutes, seconds, millis = (int(group or 0) for group in match.groups())
     return hours * 3600 + minutes * 60 + seconds + millis / 1000
+
+
+def _valid_duration(text: str) -> str:
+    parse_duration(text)
+    return text
+
+
+#: A Go-style duration (``300s``, ``1h30m``): the CRD checks the pattern, the models also parse it
+#: (the pattern alone lets an empty string through).
+Duration = Annotated[str, Field(pattern=DURATION_PATTERN), pydantic.AfterValidator(_valid_duration)]
 
 
 class Role(str, schema.Enum):
@@ -282,17 +292,10 @@ class ModelCacheSpec(_SpecModel):
         default=None,
         description="Hugging Face token for gated models, given to the download step only.",
     )
-    download_timeout: str = Field(
+    download_timeout: Duration = Field(
         default="3600s",
-        pattern=DURATION_PATTERN,
         description="How long a worker pod waits for the weights before it fails (and its gang restarts).",
     )
-
-    @field_validator("download_timeout")
-    @classmethod
-    def _check_duration(cls, value: str) -> str:
-        parse_duration(value)
-        return value
 
     @model_validator(mode="after")
     def _check_source(self) -> ModelCacheSpec:
@@ -389,17 +392,10 @@ class ScalingSpec(_SpecModel):
         json_schema_extra=_defaults_of(ScaleUpTrigger),
         description="Fast path when queues build faster than forecast.",
     )
-    scale_down_delay: str = Field(
+    scale_down_delay: Duration = Field(
         default="300s",
-        pattern=DURATION_PATTERN,
         description="How long load must stay low before capacity is removed (hysteresis).",
     )
-
-    @field_validator("scale_down_delay")
-    @classmethod
-    def _check_duration(cls, value: str) -> str:
-        parse_duration(value)
-        return value
 
     @model_validator(mode="after")
     def _check_bounds(self) -> ScalingSpec:
@@ -418,27 +414,19 @@ class ScalingSpec(_SpecModel):
 class DisruptionSpec(_SpecModel):
     """How groups ride out node trouble, and leave without cutting the requests they serve."""
 
-    not_ready_grace: str = Field(
+    not_ready_grace: Duration = Field(
         default="300s",
-        pattern=DURATION_PATTERN,
         description="How long a group on a NotReady or unreachable node waits for it to come back before "
         "its gang restarts elsewhere (the node controller's default eviction toleration). "
         "Failed or deleted pods restart the gang at once.",
     )
 
-    drain_timeout: str = Field(
+    drain_timeout: Duration = Field(
         default="300s",
-        pattern=DURATION_PATTERN,
         description="Longest wait for a group being removed (scale-down, rolling update) to finish "
         "its in-flight requests once the router sends it nothing new; also bounds the worker pods' "
         "termination grace. 0s removes at once.",
     )
-
-    @field_validator("not_ready_grace", "drain_timeout")
-    @classmethod
-    def _check_duration(cls, value: str) -> str:
-        parse_duration(value)
-        return value
 
     @property
     def not_ready_grace_s(self) -> float:
@@ -489,9 +477,8 @@ class ColdStartSpec(_SpecModel):
         min_length=1,
         description="Replica to stream weights from: 'any-healthy' or a group name of this deployment.",
     )
-    startup_delay: Nullable[str] = Field(
+    startup_delay: Nullable[Duration] = Field(
         default=None,
-        pattern=DURATION_PATTERN,
         description="Time from scaling up to the new group serving, the planner's lead time; unset: the "
         "typical figure for how a new group gets its weights: ModelExpress, else a spec.model.cache "
         "persistentVolumeClaim, else the hub (ModelExpress's published DeepSeek-V4-Pro start-up times).",
@@ -501,13 +488,6 @@ class ColdStartSpec(_SpecModel):
         description="The ModelExpress server (strategy modelexpress).",
         json_schema_extra=_defaults_of(ModelExpressSpec),
     )
-
-    @field_validator("startup_delay")
-    @classmethod
-    def _check_duration(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_duration(value)
-        return value
 
     def startup_path(self, *, model_cache: ModelCacheSpec | None) -> str:
         """How a new group gets its weights, a key of :data:`STARTUP_DELAYS_S`: ModelExpress's
@@ -629,21 +609,14 @@ class ComputeDomainMode(str, schema.Enum):
 
 
 class MultiNodeSpec(_SpecModel):
-    follower_timeout: str = Field(
+    follower_timeout: Duration = Field(
         default="600s",
-        pattern=DURATION_PATTERN,
         description="How long rank 0 waits for the other ranks' sshd before it fails (the gang restarts).",
     )
     compute_domain: ComputeDomainMode = Field(
         default=ComputeDomainMode.AUTO,
         description="auto: an IMEX ComputeDomain (NVIDIA DRA driver) per group spanning trays of one domain.",
     )
-
-    @field_validator("follower_timeout")
-    @classmethod
-    def _check_duration(cls, value: str) -> str:
-        parse_duration(value)
-        return value
 
     @property
     def follower_timeout_s(self) -> float:
