@@ -92,17 +92,18 @@ async def test_a_gap_in_events_is_healed_from_the_workers_dump(nats_url: str) ->
         dumps += 1
         return dump
 
+    await publisher.serve_dumps(worker_id="fake-engine", dump=answer)
     running = await start_router(_config(["http://127.0.0.1:9"], nats_url, "gap"), router_id="r-gap")
     try:
         radix = running.service.router.radix
         assert radix is not None
         first = KvEvent(event_id=1, data=KvStored(parent_hash=None, blocks=tuple(blocks[:10])))
         third = KvEvent(event_id=3, data=KvStored(parent_hash=hashes[14], blocks=tuple(blocks[15:20])))
+        # NATS keeps nothing: event 1 must not go out before the router's subscriptions are made
+        # (start_router returns after the first connection attempt, which can be slow on a busy box)
+        await eventually(lambda: running.service.metrics.nats_connected._value.get() == 1)
         await publisher.publish(worker_id="fake-engine", epoch=5, events=[first])
         await eventually(lambda: radix.last_event_id("fake-engine") == 1)
-        # answering dumps only now: the router's start-up resync must not hand it the dump (which
-        # already holds event 2) before event 1 arrives, or there would be no gap to heal
-        await publisher.serve_dumps(worker_id="fake-engine", dump=answer)
         await publisher.publish(worker_id="fake-engine", epoch=5, events=[third])
         await eventually(lambda: radix.last_event_id("fake-engine") == 3)
         assert dumps == 1
