@@ -134,7 +134,7 @@ async def test_a_chat_is_predicted_cached_where_the_engine_cached_it(
             http.post(f"{running.url}/v1/chat/completions", json=body) as response,
         ):
             assert response.status == 400
-            error = json.loads(await response.text())
+            error = json.loads(await response.text())["error"]
         assert "Conversation roles must be user or assistant" in error["message"]
         assert error["param"] == "messages"
     finally:

@@ -16,6 +16,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from copse.router.config import parse_config
+from copse.router.frontend import RouterService
 from copse.router.migration import MigrationReason
 from copse.router.server import RunningRouter, start_router
 from copse.router.token_streams import OutputText, StopConditions
@@ -309,3 +310,20 @@ async def test_chat_echo_repeats_the_last_message_of_the_answers_role(
         assert _text(events) == started + generated
     assert "echo" not in fleet.requests[0]
     assert fleet.requests[0]["prompt"] == engine_chat_ids(hf, body)
+
+
+async def test_a_client_gone_mid_stream_aborts_the_request_on_trtllm_serve(fleet: Fleet) -> None:
+    """The router closes its connection to the engine when the client goes, which is what makes
+    ``trtllm-serve`` abort the request and free its slot."""
+    fleet.script.pace_s = 0.05
+    payload = {"model": MODEL, "stream": True, "prompt": PROMPT, "max_tokens": 200}
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(f"{fleet.router.url}/v1/completions", json=payload)
+        assert response.status == 200
+        await response.content.readline()  # the first event arrived: the engine is generating
+        response.close()  # the client goes away mid-stream
+    await eventually(lambda: fleet.script.aborted == [0])
+    service = fleet.router.service
+    assert isinstance(service, RouterService)
+    await eventually(lambda: service.router.sequences.requests.sum() == 0)
+    assert service.clients.clients() == 0

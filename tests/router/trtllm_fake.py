@@ -22,6 +22,7 @@ same tokens, as a real model with greedy sampling would.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -60,6 +61,11 @@ class Script:
     """The next request served (by any engine) drops its connection after this many output chunks."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     """The bodies every engine of the script received, in the order they arrived."""
+    pace_s: float = 0.0
+    """Pause before each output chunk (a real engine's decode step)."""
+    aborted: list[int] = field(default_factory=list)
+    """Requests (their index in ``requests``) aborted because their client went away, as
+    ``trtllm-serve`` aborts a request whose connection closed."""
 
 
 @dataclass
@@ -103,6 +109,7 @@ async def fake_trtllm(script: Script) -> AsyncIterator[FakeTrtllm]:
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        index = len(state.script.requests)
         state.script.requests.append(body)
         unknown = sorted(set(body) - TRTLLM_COMPLETION_FIELDS)
         if unknown:
@@ -151,16 +158,22 @@ async def fake_trtllm(script: Script) -> AsyncIterator[FakeTrtllm]:
                 assert request.transport is not None
                 request.transport.close()
                 return response
-            await response.write(
-                _chunk(
-                    rid,
-                    created,
-                    model,
-                    token_ids=output[known:],
-                    finish_reason=finish,
-                    stop_reason=stop_reason,
+            if script.pace_s:
+                await asyncio.sleep(script.pace_s)
+            try:
+                await response.write(
+                    _chunk(
+                        rid,
+                        created,
+                        model,
+                        token_ids=output[known:],
+                        finish_reason=finish,
+                        stop_reason=stop_reason,
+                    )
                 )
-            )
+            except ConnectionResetError:
+                script.aborted.append(index)
+                return response
         options = body.get("stream_options") or {}
         if options.get("include_usage", True) and body.get("stream_options") is not None:
             usage = {

@@ -156,7 +156,7 @@ async def test_bad_requests_get_400_naming_the_field(body: bytes, param: str | N
     async with mock_fleet() as fleet, httpx.AsyncClient(base_url=fleet.urls[0]) as http:
         reply = await http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
         assert reply.status_code == 400
-        error = reply.json()
+        error = reply.json()["error"]
         assert error["param"] == param
         assert fragment in error["message"].replace("greater than or equal to", ">=")
         assert error["code"] == 400
@@ -177,7 +177,7 @@ async def test_overload_answers_503_with_retry_after() -> None:
                 third = await http.post("/v1/completions", json=body)
                 assert third.status_code == 503
                 assert third.headers["Retry-After"] == "1"
-                assert "queued" in third.json()["message"]
+                assert "queued" in third.json()["error"]["message"]
 
 
 async def test_a_client_that_disconnects_frees_its_blocks() -> None:
@@ -235,7 +235,7 @@ async def test_disaggregated_context_then_generation() -> None:
         prompt = list(range(256, 556))
         wrong = await http.post(f"{prefill.urls[0]}/v1/completions", json={"model": "m", "prompt": prompt})
         assert wrong.status_code == 400
-        assert wrong.json()["param"] == "disaggregated_params"
+        assert wrong.json()["error"]["param"] == "disaggregated_params"
         context = await http.post(
             f"{prefill.urls[0]}/v1/completions",
             json={
@@ -272,7 +272,7 @@ async def test_disaggregated_context_then_generation() -> None:
                 "disaggregated_params": {"request_type": "generation_only"},
             },
         )
-        assert missing.json()["param"] == "disaggregated_params.first_gen_tokens"
+        assert missing.json()["error"]["param"] == "disaggregated_params.first_gen_tokens"
         # A short prompt the router keeps on the decode engine is prefilled there.
         whole = await http.post(f"{decode.urls[0]}/v1/completions", json={"model": "m", "prompt": prompt})
         assert whole.status_code == 200

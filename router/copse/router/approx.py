@@ -62,7 +62,9 @@ class ApproximateIndexer:
         if lru is None:
             lru = self._lru[slot] = OrderedDict()
         anonymous = self._anonymous
-        for _ in range(total_blocks - len(hashes)):
+        # Output blocks beyond the capacity would only evict each other: at most a full cache of
+        # them, so that a request's max_tokens never sizes the router's memory.
+        for _ in range(min(total_blocks - len(hashes), self.capacity(slot))):
             lru[next(anonymous)] = None
         new: list[int] = []
         holds = self.index.holds

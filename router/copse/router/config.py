@@ -7,10 +7,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from copse.router.clients import ClientLimits
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.policies import POLICIES, SelectionSettings
 from copse.workers.files import read_yaml_mapping
 from copse.workers.perf import KvOffload
+from copse.workers.protocol.limits import DEFAULT_CONTEXT_TOKENS, RequestLimits
+from copse.workers.serving import DEFAULT_MAX_BODY_BYTES
 
 
 class ConfigError(ValueError):
@@ -120,10 +123,24 @@ class RouterConfig(_Model):
     """Requests that may wait while every worker is busy; beyond it the router answers 503."""
     block_size: int = Field(default=32, ge=1)
     """Tokens per KV block of the engines (TensorRT-LLM's ``tokens_per_block``)."""
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     """Largest request body the router reads, over HTTP or as an endpoint picker (a larger one gets
     413): long-context and agentic prompts and base64 images run to tens of MB (a 1M-token chat is
     ~5 MB of text)."""
+    max_context_tokens: int = Field(default=DEFAULT_CONTEXT_TOKENS, ge=2)
+    """The engines' context (TensorRT-LLM's ``max_seq_len``): a request whose ``max_tokens``, or
+    prompt plus ``max_tokens``, exceeds it gets a 400 naming it before anything is allocated for it
+    (the operator sets it from ``spec.engine.maxSeqLen``)."""
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    """Bounds on a request's JSON nesting, messages, content parts, texts, stop lists and
+    ``logit_bias`` (each breach a 400 naming the limit)."""
+    clients: ClientLimits = Field(default_factory=ClientLimits)
+    """Per-client bounds (requests, streams), the bytes of bodies held, and the timeouts of slow
+    or absent clients (:mod:`copse.router.clients`)."""
+    api_keys_file: Path | None = None
+    """A file of API keys, one per line (the operator mounts ``spec.router.auth``'s Secret): the
+    OpenAI paths then need ``Authorization: Bearer <key>`` (401 without). Re-read when it changes.
+    An endpoint picker ignores it: there the gateway authenticates."""
     tokenize_inline_bytes: int = Field(default=64 * 1024, ge=0)
     """Request bodies up to this size are tokenized on the event loop (a thread hop costs more than
     encoding them); larger ones on the tokenizer threads, so that other streams keep flowing while a

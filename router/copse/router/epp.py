@@ -65,11 +65,11 @@ from copse.router.service import (
     RoutingService,
     StreamMeter,
     Unavailable,
-    error_body,
     usage_tokens,
 )
 from copse.router.tokens import PromptTokenizer
 from copse.workers.perf import PerfModel
+from copse.workers.protocol.errors import error_body
 
 log = logging.getLogger(__name__)
 

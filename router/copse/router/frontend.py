@@ -42,6 +42,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from copse.router.auth import ApiKeys
+from copse.router.clients import ClientGate, Refused, bearer_token, client_key
 from copse.router.config import RouterConfig
 from copse.router.core import Role, Route
 from copse.router.discovery import Source
@@ -53,13 +55,14 @@ from copse.router.service import (
     RoutingService,
     StreamMeter,
     Unavailable,
-    error_body,
     usage_tokens,
 )
 from copse.router.token_streams import ENGINE_PATH, TokenRelay, relayable
 from copse.router.tokens import HfPromptTokenizer, PromptTokenizer
 from copse.workers.perf import PerfModel
-from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from copse.workers.protocol.errors import as_openai_error, error_body, error_event
+from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from copse.workers.serving import openai_errors
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +76,16 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def error_response(status: int, message: str, *, param: str | None = None) -> web.Response:
-    """An error answer in the workers' (``trtllm-serve``'s) shape."""
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    """An error answer in the one error shape (with ``Retry-After`` on a 429 or 503)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return web.json_response(
         text=error_body(status, message, param=param).decode(), status=status, headers=headers
     )
+
+
+class _ClientGone(ConnectionError):
+    """The client of a stream went away, or stopped reading it for longer than
+    ``clients.write_timeout_s``: its worker request is given up (the engine aborts it)."""
 
 
 class _AttemptFailed(Exception):
@@ -134,6 +142,8 @@ class _ClientStream:
 
     progress: StreamProgress
     arrived: float
+    write_timeout_s: float
+    """Longest one write may wait for the client to read."""
     relay: TokenRelay | None = None
     """Set when the engine streams token ids that the router turns into the client's text."""
     client: web.StreamResponse | None = None
@@ -155,11 +165,17 @@ class _ClientStream:
 
     async def write_lines(self, lines: list[bytes]) -> None:
         """Send ``lines`` (each ending with its newline) to the client in one write: one chunk and
-        one system call for all the events a worker had sent since the last read."""
+        one system call for all the events a worker had sent since the last read. A client gone,
+        or not reading for ``write_timeout_s`` (its socket buffer full), raises :class:`_ClientGone`."""
         if not lines:
             return
         assert self.client is not None
-        await self.client.write(lines[0] if len(lines) == 1 else b"".join(lines))
+        try:
+            await asyncio.wait_for(
+                self.client.write(lines[0] if len(lines) == 1 else b"".join(lines)), self.write_timeout_s
+            )
+        except (ConnectionError, TimeoutError, aiohttp.ClientConnectionResetError) as exc:
+            raise _ClientGone(repr(exc)) from exc
         self.open_event = lines[-1].strip() != b""
 
     async def seal(self) -> None:
@@ -204,7 +220,13 @@ class RouterService(RoutingService):
             use_kv_events=use_kv_events,
             share_load=share_load,
         )
-        self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._openai_errors])
+        self.app = web.Application(
+            client_max_size=config.max_body_bytes,
+            middlewares=[
+                openai_errors(max_body_bytes=config.max_body_bytes, on_error=self._count_error),
+                self._authenticate,
+            ],
+        )
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -218,28 +240,32 @@ class RouterService(RoutingService):
         )
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
+        self.api_keys = None if config.api_keys_file is None else ApiKeys(config.api_keys_file)
+        """The keys ``/v1/`` requests must carry (:mod:`copse.router.auth`); ``None``: no auth."""
+        self.clients = ClientGate(config.clients)
+        """Per-client bounds (:mod:`copse.router.clients`)."""
         self._attempts: set[_Attempt] = set()
         """Requests in flight on workers (what dropping a worker or the silence watchdog abandons)."""
         self.on_worker_removed.append(self._abandon_worker)
 
     @web.middleware
-    async def _openai_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """The errors aiohttp raises (a body over ``max_body_bytes``, an unknown path, a wrong
-        method) in the OpenAI error shape of the router's own."""
-        try:
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """With API keys configured, ``/v1/`` paths need ``Authorization: Bearer <key>`` (probes,
+        metrics and ``/workers`` stay open to the cluster); the key is never logged."""
+        if self.api_keys is None or not request.path.startswith("/v1/"):
             return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            limit = self.config.max_body_bytes
-            message = (
-                f"request body over {limit} bytes (the router's max_body_bytes)"
-                if exc.status == 413
-                else f"{exc.reason}: {request.method} {request.path}"
-            )
-            if request.path in GENERATE_PATHS:
-                self.metrics.requests.labels(status=str(exc.status)).inc()
-            return error_response(exc.status, message)
+        token = bearer_token(request.headers)
+        if token is None or not self.api_keys.accepts(token):
+            self._count_error(request, 401)
+            why = "no API key" if token is None else "an invalid API key"
+            response = error_response(401, f"{why}: send Authorization: Bearer <key>")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return await handler(request)
+
+    def _count_error(self, request: web.Request, status: int) -> None:
+        if request.path in GENERATE_PATHS:
+            self.metrics.requests.labels(status=str(status)).inc()
 
     async def _on_startup(self, _: web.Application) -> None:
         await self.start()
@@ -299,25 +325,74 @@ class RouterService(RoutingService):
         model: type[CompletionRequest] | type[ChatCompletionRequest],
         path: str,
     ) -> web.StreamResponse:
+        """Admit a request under its client's bounds (:mod:`copse.router.clients`), read its body
+        within ``clients.body_timeout_s`` and serve it."""
+        key = client_key(http.headers, peer=http.remote)
+        announced = http.content_length
+        held = self.config.max_body_bytes if announced is None else min(announced, self.config.max_body_bytes)
+        try:
+            self.clients.enter(key, body_bytes=held)
+        except Refused as exc:
+            self.metrics.requests.labels(status="429").inc()
+            return error_response(429, str(exc))
         self.in_flight += 1
         try:
-            return await self._generate(http, model, path)
+            arrived = self.now()
+            try:
+                raw = await asyncio.wait_for(http.read(), self.config.clients.body_timeout_s)
+            except TimeoutError:
+                self.metrics.requests.labels(status="408").inc()
+                limit = self.config.clients.body_timeout_s
+                response = error_response(
+                    408, f"request body not received within {limit:g} s (clients.body_timeout_s)"
+                )
+                response.force_close()
+                return response
+            self.clients.resize(reserved=held, actual=len(raw))
+            held = len(raw)
+            return await self._generate(http, model, path, raw=raw, key=key, arrived=arrived)
         finally:
             self.in_flight -= 1
+            self.clients.leave(key, body_bytes=held)
 
     async def _generate(
         self,
         http: web.Request,
         model: type[CompletionRequest] | type[ChatCompletionRequest],
         path: str,
+        *,
+        raw: bytes,
+        key: str,
+        arrived: float,
     ) -> web.StreamResponse:
-        arrived = self.now()
-        raw = await http.read()
         try:
             prepared = await self.prepare(model, raw)
         except Rejected as exc:
             self.metrics.requests.labels(status=str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param)
+        if not prepared.request.stream:
+            return await self._serve(http, prepared, path=path, raw=raw, arrived=arrived, model=model)
+        try:
+            self.clients.open_stream(key)
+        except Refused as exc:
+            self.metrics.requests.labels(status="429").inc()
+            return error_response(429, str(exc))
+        try:
+            return await self._serve(http, prepared, path=path, raw=raw, arrived=arrived, model=model)
+        finally:
+            self.clients.close_stream(key)
+
+    async def _serve(
+        self,
+        http: web.Request,
+        prepared: Prepared,
+        *,
+        path: str,
+        raw: bytes,
+        arrived: float,
+        model: type[CompletionRequest] | type[ChatCompletionRequest],
+    ) -> web.StreamResponse:
+        """Route a prepared request and answer it, retrying and migrating across workers."""
         request, route_request = prepared.request, prepared.route
         original = prepared.body
         payload, engine_path, relay = original, path, self._token_relay(prepared, original)
@@ -326,7 +401,12 @@ class RouterService(RoutingService):
         stream = None
         if request.stream:
             progress = StreamProgress(prompt=prepared.tokens, requested=request.requested_tokens())
-            stream = _ClientStream(progress=progress, arrived=arrived, relay=relay)
+            stream = _ClientStream(
+                progress=progress,
+                arrived=arrived,
+                relay=relay,
+                write_timeout_s=self.config.clients.write_timeout_s,
+            )
         exclude: set[str] = set()
         retries = 0
         while True:
@@ -348,6 +428,13 @@ class RouterService(RoutingService):
                     stream=stream,
                     raw=raw if payload is original else None,
                 )
+            except _ClientGone as exc:
+                self._finish(route.request_id)
+                log.info("stream %s: client gone (%s); its worker request is aborted", route.request_id, exc)
+                self.metrics.failed_streams.labels(reason="client_gone").inc()
+                assert stream is not None
+                assert stream.client is not None
+                return stream.client
             except _Refused as exc:
                 self._finish(route.request_id)
                 assert stream is not None
@@ -431,8 +518,7 @@ class RouterService(RoutingService):
         assert stream.client is not None
         log.warning("stream ended with an error: %s", message)
         self.metrics.failed_streams.labels(reason=why).inc()
-        error = ErrorResponse(message=message, type="BadGatewayError", code=502)
-        await stream.write(f"data: {json.dumps({'error': error.model_dump()})}\n\n".encode())
+        await stream.write(error_event(502, message))
         return await self._close_stream(stream)
 
     async def _complete_stream(self, stream: _ClientStream) -> web.StreamResponse:
@@ -544,6 +630,8 @@ class RouterService(RoutingService):
                 if upstream.status == 200:
                     self._first_token(route.request_id)
                     self._count_output(usage_tokens(_json_or_none(body)) or 0)
+                else:
+                    body = as_openai_error(body, status=upstream.status)
                 return web.Response(
                     body=body,
                     status=upstream.status,
@@ -560,8 +648,8 @@ class RouterService(RoutingService):
         finally:
             self._attempts.discard(attempt)
             if upstream is not None:
-                if attempt.abandoned is not None:
-                    upstream.close()
+                if attempt.abandoned is not None or not upstream.content.is_eof():
+                    upstream.close()  # trtllm-serve and the mocked engines abort the request
                 else:
                     upstream.release()
 

@@ -164,7 +164,11 @@ async def start_router(
         url = picker.metrics_url or ""
     else:
         assert isinstance(service, RouterService)
-        runner = web.AppRunner(service.app, access_log=None)
+        # aiohttp closes a connection that has not sent a whole request head within
+        # keepalive_timeout of opening (or of its last answer): slow headers hold nothing longer.
+        runner = web.AppRunner(
+            service.app, access_log=None, keepalive_timeout=config.clients.header_timeout_s
+        )
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()

@@ -43,10 +43,10 @@ from copse.router.policies import RouteRequest
 from copse.router.tokens import PromptTokenizer, prompt_tokens
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.hashing import block_hashes
+from copse.workers.protocol.limits import check_context
 from copse.workers.protocol.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     RequestError,
     parse_request_object,
 )
@@ -58,24 +58,6 @@ GENERATE_PATHS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]]
     "/v1/chat/completions": ChatCompletionRequest,
 }
 """The OpenAI paths the router routes by prompt, and the request model of each."""
-
-
-ERROR_KINDS = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestTooLargeError",
-    429: "RateLimitError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-}
-"""OpenAI error ``type`` of each HTTP status the router answers with."""
-
-
-def error_body(status: int, message: str, *, param: str | None = None) -> bytes:
-    """An error answer's JSON body in the workers' (``trtllm-serve``'s, OpenAI's) shape."""
-    body = ErrorResponse(message=message, type=ERROR_KINDS.get(status, "Error"), param=param, code=status)
-    return body.model_dump_json().encode()
 
 
 class Unavailable(Exception):
@@ -512,8 +494,10 @@ class RoutingService:
         a malformed request, 404 for a model not served here). A body over
         ``tokenize_inline_bytes`` is tokenized on the tokenizer threads (``tokenizers`` releases the
         GIL while it encodes), so that a multi-megabyte prompt does not stall every other stream."""
+        limits, context = self.config.limits, self.config.max_context_tokens
         try:
-            request, body = parse_request_object(model, raw)
+            request, body = parse_request_object(model, raw, limits=limits)
+            check_context(prompt_tokens=None, max_tokens=request.asked_tokens(), context=context)
         except RequestError as exc:
             raise Rejected(400, exc.message, param=exc.param) from exc
         if request.model != self.config.model:
@@ -532,7 +516,12 @@ class RoutingService:
             raise Rejected(400, exc.message, param=exc.param) from exc
         if not tokens:
             raise Rejected(400, "prompt holds no tokens", param="prompt")
-        route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=request.requested_tokens())
+        try:
+            check_context(prompt_tokens=len(tokens), max_tokens=request.asked_tokens(), context=context)
+        except RequestError as exc:
+            raise Rejected(400, exc.message, param=exc.param) from exc
+        expected = min(request.requested_tokens(), context - len(tokens))
+        route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=expected)
         return Prepared(request=request, body=body, tokens=tokens, route=route)
 
     def route_request(self, request_id: str, tokens: list[int], *, max_tokens: int) -> RouteRequest:

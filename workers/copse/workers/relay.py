@@ -453,7 +453,7 @@ async def run_relay(
                     reply = await http.post(url)
                     reply.raise_for_status()
                     events = _event_list(reply.content)
-                except (httpx.HTTPError, ValueError) as exc:
+                except (httpx.HTTPError, ValueError, RecursionError) as exc:  # a body nested too deep
                     relay.poll_errors.inc()
                     log.warning("polling %s failed: %s", url, exc)
                     if isinstance(exc, httpx.ConnectError):

@@ -15,7 +15,8 @@ Per engine (one port each):
 ``POST /reset_prefix_cache``   drop the cache (emits ``cleared``); 409 while requests hold blocks
 =============================  ================================================================
 
-Errors: 400 with :class:`~copse.workers.protocol.openai_api.ErrorResponse` naming the field;
+Errors, in the one error shape (:mod:`copse.workers.protocol.errors`): 400 naming the field or the
+limit (:mod:`copse.workers.protocol.limits`); 413 for a body over 64 MiB;
 503 with ``Retry-After`` when the engine's queue is full. A client that disconnects (or stops
 reading a stream) has its request aborted and its blocks freed.
 
@@ -64,7 +65,6 @@ from copse.workers.protocol.openai_api import (
     CompletionStreamResponse,
     DeltaMessage,
     DisaggregatedParams,
-    ErrorResponse,
     PromptTokensDetails,
     RequestError,
     UsageInfo,
@@ -73,6 +73,7 @@ from copse.workers.protocol.openai_api import (
     parse_request,
 )
 from copse.workers.protocol.tokenizer import chat_tokens, encode, token_text
+from copse.workers.serving import DEFAULT_MAX_BODY_BYTES, error_response, openai_errors
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +88,7 @@ RETRY_AFTER_S = 1
 def _error(
     status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
 ) -> web.Response:
-    kind = {
-        400: "BadRequestError",
-        404: "NotFoundError",
-        409: "ConflictError",
-        503: "ServiceUnavailableError",
-    }
-    body = ErrorResponse(message=message, type=kind.get(status, "Error"), param=param, code=status)
-    return web.json_response(text=body.model_dump_json(), status=status, headers=headers)
+    return error_response(status, message, param=param, headers=headers)
 
 
 def _json(model: BaseModel) -> web.Response:
@@ -121,6 +115,7 @@ class EngineServer:
         model_name: str,
         clock: Clock,
         publisher: KvEventPublisher | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -135,8 +130,11 @@ class EngineServer:
         self._work = asyncio.Event()
         self._ids = itertools.count(1)
         self._loop_task: asyncio.Task[None] | None = None
-        # No request size limit, as trtllm-serve (uvicorn) has none.
-        self.app = web.Application(client_max_size=0)
+        # trtllm-serve (uvicorn) has no body limit; a mocked engine keeps the router's, so that no
+        # client-chosen size makes it allocate without bound.
+        self.app = web.Application(
+            client_max_size=max_body_bytes, middlewares=[openai_errors(max_body_bytes=max_body_bytes)]
+        )
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),

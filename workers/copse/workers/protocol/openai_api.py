@@ -24,19 +24,21 @@ import time
 import uuid
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from copse.workers.protocol.errors import ErrorResponse, RequestError
+from copse.workers.protocol.limits import DEFAULT_LIMITS, RequestLimits, check_depth, check_request_limits
+
+__all__ = ["ErrorResponse", "RequestError"]
 
 DEFAULT_MAX_TOKENS = 32
-"""Output length when a request sets none (TensorRT-LLM's ``SamplingParams`` default)."""
+"""Output length when a request sets none: TensorRT-LLM's ``SamplingParams`` default, what the
+mocked engines generate and what the router predicts (``trtllm-serve`` itself generates up to the
+rest of the context, ``max_seq_len`` minus the prompt, or until the model stops)."""
 
-
-class RequestError(ValueError):
-    """A request that cannot be served as sent (HTTP 400); ``param`` names the field when known."""
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+"""Chat roles accepted: OpenAI's (``function`` is its deprecated form of ``tool``). ``trtllm-serve``
+types a message's role as any string and hands it to the chat template, whose models know these."""
 
 
 class _Request(BaseModel):
@@ -55,6 +57,30 @@ def _token_ids(value: object, *, field: str) -> list[int]:
             raise ValueError(f"{field}[{i}] must be an integer token id, got {token!r}")
         if not 0 <= token < 2**32:
             raise ValueError(f"{field}[{i}] must lie in [0, 2**32), got {token}")
+    return value
+
+
+_UNHONOURED: dict[str, tuple[Any, str]] = {
+    "best_of": (lambda v: v in (None, 1), "copse returns one sequence per request (best_of 1)"),
+    "use_beam_search": (lambda v: not v, "beam search is not supported by copse"),
+    "response_format": (
+        lambda v: v is None or v.get("type") == "text",
+        "structured output (json_object, json_schema) is not supported by copse; use type 'text'",
+    ),
+    "prompt_logprobs": (lambda v: not v, "logprobs are not supported by copse"),
+    "top_logprobs": (lambda v: not v, "logprobs are not supported by copse"),
+    "tools": (lambda v: not v, "tool calling is not supported by copse"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported by copse"),
+}
+"""Fields ``trtllm-serve`` accepts whose other values copse cannot honour: the values allowed, and
+why the others are refused (a 400 naming the field, rather than an answer that ignores them)."""
+
+
+def _refuse_unhonoured(field: str | None, value: Any) -> Any:
+    assert field is not None
+    allowed, why = _UNHONOURED[field]
+    if not allowed(value):
+        raise ValueError(why)
     return value
 
 
@@ -118,6 +144,20 @@ class _GenerationRequest(_Request):
     add_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     disaggregated_params: DisaggregatedParams | None = None
+    best_of: int | None = None
+    """Accepted as 1 (or null) only: copse streams one sequence per request."""
+    use_beam_search: bool = False
+    """Accepted as false only: beam search returns several sequences."""
+    response_format: dict[str, Any] | None = None
+    """Accepted as ``{"type": "text"}`` (or null) only: structured output needs the engine's
+    guided decoding, which the token-id requests the router sends cannot ask for."""
+    prompt_logprobs: int | None = None
+    """Accepted as 0 (or null) only, like ``logprobs``."""
+
+    @field_validator("best_of", "use_beam_search", "response_format", "prompt_logprobs", mode="after")
+    @classmethod
+    def _honoured(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unhonoured(info.field_name, value)
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -133,9 +173,14 @@ class _GenerationRequest(_Request):
     def _check_stop_token_ids(cls, value: object) -> list[int] | None:
         return None if value is None else _token_ids(value, field="stop_token_ids")
 
+    def asked_tokens(self) -> int | None:
+        """The output length the request sets, if it sets one."""
+        return self.max_tokens
+
     def requested_tokens(self) -> int:
         """Tokens to generate (``max_tokens`` or the default)."""
-        return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
+        asked = self.asked_tokens()
+        return asked if asked is not None else DEFAULT_MAX_TOKENS
 
 
 class CompletionRequest(_GenerationRequest):
@@ -193,6 +238,13 @@ class ChatMessage(BaseModel):
     role: str = Field(min_length=1)
     content: str | list[TextPart] | None = None
 
+    @field_validator("role", mode="after")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(sorted(ROLES))}")
+        return value
+
     @field_validator("content", mode="plain")
     @classmethod
     def _check_content(cls, value: object) -> str | list[TextPart] | None:
@@ -202,12 +254,14 @@ class ChatMessage(BaseModel):
             raise ValueError(f"content must be a string or a list of text parts, got {type(value).__name__}")
         parts = []
         for i, part in enumerate(value):
-            if not (
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            ):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
                 raise ValueError(
-                    f"content[{i}] must be {{'type': 'text', 'text': <string>}} (only text is supported)"
+                    f"content[{i}]: parts of type {kind[:40]!r} are not supported by copse, which "
+                    "routes by the prompt's tokens and tokenizes text only (send type 'text')"
                 )
+            if not (isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"content[{i}] must be {{'type': 'text', 'text': <string>}}")
             parts.append(TextPart(type="text", text=part["text"]))
         return parts
 
@@ -247,6 +301,16 @@ class ChatCompletionRequest(_GenerationRequest):
     """Extra variables for the chat template (they override the special tokens of the same name)."""
     documents: list[dict[str, str]] | None = None
     """Documents the template may render (retrieval-augmented generation)."""
+    tools: list[dict[str, Any]] | None = None
+    """Accepted empty (or null) only: tool calling needs the tools rendered by the chat template
+    and the calls parsed from the output, neither of which copse does."""
+    tool_choice: str | dict[str, Any] | None = None
+    """Accepted as ``"none"`` (or null) only, as ``tools``."""
+
+    @field_validator("tools", "tool_choice", "top_logprobs", mode="after")
+    @classmethod
+    def _honoured_in_chat(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unhonoured(info.field_name, value)
 
     @field_validator("logprobs", mode="after")
     @classmethod
@@ -269,10 +333,10 @@ class ChatCompletionRequest(_GenerationRequest):
         """``(role, text)`` of every message, as a chat template renders them."""
         return [(message.role, message.text()) for message in self.messages]
 
-    def requested_tokens(self) -> int:
+    def asked_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
-        return super().requested_tokens()
+        return self.max_tokens
 
 
 _RequestT = TypeVar("_RequestT", bound=_Request)
@@ -299,20 +363,30 @@ def _describe(error: Any) -> tuple[str, str]:
     return path, f"{path}: {message} (got {got})" if path else message
 
 
-def parse_request(model: type[_RequestT], body: bytes) -> _RequestT:
-    """Validate a raw JSON body; raises :class:`RequestError` naming the first bad field."""
-    return parse_request_object(model, body)[0]
+def parse_request(
+    model: type[_RequestT], body: bytes, *, limits: RequestLimits = DEFAULT_LIMITS
+) -> _RequestT:
+    """Validate a raw JSON body; raises :class:`RequestError` naming the first bad field or the
+    limit (:mod:`copse.workers.protocol.limits`) it breaks."""
+    return parse_request_object(model, body, limits=limits)[0]
 
 
-def parse_request_object(model: type[_RequestT], body: bytes) -> tuple[_RequestT, dict[str, Any]]:
+def parse_request_object(
+    model: type[_RequestT], body: bytes, *, limits: RequestLimits = DEFAULT_LIMITS
+) -> tuple[_RequestT, dict[str, Any]]:
     """:func:`parse_request`, also returning the JSON object the body holds (for a proxy that
-    forwards it: one decode of a long prompt instead of two)."""
+    forwards it: one decode of a long prompt instead of two). The body's nesting and size of each
+    part are checked before the JSON is decoded and before the request model is built."""
+    check_depth(body, limits)
     try:
         raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # max_json_depth above the parser's recursion limit
+        raise RequestError("request body is nested deeper than the JSON parser allows") from exc
     if not isinstance(raw, dict):
         raise RequestError(f"request body must be a JSON object, got {type(raw).__name__}")
+    check_request_limits(raw, limits)
     if raw.get("stream_options") is not None and not raw.get("stream"):
         raise RequestError("stream_options: only allowed when stream is true", param="stream_options")
     try:
@@ -327,16 +401,6 @@ def parse_request_object(model: type[_RequestT], body: bytes) -> tuple[_RequestT
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class ErrorResponse(_Response):
-    """Body of a 4xx/5xx answer (``trtllm-serve``'s shape)."""
-
-    object: Literal["error"] = "error"
-    message: str
-    type: str
-    param: str | None = None
-    code: int
 
 
 class PromptTokensDetails(_Response):

@@ -1,0 +1,206 @@
+"""Bounds on what one request may ask for, checked before anything is allocated for it.
+
+Every server that reads OpenAI requests (the router over HTTP and as an endpoint picker, the
+mocked engines) checks the same limits, so that no number or size a client chooses makes a
+process allocate in proportion to it:
+
+- the body: its size (the HTTP layer's ``max_body_bytes``) and its JSON nesting depth, measured
+  on the raw bytes before the JSON parser (whose recursion would otherwise fail deep inside);
+- the request: messages, content parts, the length of each text, stop strings, ``logit_bias``
+  entries and stop token ids (:func:`check_request_limits`);
+- the context: ``max_tokens`` alone (before tokenizing) and prompt plus ``max_tokens`` (after)
+  against the model's context (:func:`check_context`).
+
+Each breach is a :class:`~copse.workers.protocol.openai_api.RequestError` (HTTP 400) whose message
+names the limit, its value and the setting that changes it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from copse.workers.protocol.errors import RequestError
+
+DEFAULT_CONTEXT_TOKENS = 131072
+"""Context of the engines when nothing says otherwise (Llama 3.x, and the mocker's default)."""
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+"""A JSON string literal (its brackets are not structure)."""
+
+_OPEN = np.zeros(256, dtype=np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_OPEN[[ord("]"), ord("}")]] = -1
+
+
+class RequestLimits(BaseModel):
+    """What one request may hold; the defaults admit every real chat and prompt (a 1M-token
+    context is ~5 MB of text) and stop what only an attack or a bug would send."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_json_depth: int = Field(default=64, ge=4)
+    """Deepest nesting of arrays and objects in a body: an OpenAI request needs about 6 (a chat
+    with tool schemas a dozen or two); thousands only exhaust the parser's recursion."""
+    max_json_containers: int = Field(default=100_000, ge=16)
+    """Arrays and objects in a body: each costs the parser ~100 bytes of memory for 2 bytes of
+    body (``[{},{},...]``), so their count, not the body size, bounds what parsing holds."""
+    max_messages: int = Field(default=16384, ge=1)
+    """Messages in one chat: far beyond any conversation that fits a context window."""
+    max_content_parts: int = Field(default=4096, ge=1)
+    """Content parts in one message."""
+    max_string_chars: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Characters in one text (a prompt, a message's content or text part): 16 Mi characters is
+    several million tokens, more than any context."""
+    max_stop: int = Field(default=64, ge=1)
+    """Stop strings (and, separately, stop token ids) in one request: each is matched against every
+    output token, so the count is per-token work."""
+    max_stop_chars: int = Field(default=4096, ge=1)
+    """Characters in one stop string."""
+    max_logit_bias: int = Field(default=1024, ge=1)
+    """Entries of ``logit_bias``."""
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def json_shape(body: bytes) -> tuple[int, int]:
+    """The deepest nesting of arrays and objects in a JSON text and how many there are, counted on
+    the bytes (string literals, which may hold brackets, are skipped) with C loops, whatever the
+    text's size."""
+    structure = _STRINGS.sub(b"", body)
+    if not structure:
+        return 0, 0
+    steps = _OPEN[np.frombuffer(structure, dtype=np.uint8)]
+    opened = int(np.count_nonzero(steps == 1))
+    if not opened:
+        return 0, 0
+    return int(np.cumsum(steps, dtype=np.int64).max()), opened
+
+
+def check_depth(body: bytes, limits: RequestLimits) -> None:
+    """Raise :class:`RequestError` for a body nested deeper than ``limits.max_json_depth`` or
+    holding more than ``limits.max_json_containers`` arrays and objects (before it is parsed)."""
+    depth, containers = json_shape(body)
+    if depth > limits.max_json_depth:
+        raise RequestError(
+            f"request body is nested {depth} levels deep, more than the limit of "
+            f"{limits.max_json_depth} (max_json_depth)"
+        )
+    if containers > limits.max_json_containers:
+        raise over(
+            "arrays and objects in the request body",
+            count=containers,
+            limit=limits.max_json_containers,
+            setting="max_json_containers",
+            param="",
+        )
+
+
+def check_request_limits(raw: dict[str, Any], limits: RequestLimits) -> None:
+    """Raise :class:`RequestError` for a parsed request body holding more than ``limits`` allow
+    (before the request model is built from it). Values of the wrong type are left to the model's
+    validation, which names them."""
+    _check_text(raw.get("prompt"), limits, param="prompt")
+    messages = raw.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > limits.max_messages:
+            raise over(
+                "messages",
+                count=len(messages),
+                limit=limits.max_messages,
+                setting="max_messages",
+                param="messages",
+            )
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            where = f"messages[{i}].content"
+            if isinstance(content, list):
+                if len(content) > limits.max_content_parts:
+                    raise over(
+                        "content parts",
+                        count=len(content),
+                        limit=limits.max_content_parts,
+                        setting="max_content_parts",
+                        param=where,
+                    )
+                for j, part in enumerate(content):
+                    if isinstance(part, dict):
+                        _check_text(part.get("text"), limits, param=f"{where}[{j}].text")
+            else:
+                _check_text(content, limits, param=where)
+    stop = raw.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > limits.max_stop:
+        raise over("stop strings", count=len(stops), limit=limits.max_stop, setting="max_stop", param="stop")
+    for i, text in enumerate(stops):
+        if isinstance(text, str) and len(text) > limits.max_stop_chars:
+            raise over(
+                "characters in a stop string",
+                count=len(text),
+                limit=limits.max_stop_chars,
+                setting="max_stop_chars",
+                param=f"stop[{i}]",
+            )
+    ids = raw.get("stop_token_ids")
+    if isinstance(ids, list) and len(ids) > limits.max_stop:
+        raise over(
+            "stop token ids",
+            count=len(ids),
+            limit=limits.max_stop,
+            setting="max_stop",
+            param="stop_token_ids",
+        )
+    bias = raw.get("logit_bias")
+    if isinstance(bias, dict) and len(bias) > limits.max_logit_bias:
+        raise over(
+            "logit_bias entries",
+            count=len(bias),
+            limit=limits.max_logit_bias,
+            setting="max_logit_bias",
+            param="logit_bias",
+        )
+
+
+def _check_text(value: object, limits: RequestLimits, *, param: str) -> None:
+    if isinstance(value, str) and len(value) > limits.max_string_chars:
+        raise over(
+            "characters",
+            count=len(value),
+            limit=limits.max_string_chars,
+            setting="max_string_chars",
+            param=param,
+        )
+
+
+def over(what: str, *, count: int, limit: int, setting: str, param: str) -> RequestError:
+    """The error of a count over its limit."""
+    return RequestError(f"{what}: {count}, more than the limit of {limit} ({setting})", param=param or None)
+
+
+def check_context(*, prompt_tokens: int | None, max_tokens: int | None, context: int) -> None:
+    """Raise :class:`RequestError` when a request cannot fit the model's context: ``max_tokens``
+    alone (``prompt_tokens`` None: before tokenizing) or prompt plus ``max_tokens``. A request
+    without ``max_tokens`` only needs its prompt to fit, leaving at least one token of room."""
+    if max_tokens is not None and max_tokens >= context:
+        raise RequestError(
+            f"max_tokens ({max_tokens}) leaves no room for a prompt in this model's context of "
+            f"{context} tokens",
+            param="max_tokens",
+        )
+    if prompt_tokens is None:
+        return
+    if prompt_tokens >= context:
+        raise RequestError(
+            f"prompt has {prompt_tokens} tokens; this model's context is {context} tokens",
+            param="prompt",
+        )
+    if max_tokens is not None and prompt_tokens + max_tokens > context:
+        raise RequestError(
+            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {context} tokens",
+            param="max_tokens",
+        )
