@@ -626,3 +626,37 @@ def test_modelexpress_cold_start_runs_its_server_and_loads_through_it() -> None:
     assert "checkpoint_format" not in yaml.safe_load(children.engine_configmap(plain)["data"]["worker.yaml"])
     [plain_pod] = children.worker_pods(plain, ONE_NODE, cold_start_source=None)
     assert not any(item["name"].startswith("MX_") for item in plain_pod["spec"]["containers"][0]["env"])
+
+
+def test_the_context_and_api_keys_reach_the_router_the_engines_and_the_mocker() -> None:
+    deployment = make_deployment(
+        replicas=1,
+        engine={"maxSeqLen": 32768},
+        router={
+            "tokenizer": {"configMap": "t"},
+            "kvCapacityTokens": 10**6,
+            "auth": {"secretName": "llama-keys"},
+        },
+    )
+    pod, raw = _router(deployment)
+    config = RouterConfig.model_validate(raw)
+    assert config.max_context_tokens == 32768
+    assert str(config.api_keys_file) == f"{children.API_KEYS_DIR}/api-keys"
+    assert {"name": "api-keys", "secret": {"secretName": "llama-keys"}} in pod["volumes"]
+    [container] = pod["containers"]
+    assert {"name": "api-keys", "mountPath": children.API_KEYS_DIR, "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    assert "llama-keys" not in json.dumps(container)  # mounted as a file, never in the environment
+    assert all(engine["max_seq_len"] == 32768 for engine in children.engine_configs(deployment).values())
+    mock = make_deployment(replicas=1, engine={"backend": "mock", "maxSeqLen": 4096})
+    command = children._engine_command(mock, ONE_NODE, rank=0)
+    assert command[command.index("--max-model-len") + 1] == "4096"
+    _, raw = _router(mock)
+    assert raw["max_context_tokens"] == 4096
+    from_extra = make_deployment(replicas=1, engine={"extraConfig": {"max_seq_len": 8192}})
+    assert _router(from_extra)[1]["max_context_tokens"] == 8192
+    epp = make_deployment(replicas=1, router={"mode": "epp", "auth": {"secretName": "k"}})
+    pod, raw = _router(epp)
+    assert "api_keys_file" not in raw  # the gateway authenticates
+    assert "api-keys" not in {volume["name"] for volume in pod["volumes"]}

@@ -641,6 +641,12 @@ class EngineSpec(_SpecModel):
         default=8192, ge=1, description="Token budget of one engine step (chunked prefill)."
     )
     max_num_sequences: int = Field(default=256, ge=1, description="Most sequences batched in one step.")
+    max_seq_len: Nullable[PositiveInt] = Field(
+        default=None,
+        description="The engines' context: prompt plus output tokens (TensorRT-LLM's max_seq_len); "
+        "the router answers 400 to a request that cannot fit it. Unset: the engine's own "
+        "(the model's) for TensorRT-LLM, 131072 for the mocker and the router.",
+    )
     kv_cache_free_gpu_memory_fraction: float = Field(
         default=0.9, gt=0, le=1, description="Share of free GPU memory the engine gives to the KV cache."
     )
@@ -715,6 +721,20 @@ class TokenizerSource(_SpecModel):
         return self
 
 
+class RouterAuth(_SpecModel):
+    secret_name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Secret in the deployment's namespace holding the API keys, one per line; the router "
+        "re-reads it when it changes.",
+    )
+    key: str = Field(
+        default="api-keys",
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key of the Secret's data holding the keys.",
+    )
+
+
 class PerfProfileSource(_SpecModel):
     config_map: str = Field(
         min_length=1, description="ConfigMap holding the profile (binaryData for NPZ, data for JSON)."
@@ -765,6 +785,11 @@ class RouterSpec(_SpecModel):
         default=None,
         description="KV cache of one engine in tokens (TensorRT-LLM logs it at start-up), for busy "
         "thresholds and the latency model; required for trtllm unless the perf profile carries it.",
+    )
+    auth: Nullable[RouterAuth] = Field(
+        default=None,
+        description="API keys the OpenAI paths require (Authorization: Bearer <key>; 401 without) in "
+        "http mode; unset: no authentication. In epp mode the gateway authenticates.",
     )
 
 

@@ -52,6 +52,7 @@ ENGINE_CONFIG_DIR = "/etc/copse/engine"
 ROUTER_CONFIG_DIR = "/etc/copse/router"
 TOKENIZER_DIR = "/var/lib/copse/tokenizer"
 PERF_PROFILE_DIR = "/etc/copse/perf-profile"
+API_KEYS_DIR = "/etc/copse/api-keys"
 MODELEXPRESS_PORT = 8001
 """The ModelExpress server's gRPC port (its default, ``MODEL_EXPRESS_SERVER_PORT``)."""
 MODELEXPRESS_METRICS_PORT = 9401
@@ -207,6 +208,7 @@ def _engine_command(deployment: InferenceDeployment, layout: GroupLayout, *, ran
             if spec.model.kv_bytes_per_token
             else []
         )
+        context = ["--max-model-len", str(engine.max_seq_len)] if engine.max_seq_len else []
         leader = names.pod_name(names.group_name(deployment.metadata.name, layout.role, layout.replica), 0)
         gpus = pool.tensor_parallelism * pool.pipeline_parallelism
         return [
@@ -229,6 +231,7 @@ def _engine_command(deployment: InferenceDeployment, layout: GroupLayout, *, ran
             *_mock_offload(deployment, gpus=gpus),
             *capacity,
             *kv_bytes,
+            *context,
             *engine.args,
         ]  # fmt: skip
     serve = [
@@ -807,8 +810,10 @@ def engine_configs(deployment: InferenceDeployment) -> dict[Role, dict[str, Any]
         # TensorRT-LLM's native ModelExpress loader: weights from a serving group over NIXL, else
         # from storage, then published for the next group (ModelExpress's TensorRT-LLM example).
         loader = {"checkpoint_format": "MX", "mx_config": {"server_url": modelexpress_address(deployment)}}
+    context = {"max_seq_len": engine.max_seq_len} if engine.max_seq_len is not None else {}
     base: dict[str, Any] = {
         **loader,
+        **context,
         "kv_cache_config": kv_cache,
         "enable_chunked_prefill": True,
         "return_perf_metrics": True,
@@ -941,6 +946,11 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
     }
     if router.kv_capacity_tokens is not None:
         config["kv_capacity_tokens"] = router.kv_capacity_tokens
+    context = spec.engine.max_seq_len or spec.engine.extra_config.get("max_seq_len")
+    if isinstance(context, int) and not isinstance(context, bool) and context > 1:
+        config["max_context_tokens"] = context
+    if router.auth is not None and router.mode is RouterMode.HTTP:
+        config["api_keys_file"] = f"{API_KEYS_DIR}/{router.auth.key}"
     if spec.model.kv_bytes_per_token is not None:
         config["kv_transfer"] = {"kv_bytes_per_token": spec.model.kv_bytes_per_token}
     offload = spec.engine.kv_cache_offload
@@ -999,8 +1009,8 @@ def inference_pool(deployment: InferenceDeployment) -> dict[str, Any]:
 
 def router_volumes(deployment: InferenceDeployment) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(volumes, mounts)`` of the router pod beyond its config: the tokenizer's volume (a
-    ConfigMap, or the user's volume source such as the model-cache claim) and the perf profile's
-    ConfigMap, read-only."""
+    ConfigMap, or the user's volume source such as the model-cache claim), the perf profile's
+    ConfigMap and the API keys' Secret (``spec.router.auth``, http mode), read-only."""
     router = deployment.spec.router
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
@@ -1015,6 +1025,11 @@ def router_volumes(deployment: InferenceDeployment) -> tuple[list[dict[str, Any]
     if router.perf_profile is not None:
         volumes.append({"name": "perf-profile", "configMap": {"name": router.perf_profile.config_map}})
         mounts.append({"name": "perf-profile", "mountPath": PERF_PROFILE_DIR, "readOnly": True})
+    if router.auth is not None and router.mode is RouterMode.HTTP:
+        # A mounted Secret (not an environment variable): updates reach the file, and the keys
+        # never appear in the pod spec or a process listing.
+        volumes.append({"name": "api-keys", "secret": {"secretName": router.auth.secret_name}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     return volumes, mounts
 
 
