@@ -30,7 +30,7 @@ def _error(
 
 
 def test_a_body_nested_5000_deep_is_a_400_naming_the_limit() -> None:
-    with pytest.raises(RequestError, match=r"nested 5000 levels deep.*max_json_depth"):
+    with pytest.raises(RequestError, match=r"nested more than 64 levels deep .max_json_depth"):
         parse_request(ChatCompletionRequest, b"[" * 5000 + b"]" * 5000)
     inside = {**CHAT, "chat_template_kwargs": {"x": json.loads("[" * 100 + "]" * 100)}}
     assert "max_json_depth" in _error(ChatCompletionRequest, inside).message

@@ -67,8 +67,9 @@ class ClientLimits(BaseModel):
     """Longest a client may take to send a request's body; a slower one gets 408 and its
     connection is closed."""
     header_timeout_s: float = Field(default=10.0, gt=0)
-    """Longest a connection may stay open without sending a whole request head (slow headers):
-    it is then closed."""
+    """Longest a connection may stay open without sending a whole request head (slow headers, or
+    an idle keep-alive connection): it is then closed. Keep it above clients' keep-alive expiry
+    (httpx, under the ``openai`` client: 5 s), or a client may send on a connection being closed."""
     write_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a write to a client may wait for it to read (a client that stops reading its
     stream): the stream is then ended and its engine request aborted."""

@@ -329,6 +329,8 @@ class RouterService(RoutingService):
         within ``clients.body_timeout_s`` and serve it."""
         key = client_key(http.headers, peer=http.remote)
         announced = http.content_length
+        if announced is not None and announced > self.config.max_body_bytes:  # refused unread
+            raise web.HTTPRequestEntityTooLarge(max_size=self.config.max_body_bytes, actual_size=announced)
         held = self.config.max_body_bytes if announced is None else min(announced, self.config.max_body_bytes)
         try:
             self.clients.enter(key, body_bytes=held)
@@ -340,6 +342,10 @@ class RouterService(RoutingService):
             arrived = self.now()
             try:
                 raw = await asyncio.wait_for(http.read(), self.config.clients.body_timeout_s)
+            except ConnectionError:  # the client went away mid-body: nobody to answer
+                response = error_response(400, "connection lost while reading the request body")
+                response.force_close()
+                return response
             except TimeoutError:
                 self.metrics.requests.labels(status="408").inc()
                 limit = self.config.clients.body_timeout_s

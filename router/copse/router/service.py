@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -495,8 +496,15 @@ class RoutingService:
         ``tokenize_inline_bytes`` is tokenized on the tokenizer threads (``tokenizers`` releases the
         GIL while it encodes), so that a multi-megabyte prompt does not stall every other stream."""
         limits, context = self.config.limits, self.config.max_context_tokens
+        inline = len(raw) <= self.config.tokenize_inline_bytes
+        loop = asyncio.get_running_loop()
         try:
-            request, body = parse_request_object(model, raw, limits=limits)
+            if inline:
+                request, body = parse_request_object(model, raw, limits=limits)
+            else:  # megabytes of JSON: scanned and decoded on a tokenizer thread, the loop serves on
+                request, body = await loop.run_in_executor(
+                    self._tokenize_pool, functools.partial(parse_request_object, model, raw, limits=limits)
+                )
             check_context(prompt_tokens=None, max_tokens=request.asked_tokens(), context=context)
         except RequestError as exc:
             raise Rejected(400, exc.message, param=exc.param) from exc
@@ -505,10 +513,9 @@ class RoutingService:
             message = f"model {request.model!r} is not served here (GET /v1/models lists {served!r})"
             raise Rejected(404, message, param="model")
         try:
-            if len(raw) <= self.config.tokenize_inline_bytes:
+            if inline:
                 tokens = prompt_tokens(request, self.tokenizer)
             else:
-                loop = asyncio.get_running_loop()
                 tokens = await loop.run_in_executor(
                     self._tokenize_pool, prompt_tokens, request, self.tokenizer
                 )
