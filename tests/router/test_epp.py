@@ -275,6 +275,19 @@ async def test_hermetic_table() -> None:
             assert (status, kind) == (400, "BadRequestError")
             assert "model" in message
 
+            # The reported failures of issue 23, as the HTTP frontend answers them.
+            huge = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**12}).encode()
+            alien = json.dumps({"model": MODEL, "messages": [{"role": "alien", "content": "x"}]}).encode()
+            for path, bad, fragment in (
+                ("/v1/completions", huge, "context of"),
+                ("/v1/completions", b"[" * 5000 + b"]" * 5000, "max_json_depth"),
+                ("/v1/chat/completions", alien, "role must be one of"),
+            ):
+                got = await _exchange(picker, [request_headers(path), *request_body(bad)])
+                status, kind, message = _rejection(got)
+                assert (status, kind) == (400, "BadRequestError")
+                assert fragment in message
+
             # Another model: 404, as the HTTP frontend answers.
             other = json.dumps({"model": "other", "prompt": "x", "max_tokens": 1}).encode()
             got = await _exchange(picker, [request_headers(), *request_body(other)])

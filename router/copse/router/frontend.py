@@ -157,7 +157,10 @@ class _ClientStream:
     async def open(self, http: web.Request, held: list[bytes]) -> None:
         """Start the client's answer with the lines held back so far."""
         self.client = web.StreamResponse(headers=_SSE_HEADERS)
-        await self.client.prepare(http)
+        try:
+            await self.client.prepare(http)
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+            raise _ClientGone(repr(exc)) from exc
         await self.write_lines(held)
 
     async def write(self, line: bytes) -> None:

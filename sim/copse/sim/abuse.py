@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import multiprocessing
+import multiprocessing.queues
 import os
 import random
 import signal
@@ -32,6 +34,9 @@ import yaml
 from copse.workers.testing import free_port
 
 MODEL = "mock-model"
+ABUSES = ("malformed", "malformed", "huge", "slow", "abandoned")
+"""The abusive requests, drawn at random (malformed ones twice as often)."""
+MIB = 1024 * 1024
 GOOD_CHAT = [{"role": "user", "content": "Say something about trees."}]
 
 
@@ -206,29 +211,35 @@ async def _good_stream(http: aiohttp.ClientSession, url: str, *, client: int, ma
         return repr(exc)
 
 
-def _malformed(rng: random.Random) -> bytes:
-    """A body a client should get a 4xx for."""
-    choices: list[bytes] = [
-        rng.randbytes(rng.randint(1, 2000)),
+def malformed_bodies() -> list[bytes]:
+    """Bodies a client should get a 4xx for (built once: some are megabytes, and building them per
+    request would load the soak's own event loop, which also runs the good clients)."""
+    chat = {"model": MODEL, "messages": GOOD_CHAT}
+    return [
         b"{" * 5000,
         b"[" * 5000 + b"]" * 5000,
         b'{"model": "mock-model", "messages": [{"role": "alien", "content": "x"}]}',
-        json.dumps({"model": MODEL, "messages": GOOD_CHAT, "max_tokens": 10**12}).encode(),
-        json.dumps({"model": MODEL, "messages": GOOD_CHAT, "n": 10**9}).encode(),
-        json.dumps({"model": MODEL, "messages": GOOD_CHAT, "stop": ["x"] * 100_000}).encode(),
-        json.dumps(
-            {"model": MODEL, "messages": GOOD_CHAT, "logit_bias": {str(i): 1 for i in range(50_000)}}
-        ).encode(),
+        json.dumps({**chat, "max_tokens": 10**12}).encode(),
+        json.dumps({**chat, "n": 10**9}).encode(),
+        json.dumps({**chat, "stop": ["x"] * 100_000}).encode(),
+        json.dumps({**chat, "logit_bias": {str(i): 1 for i in range(50_000)}}).encode(),
         json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 100_000}).encode(),
         json.dumps({"model": MODEL, "messages": [[]] * 200_000}).encode(),
         json.dumps({"model": MODEL, "prompt": [2**40]}).encode(),
         b'{"model": "mock-model", "messages": "\xff\xfe"}',
     ]
-    return rng.choice(choices)
 
 
 async def _abusive(
-    http: aiohttp.ClientSession, url: str, *, kind: str, rng: random.Random, report: SoakReport, slow_s: float
+    http: aiohttp.ClientSession,
+    url: str,
+    *,
+    kind: str,
+    rng: random.Random,
+    report: SoakReport,
+    slow_s: float,
+    malformed: list[bytes],
+    huge: list[bytes],
 ) -> None:
     """One abusive request of ``kind``; a 5xx or a dropped connection goes to ``server_errors``."""
     host, port = url.removeprefix("http://").split(":")
@@ -237,12 +248,12 @@ async def _abusive(
         if kind == "malformed":
             path = rng.choice(["/v1/chat/completions", "/v1/completions"])
             headers = {"Content-Type": "application/json", "x-gateway-inference-fairness-id": "abuser"}
-            async with http.post(f"{url}{path}", data=_malformed(rng), headers=headers) as response:
+            body = rng.randbytes(rng.randint(1, 2000)) if rng.random() < 0.2 else rng.choice(malformed)
+            async with http.post(f"{url}{path}", data=body, headers=headers) as response:
                 await response.read()
                 status = response.status
         elif kind == "huge":
-            size = rng.choice([8 * 1024 * 1024, 70 * 1024 * 1024])
-            body = b'{"model": "mock-model", "prompt": "' + b"a" * size + b'"}'
+            body = rng.choice(huge)
             async with http.post(
                 f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
             ) as r:
@@ -288,43 +299,86 @@ async def soak(
     max_requests: int,
     max_tokens: int = 16,
     seed: int = 0,
+    kinds: tuple[str, ...] = ABUSES,
 ) -> SoakReport:
-    """``good_clients`` loops of normal streams and ``abusers`` loops of abusive requests, for at
-    most ``duration_s`` and ``max_requests`` requests in all; RSS sampled meanwhile."""
+    """``good_clients`` loops of normal streams here and ``abusers`` loops of abusive requests
+    (drawn from ``kinds``, :data:`ABUSES` by default) in another process, so that building and
+    uploading abusive bodies does not slow the good clients' own event loop; each side stops after
+    ``duration_s`` or ``max_requests`` requests. RSS is sampled meanwhile."""
     report = SoakReport()
-    deadline = time.monotonic() + duration_s
+    deadline = time.time() + duration_s
     url = served.router_url
-    rng = random.Random(seed)
-    kinds = ["malformed", "malformed", "huge", "slow", "abandoned"]
-
-    def more() -> bool:
-        return time.monotonic() < deadline and report.total < max_requests
+    results: multiprocessing.queues.Queue[SoakReport] = _SPAWN.Queue()
+    attack = _SPAWN.Process(
+        target=_abuse_process,
+        kwargs={
+            "url": url, "abusers": abusers, "deadline": deadline, "max_requests": max_requests,
+            "seed": seed, "kinds": kinds, "results": results,
+        },
+    )  # fmt: skip
+    if abusers:
+        attack.start()
 
     async def good(client: int, http: aiohttp.ClientSession) -> None:
-        while more():
+        while time.time() < deadline and report.tried["good"] < max_requests:
             report.tried["good"] += 1
             failure = await _good_stream(http, url, client=client, max_tokens=max_tokens)
             if failure is not None:
                 report.good_failed.append(failure)
 
-    async def bad(abuser: int, http: aiohttp.ClientSession) -> None:
-        local = random.Random(rng.random())
-        while more():
-            kind = kinds[local.randrange(len(kinds))]
-            await _abusive(http, url, kind=kind, rng=local, report=report, slow_s=2.0)
-
     sampler = asyncio.create_task(served.sample_every(0.2))
     try:
         async with _session() as http:
-            await asyncio.gather(
-                *(good(i, http) for i in range(good_clients)), *(bad(i, http) for i in range(abusers))
-            )
+            await asyncio.gather(*(good(i, http) for i in range(good_clients)))
+        if abusers:
+            abused = await asyncio.to_thread(results.get, timeout=duration_s + 120)
+            await asyncio.to_thread(attack.join)
+            report.tried.update(abused.tried)
+            report.statuses.update(abused.statuses)
+            report.server_errors.extend(abused.server_errors)
     finally:
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
+        if attack.is_alive():
+            attack.kill()
     served.sample()
     return report
+
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _abuse_process(
+    *,
+    url: str,
+    abusers: int,
+    deadline: float,
+    max_requests: int,
+    seed: int,
+    kinds: tuple[str, ...],
+    results: multiprocessing.queues.Queue[SoakReport],
+) -> None:
+    """The abusers' side of :func:`soak` (its own process and event loop)."""
+    report = SoakReport()
+    rng = random.Random(seed)
+    bodies = malformed_bodies()
+    huge = [b'{"model": "mock-model", "prompt": "' + b"a" * size + b'"}' for size in (8 * MIB, 70 * MIB)]
+
+    async def bad(http: aiohttp.ClientSession) -> None:
+        local = random.Random(rng.random())
+        while time.time() < deadline and report.total < max_requests:
+            kind = kinds[local.randrange(len(kinds))]
+            await _abusive(
+                http, url, kind=kind, rng=local, report=report, slow_s=2.0, malformed=bodies, huge=huge
+            )
+
+    async def attack() -> None:
+        async with _session() as http:
+            await asyncio.gather(*(bad(http) for _ in range(abusers)))
+
+    asyncio.run(attack())
+    results.put(report)
 
 
 @contextlib.asynccontextmanager
