@@ -2,7 +2,8 @@
 run`` and, with NATS, ``copse worker kv-relay``) under a normal streaming load with malformed, huge,
 slow and abandoned requests mixed in.
 
-:func:`serving` starts the processes and samples their resident memory (RSS, from ``/proc``);
+:func:`serving` starts the processes and reads their resident memory (RSS and its peak, from
+``/proc``);
 :func:`soak` runs the mix for a bounded time and count and reports what it tried, which good
 requests failed (none may) and each process's peak RSS. The abuse suite in the tests and
 ``benchmarks/abuse_soak.py`` both run it, with different sizes.
@@ -40,11 +41,13 @@ MIB = 1024 * 1024
 GOOD_CHAT = [{"role": "user", "content": "Say something about trees."}]
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of process ``pid`` (Linux ``/proc``); 0 once it is gone."""
+def rss_bytes(pid: int, *, peak: bool = False) -> int:
+    """Resident memory of process ``pid`` (Linux ``/proc``), now or (``peak``) its high-water mark
+    since it started, which no sampling can miss; 0 once it is gone."""
+    field = "VmHWM:" if peak else "VmRSS:"
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         return 0
@@ -53,7 +56,7 @@ def rss_bytes(pid: int) -> int:
 
 @dataclasses.dataclass
 class Served:
-    """The processes under test: their URLs and peak RSS so far (sampled by :meth:`sample`)."""
+    """The processes under test: their URLs and peak RSS so far (read by :meth:`sample`)."""
 
     router_url: str
     engine_url: str
@@ -68,7 +71,7 @@ class Served:
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited with {process.returncode} under abuse")
             now[name] = rss_bytes(process.pid)
-            self.peak_rss[name] = max(self.peak_rss.get(name, 0), now[name])
+            self.peak_rss[name] = rss_bytes(process.pid, peak=True)
         return now
 
     async def sample_every(self, period_s: float) -> None:
