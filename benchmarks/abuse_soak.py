@@ -29,10 +29,9 @@ MIB = 1024 * 1024
 def _round(
     args: argparse.Namespace, *, abusers: int, nats_url: str
 ) -> tuple[SoakReport, dict[str, int], float]:
-    with (
-        tempfile.TemporaryDirectory() as workdir,
-        serving(workdir=Path(workdir), engine_args=("--speedup-ratio", "20"), nats_url=nats_url) as served,
-    ):
+    workdir = Path(tempfile.mkdtemp(prefix="abuse-soak-"))
+    print(f"   (logs of the processes: {workdir})")
+    with serving(workdir=workdir, engine_args=("--speedup-ratio", "20"), nats_url=nats_url) as served:
         started = time.monotonic()
         report = asyncio.run(
             soak(
@@ -69,7 +68,9 @@ def main() -> None:
             print(f"   tried {report.total}: {dict(sorted(report.tried.items()))}")
             print(f"   abusive answers: {dict(sorted(report.statuses.items()))}")
             print(f"   good requests failed: {len(report.good_failed)} {report.good_failed[:3]}")
-            print(f"   abusive requests with a 5xx or a dropped connection: {len(report.server_errors)}")
+            errors = report.server_errors
+            kinds = sorted(set(errors))[:5]
+            print(f"   abusive requests with a 5xx or a dropped connection: {len(errors)} {kinds}")
             print(f"   good streams/s: {good / elapsed:.1f}")
             print("   peak RSS: " + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sorted(peaks.items())))
     (clean_rate, clean_rss), (abused_rate, abused_rss) = rounds["clean"], rounds["abused"]

@@ -251,7 +251,9 @@ async def _abusive(
         if kind == "malformed":
             path = rng.choice(["/v1/chat/completions", "/v1/completions"])
             headers = {"Content-Type": "application/json", "x-gateway-inference-fairness-id": "abuser"}
-            body = rng.randbytes(rng.randint(1, 2000)) if rng.random() < 0.2 else rng.choice(malformed)
+            which = rng.randrange(len(malformed) + 2)  # random bytes as often as two of the others
+            body = malformed[which] if which < len(malformed) else rng.randbytes(rng.randint(1, 2000))
+            kind = f"malformed[{which if which < len(malformed) else 'random'}]"
             async with http.post(f"{url}{path}", data=body, headers=headers) as response:
                 await response.read()
                 status = response.status
@@ -290,7 +292,7 @@ async def _abusive(
         return
     if status >= 500:
         report.server_errors.append(f"{kind}: status {status}")
-    report.statuses[f"{kind} {status}"] += 1
+    report.statuses[f"{kind.split('[')[0]} {status}"] += 1
 
 
 async def soak(

@@ -115,81 +115,50 @@ def check_request_limits(raw: dict[str, Any], limits: RequestLimits) -> None:
     """Raise :class:`RequestError` for a parsed request body holding more than ``limits`` allow
     (before the request model is built from it). Values of the wrong type are left to the model's
     validation, which names them."""
-    _check_text(raw.get("prompt"), limits, param="prompt")
+    _text(raw.get("prompt"), limits, param="prompt")
     messages = raw.get("messages")
     if isinstance(messages, list):
-        if len(messages) > limits.max_messages:
-            raise over(
-                "messages",
-                count=len(messages),
-                limit=limits.max_messages,
-                setting="max_messages",
-                param="messages",
-            )
+        _bound(limits, "max_messages", what="messages", count=len(messages), param="messages")
         for i, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
             where = f"messages[{i}].content"
-            if isinstance(content, list):
-                if len(content) > limits.max_content_parts:
-                    raise over(
-                        "content parts",
-                        count=len(content),
-                        limit=limits.max_content_parts,
-                        setting="max_content_parts",
-                        param=where,
-                    )
-                for j, part in enumerate(content):
-                    if isinstance(part, dict):
-                        _check_text(part.get("text"), limits, param=f"{where}[{j}].text")
-            else:
-                _check_text(content, limits, param=where)
+            if not isinstance(content, list):
+                _text(content, limits, param=where)
+                continue
+            _bound(limits, "max_content_parts", what="content parts", count=len(content), param=where)
+            for j, part in enumerate(content):
+                if isinstance(part, dict):
+                    _text(part.get("text"), limits, param=f"{where}[{j}].text")
     stop = raw.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-    if len(stops) > limits.max_stop:
-        raise over("stop strings", count=len(stops), limit=limits.max_stop, setting="max_stop", param="stop")
+    _bound(limits, "max_stop", what="stop strings", count=len(stops), param="stop")
     for i, text in enumerate(stops):
-        if isinstance(text, str) and len(text) > limits.max_stop_chars:
-            raise over(
-                "characters in a stop string",
+        if isinstance(text, str):
+            _bound(
+                limits,
+                "max_stop_chars",
+                what="characters in a stop string",
                 count=len(text),
-                limit=limits.max_stop_chars,
-                setting="max_stop_chars",
                 param=f"stop[{i}]",
             )
     ids = raw.get("stop_token_ids")
-    if isinstance(ids, list) and len(ids) > limits.max_stop:
-        raise over(
-            "stop token ids",
-            count=len(ids),
-            limit=limits.max_stop,
-            setting="max_stop",
-            param="stop_token_ids",
-        )
+    if isinstance(ids, list):
+        _bound(limits, "max_stop", what="stop token ids", count=len(ids), param="stop_token_ids")
     bias = raw.get("logit_bias")
-    if isinstance(bias, dict) and len(bias) > limits.max_logit_bias:
-        raise over(
-            "logit_bias entries",
-            count=len(bias),
-            limit=limits.max_logit_bias,
-            setting="max_logit_bias",
-            param="logit_bias",
-        )
+    if isinstance(bias, dict):
+        _bound(limits, "max_logit_bias", what="logit_bias entries", count=len(bias), param="logit_bias")
 
 
-def _check_text(value: object, limits: RequestLimits, *, param: str) -> None:
-    if isinstance(value, str) and len(value) > limits.max_string_chars:
-        raise over(
-            "characters",
-            count=len(value),
-            limit=limits.max_string_chars,
-            setting="max_string_chars",
-            param=param,
-        )
+def _bound(limits: RequestLimits, setting: str, *, what: str, count: int, param: str) -> None:
+    """Raise :class:`RequestError` when ``count`` passes the limit ``setting`` of ``limits``."""
+    limit = getattr(limits, setting)
+    if count > limit:
+        raise RequestError(f"{what}: {count}, more than the limit of {limit} ({setting})", param=param)
 
 
-def over(what: str, *, count: int, limit: int, setting: str, param: str) -> RequestError:
-    """The error of a count over its limit."""
-    return RequestError(f"{what}: {count}, more than the limit of {limit} ({setting})", param=param or None)
+def _text(value: object, limits: RequestLimits, *, param: str) -> None:
+    if isinstance(value, str):
+        _bound(limits, "max_string_chars", what="characters", count=len(value), param=param)
 
 
 def check_context(*, prompt_tokens: int | None, max_tokens: int | None, context: int) -> None:
