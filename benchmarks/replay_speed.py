@@ -30,8 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import inputs
+
 REPO = Path(__file__).resolve().parents[1]
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
+TRACE = inputs.CONVERSATION
 ROOTS = ("operator", "planner", "router", "workers")
 #: Run in each tree's process for --shares: argv = trace, workers, policy, speedup, limit ("" = all).
 SHARES = """
@@ -185,6 +187,7 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true", help="also count instructions (valgrind)")
     parser.add_argument("--shares", action="store_true", help="also time the parts of one replay per tree")
     args = parser.parse_args()
+    inputs.require(args.trace)
     trees: list[Tree] = args.tree or [Tree(name="this tree", path=REPO)]
     for round_ in range(args.rounds):
         # alternate the order too, so that no tree always runs first in a round

@@ -20,7 +20,7 @@ from copse.api import (
 from copse.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 INVALID = sorted((Path(__file__).parent / "invalid").glob("*.yaml"))
 
 

@@ -89,7 +89,7 @@ def test_single_node_group_runs_trtllm_serve_with_its_role_config() -> None:
     assert prefill["kv_cache_config"]["tokens_per_block"] == 32
 
 
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 
 
 def test_seed_engine_yaml_has_metrics_and_deep_merges_extra_config() -> None:

@@ -113,7 +113,7 @@ def test_dry_run_on_a_trace_with_a_deployment(tmp_path: Path, profile: Path) -> 
             for second in range(0, 60, 2)
         )
     )
-    deployment = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+    deployment = REPO / "examples" / "seed-inferencedeployment.yaml"
     code, out, err = dry_run(
         "--trace",
         str(trace),

@@ -16,7 +16,7 @@ import pytest
 from copse.router import loops
 
 REPO = Path(__file__).resolve().parents[2]
-MOONCAKE = REPO.parent / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+MOONCAKE = REPO / "examples/traces/mooncake-conversation-first-20min.jsonl.gz"
 
 _UNBUILT = "import sys; sys.modules['copse.router._native'] = None  # as if the extension were not built\n"
 

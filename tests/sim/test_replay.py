@@ -24,7 +24,7 @@ from copse.sim.trace import TokenSynth, TraceError, TraceRequest, load_trace
 from copse.workers.perf import PolynomialPerfModel, save_profile
 from copse.workers.protocol.kv_events import KvCleared, KvEvent
 
-MOONCAKE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+MOONCAKE = Path(__file__).resolve().parents[2] / "examples/traces/mooncake-conversation-first-20min.jsonl.gz"
 
 
 def _write_trace(path: Path, rows: list[dict[str, object]]) -> Path:

@@ -22,8 +22,8 @@ from copse.cluster.kubectl import Kubectl, KubectlError
 
 REPO = Path(__file__).resolve().parents[3]
 NAMESPACE = "copse-demo"
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+TRACE = REPO / "examples" / "traces" / "mooncake-conversation-first-20min.jsonl.gz"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 DISAGGREGATED = REPO / "examples" / "deployment-disaggregated.yaml"
 PLANNER = REPO / "examples" / "planner"
 
@@ -102,8 +102,7 @@ def _compare(runs: dict[str, tuple[str, ...]], *, env: dict[str, str]) -> None:
 
 
 def _missing_inputs() -> list[Path]:
-    """The files the demo reads that are not there (the trace and the seed manifest come from the
-    sibling ``shared/`` checkout)."""
+    """The files the demo reads that are not there (all ship in the repository's ``examples/``)."""
     wanted = (TRACE, SEED, DISAGGREGATED, PLANNER / "servegen-m-large-3d.jsonl", PLANNER / "mock-profile.npz")
     return [path for path in wanted if not path.is_file()]
 
@@ -144,7 +143,7 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
         raise DemoError(
             "the demo reads files that are not there: "
             + ", ".join(str(path) for path in missing)
-            + f" (the trace and the seed manifest come from the shared/ checkout next to {REPO.name}/)"
+            + f" (they ship in {REPO / 'examples'}: is this a whole checkout of the repository?)"
         )
     try:
         out.mkdir(parents=True, exist_ok=True)
