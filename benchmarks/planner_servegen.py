@@ -111,7 +111,7 @@ def forecast_error(result: DryRunResult) -> float:
 
 
 def cli_wall_time(observations: list[Observation]) -> float:
-    """Wall time of ``copse planner dry-run --predictor arima --json`` on the same 14 days."""
+    """Wall time of ``copse planner dry-run --predictor arima -o json`` on the same 14 days."""
     with tempfile.TemporaryDirectory() as scratch:
         metrics, profile = Path(scratch) / "metrics.jsonl", Path(scratch) / "mock.npz"
         with metrics.open("w") as handle:
@@ -119,8 +119,8 @@ def cli_wall_time(observations: list[Observation]) -> float:
         save_profile(PolynomialPerfModel(), profile)
         command = [
             sys.executable, "-m", "copse.cli", "planner", "dry-run", "--metrics", str(metrics),
-            "--profile", str(profile), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
-            "--max-replicas", "128", "--predictor", "arima", "--json",
+            "--perf-profile", str(profile), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
+            "--max-replicas", "128", "--predictor", "arima", "-o", "json",
         ]  # fmt: skip
         started = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)

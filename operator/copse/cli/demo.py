@@ -73,7 +73,7 @@ def _compare(runs: dict[str, tuple[str, ...]], *, env: dict[str, str]) -> None:
     for label, options in runs.items():
         for policy in POLICIES:
             printed = _run(
-                _copse("bench", "replay", "--trace", str(TRACE), "--policy", policy, "--json", *options),
+                _copse("bench", "replay", "--trace", str(TRACE), "--policy", policy, "-o", "json", *options),
                 env=env,
                 capture=True,
             )
@@ -137,7 +137,13 @@ def _missing_inputs() -> list[Path]:
     help="Where the operator log and the planner plot go.",
 )
 def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
-    """Local cluster with fake NVL72 racks, the operator, placement, KV-aware routing, the planner."""
+    """Local cluster with fake NVL72 racks, the operator, placement, KV-aware routing, the planner.
+
+    \b
+    Examples:
+      copse demo
+      copse demo --requests 300 --workers 4 --out out/demo
+    """
     missing = _missing_inputs()
     if missing:  # before anything starts: the cluster and the operator take a minute
         raise DemoError(
@@ -228,12 +234,12 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
         _copse(
             "planner", "dry-run",
             "--metrics", str(PLANNER / "servegen-m-large-3d.jsonl"),
-            "--profile", str(PLANNER / "mock-profile.npz"),
+            "--perf-profile", str(PLANNER / "mock-profile.npz"),
             "--ttft-ms", "500",
             "--itl-ms", "50",
             "--max-replicas", "64",
             "--plot", str(plot),
-            "--json",
+            "-o", "json",
         ),
         env=env,
         capture=True,

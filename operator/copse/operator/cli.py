@@ -8,11 +8,17 @@ import prometheus_client
 
 @click.group()
 def operator() -> None:
-    """The Kubernetes operator."""
+    """The Kubernetes operator.
+
+    \b
+    Examples:
+      copse operator run -n serving
+    """
 
 
 @operator.command()
 @click.option(
+    "-n",
     "--namespace",
     "namespaces",
     multiple=True,
@@ -33,7 +39,13 @@ def operator() -> None:
 def run(
     namespaces: tuple[str, ...], metrics_port: int, health_port: int, metrics_host: str, verbose: bool
 ) -> None:
-    """Run the operator (in-cluster config inside a pod, else the current kubeconfig)."""
+    """Run the operator (in-cluster config inside a pod, else the current kubeconfig).
+
+    \b
+    Examples:
+      copse operator run
+      copse operator run -n serving -n staging --metrics-port 0 --health-port 0
+    """
     # Imported here: registering kopf handlers is a side effect only `operator run` wants.
     import kopf  # noqa: PLC0415
 
