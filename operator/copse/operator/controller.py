@@ -368,12 +368,14 @@ class Controller:
         )
         for obj in [
             children.engine_configmap(deployment),
-            *children.router_objects(deployment),
+            *children.router_objects(deployment, images=self.settings.images),
             *model_express,
         ]:
             await self.kube.apply(obj)
         job = weights.download_job(
-            deployment, image=children.worker_image(deployment), owner=children.owner_reference(deployment)
+            deployment,
+            image=children.worker_image(deployment, images=self.settings.images),
+            owner=children.owner_reference(deployment),
         )
         if job is not None:
             await self._create_once(
@@ -568,6 +570,7 @@ class Controller:
             cold_start_source=cold_start_source,
             cold_start_ranks=cold_start_ranks,
             channel_template=channel,
+            images=self.settings.images,
         )
         members: list[Mapping[str, Any]] = []
         for pod in pods:
