@@ -200,6 +200,34 @@ def test_the_chart_image_reaches_every_pod_the_operator_creates(monkeypatch: pyt
     assert [c["image"] for c in pod["spec"]["containers"]] == ["registry.example.com/mirror/trtllm:1.2.0"]
 
 
+def test_the_prometheus_rule_renders_every_alert_on_bucket_bounds() -> None:
+    rule = render("-f", str(ALL_OPTIONAL))[("PrometheusRule", "copse-copse")]
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert set(alerts) == {
+        "CopseSLOTTFTBudgetBurnFast",
+        "CopseSLOTTFTBudgetBurnSlow",
+        "CopseSLOITLBudgetBurnFast",
+        "CopseSLOITLBudgetBurnSlow",
+        "CopseRouterShedding",
+        "CopseRouterNoHealthyWorker",
+        "CopseKVEventGaps",
+        "CopseGangRestarts",
+        "CopsePlacementInfeasible",
+    }
+    # ci/all-optional-values.yaml: objective 0.995, TTFT 2.5 s, ITL 0.04 s.
+    fast = alerts["CopseSLOTTFTBudgetBurnFast"]["expr"]
+    assert 'copse_router_time_to_first_token_seconds_bucket{le="2.5"}[5m]' in fast
+    assert "[1h]" in fast
+    assert "(14.4 * (1 - 0.995))" in fast
+    assert (
+        'copse_router_inter_token_latency_seconds_bucket{le="0.04"}[6h]'
+        in alerts["CopseSLOITLBudgetBurnSlow"]["expr"]
+    )
+    assert "{{ $labels.deployment }}" in alerts["CopseRouterShedding"]["annotations"]["summary"]
+    assert not any(kind == "PrometheusRule" for kind, _ in render()), "off by default"
+
+
 def test_every_optional_part_renders() -> None:
     rendered = render("-f", str(ALL_OPTIONAL))
     options = yaml.safe_load(ALL_OPTIONAL.read_text())

@@ -161,6 +161,11 @@ class Controller:
         self.cache.put(self.cache.deployments, _key(body), body, deleted=deleted)
         if not deleted:
             self.mark(_key(body))
+            return
+        # A deleted deployment's series go too (an alert on them would outlive it).
+        for gauge in (metrics.PLACEMENT_SCORE, metrics.UNPLACED_GROUPS):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*_key(body))
 
     def on_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
         self.cache.put(self.cache.pods, _key(pod), pod, deleted=deleted)
@@ -409,6 +414,9 @@ class Controller:
         status = decision.status
         if status.get("score") is not None:
             metrics.PLACEMENT_SCORE.labels(namespace=namespace, deployment=name).set(status["score"])
+        metrics.UNPLACED_GROUPS.labels(namespace=namespace, deployment=name).set(
+            len(status.get("unplaced", []))
+        )
         if _changed(body.get("status", {}), status):
             logger.info(
                 "%s, ready %s, score %s",
