@@ -40,8 +40,15 @@ def _step(title: str) -> None:
     click.secho(f"\n==> {title}", bold=True, err=True)
 
 
-def _run(argv: Sequence[str], *, env: dict[str, str], capture: bool = False) -> str:
-    completed = subprocess.run(argv, env=env, text=True, capture_output=capture, check=False)
+def _run(
+    argv: Sequence[str], *, env: dict[str, str], capture: bool = False, stdout: int | None = None
+) -> str:
+    """Run ``argv``; ``capture``: return its stdout (stderr kept for the error), else let both
+    through (``stdout``: where stdout goes instead, e.g. ``subprocess.DEVNULL``)."""
+    if capture:
+        completed = subprocess.run(argv, env=env, text=True, capture_output=True, check=False)
+    else:
+        completed = subprocess.run(argv, env=env, text=True, stdout=stdout, check=False)
     if completed.returncode != 0:
         detail = (completed.stderr or "").strip()[-2000:] if capture else "(see the output above)"
         raise DemoError(f"`{' '.join(argv)}` exited {completed.returncode}: {detail}")
@@ -49,8 +56,14 @@ def _run(argv: Sequence[str], *, env: dict[str, str], capture: bool = False) -> 
 
 
 def _cluster_env() -> tuple[dict[str, str], str]:
-    """Bring the local control plane up (building it once) and return its env and kubectl."""
+    """Bring the local control plane up (building it once) and return its env and kubectl.
+
+    The build runs first as its own step, its stderr on the terminal: a cold cache takes 8-30
+    minutes, and ``copse cluster build`` reports each component (cached, building, done in) and a
+    heartbeat while one compiles; ``copse cluster up``, whose output is read here, then finds it
+    all cached."""
     env = dict(os.environ)
+    _run(_copse("cluster", "build"), env=env, stdout=subprocess.DEVNULL)
     printed = _run(_copse("cluster", "up"), env=env, capture=True)
     for line in printed.splitlines():
         if line.startswith("export KUBECONFIG="):
@@ -159,7 +172,10 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
         ) from exc
     started = time.monotonic()
 
-    _step("local Kubernetes control plane with fake GB200 NVL72 racks (first run builds it from Go)")
+    _step(
+        "local Kubernetes control plane with fake GB200 NVL72 racks (the first run builds it from Go: "
+        "8-30 minutes, progress below)"
+    )
     env, kubectl = _cluster_env()
     _run([kubectl, "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds")], env=env)
     try:
