@@ -102,6 +102,7 @@ def _env(tree: Tree) -> dict[str, str]:
 
 def _replay_args(args: argparse.Namespace) -> list[str]:
     command = ["bench", "replay", "--trace", str(args.trace), "--workers", str(args.workers)]
+    # --json, not -o json: the trees compared include ones from before -o (the new tree warns).
     command += ["--policy", args.policy, "--speedup", str(args.speedup), "--seed", "0", "--json"]
     if args.limit is not None:
         command += ["--limit", str(args.limit)]
