@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from copse.api import InferenceDeployment, load_deployment, parse_deployment
+from copse.api import InferenceDeployment, parse_deployment
+from copse.api.manifest import read_documents
 from copse.operator import children
 from copse.router.config import ConfigError, parse_config
 
@@ -23,7 +24,7 @@ DEPLOYMENTS = sorted(p for p in EXAMPLES.rglob("*.yaml") if "kind: InferenceDepl
 
 def _applied(path: Path) -> InferenceDeployment:
     """The example as the operator reads it once applied: in a namespace."""
-    body = load_deployment(path).model_dump(mode="json", by_alias=True, exclude_none=True)
+    [body] = [doc for doc in read_documents(path) if doc.get("kind") == "InferenceDeployment"]
     body["metadata"]["namespace"] = "serving"
     return parse_deployment(body, source=str(path))
 
