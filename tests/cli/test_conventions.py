@@ -24,7 +24,15 @@ from copse.workers.conventions import OUTPUTS
 REPO = Path(__file__).resolve().parents[2]
 SLICE = REPO / "examples" / "traces" / "mooncake-conversation-first-20min.jsonl.gz"
 #: Spellings that were renamed: none may be visible in any command's --help.
-OLD_SPELLINGS = {"--nats-url", "--speedup-ratio", "--decode-speedup-ratio", "--json", "--profile", "--format"}
+OLD_SPELLINGS = {
+    "--nats-url",
+    "--speedup-ratio",
+    "--decode-speedup-ratio",
+    "--json",
+    "--profile",
+    "--format",
+    "--dry-run",
+}
 
 
 def _commands() -> Iterator[tuple[str, click.Command]]:

@@ -324,7 +324,6 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
 @click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default constant).")
 @click.option(
     "--observe-only",
-    "--dry-run",
     "observe_only",
     is_flag=True,
     help="Log the decisions and post them as Events; patch nothing.",
@@ -338,6 +337,7 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), help="Port of /metrics (0: off).")
 @click.option("--max-intervals", type=click.IntRange(min=1), help="Stop after this many intervals.")
 @renamed("--profile", new="--perf-profile", dest="profile", type=click.Path(path_type=Path))
+@renamed("--dry-run", new="--observe-only", dest="observe_only", value=True, is_flag=True)
 def run(
     *,
     name: str | None,
