@@ -89,7 +89,7 @@ def test_single_node_group_runs_trtllm_serve_with_its_role_config() -> None:
     assert prefill["kv_cache_config"]["tokens_per_block"] == 32
 
 
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 
 
 def test_seed_engine_yaml_has_metrics_and_deep_merges_extra_config() -> None:
@@ -660,3 +660,29 @@ def test_the_context_and_api_keys_reach_the_router_the_engines_and_the_mocker() 
     pod, raw = _router(epp)
     assert "api_keys_file" not in raw  # the gateway authenticates
     assert "api-keys" not in {volume["name"] for volume in pod["volumes"]}
+
+
+def test_the_operator_images_reach_routers_relays_and_mocked_workers() -> None:
+    images = children.Images(
+        copse="mirror.example/copse:9", trtllm="mirror.example/trtllm:1", pull_policy="Always"
+    )
+    mocked = make_deployment(replicas=1, engine={"backend": "mock"})
+    [mock_pod] = children.worker_pods(mocked, ONE_NODE, cold_start_source=None, images=images)
+    [engine] = mock_pod["spec"]["containers"]
+    assert (engine["image"], engine["imagePullPolicy"]) == ("mirror.example/copse:9", "Always")
+    trtllm = make_deployment(replicas=1, router={"natsUrl": "nats://nats:4222"})
+    [trtllm_pod] = children.worker_pods(trtllm, ONE_NODE, cold_start_source=None, images=images)
+    [engine] = trtllm_pod["spec"]["containers"]
+    assert engine["image"] == "mirror.example/trtllm:1"
+    assert "imagePullPolicy" not in engine, "the pull policy is the copse image's"
+    [relay] = [c for c in trtllm_pod["spec"]["initContainers"] if c["name"] == "kv-relay"]
+    assert (relay["image"], relay["imagePullPolicy"]) == ("mirror.example/copse:9", "Always")
+    [router] = [obj for obj in children.router_objects(trtllm, images=images) if obj["kind"] == "Deployment"]
+    [container] = router["spec"]["template"]["spec"]["containers"]
+    assert (container["image"], container["imagePullPolicy"]) == ("mirror.example/copse:9", "Always")
+    # The manifest's own image wins, and keeps Kubernetes' pull policy.
+    pinned = make_deployment(replicas=1, router={"image": "mine/router:1"})
+    [router] = [obj for obj in children.router_objects(pinned, images=images) if obj["kind"] == "Deployment"]
+    [container] = router["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "mine/router:1"
+    assert "imagePullPolicy" not in container
