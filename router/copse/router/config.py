@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from copse.router.core import DisaggSettings, Role, Thresholds
-from copse.router.policies import POLICIES, SelectionSettings
+from copse.router.policies import POLICIES, RoutingObjective, SelectionSettings
 from copse.workers.files import read_yaml_mapping
 from copse.workers.perf import KvOffload
 
@@ -155,9 +155,15 @@ class RouterConfig(_Model):
     GPU memory, which only the engine knows); mocked engines run copse's default model without it."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     """Engines' per-step token budget (prefill steps a prompt needs)."""
+    objective: RoutingObjective = "e2e"
+    """What the ``kv`` policy minimises for each request: ``e2e``, its predicted end-to-end latency
+    (time to first token, its decode under the batch it joins, and what joining costs the streams
+    already there: ahead of round-robin on every latency figure of the traces in
+    benchmarks/RESULTS.md), or ``ttft``, its time to first token (plus ``decode_weight`` x its
+    decode time): the fastest first token, at the cost of slower streams on prefix holders."""
     decode_weight: float = Field(default=0.0, ge=0.0)
-    """Weight of the request's predicted decode time against its time to first token in the ``kv``
-    cost (0: the measured best for TTFT and end-to-end latency on the Mooncake trace)."""
+    """Under ``objective: ttft``, weight of the request's predicted decode time against its time to
+    first token in the ``kv`` cost (ignored under ``e2e``)."""
     busy_prefill_tokens: float = Field(default=Thresholds().busy_prefill_tokens, gt=0)
     """Outstanding prefill tokens beyond which a worker takes no new request."""
     busy_kv_fraction: float = Field(default=Thresholds().busy_kv_fraction, gt=0)
@@ -248,6 +254,7 @@ class RouterConfig(_Model):
             block_size=self.block_size,
             max_num_batched_tokens=self.max_num_batched_tokens,
             temperature=self.temperature,
+            objective=self.objective,
             decode_weight=self.decode_weight,
             host_block_ms=host_ms,
             disk_block_ms=disk_ms,

@@ -19,8 +19,7 @@ import dataclasses
 import enum
 import math
 import random
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -29,6 +28,7 @@ import numpy.typing as npt
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
+from copse.router.fairness import FairQueue
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
 from copse.router.policies import (
     KvPolicy,
@@ -148,6 +148,8 @@ class FlightRecord:
     prefill_tokens: int
     prefill_ms: float
     kv_tokens: float
+    output_tokens: int = 0
+    """Output tokens expected (0: a prefill-only charge, or a peer that does not say)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,7 +183,10 @@ class Router:
         seed: int | None = None,
         moe: MoeConfig | None = None,
         moe_perf: PerfModel | None = None,
+        tenant_weight: Callable[[str], float] | None = None,
     ) -> None:
+        """``tenant_weight(tenant)``: a tenant's share of the fleet while requests wait, against
+        the others' of the same priority (1 for every tenant when not given)."""
         self.settings = settings
         self.thresholds = thresholds or Thresholds()
         self.disagg = disagg or DisaggSettings()
@@ -219,8 +224,9 @@ class Router:
         # Role -> (versions it was built at, its free workers or None): valid until a worker joins,
         # leaves or crosses a busy threshold.
         self._free_cache: dict[Role, tuple[tuple[int, int], _Eligible | None]] = {}
-        self._queue: deque[tuple[RouteRequest, frozenset[str]]] = deque()
-        self._queued: set[str] = set()
+        self._queue: FairQueue[tuple[RouteRequest, frozenset[str]]] = FairQueue(
+            weight=tenant_weight or (lambda _tenant: 1.0)
+        )
         self._routes: dict[str, Route] = {}
         self.outbox: list[PeerChange] | None = [] if share_load else None
         """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
@@ -309,8 +315,13 @@ class Router:
     def _enqueue(self, request: RouteRequest, exclude: frozenset[str]) -> None:
         if len(self._queue) >= self.thresholds.queue_size:
             raise QueueFull(f"all workers are busy and {len(self._queue)} requests are already waiting")
-        self._queue.append((request, exclude))
-        self._queued.add(request.request_id)
+        self._queue.push(
+            request.request_id,
+            (request, exclude),
+            priority=request.priority,
+            tenant=request.tenant,
+            tokens=float(request.prompt_tokens + request.max_tokens),
+        )
 
     def prefill_done(self, request_id: str, *, now: float) -> list[Route]:
         """The first token of ``request_id`` arrived; returns queued requests now routed."""
@@ -326,9 +337,8 @@ class Router:
 
     def finish(self, request_id: str, *, now: float) -> list[Route]:
         """``request_id`` ended, failed or was cancelled; returns queued requests now routed."""
-        if request_id in self._queued:
-            self._queued.discard(request_id)
-            self._queue = deque(item for item in self._queue if item[0].request_id != request_id)
+        if request_id in self._queue:
+            self._queue.remove(request_id)
             return []
         route = self._routes.pop(request_id, None)
         if route is None:
@@ -378,13 +388,12 @@ class Router:
         # so that a decision only pays for its own change.
         self.costs.refresh()
         routed: list[Route] = []
-        while self._queue:
-            request, exclude = self._queue[0]
+        while (head := self._queue.peek()) is not None:
+            key, (request, exclude) = head
             route = self._try_route(request, now=now, exclude=exclude)
             if route is None:
                 break
-            self._queue.popleft()
-            self._queued.discard(request.request_id)
+            self._queue.pop(key)
             routed.append(route)
         return routed
 
@@ -608,6 +617,7 @@ class Router:
             prefill_ms=prefill_ms,
             kv_tokens=kv_extra,
             now=now,
+            output_tokens=request.max_tokens if output else 0,
         )
         if output and self.experts is not None:
             self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
@@ -621,6 +631,7 @@ class Router:
                 prefill_tokens=new_tokens,
                 prefill_ms=prefill_ms,
                 kv_tokens=kv_extra,
+                output_tokens=request.max_tokens if output else 0,
             )
             self.outbox.append(PeerChange(op="add", key=key, record=record))
 
@@ -645,6 +656,7 @@ class Router:
                 prefill_ms=record.prefill_ms,
                 kv_tokens=record.kv_tokens,
                 now=now,
+                output_tokens=record.output_tokens,
             )
             return []
         if change.op == "prefilled":
@@ -671,6 +683,7 @@ class Router:
                     prefill_tokens=flight.prefill_tokens,
                     prefill_ms=flight.prefill_ms,
                     kv_tokens=flight.kv_tokens,
+                    output_tokens=flight.output_tokens,
                 )
                 flights.append((key, record, flight.prefilling))
         return flights

@@ -58,6 +58,8 @@ class WireRecord(_Wire):
     prefill_tokens: int
     prefill_ms: float
     kv_tokens: float
+    output_tokens: int = 0
+    """Output tokens expected (absent from replicas of earlier versions)."""
 
 
 class WireChange(_Wire):
@@ -99,6 +101,7 @@ def _wire(record: FlightRecord) -> WireRecord:
         prefill_tokens=record.prefill_tokens,
         prefill_ms=record.prefill_ms,
         kv_tokens=record.kv_tokens,
+        output_tokens=record.output_tokens,
     )
 
 
@@ -109,6 +112,7 @@ def _record(wire: WireRecord) -> FlightRecord:
         prefill_tokens=wire.prefill_tokens,
         prefill_ms=wire.prefill_ms,
         kv_tokens=wire.kv_tokens,
+        output_tokens=wire.output_tokens,
     )
 
 

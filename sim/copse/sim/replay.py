@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, Thresholds, WorkerInfo
-from copse.router.policies import RouteRequest, SelectionSettings
+from copse.router.policies import RouteRequest, RoutingObjective, SelectionSettings
 from copse.sim.profiler import ScaledPerfModel, measure_profile
 from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.files import read_yaml_mapping
@@ -192,8 +192,10 @@ class ReplaySettings:
     """Tokens per trace hash id (512 for Mooncake traces)."""
     temperature: float = 0.0
     """Softmax temperature of the router's selection."""
+    objective: RoutingObjective = "e2e"
+    """What ``kv`` minimises (``SelectionSettings.objective``)."""
     decode_weight: float = 0.0
-    """Weight of predicted decode time in the ``kv`` cost."""
+    """Weight of predicted decode time in the ``kv`` cost under the ``ttft`` objective."""
     expert_weight: float = 1.0
     """Weight of the predicted decode time with the MoE layers in the ``kv_expert`` cost."""
     expert_reports: bool = True
@@ -394,6 +396,7 @@ class Fleet:
                 block_size=block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 temperature=settings.temperature,
+                objective=settings.objective,
                 decode_weight=settings.decode_weight,
                 expert_weight=settings.expert_weight,
                 host_block_ms=host_block_ms,
