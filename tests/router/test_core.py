@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import pytest
@@ -12,11 +13,14 @@ from copse.router.core import (
     NoWorkers,
     PeerChange,
     QueueFull,
+    RateLimited,
     Role,
     Router,
+    SloShed,
     Thresholds,
     WorkerInfo,
 )
+from copse.router.limits import TenantLimits
 from copse.router.policies import POLICIES, RouteRequest, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvEvent, KvStored, KvUpdated, StoredBlock, block_hashes
@@ -387,3 +391,58 @@ def test_peer_changes_are_published_and_mirrored() -> None:
     mirror.apply_peer(changes[0], peer="B", now=0.4)
     mirror.forget_peer("B", now=0.5)
     assert mirror.sequences.requests[slot] == 0
+
+
+def _classed(rid: str, *, priority: int, tenant: str = "", ttft_slo_ms: float | None = None) -> RouteRequest:
+    return dataclasses.replace(
+        _request(rid, PROMPT[:1000], max_tokens=1000),
+        priority=priority,
+        tenant=tenant,
+        ttft_slo_ms=ttft_slo_ms,
+    )
+
+
+def _saturated(**kwargs: Any) -> Router:
+    """One worker that takes one request at a time, having routed 2,500 tokens a second over the
+    last 4 s (a 2,000-token request each second, one of them now)."""
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500, rate_window_s=4.0), **kwargs)
+    for second in range(5):
+        route = router.submit(_classed(f"warm{second}", priority=0), now=float(second))
+        assert route is not None
+        router.finish(route.request_id, now=second + 0.5)
+    assert router.submit(_classed("running", priority=0), now=5.0) is not None
+    assert router.routed_tokens_per_s(now=5.0) == pytest.approx(2500.0)
+    return router
+
+
+def test_the_queue_serves_the_higher_priority_first() -> None:
+    router = _saturated()
+    assert router.submit(_classed("batch", priority=0), now=5.0) is None
+    assert router.submit(_classed("premium", priority=100), now=5.0) is None
+    released = router.finish("running", now=6.0)
+    assert [route.request_id for route in released] == ["premium"]
+
+
+def test_a_request_predicted_to_miss_its_ttft_target_is_shed_lowest_priority_first() -> None:
+    router = _saturated()
+    for i in range(4):  # 8,000 tokens of batch work waiting: 3.2 s at the fleet's rate
+        assert router.submit(_classed(f"queued{i}", priority=0), now=5.0) is None
+    with pytest.raises(SloShed) as shed:
+        router.submit(_classed("batch", priority=0, ttft_slo_ms=2000.0), now=5.0)
+    assert shed.value.retry_after_s >= 1.0
+    premium = _classed("premium", priority=100, ttft_slo_ms=2000.0)
+    assert router.predicted_wait_s(premium, now=5.0) == pytest.approx(0.8), "it waits behind no batch work"
+    assert router.submit(premium, now=5.0) is None, "admitted: it is served before the batch work"
+    assert router.queued == 5
+    released = router.finish("running", now=6.0)
+    assert [route.request_id for route in released] == ["premium"]
+
+
+def test_a_tenant_over_its_token_rate_is_refused_until_its_bucket_refills() -> None:
+    router = _router(workers=1, limits=TenantLimits(tokens_per_minute={"a": 3000.0}))
+    assert router.submit(_classed("a1", priority=0, tenant="a"), now=0.0) is not None
+    with pytest.raises(RateLimited) as limited:
+        router.submit(_classed("a2", priority=0, tenant="a"), now=1.0)
+    assert limited.value.retry_after_s == pytest.approx(19.0), "2,000 tokens at 50 a second, 1,000 left"
+    assert router.submit(_classed("b1", priority=0, tenant="b"), now=1.0) is not None, "b has no limit"
+    assert router.submit(_classed("a3", priority=0, tenant="a"), now=20.0) is not None

@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from copse.router.core import DisaggSettings, Role, Thresholds
+from copse.router.limits import TenantLimits
+from copse.router.objectives import Classes, Objective
 from copse.router.policies import POLICIES, RoutingObjective, SelectionSettings
 from copse.workers.files import read_yaml_mapping
 from copse.workers.perf import KvOffload
@@ -103,6 +105,30 @@ class KvOffloadSettings(_Model):
     """Disk-to-GPU bandwidth of the engines, GB/s."""
 
 
+class ObjectiveSettings(_Model):
+    """A serving objective (what an ``InferenceObjective`` gives, plus its TTFT target)."""
+
+    priority: int = 0
+    """Higher is served first while requests wait and shed last (``InferenceObjective``
+    ``spec.priority``)."""
+    ttft_ms: float | None = Field(default=None, gt=0)
+    """Time-to-first-token target: while the fleet is saturated, a request the router predicts
+    would wait past it is answered 429 at once instead of queued; none: queued while there is room."""
+
+    def objective(self, name: str) -> Objective:
+        return Objective(name=name, priority=self.priority, ttft_ms=self.ttft_ms)
+
+
+class TenantSettings(_Model):
+    """A tenant's share and limit."""
+
+    weight: float = Field(default=1.0, gt=0)
+    """Its share of the fleet against the other tenants of the same priority while requests wait."""
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+    """Prompt plus ``max_tokens`` tokens it may send per minute (429 with Retry-After beyond);
+    none: unlimited."""
+
+
 class RouterConfig(_Model):
     """Everything ``copse router run`` needs."""
 
@@ -117,7 +143,7 @@ class RouterConfig(_Model):
     temperature: float = Field(default=0.0, ge=0.0)
     """Softmax temperature of selection; 0 always picks the best worker."""
     queue_size: int = Field(default=Thresholds().queue_size, ge=0)
-    """Requests that may wait while every worker is busy; beyond it the router answers 503."""
+    """Requests that may wait while every worker is busy; beyond it the router answers 429."""
     block_size: int = Field(default=32, ge=1)
     """Tokens per KV block of the engines (TensorRT-LLM's ``tokens_per_block``)."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
@@ -171,7 +197,8 @@ class RouterConfig(_Model):
     max_retries: int = Field(default=2, ge=0)
     """Other workers tried when a worker fails before the first token."""
     queue_timeout_s: float = Field(default=30.0, gt=0)
-    """Longest wait in the queue before the router answers 503."""
+    """Longest wait in the queue before the router answers 429 (a last resort: admission sheds
+    requests predicted to miss their objective's TTFT target before they wait)."""
     migration_limit: int = Field(default=3, ge=0)
     """Times a stream whose worker fails after its first token is continued on another worker (from
     the prompt and the tokens already streamed); 0 ends such streams with an error event."""
@@ -203,6 +230,21 @@ class RouterConfig(_Model):
     """What bringing back a KV block an engine keeps in host memory or on disk costs."""
     seed: int | None = None
     """Seed of tie-breaking (reproducible runs); random when absent."""
+    objectives: dict[str, ObjectiveSettings] = Field(default_factory=dict)
+    """Objectives by name, as requests name them in ``x-gateway-inference-objective`` (static
+    setups; with Kubernetes discovery the InferenceObjectives of the pool are read too, and these
+    win over them)."""
+    default_objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
+    """The objective of requests naming none or one the router does not know."""
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    """Tenants by name: the ``x-gateway-inference-fairness-id`` header, or ``key-`` and the first
+    16 hex digits of the SHA-256 of the request's API key."""
+    default_tenant: TenantSettings = Field(default_factory=TenantSettings)
+    """Weight and limit of every tenant not listed."""
+    metrics_tenants: int = Field(default=20, ge=0)
+    """Tenants with their own label in the per-tenant metrics besides those listed in ``tenants``
+    (the first ones seen); the others are counted as ``other``, so that clients cannot grow the
+    number of series."""
     epp: EppSettings | None = None
     """Run as a gateway's endpoint picker (ext_proc over gRPC) instead of the OpenAI HTTP server."""
 
@@ -259,6 +301,23 @@ class RouterConfig(_Model):
             host_block_ms=host_ms,
             disk_block_ms=disk_ms,
         )
+
+    def classes(self) -> Classes:
+        """Objectives and tenant weights."""
+        return Classes(
+            objectives={name: settings.objective(name) for name, settings in self.objectives.items()},
+            default=self.default_objective.objective(""),
+            weights={name: tenant.weight for name, tenant in self.tenants.items()},
+            default_weight=self.default_tenant.weight,
+        )
+
+    def limits(self) -> TenantLimits | None:
+        """Per-tenant rate limits; ``None`` when no tenant is limited."""
+        limited = {name: t.tokens_per_minute for name, t in self.tenants.items() if t.tokens_per_minute}
+        default = self.default_tenant.tokens_per_minute
+        if not limited and default is None:
+            return None
+        return TenantLimits(tokens_per_minute=limited, default_tokens_per_minute=default)
 
     def thresholds(self) -> Thresholds:
         """Busy thresholds and queue bound."""

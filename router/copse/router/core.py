@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
@@ -30,6 +31,7 @@ from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
 from copse.router.fairness import FairQueue
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
+from copse.router.limits import TenantLimits
 from copse.router.policies import (
     KvPolicy,
     Policy,
@@ -66,8 +68,26 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
-class QueueFull(RuntimeError):
+class Shed(RuntimeError):
+    """The router does not take the request now (an HTTP 429): it would not be served in time, or
+    its tenant is over its rate limit. Nothing of it was admitted."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """When trying again may succeed, seconds."""
+
+
+class QueueFull(Shed):
     """Every worker is busy and the wait queue is full: the request cannot be accepted now."""
+
+
+class SloShed(Shed):
+    """The latency model predicts that the request would wait past its objective's TTFT target."""
+
+
+class RateLimited(Shed):
+    """The request's tenant sent more tokens than its rate limit allows."""
 
 
 class NoWorkers(RuntimeError):
@@ -86,6 +106,9 @@ class Thresholds:
     (beyond it the engine would preempt running sequences)."""
     queue_size: int = 1024
     """Requests that may wait while every worker is busy; beyond it new requests are refused."""
+    rate_window_s: float = 10.0
+    """Window over which the router measures the tokens per second it routes, which is how fast
+    its queue drains while the fleet is saturated (what admission predicts waits with)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -184,9 +207,11 @@ class Router:
         moe: MoeConfig | None = None,
         moe_perf: PerfModel | None = None,
         tenant_weight: Callable[[str], float] | None = None,
+        limits: TenantLimits | None = None,
     ) -> None:
         """``tenant_weight(tenant)``: a tenant's share of the fleet while requests wait, against
-        the others' of the same priority (1 for every tenant when not given)."""
+        the others' of the same priority (1 for every tenant when not given); ``limits``: rate
+        limits per tenant (none when not given)."""
         self.settings = settings
         self.thresholds = thresholds or Thresholds()
         self.disagg = disagg or DisaggSettings()
@@ -228,6 +253,10 @@ class Router:
             weight=tenant_weight or (lambda _tenant: 1.0)
         )
         self._routes: dict[str, Route] = {}
+        self.limits = limits
+        self._routed_tokens: deque[tuple[float, float]] = deque()
+        """(time, tokens) of every request routed within the last ``rate_window_s``."""
+        self._routed_sum = 0.0
         self.outbox: list[PeerChange] | None = [] if share_load else None
         """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
         self.prompt_tokens_routed = 0
@@ -304,17 +333,76 @@ class Router:
     ) -> Route | None:
         """Route ``request``; ``None`` when it waits in the queue (it comes back from
         :meth:`prefill_done`, :meth:`finish` or :meth:`add_worker`). Raises :class:`NoWorkers` when
-        no registered worker could ever take it and :class:`QueueFull` when it cannot wait."""
+        no registered worker could ever take it, and a :class:`Shed` when it is not admitted: its
+        tenant is over its rate limit (:class:`RateLimited`), it would wait past its TTFT target
+        (:class:`SloShed`) or the queue is full (:class:`QueueFull`). An admitted request is
+        routed now or waits in the queue until it is (or is cancelled by :meth:`finish`)."""
         if not self._servable(exclude):
             raise NoWorkers("no worker is available for this request")
+        tokens = float(request.prompt_tokens + request.max_tokens)
+        if self.limits is not None:
+            wait_s = self.limits.wait_s(request.tenant, tokens, now=now)
+            if wait_s > 0.0:
+                raise RateLimited(
+                    f"tenant {request.tenant or '(default)'} is over its limit of "
+                    f"{self.limits.limit(request.tenant):g} tokens per minute",
+                    retry_after_s=wait_s,
+                )
         route = None if self._queue else self._try_route(request, now=now, exclude=exclude)
         if route is None:
-            self._enqueue(request, exclude)
+            self._admit(request, now=now)
+            self._enqueue(request, exclude, now=now)
+        if self.limits is not None:
+            self.limits.take(request.tenant, tokens, now=now)
         return route
 
-    def _enqueue(self, request: RouteRequest, exclude: frozenset[str]) -> None:
+    def routed_tokens_per_s(self, *, now: float) -> float | None:
+        """Tokens (prompt plus expected output) per second this router routed over the last
+        ``rate_window_s``: how fast its queue drains while the fleet is saturated; ``None`` before
+        a window's worth of history."""
+        window = self.thresholds.rate_window_s
+        recent = self._routed_tokens
+        while recent and recent[0][0] < now - window:
+            self._routed_sum -= recent.popleft()[1]
+        if not recent or now - recent[0][0] < window / 2:
+            return None
+        return self._routed_sum / window
+
+    def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
+        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens waiting at
+        its priority or above (the queue serves them first, give or take fairness) and its own,
+        over the rate the fleet takes tokens; ``None`` when that rate is not known yet."""
+        rate = self.routed_tokens_per_s(now=now)
+        if rate is None or rate <= 0.0:
+            return None
+        ahead = self._queue.tokens_at_or_above(request.priority)
+        return (ahead + request.prompt_tokens + request.max_tokens) / rate
+
+    def _admit(self, request: RouteRequest, *, now: float) -> None:
+        """Refuse (:class:`SloShed`) a request that must wait and is predicted to miss its TTFT
+        target: its predicted wait plus the compute of its prompt on an idle worker."""
+        target_ms = request.ttft_slo_ms
+        if target_ms is None:
+            return
+        wait_s = self.predicted_wait_s(request, now=now)
+        if wait_s is None:
+            return
+        prefill_ms = self.perf.compute_ms(new_tokens=request.prompt_tokens, cached_tokens=0)
+        predicted_ms = wait_s * 1000.0 + prefill_ms
+        if predicted_ms > target_ms:
+            raise SloShed(
+                f"the fleet is saturated: predicted time to first token {predicted_ms:,.0f} ms is past "
+                f"the objective's {target_ms:,.0f} ms",
+                retry_after_s=max(1.0, (predicted_ms - target_ms) / 1000.0),
+            )
+
+    def _enqueue(self, request: RouteRequest, exclude: frozenset[str], *, now: float) -> None:
         if len(self._queue) >= self.thresholds.queue_size:
-            raise QueueFull(f"all workers are busy and {len(self._queue)} requests are already waiting")
+            wait_s = self.predicted_wait_s(request, now=now)
+            raise QueueFull(
+                f"all workers are busy and {len(self._queue)} requests are already waiting",
+                retry_after_s=max(1.0, wait_s or 1.0),
+            )
         self._queue.push(
             request.request_id,
             (request, exclude),
@@ -619,6 +707,10 @@ class Router:
             now=now,
             output_tokens=request.max_tokens if output else 0,
         )
+        if output:
+            tokens = float(request.prompt_tokens + request.max_tokens)
+            self._routed_tokens.append((now, tokens))
+            self._routed_sum += tokens
         if output and self.experts is not None:
             self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
         self.costs.refresh()

@@ -72,6 +72,11 @@ class RouteRequest:
     tenant: str = ""
     """Who sent it (fair-share key: the ``x-gateway-inference-fairness-id`` header or the API key;
     empty: the one default tenant)."""
+    objective: str = ""
+    """Name of its objective ("" for the default one), for metrics."""
+    ttft_slo_ms: float | None = None
+    """Its objective's time-to-first-token target: a request predicted to wait past it is not
+    admitted while the fleet is saturated (``None``: admitted while the queue has room)."""
 
 
 RoutingObjective = Literal["e2e", "ttft"]

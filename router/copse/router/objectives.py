@@ -1,0 +1,89 @@
+"""What class a request belongs to: its objective (priority and TTFT target) and its tenant.
+
+- The objective is named in the ``x-gateway-inference-objective`` header: the name of an
+  ``InferenceObjective`` (Gateway API Inference Extension, ``inference.networking.x-k8s.io``),
+  whose ``spec.priority`` orders the router's queue (higher first). copse reads objectives from
+  the router config (``objectives:``) and, in Kubernetes, from the InferenceObjective objects that
+  reference the router's pool (:meth:`Classes.set_objective`). A request naming no objective, or
+  one the router does not know, gets the default objective (priority 0), as the endpoint picker
+  does.
+- The tenant is the client's API key (``Authorization: Bearer ...``, never shown: a hash of it),
+  else the ``x-gateway-inference-fairness-id`` header, else the one default tenant (empty name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+"""Names the request's InferenceObjective."""
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+"""Names the request's tenant (fair-share key) when it carries no API key."""
+MAX_TENANT_CHARS = 128
+"""Longer fairness ids are cut (a client chooses them; names are kept in memory and in metrics)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Objective:
+    """A serving objective requests name."""
+
+    name: str
+    """The InferenceObjective's name ("" for the default objective)."""
+    priority: int = 0
+    """Higher is served first while requests wait, and shed last."""
+    ttft_ms: float | None = None
+    """Time-to-first-token target: a request predicted to wait past it is shed (429) instead of
+    queued; ``None``: queued while the queue has room."""
+
+
+def tenant_of(headers: Mapping[str, str]) -> str:
+    """The tenant of a request with these (lower-case) headers: ``key-<hash>`` of its API key,
+    else its fairness id, else ""."""
+    authorization = headers.get("authorization", "")
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
+    return headers.get(FAIRNESS_HEADER, "").strip()[:MAX_TENANT_CHARS]
+
+
+class Classes:
+    """Objectives by name and tenant weights; resolves a request's class from its headers."""
+
+    def __init__(
+        self,
+        *,
+        objectives: Mapping[str, Objective] | None = None,
+        default: Objective | None = None,
+        weights: Mapping[str, float] | None = None,
+        default_weight: float = 1.0,
+    ) -> None:
+        self._configured = dict(objectives or {})
+        self._discovered: dict[str, Objective] = {}
+        self.default = default or Objective(name="")
+        """What a request naming no objective, or an unknown one, gets."""
+        self._weights = dict(weights or {})
+        self._default_weight = default_weight
+
+    def set_objective(self, objective: Objective) -> None:
+        """An objective found in Kubernetes (added or changed); the router config's win over it."""
+        self._discovered[objective.name] = objective
+
+    def remove_objective(self, name: str) -> None:
+        """An objective deleted in Kubernetes."""
+        self._discovered.pop(name, None)
+
+    def objective(self, name: str | None) -> Objective:
+        """The objective called ``name`` (the default when unknown or ``None``)."""
+        if not name:
+            return self.default
+        return self._configured.get(name) or self._discovered.get(name) or self.default
+
+    def of(self, headers: Mapping[str, str]) -> tuple[Objective, str]:
+        """The objective and tenant of a request with these (lower-case) headers."""
+        return self.objective(headers.get(OBJECTIVE_HEADER, "").strip()), tenant_of(headers)
+
+    def weight(self, tenant: str) -> float:
+        """A tenant's fair-share weight."""
+        return self._weights.get(tenant, self._default_weight)
