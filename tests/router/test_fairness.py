@@ -76,3 +76,13 @@ def test_removed_requests_are_not_served_and_shedding_starts_at_the_lowest_prior
     assert "b1" not in queue
     assert len(queue) == 2
     assert _drain(queue) == ["premium", "batch-2"]
+
+
+def test_the_tokens_ahead_of_a_new_request_count_other_tenants_only_up_to_their_share() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    for i in range(50):
+        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100)
+    queue.push("p", "premium", priority=100, tenant="x", tokens=300)
+    assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 100 + 100
+    assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 5100
+    assert queue.tokens_ahead(priority=100, tenant="y", tokens=100) == 100 + 100, "x and y alternate"

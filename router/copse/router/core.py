@@ -369,14 +369,17 @@ class Router:
         return self._routed_sum / window
 
     def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
-        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens waiting at
-        its priority or above (the queue serves them first, give or take fairness) and its own,
-        over the rate the fleet takes tokens; ``None`` when that rate is not known yet."""
+        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queue
+        serves before it is done (higher priorities, and of its own band its tenant's waiting tokens
+        and the other tenants' fair share beside them: :meth:`FairQueue.tokens_ahead`), over the
+        rate the fleet takes tokens; ``None`` when that rate is not known yet."""
         rate = self.routed_tokens_per_s(now=now)
         if rate is None or rate <= 0.0:
             return None
-        ahead = self._queue.tokens_at_or_above(request.priority)
-        return (ahead + request.prompt_tokens + request.max_tokens) / rate
+        tokens = float(request.prompt_tokens + request.max_tokens)
+        return (
+            self._queue.tokens_ahead(priority=request.priority, tenant=request.tenant, tokens=tokens) / rate
+        )
 
     def _admit(self, request: RouteRequest, *, now: float) -> None:
         """Refuse (:class:`SloShed`) a request that must wait and is predicted to miss its TTFT

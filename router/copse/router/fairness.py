@@ -126,6 +126,24 @@ class FairQueue(Generic[T]):
             band.heads.clear()
         return waiting.item
 
+    def tokens_ahead(self, *, priority: int, tenant: str, tokens: float) -> float:
+        """Tokens served before a new request of ``tokens`` from ``tenant`` at ``priority`` is
+        done, as the queue would interleave them: every waiting token of higher bands and, of its
+        band, each other tenant's waiting tokens up to that tenant's share of the time the new
+        request's tenant needs for its own waiting tokens and this one."""
+        ahead = sum(band.tokens for level, band in self._bands.items() if level > priority)
+        band = self._bands.get(priority)
+        own = tokens
+        if band is None:
+            return ahead + own
+        fifo = band.tenants.get(tenant)
+        own += sum(waiting.tokens for waiting in fifo) if fifo else 0.0
+        weight = self._weight(tenant)
+        for other, waiting in band.tenants.items():
+            if other != tenant:
+                ahead += min(sum(w.tokens for w in waiting), own * self._weight(other) / weight)
+        return ahead + own
+
     def tokens_at_or_above(self, priority: int) -> float:
         """Tokens of the waiting requests of ``priority`` or higher: what a new request of
         ``priority`` waits behind at most (fair queuing may serve it before some of them)."""
