@@ -241,6 +241,9 @@ class RouterConfig(_Model):
     16 hex digits of the SHA-256 of the request's API key."""
     default_tenant: TenantSettings = Field(default_factory=TenantSettings)
     """Weight and limit of every tenant not listed."""
+    rate_window_s: float = Field(default=Thresholds().rate_window_s, gt=0)
+    """Window over which the router measures the tokens per second it routes (how fast its queue
+    drains while the fleet is saturated, which admission predicts waits with)."""
     metrics_tenants: int = Field(default=20, ge=0)
     """Tenants with their own label in the per-tenant metrics besides those listed in ``tenants``
     (the first ones seen); the others are counted as ``other``, so that clients cannot grow the
@@ -325,6 +328,7 @@ class RouterConfig(_Model):
             busy_prefill_tokens=self.busy_prefill_tokens,
             busy_kv_fraction=self.busy_kv_fraction,
             queue_size=self.queue_size,
+            rate_window_s=self.rate_window_s,
         )
 
 
