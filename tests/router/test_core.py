@@ -446,3 +446,25 @@ def test_a_tenant_over_its_token_rate_is_refused_until_its_bucket_refills() -> N
     assert limited.value.retry_after_s == pytest.approx(19.0), "2,000 tokens at 50 a second, 1,000 left"
     assert router.submit(_classed("b1", priority=0, tenant="b"), now=1.0) is not None, "b has no limit"
     assert router.submit(_classed("a3", priority=0, tenant="a"), now=20.0) is not None
+
+
+def test_a_peer_replicas_service_to_a_tenant_moves_it_back_in_this_replicas_queue() -> None:
+    peer = _router(workers=1, share_load=True)
+    router = _saturated()
+    assert router.submit(_classed("light", priority=0, tenant="light"), now=5.0) is None
+    assert router.submit(_classed("heavy-here", priority=0, tenant="heavy"), now=5.0) is None
+    assert router.submit(_classed("light-2", priority=0, tenant="light"), now=5.0) is None
+    for i in range(3):  # the peer serves the heavy tenant 6,000 tokens meanwhile, on the same worker
+        peer.submit(_classed(f"heavy-there{i}", priority=0, tenant="heavy"), now=5.0)
+        peer.finish(f"heavy-there{i}", now=5.0)
+    assert peer.outbox is not None
+    for change in peer.outbox:
+        router.apply_peer(change, peer="peer", now=5.0)
+    assert router.submit(_classed("heavy-late", priority=0, tenant="heavy"), now=5.0) is None
+    assert router.submit(_classed("light-late", priority=0, tenant="light"), now=5.0) is None
+    served = []
+    for t in range(6, 11):
+        served += [
+            route.request_id for route in router.finish(served[-1] if served else "running", now=float(t))
+        ]
+    assert served == ["light", "heavy-here", "light-2", "light-late", "heavy-late"]

@@ -86,3 +86,15 @@ def test_the_tokens_ahead_of_a_new_request_count_other_tenants_only_up_to_their_
     assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 100 + 100
     assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 5100
     assert queue.tokens_ahead(priority=100, tenant="y", tokens=100) == 100 + 100, "x and y alternate"
+
+
+def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.push("a0", "a", priority=0, tenant="a", tokens=100)
+    queue.charge(priority=0, tenant="b", tokens=500)  # b was served 500 tokens by a peer
+    for i in range(1, 6):
+        queue.push(f"a{i}", "a", priority=0, tenant="a", tokens=100)
+    queue.push("b0", "b", priority=0, tenant="b", tokens=100)
+    assert _drain(queue) == ["a"] * 5 + ["b", "a"], "b waits until a has had the 500 tokens b got elsewhere"
+    queue.charge(priority=0, tenant="idle", tokens=100)
+    assert queue.tokens_ahead(priority=0, tenant="idle", tokens=1) == 1, "an empty band keeps no state"

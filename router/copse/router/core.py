@@ -173,6 +173,10 @@ class FlightRecord:
     kv_tokens: float
     output_tokens: int = 0
     """Output tokens expected (0: a prefill-only charge, or a peer that does not say)."""
+    tenant: str = ""
+    """Tenant of the request (for the fair share across replicas)."""
+    priority: int = 0
+    """Priority of the request's objective."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -727,6 +731,8 @@ class Router:
                 prefill_ms=prefill_ms,
                 kv_tokens=kv_extra,
                 output_tokens=request.max_tokens if output else 0,
+                tenant=request.tenant,
+                priority=request.priority,
             )
             self.outbox.append(PeerChange(op="add", key=key, record=record))
 
@@ -753,6 +759,9 @@ class Router:
                 now=now,
                 output_tokens=record.output_tokens,
             )
+            if record.output_tokens:  # the request's main charge: what the peer served it
+                served = len(record.hashes) * self.settings.block_size + record.kv_tokens
+                self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)

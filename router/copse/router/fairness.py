@@ -83,6 +83,17 @@ class FairQueue(Generic[T]):
         band.tokens += tokens
         self._where[key] = (priority, waiting)
 
+    def charge(self, *, priority: int, tenant: str, tokens: float) -> None:
+        """``tenant`` was served ``tokens`` at ``priority`` elsewhere (by a peer router replica
+        sharing the fleet): its next requests here start that much later, so that the fair share
+        holds across replicas whatever share of a tenant's traffic each one gets. Ignored while
+        the band has nothing waiting here (no order to correct; and no state per idle tenant)."""
+        band = self._bands.get(priority)
+        if band is None or not band.tenants:
+            return
+        start = max(band.virtual, band.finish.get(tenant, band.virtual))
+        band.finish[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
+
     def _head(self, band: _Band[T]) -> _Waiting[T] | None:
         heads = band.heads
         while heads:

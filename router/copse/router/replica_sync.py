@@ -60,6 +60,8 @@ class WireRecord(_Wire):
     kv_tokens: float
     output_tokens: int = 0
     """Output tokens expected (absent from replicas of earlier versions)."""
+    tenant: str = ""
+    priority: int = 0
 
 
 class WireChange(_Wire):
@@ -102,6 +104,8 @@ def _wire(record: FlightRecord) -> WireRecord:
         prefill_ms=record.prefill_ms,
         kv_tokens=record.kv_tokens,
         output_tokens=record.output_tokens,
+        tenant=record.tenant,
+        priority=record.priority,
     )
 
 
@@ -113,6 +117,8 @@ def _record(wire: WireRecord) -> FlightRecord:
         prefill_ms=wire.prefill_ms,
         kv_tokens=wire.kv_tokens,
         output_tokens=wire.output_tokens,
+        tenant=wire.tenant,
+        priority=wire.priority,
     )
 
 
