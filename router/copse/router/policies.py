@@ -254,9 +254,10 @@ class Selection:
           stays for the fraction ``min(1, mean remaining output / this output)`` of the request's
           decode; for the rest, requests arriving meanwhile refill every eligible worker alike, to
           the eligible workers' mean.
-        - Joining delays every sequence decoding there by the compute of the request's uncached
-          prompt tokens (chunked prefill shares their steps), and lengthens each of their steps,
-          for as long as they overlap, by what the request's KV adds to the decode step.
+        - Joining delays every sequence in flight there by the compute of the request's uncached
+          prompt tokens (chunked prefill shares their decode steps; those still prefilling decode
+          by the time this prompt's turn comes), and lengthens each of their steps, for as long as
+          they overlap, by what the request's KV adds to the decode step.
 
         Time to first token alone piles requests sharing a prefix onto its holders until their
         streams slow down; decode load alone forgets that a cache hit spares every sequence on the
@@ -280,10 +281,9 @@ class Selection:
         prefill = self.perf.compute_ms_array(
             new_tokens=self._uncached, total_tokens=float(request.prompt_tokens)
         )
-        decoding = requests - seq.prefilling
         slowed = step_ms - self.perf.itl_ms(kv_during, np.maximum(requests_during, 1.0))
         overlap = requests * osl * stays
-        out: FloatArray = ttft + decode + decoding * prefill + overlap * slowed
+        out: FloatArray = ttft + decode + requests * prefill + overlap * slowed
         return out
 
     def latency_ms(self) -> FloatArray:
