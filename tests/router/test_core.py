@@ -462,7 +462,7 @@ def test_a_peer_replicas_service_to_a_tenant_moves_it_back_in_this_replicas_queu
         router.apply_peer(change, peer="peer", now=5.0)
     assert router.submit(_classed("heavy-late", priority=0, tenant="heavy"), now=5.0) is None
     assert router.submit(_classed("light-late", priority=0, tenant="light"), now=5.0) is None
-    served = []
+    served: list[str] = []
     for t in range(6, 11):
         served += [
             route.request_id for route in router.finish(served[-1] if served else "running", now=float(t))
