@@ -21,7 +21,7 @@ from copse.router.core import (
     WorkerInfo,
 )
 from copse.router.limits import TenantLimits
-from copse.router.policies import POLICIES, RouteRequest, SelectionSettings
+from copse.router.policies import POLICIES, RouteRequest, RoutingObjective, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvEvent, KvStored, KvUpdated, StoredBlock, block_hashes
 
@@ -468,3 +468,31 @@ def test_a_peer_replicas_service_to_a_tenant_moves_it_back_in_this_replicas_queu
             route.request_id for route in router.finish(served[-1] if served else "running", now=float(t))
         ]
     assert served == ["light", "heavy-here", "light-2", "light-late", "heavy-late"]
+
+
+def _loaded(objective: RoutingObjective) -> Router:
+    """w0 prefills a long prompt; w1 decodes twelve long answers."""
+    router = _router(workers=2, settings=SelectionSettings(block_size=BS, objective=objective))
+    assert router.submit(_request("long", list(range(50_000, 66_000))), now=0.0, exclude=frozenset({"w1"}))
+    for i in range(12):
+        route = router.submit(
+            _request(f"d{i}", [70_000 + i] * 64, max_tokens=2000), now=0.0, exclude=frozenset({"w0"})
+        )
+        assert route is not None
+        router.prefill_done(route.request_id, now=0.0)
+    return router
+
+
+def test_the_goodput_objective_prefers_a_worker_that_meets_the_ttft_target() -> None:
+    request = _request("new", PROMPT[:2048], max_tokens=2000)
+    e2e = _loaded("e2e").submit(request, now=0.0)
+    assert e2e is not None
+    assert e2e.worker_id == "w0", "the decode crowd costs more end to end than the prefill backlog"
+    target = e2e.predicted_ttft_ms / 2
+    goodput = _loaded("goodput").submit(dataclasses.replace(request, ttft_slo_ms=target), now=0.0)
+    assert goodput is not None
+    assert goodput.worker_id == "w1"
+    assert goodput.predicted_ttft_ms <= target
+    unreachable = _loaded("goodput").submit(dataclasses.replace(request, ttft_slo_ms=0.001), now=0.0)
+    assert unreachable is not None
+    assert unreachable.worker_id == "w0", "no worker meets it: e2e decides"

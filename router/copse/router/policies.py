@@ -12,7 +12,8 @@ operations however many workers there are. A policy returns the slot of its choi
   under the batch it joins (which drains as it decodes), plus what joining costs the streams
   decoding there (its prefill shares their steps; its KV lengthens them): ``Selection.e2e_ms``.
   ``ttft``: the time to first token plus ``decode_weight`` x its decode time (weight 0 by
-  default). The minimum wins; a softmax temperature spreads near-ties.
+  default). ``goodput``: ``e2e`` among the workers predicted to meet the request's TTFT target.
+  The minimum wins; a softmax temperature spreads near-ties.
 * ``kv_expert``: ``kv``'s predicted time to first token plus ``expert_weight`` x the request's
   decode time on each worker, each step stretched by the slowest EP rank for the expert load in
   flight there plus the request's expected experts, and the all-to-all added, to the engines'
@@ -79,9 +80,14 @@ class RouteRequest:
     admitted while the fleet is saturated (``None``: admitted while the queue has room)."""
 
 
-RoutingObjective = Literal["e2e", "ttft"]
+RoutingObjective = Literal["e2e", "ttft", "goodput"]
 """What ``kv`` minimises for each request (``SelectionSettings.objective``)."""
 ROUTING_OBJECTIVES: tuple[str, ...] = get_args(RoutingObjective)
+
+
+MISSED_TARGET_MS = 1e7
+"""What the ``goodput`` objective adds to the cost of a worker predicted to miss the request's TTFT
+target: more than any latency, so such workers are chosen only when every worker misses."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,7 +105,10 @@ class SelectionSettings:
     to first token plus its decode under the batch it joins (what users feel: a worker holding the
     prefix but crowded with decoding sequences loses to one that is not). ``ttft``: the predicted
     time to first token plus ``decode_weight`` x the decode time (weight 0: time to first token
-    alone, the best first token at the cost of slower streams on prefix holders)."""
+    alone, the best first token at the cost of slower streams on prefix holders). ``goodput``:
+    ``e2e`` among the workers predicted to meet the request's TTFT target
+    (``RouteRequest.ttft_slo_ms``), any other worker only when none is (a request without a target
+    is routed as under ``e2e``)."""
     decode_weight: float = 0.0
     """Weight of the request's predicted decode time against its time to first token in the ``kv``
     cost under the ``ttft`` objective (``e2e`` weighs it 1 and counts the batch draining)."""
@@ -291,6 +300,13 @@ class Selection:
         settings = self.settings
         if settings.objective == "e2e":
             return self.e2e_ms()
+        if settings.objective == "goodput":
+            cost = self.e2e_ms()
+            target = self.request.ttft_slo_ms
+            if target is None:
+                return cost
+            late: FloatArray = cost + np.where(self.ttft_ms() > target, MISSED_TARGET_MS, 0.0)
+            return late
         if settings.decode_weight == 0.0:
             return self.ttft_ms()
         out: FloatArray = self.ttft_ms() + settings.decode_weight * self.decode_ms()
