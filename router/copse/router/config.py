@@ -185,8 +185,8 @@ class RouterConfig(_Model):
     """What the ``kv`` policy minimises for each request: ``e2e``, its predicted end-to-end latency
     (time to first token, its decode under the batch it joins, and what joining costs the streams
     already there: see benchmarks/RESULTS.md, "Routing objective"), or ``ttft``, its time to first
-    token (plus ``decode_weight`` x its decode time): the fastest first token, at the cost of slower streams on prefix holders; or
-    ``goodput``, ``e2e`` among the workers predicted to meet the request's objective's TTFT target
+    token (plus ``decode_weight`` x its decode time): the fastest first token, at the cost of
+    slower streams on prefix holders; or ``goodput``, ``e2e`` among the workers predicted to meet the request's objective's TTFT target
     (``objectives``), the others only when none does."""
     decode_weight: float = Field(default=0.0, ge=0.0)
     """Under ``objective: ttft``, weight of the request's predicted decode time against its time to

@@ -96,7 +96,7 @@ def _table(report: ReplayReport) -> str:
     type=click.Choice(ROUTING_OBJECTIVES),
     default="e2e",
     show_default=True,
-    help="What kv minimises: e2e (end-to-end latency), ttft, or goodput (e2e among workers meeting the TTFT target).",
+    help="What kv minimises: e2e (end-to-end latency), ttft, or goodput (e2e meeting TTFT targets).",
 )
 @click.option(
     "--decode-weight",
