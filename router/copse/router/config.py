@@ -186,11 +186,11 @@ class RouterConfig(_Model):
     (time to first token, its decode under the batch it joins, and what joining costs the streams
     already there: see benchmarks/RESULTS.md, "Routing objective"), or ``ttft``, its time to first
     token (plus ``decode_weight`` x its decode time): the fastest first token, at the cost of
-    slower streams on prefix holders; or ``goodput``, ``e2e`` among the workers predicted to meet the request's objective's TTFT target
-    (``objectives``), the others only when none does."""
+    slower streams on prefix holders; or ``goodput``, ``e2e`` among the workers predicted to meet
+    the request's objective's TTFT target (``objectives``), the others only when none does."""
     decode_weight: float = Field(default=0.0, ge=0.0)
     """Under ``objective: ttft``, weight of the request's predicted decode time against its time to
-    first token in the ``kv`` cost (ignored under ``e2e``)."""
+    first token in the ``kv`` cost (ignored under ``e2e`` and ``goodput``)."""
     busy_prefill_tokens: float = Field(default=Thresholds().busy_prefill_tokens, gt=0)
     """Outstanding prefill tokens beyond which a worker takes no new request."""
     busy_kv_fraction: float = Field(default=Thresholds().busy_kv_fraction, gt=0)
