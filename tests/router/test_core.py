@@ -496,3 +496,14 @@ def test_the_goodput_objective_prefers_a_worker_that_meets_the_ttft_target() -> 
     unreachable = _loaded("goodput").submit(dataclasses.replace(request, ttft_slo_ms=0.001), now=0.0)
     assert unreachable is not None
     assert unreachable.worker_id == "w0", "no worker meets it: e2e decides"
+
+
+def test_a_queue_full_of_lower_priority_requests_still_admits_a_higher_one() -> None:
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500, queue_size=2))
+    assert router.submit(_classed("running", priority=0), now=0.0) is not None
+    for i in range(2):
+        assert router.submit(_classed(f"batch{i}", priority=0), now=0.0) is None
+    with pytest.raises(QueueFull):
+        router.submit(_classed("batch-more", priority=0), now=0.0)
+    assert router.submit(_classed("premium", priority=100), now=0.0) is None
+    assert router.queued == 3

@@ -143,7 +143,8 @@ class RouterConfig(_Model):
     temperature: float = Field(default=0.0, ge=0.0)
     """Softmax temperature of selection; 0 always picks the best worker."""
     queue_size: int = Field(default=Thresholds().queue_size, ge=0)
-    """Requests that may wait while every worker is busy; beyond it the router answers 429."""
+    """Requests that may wait while every worker is busy, of the new request's priority or higher;
+    beyond it the router answers 429 (a queue full of batch requests does not refuse premium)."""
     block_size: int = Field(default=32, ge=1)
     """Tokens per KV block of the engines (TensorRT-LLM's ``tokens_per_block``)."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)

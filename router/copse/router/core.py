@@ -105,7 +105,9 @@ class Thresholds:
     """A worker whose predicted KV use exceeds this fraction of its cache takes no new request
     (beyond it the engine would preempt running sequences)."""
     queue_size: int = 1024
-    """Requests that may wait while every worker is busy; beyond it new requests are refused."""
+    """Requests that may wait while every worker is busy, counting those of the new request's
+    priority or higher (a full queue of low-priority requests does not refuse a higher one; the
+    priorities are the objectives', so the queue holds at most this times their number)."""
     rate_window_s: float = 10.0
     """Window over which the router measures the tokens per second it routes, which is how fast
     its queue drains while the fleet is saturated (what admission predicts waits with)."""
@@ -404,10 +406,11 @@ class Router:
             )
 
     def _enqueue(self, request: RouteRequest, exclude: frozenset[str], *, now: float) -> None:
-        if len(self._queue) >= self.thresholds.queue_size:
+        waiting = self._queue.count_at_or_above(request.priority)
+        if waiting >= self.thresholds.queue_size:
             wait_s = self.predicted_wait_s(request, now=now)
             raise QueueFull(
-                f"all workers are busy and {len(self._queue)} requests are already waiting",
+                f"all workers are busy and {waiting} requests are already waiting",
                 retry_after_s=max(1.0, wait_s or 1.0),
             )
         self._queue.push(

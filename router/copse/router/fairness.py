@@ -155,6 +155,15 @@ class FairQueue(Generic[T]):
                 ahead += min(sum(w.tokens for w in waiting), own * self._weight(other) / weight)
         return ahead + own
 
+    def count_at_or_above(self, priority: int) -> int:
+        """Requests waiting at ``priority`` or higher."""
+        return sum(
+            len(fifo)
+            for level, band in self._bands.items()
+            if level >= priority
+            for fifo in band.tenants.values()
+        )
+
     def tokens_at_or_above(self, priority: int) -> float:
         """Tokens of the waiting requests of ``priority`` or higher: what a new request of
         ``priority`` waits behind at most (fair queuing may serve it before some of them)."""
