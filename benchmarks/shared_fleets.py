@@ -103,9 +103,14 @@ def arrivals(
 
 
 def run(
-    trace: Sequence[TraceRequest], classes: Sequence[RequestClass] | None, *, seed: int, seconds: float
+    trace: Sequence[TraceRequest],
+    classes: Sequence[RequestClass] | None,
+    *,
+    seed: int,
+    seconds: float,
+    thresholds: Thresholds | None = None,
 ) -> Outcome:
-    settings = ReplaySettings(workers=16, seed=seed, thresholds=Thresholds())
+    settings = ReplaySettings(workers=16, seed=seed, thresholds=thresholds or Thresholds())
     fleet = Fleet(trace, settings, engines=16, classes=classes)
     for index in range(len(trace)):
         fleet.run_until(float(fleet.arrival_ms[index]))
@@ -176,6 +181,12 @@ def main() -> None:
     )
     parser.add_argument("--capacity", type=float, default=None, help="Skip the probe: requests/s.")
     parser.add_argument("--skip", default="", help="Comma-separated: priorities, fairness.")
+    parser.add_argument(
+        "--fair-busy-prefill-tokens",
+        type=float,
+        default=Thresholds().busy_prefill_tokens,
+        help="Router busy threshold in the fairness runs (a lower one leaves the order to the router's queue).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     pool = shapes(args.max_prompt)
@@ -225,9 +236,11 @@ def main() -> None:
             f"\nfairness: light {light_rate:.1f} req/s, heavy {heavy_rate:.1f} req/s "
             f"({(light_rate + heavy_rate) / cap:.2f}x capacity) for {seconds:.0f} s"
         )
-        solo = run(light_trace, [light] * len(light_trace), seed=seed, seconds=seconds)
+        busy = Thresholds(busy_prefill_tokens=args.fair_busy_prefill_tokens)
+        print(f" router busy threshold {busy.busy_prefill_tokens:,.0f} prefill tokens per engine")
+        solo = run(light_trace, [light] * len(light_trace), seed=seed, seconds=seconds, thresholds=busy)
         trace, kinds = merge([(light_trace, light), (heavy_trace, heavy)])
-        shared = run(trace, kinds, seed=seed, seconds=seconds)
+        shared = run(trace, kinds, seed=seed, seconds=seconds, thresholds=busy)
         is_light = np.array([kind is light for kind in kinds])
         solo_figures = solo.of(np.ones(len(light_trace), dtype=bool), ttft_target_ms=args.batch_ttft_ms)
         light_figures = shared.of(is_light, ttft_target_ms=args.batch_ttft_ms)

@@ -507,3 +507,16 @@ def test_a_queue_full_of_lower_priority_requests_still_admits_a_higher_one() -> 
         router.submit(_classed("batch-more", priority=0), now=0.0)
     assert router.submit(_classed("premium", priority=100), now=0.0) is None
     assert router.queued == 3
+
+
+def test_a_queue_one_tenant_filled_still_takes_another_tenants_request() -> None:
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500, queue_size=2))
+    assert router.submit(_classed("running", priority=0), now=0.0) is not None
+    for i in range(2):
+        assert router.submit(_classed(f"heavy{i}", priority=0, tenant="heavy"), now=0.0) is None
+    with pytest.raises(QueueFull):
+        router.submit(_classed("heavy-more", priority=0, tenant="heavy"), now=0.0)
+    assert router.submit(_classed("light", priority=0, tenant="light"), now=0.0) is None
+    assert router.submit(_classed("other", priority=0, tenant="other"), now=0.0) is None
+    with pytest.raises(QueueFull, match="4 requests"):
+        router.submit(_classed("light-2", priority=0, tenant="third"), now=0.0)

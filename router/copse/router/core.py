@@ -107,7 +107,9 @@ class Thresholds:
     queue_size: int = 1024
     """Requests that may wait while every worker is busy, counting those of the new request's
     priority or higher (a full queue of low-priority requests does not refuse a higher one; the
-    priorities are the objectives', so the queue holds at most this times their number)."""
+    priorities are the objectives', so the queue holds at most this times their number). A tenant
+    holding less than its share of its band's waiting requests may still queue, up to twice this:
+    a full queue is not one tenant's to refuse the others with."""
     rate_window_s: float = 10.0
     """Window over which the router measures the tokens per second it routes, which is how fast
     its queue drains while the fleet is saturated (what admission predicts waits with)."""
@@ -407,7 +409,11 @@ class Router:
 
     def _enqueue(self, request: RouteRequest, exclude: frozenset[str], *, now: float) -> None:
         waiting = self._queue.count_at_or_above(request.priority)
-        if waiting >= self.thresholds.queue_size:
+        limit = self.thresholds.queue_size
+        # A full queue still takes a tenant that holds less than its share of the band (another
+        # tenant filled it), up to twice its size.
+        fair = not self._queue.holds_its_share(priority=request.priority, tenant=request.tenant)
+        if waiting >= (2 * limit if fair else limit):
             wait_s = self.predicted_wait_s(request, now=now)
             raise QueueFull(
                 f"all workers are busy and {waiting} requests are already waiting",

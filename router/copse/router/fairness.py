@@ -155,6 +155,17 @@ class FairQueue(Generic[T]):
                 ahead += min(sum(w.tokens for w in waiting), own * self._weight(other) / weight)
         return ahead + own
 
+    def holds_its_share(self, *, priority: int, tenant: str) -> bool:
+        """Whether ``tenant`` has at least its even share of the requests waiting in the band of
+        ``priority`` (the band's waiting requests over the tenants waiting there)."""
+        band = self._bands.get(priority)
+        if band is None or not band.tenants:
+            return False
+        fifo = band.tenants.get(tenant)
+        mine = len(fifo) if fifo else 0
+        total = sum(len(waiting) for waiting in band.tenants.values())
+        return mine * len(band.tenants) >= total
+
     def count_at_or_above(self, priority: int) -> int:
         """Requests waiting at ``priority`` or higher."""
         return sum(
