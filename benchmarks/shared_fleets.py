@@ -185,7 +185,7 @@ def main() -> None:
         "--fair-busy-prefill-tokens",
         type=float,
         default=Thresholds().busy_prefill_tokens,
-        help="Router busy threshold in the fairness runs (a lower one leaves the order to the router's queue).",
+        help="Router busy threshold of the fairness runs (lower: the router's queue orders more).",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
