@@ -64,14 +64,18 @@ def test_an_idle_tenant_gets_no_credit_for_the_time_it_sent_nothing() -> None:
     assert _drain(queue)[:4] == ["b", "a", "b", "a"], "the newcomer alternates, no catching up"
 
 
-def test_removed_requests_are_not_served_and_shedding_starts_at_the_lowest_priority() -> None:
+def test_removed_requests_are_not_served_and_counts_go_by_priority_and_tenant() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     queue.push("p", "premium", priority=100, tenant="t", tokens=10)
     queue.push("b1", "batch-1", priority=0, tenant="t", tokens=10)
     queue.push("b2", "batch-2", priority=0, tenant="t", tokens=10)
-    assert [key for key, _, _ in queue.lowest()] == ["b2", "b1", "p"]
-    assert queue.tokens_at_or_above(100) == 10
-    assert queue.tokens_at_or_above(0) == 30
+    queue.push("u1", "other", priority=0, tenant="u", tokens=10)
+    assert queue.count_at_or_above(100) == 1
+    assert queue.count_at_or_above(0) == 4
+    assert queue.holds_its_share(priority=0, tenant="t")
+    assert not queue.holds_its_share(priority=0, tenant="u")
+    assert not queue.holds_its_share(priority=0, tenant="new")
+    assert queue.remove("u1") == "other"
     assert queue.remove("b1") == "batch-1"
     assert "b1" not in queue
     assert len(queue) == 2

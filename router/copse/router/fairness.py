@@ -21,7 +21,7 @@ import dataclasses
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -174,18 +174,3 @@ class FairQueue(Generic[T]):
             if level >= priority
             for fifo in band.tenants.values()
         )
-
-    def tokens_at_or_above(self, priority: int) -> float:
-        """Tokens of the waiting requests of ``priority`` or higher: what a new request of
-        ``priority`` waits behind at most (fair queuing may serve it before some of them)."""
-        return sum(band.tokens for level, band in self._bands.items() if level >= priority)
-
-    def lowest(self) -> Iterator[tuple[str, T, int]]:
-        """Waiting requests, lowest priority band first and within a band the last to be served
-        first: the order in which to shed them. As ``(key, item, priority)``."""
-        for priority in sorted(self._bands):
-            band = self._bands[priority]
-            for waiting in sorted(
-                (w for fifo in band.tenants.values() for w in fifo), key=lambda w: w.start, reverse=True
-            ):
-                yield waiting.key, waiting.item, priority
