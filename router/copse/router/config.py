@@ -233,9 +233,8 @@ class RouterConfig(_Model):
     seed: int | None = None
     """Seed of tie-breaking (reproducible runs); random when absent."""
     objectives: dict[str, ObjectiveSettings] = Field(default_factory=dict)
-    """Objectives by name, as requests name them in ``x-gateway-inference-objective`` (static
-    setups; with Kubernetes discovery the InferenceObjectives of the pool are read too, and these
-    win over them)."""
+    """Objectives by name, as requests name them in ``x-gateway-inference-objective`` (the names
+    of the InferenceObjectives a gateway's clients use; the router does not read those objects)."""
     default_objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
     """The objective of requests naming none or one the router does not know."""
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)

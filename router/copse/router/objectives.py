@@ -3,10 +3,9 @@
 - The objective is named in the ``x-gateway-inference-objective`` header: the name of an
   ``InferenceObjective`` (Gateway API Inference Extension, ``inference.networking.x-k8s.io``),
   whose ``spec.priority`` orders the router's queue (higher first). copse reads objectives from
-  the router config (``objectives:``) and, in Kubernetes, from the InferenceObjective objects that
-  reference the router's pool (:meth:`Classes.set_objective`). A request naming no objective, or
-  one the router does not know, gets the default objective (priority 0), as the endpoint picker
-  does.
+  the router config (``objectives:``; not yet from InferenceObjective objects in Kubernetes). A
+  request naming no objective, or one the router does not know, gets the default objective
+  (priority 0 unless configured), as the endpoint picker does.
 - The tenant is the client's API key (``Authorization: Bearer ...``, never shown: a hash of it),
   else the ``x-gateway-inference-fairness-id`` header, else the one default tenant (empty name).
 """
@@ -59,26 +58,17 @@ class Classes:
         weights: Mapping[str, float] | None = None,
         default_weight: float = 1.0,
     ) -> None:
-        self._configured = dict(objectives or {})
-        self._discovered: dict[str, Objective] = {}
+        self._objectives = dict(objectives or {})
         self.default = default or Objective(name="")
         """What a request naming no objective, or an unknown one, gets."""
         self._weights = dict(weights or {})
         self._default_weight = default_weight
 
-    def set_objective(self, objective: Objective) -> None:
-        """An objective found in Kubernetes (added or changed); the router config's win over it."""
-        self._discovered[objective.name] = objective
-
-    def remove_objective(self, name: str) -> None:
-        """An objective deleted in Kubernetes."""
-        self._discovered.pop(name, None)
-
     def objective(self, name: str | None) -> Objective:
         """The objective called ``name`` (the default when unknown or ``None``)."""
         if not name:
             return self.default
-        return self._configured.get(name) or self._discovered.get(name) or self.default
+        return self._objectives.get(name, self.default)
 
     def of(self, headers: Mapping[str, str]) -> tuple[Objective, str]:
         """The objective and tenant of a request with these (lower-case) headers."""
