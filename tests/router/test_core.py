@@ -520,3 +520,15 @@ def test_a_queue_one_tenant_filled_still_takes_another_tenants_request() -> None
     assert router.submit(_classed("other", priority=0, tenant="other"), now=0.0) is None
     with pytest.raises(QueueFull, match="4 requests"):
         router.submit(_classed("light-2", priority=0, tenant="third"), now=0.0)
+
+
+def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
+    router = _router(workers=2, limits=TenantLimits(tokens_per_minute={"a": 2000.0}))
+    first = router.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
+    assert first is not None
+    router.finish("a1", now=0.1)
+    retried = router.submit(
+        _classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id})
+    )
+    assert retried is not None
+    assert retried.worker_id != first.worker_id

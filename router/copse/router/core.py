@@ -348,20 +348,22 @@ class Router:
         if not self._servable(exclude):
             raise NoWorkers("no worker is available for this request")
         tokens = float(request.prompt_tokens + request.max_tokens)
-        if self.limits is not None:
-            wait_s = self.limits.wait_s(request.tenant, tokens, now=now)
+        # A retry (workers excluded) is the router's doing: its tenant was charged the first time.
+        limits = self.limits if not exclude else None
+        if limits is not None:
+            wait_s = limits.wait_s(request.tenant, tokens, now=now)
             if wait_s > 0.0:
                 raise RateLimited(
                     f"tenant {request.tenant or '(default)'} is over its limit of "
-                    f"{self.limits.limit(request.tenant):g} tokens per minute",
+                    f"{limits.limit(request.tenant):g} tokens per minute",
                     retry_after_s=wait_s,
                 )
         route = None if self._queue else self._try_route(request, now=now, exclude=exclude)
         if route is None:
             self._admit(request, now=now)
             self._enqueue(request, exclude, now=now)
-        if self.limits is not None:
-            self.limits.take(request.tenant, tokens, now=now)
+        if limits is not None:
+            limits.take(request.tenant, tokens, now=now)
         return route
 
     def routed_tokens_per_s(self, *, now: float) -> float | None:

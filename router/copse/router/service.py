@@ -488,7 +488,8 @@ class RoutingService:
             raise Overloaded(str(exc), retry_after_s=exc.retry_after_s) from exc
         except NoWorkers as exc:
             raise Unavailable(f"{exc}; retry shortly") from exc
-        self.metrics.admitted(request, queued=route is None)
+        if not exclude:  # a retry was counted the first time
+            self.metrics.admitted(request, queued=route is None)
         self.metrics.queue_depth.set(self.router.queued)
         if route is None:
             future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
