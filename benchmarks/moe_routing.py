@@ -37,7 +37,7 @@ from copse.sim.trace import load_trace
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "moe"
 ROWS = (
     ("kv", {"policy": "kv"}),
-    ("kv --decode-weight 1", {"policy": "kv", "decode_weight": 1.0}),
+    ("kv --objective ttft --decode-weight 1", {"policy": "kv", "objective": "ttft", "decode_weight": 1.0}),
     ("kv_expert", {"policy": "kv_expert"}),
     ("kv_expert --no-expert-reports", {"policy": "kv_expert", "expert_reports": False}),
 )

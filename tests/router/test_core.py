@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import pytest
@@ -12,12 +13,15 @@ from copse.router.core import (
     NoWorkers,
     PeerChange,
     QueueFull,
+    RateLimited,
     Role,
     Router,
+    SloShed,
     Thresholds,
     WorkerInfo,
 )
-from copse.router.policies import POLICIES, RouteRequest, SelectionSettings
+from copse.router.limits import TenantLimits
+from copse.router.policies import POLICIES, RouteRequest, RoutingObjective, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvEvent, KvStored, KvUpdated, StoredBlock, block_hashes
 
@@ -364,7 +368,7 @@ def test_a_draining_prefill_worker_counts_its_prefills_until_they_are_done() -> 
     assert later.prefill_worker_id is None, "no prefill worker takes new requests: decode serves them whole"
     router.prefill_done("r", now=0.5)
     assert router.in_flight("p0") == 0, "its part of the request is over"
-    assert router.in_flight("d1") == 1
+    assert router.in_flight("d1") == 1 + (later.worker_id == "d1")
 
 
 def test_peer_changes_are_published_and_mirrored() -> None:
@@ -387,3 +391,144 @@ def test_peer_changes_are_published_and_mirrored() -> None:
     mirror.apply_peer(changes[0], peer="B", now=0.4)
     mirror.forget_peer("B", now=0.5)
     assert mirror.sequences.requests[slot] == 0
+
+
+def _classed(rid: str, *, priority: int, tenant: str = "", ttft_slo_ms: float | None = None) -> RouteRequest:
+    return dataclasses.replace(
+        _request(rid, PROMPT[:1000], max_tokens=1000),
+        priority=priority,
+        tenant=tenant,
+        ttft_slo_ms=ttft_slo_ms,
+    )
+
+
+def _saturated(**kwargs: Any) -> Router:
+    """One worker that takes one request at a time, having routed 2,500 tokens a second over the
+    last 4 s (a 2,000-token request each second, one of them now)."""
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500, rate_window_s=4.0), **kwargs)
+    for second in range(5):
+        route = router.submit(_classed(f"warm{second}", priority=0), now=float(second))
+        assert route is not None
+        router.finish(route.request_id, now=second + 0.5)
+    assert router.submit(_classed("running", priority=0), now=5.0) is not None
+    assert router.routed_tokens_per_s(now=5.0) == pytest.approx(2500.0)
+    return router
+
+
+def test_the_queue_serves_the_higher_priority_first() -> None:
+    router = _saturated()
+    assert router.submit(_classed("batch", priority=0), now=5.0) is None
+    assert router.submit(_classed("premium", priority=100), now=5.0) is None
+    released = router.finish("running", now=6.0)
+    assert [route.request_id for route in released] == ["premium"]
+
+
+def test_a_request_predicted_to_miss_its_ttft_target_is_shed_lowest_priority_first() -> None:
+    router = _saturated()
+    for i in range(4):  # 8,000 tokens of batch work waiting: 3.2 s at the fleet's rate
+        assert router.submit(_classed(f"queued{i}", priority=0), now=5.0) is None
+    with pytest.raises(SloShed) as shed:
+        router.submit(_classed("batch", priority=0, ttft_slo_ms=2000.0), now=5.0)
+    assert shed.value.retry_after_s >= 1.0
+    premium = _classed("premium", priority=100, ttft_slo_ms=2000.0)
+    assert router.predicted_wait_s(premium, now=5.0) == pytest.approx(0.8), "it waits behind no batch work"
+    assert router.submit(premium, now=5.0) is None, "admitted: it is served before the batch work"
+    assert router.queued == 5
+    released = router.finish("running", now=6.0)
+    assert [route.request_id for route in released] == ["premium"]
+
+
+def test_a_tenant_over_its_token_rate_is_refused_until_its_bucket_refills() -> None:
+    router = _router(workers=1, limits=TenantLimits(tokens_per_minute={"a": 3000.0}))
+    assert router.submit(_classed("a1", priority=0, tenant="a"), now=0.0) is not None
+    with pytest.raises(RateLimited) as limited:
+        router.submit(_classed("a2", priority=0, tenant="a"), now=1.0)
+    assert limited.value.retry_after_s == pytest.approx(19.0), "2,000 tokens at 50 a second, 1,000 left"
+    assert router.submit(_classed("b1", priority=0, tenant="b"), now=1.0) is not None, "b has no limit"
+    assert router.submit(_classed("a3", priority=0, tenant="a"), now=20.0) is not None
+
+
+def test_a_peer_replicas_service_to_a_tenant_moves_it_back_in_this_replicas_queue() -> None:
+    peer = _router(workers=1, share_load=True)
+    router = _saturated()
+    assert router.submit(_classed("light", priority=0, tenant="light"), now=5.0) is None
+    assert router.submit(_classed("heavy-here", priority=0, tenant="heavy"), now=5.0) is None
+    assert router.submit(_classed("light-2", priority=0, tenant="light"), now=5.0) is None
+    for i in range(3):  # the peer serves the heavy tenant 6,000 tokens meanwhile, on the same worker
+        peer.submit(_classed(f"heavy-there{i}", priority=0, tenant="heavy"), now=5.0)
+        peer.finish(f"heavy-there{i}", now=5.0)
+    assert peer.outbox is not None
+    for change in peer.outbox:
+        router.apply_peer(change, peer="peer", now=5.0)
+    assert router.submit(_classed("heavy-late", priority=0, tenant="heavy"), now=5.0) is None
+    assert router.submit(_classed("light-late", priority=0, tenant="light"), now=5.0) is None
+    served: list[str] = []
+    for t in range(6, 11):
+        served += [
+            route.request_id for route in router.finish(served[-1] if served else "running", now=float(t))
+        ]
+    assert served == ["light", "heavy-here", "light-2", "light-late", "heavy-late"]
+
+
+def _loaded(objective: RoutingObjective) -> Router:
+    """w0 prefills a long prompt; w1 decodes twelve long answers."""
+    router = _router(workers=2, settings=SelectionSettings(block_size=BS, objective=objective))
+    assert router.submit(_request("long", list(range(50_000, 66_000))), now=0.0, exclude=frozenset({"w1"}))
+    for i in range(12):
+        route = router.submit(
+            _request(f"d{i}", [70_000 + i] * 64, max_tokens=2000), now=0.0, exclude=frozenset({"w0"})
+        )
+        assert route is not None
+        router.prefill_done(route.request_id, now=0.0)
+    return router
+
+
+def test_the_goodput_objective_prefers_a_worker_that_meets_the_ttft_target() -> None:
+    request = _request("new", PROMPT[:2048], max_tokens=2000)
+    e2e = _loaded("e2e").submit(request, now=0.0)
+    assert e2e is not None
+    assert e2e.worker_id == "w0", "the decode crowd costs more end to end than the prefill backlog"
+    target = e2e.predicted_ttft_ms / 2
+    goodput = _loaded("goodput").submit(dataclasses.replace(request, ttft_slo_ms=target), now=0.0)
+    assert goodput is not None
+    assert goodput.worker_id == "w1"
+    assert goodput.predicted_ttft_ms <= target
+    unreachable = _loaded("goodput").submit(dataclasses.replace(request, ttft_slo_ms=0.001), now=0.0)
+    assert unreachable is not None
+    assert unreachable.worker_id == "w0", "no worker meets it: e2e decides"
+
+
+def test_a_queue_full_of_lower_priority_requests_still_admits_a_higher_one() -> None:
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500, queue_size=2))
+    assert router.submit(_classed("running", priority=0), now=0.0) is not None
+    for i in range(2):
+        assert router.submit(_classed(f"batch{i}", priority=0), now=0.0) is None
+    with pytest.raises(QueueFull):
+        router.submit(_classed("batch-more", priority=0), now=0.0)
+    assert router.submit(_classed("premium", priority=100), now=0.0) is None
+    assert router.queued == 3
+
+
+def test_a_queue_one_tenant_filled_still_takes_another_tenants_request() -> None:
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500, queue_size=2))
+    assert router.submit(_classed("running", priority=0), now=0.0) is not None
+    for i in range(2):
+        assert router.submit(_classed(f"heavy{i}", priority=0, tenant="heavy"), now=0.0) is None
+    with pytest.raises(QueueFull):
+        router.submit(_classed("heavy-more", priority=0, tenant="heavy"), now=0.0)
+    assert router.submit(_classed("light", priority=0, tenant="light"), now=0.0) is None
+    assert router.submit(_classed("other", priority=0, tenant="other"), now=0.0) is None
+    with pytest.raises(QueueFull, match="4 requests"):
+        router.submit(_classed("light-2", priority=0, tenant="third"), now=0.0)
+
+
+def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
+    router = _router(workers=2, limits=TenantLimits(tokens_per_minute={"a": 2000.0}))
+    first = router.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
+    assert first is not None
+    router.finish("a1", now=0.1)
+    retried = router.submit(
+        _classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id})
+    )
+    assert retried is not None
+    assert retried.worker_id != first.worker_id

@@ -67,13 +67,18 @@ def _metadata(namespace: str, values: dict[str, Any]) -> base_pb2.Metadata:
 
 
 def request_headers(
-    path: str = "/v1/completions", *, end_of_stream: bool = False, subset: Any = None
+    path: str = "/v1/completions",
+    *,
+    end_of_stream: bool = False,
+    subset: Any = None,
+    extra: dict[str, str] | None = None,
 ) -> ext_proc.ProcessingRequest:
     headers = [
         base_pb2.HeaderValue(key=":method", raw_value=b"POST" if not end_of_stream else b"GET"),
         base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
         base_pb2.HeaderValue(key="hi", value="mom"),
         base_pb2.HeaderValue(key="x-request-id", value="test-request-id"),
+        *(base_pb2.HeaderValue(key=key, raw_value=value.encode()) for key, value in (extra or {}).items()),
     ]
     message = ext_proc.ProcessingRequest(
         request_headers=ext_proc.HttpHeaders(
@@ -334,6 +339,29 @@ async def test_no_ready_worker_is_503_and_a_full_queue_sheds_with_429() -> None:
             body = completion("x")
             got = await _exchange(picker, [request_headers(), *request_body(body)])
             assert _rejection(got)[:2] == (429, "RateLimitError")
+            headers = {
+                h.header.key: h.header.raw_value for h in got[0].immediate_response.headers.set_headers
+            }
+            assert headers["retry-after"] == b"1"
+        finally:
+            await running.close()
+    async with mock_fleet(engines=1) as fleet:
+        # A tenant (named by its fairness id) over its token rate: 429 with when to retry.
+        limited = {"tenants": {"team-a": {"tokens_per_minute": 100}}}
+        running = await _picker(fleet.urls, settings=limited)
+        picker = _service(running)
+        team_a = {"x-gateway-inference-fairness-id": "team-a", "x-gateway-inference-objective": "unknown"}
+        try:
+            body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60}).encode()
+            got = await _exchange(picker, [request_headers(extra=team_a), *request_body(body)])
+            assert got[0].WhichOneof("response") == "request_headers", "the first one fits the minute"
+            got = await _exchange(picker, [request_headers(extra=team_a), *request_body(body)])
+            assert _rejection(got)[:2] == (429, "RateLimitError")
+            headers = {
+                h.header.key: h.header.raw_value for h in got[0].immediate_response.headers.set_headers
+            }
+            assert int(headers["retry-after"]) >= 1
+            assert picker.metrics.class_rate_limited.labels("default", "team-a")._value.get() == 1
         finally:
             await running.close()
     async with mock_fleet(engines=1) as gone:

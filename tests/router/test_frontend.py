@@ -305,7 +305,7 @@ async def test_events_packed_into_one_read_or_cut_across_reads_reach_the_client_
         await running.close()
 
 
-async def test_overload_answers_503_with_retry_after(fake_worker: tuple[str, dict[str, Any]]) -> None:
+async def test_a_full_queue_sheds_with_429_and_retry_after(fake_worker: tuple[str, dict[str, Any]]) -> None:
     url, state = fake_worker
     state["mode"] = "hold"
     running = await _started(_config([url], queue_size=0, busy_prefill_tokens=10), 1)
@@ -315,7 +315,7 @@ async def test_overload_answers_503_with_retry_after(fake_worker: tuple[str, dic
             first = asyncio.create_task(http.post(f"{running.url}/v1/completions", json=body))
             await eventually(lambda: running.service.router.sequences.prefill_tokens.sum() > 10)
             async with http.post(f"{running.url}/v1/completions", json=body) as response:
-                assert response.status == 503
+                assert response.status == 429, "shed: workers exist but are saturated (503 means none)"
                 assert response.headers["Retry-After"] == "1"
                 assert "busy" in (await response.json())["error"]["message"]
             state["release"].set()
@@ -538,4 +538,40 @@ async def test_a_large_prompt_tokenizes_off_the_event_loop_while_other_streams_f
             )
         finally:
             gated.release.set()
+            await running.close()
+
+
+async def test_tenants_over_their_token_rate_get_429_and_requests_are_counted_by_objective_and_tenant() -> (
+    None
+):
+    async with mock_fleet(engines=1) as fleet:
+        config = _config(
+            fleet.urls,
+            objectives={"premium": {"priority": 100, "ttft_ms": 2000}},
+            tenants={"team-a": {"tokens_per_minute": 60}},
+        )
+        running = await _started(config, 1)
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 40}
+                team_a = {
+                    "x-gateway-inference-fairness-id": "team-a",
+                    "x-gateway-inference-objective": "premium",
+                }
+                async with http.post(f"{running.url}/v1/completions", json=body, headers=team_a) as response:
+                    assert response.status == 200, "the first request fits the minute's allowance"
+                async with http.post(f"{running.url}/v1/completions", json=body, headers=team_a) as response:
+                    assert response.status == 429
+                    assert int(response.headers["Retry-After"]) >= 1
+                    assert "team-a" in (await response.json())["message"]
+                team_b = {"x-gateway-inference-fairness-id": "team-b"}
+                async with http.post(f"{running.url}/v1/completions", json=body, headers=team_b) as response:
+                    assert response.status == 200, "another tenant is not limited"
+                async with http.get(f"{running.url}/metrics") as response:
+                    metrics = await response.text()
+            assert 'copse_router_class_admitted_total{objective="premium",tenant="team-a"} 1.0' in metrics
+            assert 'copse_router_class_rate_limited_total{objective="premium",tenant="team-a"} 1.0' in metrics
+            assert 'copse_router_class_admitted_total{objective="default",tenant="team-b"} 1.0' in metrics
+            assert 'copse_router_requests_total{status="429"} 1.0' in metrics
+        finally:
             await running.close()

@@ -120,9 +120,9 @@ def test_client_keys_prefer_the_api_key_never_keep_it_and_bound_their_size() -> 
     key = client_key(
         {"Authorization": f"Bearer {secret}", "x-gateway-inference-fairness-id": "t"}, peer="1.2.3.4"
     )
-    assert key.startswith("key:")
+    assert key.startswith("key-")
     assert secret not in key
-    assert client_key({"x-gateway-inference-fairness-id": "team-a"}, peer="1.2.3.4") == "tenant:team-a"
+    assert client_key({"x-gateway-inference-fairness-id": "team-a"}, peer="1.2.3.4") == "team-a"
     assert len(client_key({"x-gateway-inference-fairness-id": "x" * 10_000}, peer=None)) < 40
     assert client_key({}, peer="1.2.3.4") == "peer:1.2.3.4"
 

@@ -211,8 +211,13 @@ def test_bench_replay_cli_takes_the_router_model_lag_noise_and_decode_weight(tmp
     runner = CliRunner()
     args = ["replay", "--trace", str(MOONCAKE), "--workers", "2", "--limit", "20", "--speedup", "50"]
     extra = ["--router-profile", "exact", "--router-prefill-scale", "0.7", "--kv-event-lag-ms", "20"]
-    result = runner.invoke(bench, [*args, *extra, "--engine-noise", "0.1", "--decode-weight", "0.1"])
+    result = runner.invoke(
+        bench, [*args, *extra, "--engine-noise", "0.1", "--objective", "ttft", "--decode-weight", "0.1"]
+    )
     assert result.exit_code == 0, result.output
+    unknown = runner.invoke(bench, [*args, "--objective", "fastest"])
+    assert unknown.exit_code == 2
+    assert "--objective" in unknown.stderr
     assert "router model exact, prefill x0.7, KV events 20 ms late, engine step noise 0.1" in result.stdout
     profile = tmp_path / "p.npz"
     save_profile(PolynomialPerfModel(), profile, points=8)

@@ -1,8 +1,9 @@
 """Who sent a request, and how much of the router one client may hold at once.
 
-:func:`client_key` is the one derivation of a request's client, used by every bound per client
-(here) and by tenant fairness: the API key (hashed: the key itself is never kept, logged or
-exported), else the gateway's ``x-gateway-inference-fairness-id``, else the peer address.
+:func:`tenant_of` is the one derivation of a request's tenant (fair share, rate limits, metrics:
+:mod:`copse.router.objectives`) and :func:`client_key` of its client for the bounds here: the API
+key (hashed: the key itself is never kept, logged or exported), else the gateway's
+``x-gateway-inference-fairness-id``; a client without either is told apart by its peer address.
 
 :class:`ClientGate` bounds, per client, the requests in the router at once (waiting for a worker or
 served) and the streams among them, and across all clients the bytes of request bodies held: a
@@ -22,13 +23,20 @@ from pydantic import BaseModel, ConfigDict, Field
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 """The Gateway API Inference Extension's tenant header."""
 MAX_ID_CHARS = 128
-"""Longest fairness id kept (longer ones are hashed: a client cannot make the key large)."""
+"""Longest fairness id kept as it is (longer ones are hashed: a client cannot make the key large)."""
+
+
+def _header(headers: Mapping[str, str], name: str) -> str:
+    """A header's value whatever the case of its name (aiohttp's headers, or a lower-cased dict)."""
+    value = headers.get(name)
+    if value is None:
+        value = next((v for k, v in headers.items() if k.lower() == name), "")
+    return value
 
 
 def bearer_token(headers: Mapping[str, str]) -> str | None:
     """The API key of an ``Authorization: Bearer <key>`` header, if there is one."""
-    value = headers.get("Authorization", "")
-    scheme, _, token = value.partition(" ")
+    scheme, _, token = _header(headers, "authorization").partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
 
@@ -37,16 +45,20 @@ def _digest(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", errors="replace")).hexdigest()[:16]
 
 
-def client_key(headers: Mapping[str, str], *, peer: str | None) -> str:
-    """The client of a request: ``key:<hash of the API key>``, else ``tenant:<fairness id>``, else
-    ``peer:<address>`` (``peer:unknown`` when the transport has none)."""
+def tenant_of(headers: Mapping[str, str]) -> str:
+    """The tenant of a request: ``key-<hash of its API key>`` (the key itself is never kept), else
+    its fairness id (``id-<hash>`` past :data:`MAX_ID_CHARS`), else "" (the one anonymous tenant)."""
     token = bearer_token(headers)
     if token is not None:
-        return f"key:{_digest(token)}"
-    tenant = headers.get(FAIRNESS_HEADER, "").strip()
-    if tenant:
-        return f"tenant:{tenant if len(tenant) <= MAX_ID_CHARS else _digest(tenant)}"
-    return f"peer:{peer or 'unknown'}"
+        return f"key-{_digest(token)}"
+    tenant = _header(headers, FAIRNESS_HEADER).strip()
+    return tenant if len(tenant) <= MAX_ID_CHARS else f"id-{_digest(tenant)}"
+
+
+def client_key(headers: Mapping[str, str], *, peer: str | None) -> str:
+    """The client of a request: its tenant, else ``peer:<address>`` (``peer:unknown`` when the
+    transport has none), so anonymous clients are still told apart for their bounds."""
+    return tenant_of(headers) or f"peer:{peer or 'unknown'}"
 
 
 class ClientLimits(BaseModel):

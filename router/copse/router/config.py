@@ -9,7 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from copse.router.clients import ClientLimits
 from copse.router.core import DisaggSettings, Role, Thresholds
-from copse.router.policies import POLICIES, SelectionSettings
+from copse.router.limits import TenantLimits
+from copse.router.objectives import Classes, Objective
+from copse.router.policies import POLICIES, RoutingObjective, SelectionSettings
 from copse.workers.files import read_yaml_mapping
 from copse.workers.perf import KvOffload
 from copse.workers.protocol.limits import DEFAULT_CONTEXT_TOKENS, RequestLimits
@@ -106,6 +108,30 @@ class KvOffloadSettings(_Model):
     """Disk-to-GPU bandwidth of the engines, GB/s."""
 
 
+class ObjectiveSettings(_Model):
+    """A serving objective (what an ``InferenceObjective`` gives, plus its TTFT target)."""
+
+    priority: int = 0
+    """Higher is served first while requests wait and shed last (``InferenceObjective``
+    ``spec.priority``)."""
+    ttft_ms: float | None = Field(default=None, gt=0)
+    """Time-to-first-token target: while the fleet is saturated, a request the router predicts
+    would wait past it is answered 429 at once instead of queued; none: queued while there is room."""
+
+    def objective(self, name: str) -> Objective:
+        return Objective(name=name, priority=self.priority, ttft_ms=self.ttft_ms)
+
+
+class TenantSettings(_Model):
+    """A tenant's share and limit."""
+
+    weight: float = Field(default=1.0, gt=0)
+    """Its share of the fleet against the other tenants of the same priority while requests wait."""
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+    """Prompt plus ``max_tokens`` tokens it may send per minute (429 with Retry-After beyond);
+    none: unlimited."""
+
+
 class RouterConfig(_Model):
     """Everything ``copse router run`` needs."""
 
@@ -120,7 +146,8 @@ class RouterConfig(_Model):
     temperature: float = Field(default=0.0, ge=0.0)
     """Softmax temperature of selection; 0 always picks the best worker."""
     queue_size: int = Field(default=Thresholds().queue_size, ge=0)
-    """Requests that may wait while every worker is busy; beyond it the router answers 503."""
+    """Requests that may wait while every worker is busy, of the new request's priority or higher;
+    beyond it the router answers 429 (a queue full of batch requests does not refuse premium)."""
     block_size: int = Field(default=32, ge=1)
     """Tokens per KV block of the engines (TensorRT-LLM's ``tokens_per_block``)."""
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
@@ -172,9 +199,16 @@ class RouterConfig(_Model):
     GPU memory, which only the engine knows); mocked engines run copse's default model without it."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     """Engines' per-step token budget (prefill steps a prompt needs)."""
+    objective: RoutingObjective = "e2e"
+    """What the ``kv`` policy minimises for each request: ``e2e``, its predicted end-to-end latency
+    (time to first token, its decode under the batch it joins, and what joining costs the streams
+    already there: see benchmarks/RESULTS.md, "Routing objective"), or ``ttft``, its time to first
+    token (plus ``decode_weight`` x its decode time): the fastest first token, at the cost of
+    slower streams on prefix holders; or ``goodput``, ``e2e`` among the workers predicted to meet
+    the request's objective's TTFT target (``objectives``), the others only when none does."""
     decode_weight: float = Field(default=0.0, ge=0.0)
-    """Weight of the request's predicted decode time against its time to first token in the ``kv``
-    cost (0: the measured best for TTFT and end-to-end latency on the Mooncake trace)."""
+    """Under ``objective: ttft``, weight of the request's predicted decode time against its time to
+    first token in the ``kv`` cost (ignored under ``e2e`` and ``goodput``)."""
     busy_prefill_tokens: float = Field(default=Thresholds().busy_prefill_tokens, gt=0)
     """Outstanding prefill tokens beyond which a worker takes no new request."""
     busy_kv_fraction: float = Field(default=Thresholds().busy_kv_fraction, gt=0)
@@ -182,7 +216,8 @@ class RouterConfig(_Model):
     max_retries: int = Field(default=2, ge=0)
     """Other workers tried when a worker fails before the first token."""
     queue_timeout_s: float = Field(default=30.0, gt=0)
-    """Longest wait in the queue before the router answers 503."""
+    """Longest wait in the queue before the router answers 429 (a last resort: admission sheds
+    requests predicted to miss their objective's TTFT target before they wait)."""
     migration_limit: int = Field(default=3, ge=0)
     """Times a stream whose worker fails after its first token is continued on another worker (from
     the prompt and the tokens already streamed); 0 ends such streams with an error event."""
@@ -214,6 +249,23 @@ class RouterConfig(_Model):
     """What bringing back a KV block an engine keeps in host memory or on disk costs."""
     seed: int | None = None
     """Seed of tie-breaking (reproducible runs); random when absent."""
+    objectives: dict[str, ObjectiveSettings] = Field(default_factory=dict)
+    """Objectives by name, as requests name them in ``x-gateway-inference-objective`` (the names
+    of the InferenceObjectives a gateway's clients use; the router does not read those objects)."""
+    default_objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
+    """The objective of requests naming none or one the router does not know."""
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    """Tenants by name: the ``x-gateway-inference-fairness-id`` header, or ``key-`` and the first
+    16 hex digits of the SHA-256 of the request's API key."""
+    default_tenant: TenantSettings = Field(default_factory=TenantSettings)
+    """Weight and limit of every tenant not listed."""
+    rate_window_s: float = Field(default=Thresholds().rate_window_s, gt=0)
+    """Window over which the router measures the tokens per second it routes (how fast its queue
+    drains while the fleet is saturated, which admission predicts waits with)."""
+    metrics_tenants: int = Field(default=20, ge=0)
+    """Tenants with their own label in the per-tenant metrics besides those listed in ``tenants``
+    (the first ones seen); the others are counted as ``other``, so that clients cannot grow the
+    number of series."""
     epp: EppSettings | None = None
     """Run as a gateway's endpoint picker (ext_proc over gRPC) instead of the OpenAI HTTP server."""
 
@@ -265,10 +317,28 @@ class RouterConfig(_Model):
             block_size=self.block_size,
             max_num_batched_tokens=self.max_num_batched_tokens,
             temperature=self.temperature,
+            objective=self.objective,
             decode_weight=self.decode_weight,
             host_block_ms=host_ms,
             disk_block_ms=disk_ms,
         )
+
+    def classes(self) -> Classes:
+        """Objectives and tenant weights."""
+        return Classes(
+            objectives={name: settings.objective(name) for name, settings in self.objectives.items()},
+            default=self.default_objective.objective(""),
+            weights={name: tenant.weight for name, tenant in self.tenants.items()},
+            default_weight=self.default_tenant.weight,
+        )
+
+    def limits(self) -> TenantLimits | None:
+        """Per-tenant rate limits; ``None`` when no tenant is limited."""
+        limited = {name: t.tokens_per_minute for name, t in self.tenants.items() if t.tokens_per_minute}
+        default = self.default_tenant.tokens_per_minute
+        if not limited and default is None:
+            return None
+        return TenantLimits(tokens_per_minute=limited, default_tokens_per_minute=default)
 
     def thresholds(self) -> Thresholds:
         """Busy thresholds and queue bound."""
@@ -276,6 +346,7 @@ class RouterConfig(_Model):
             busy_prefill_tokens=self.busy_prefill_tokens,
             busy_kv_fraction=self.busy_kv_fraction,
             queue_size=self.queue_size,
+            rate_window_s=self.rate_window_s,
         )
 
 

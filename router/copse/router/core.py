@@ -20,7 +20,7 @@ import enum
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -29,7 +29,9 @@ import numpy.typing as npt
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
+from copse.router.fairness import FairQueue
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
+from copse.router.limits import TenantLimits
 from copse.router.policies import (
     KvPolicy,
     Policy,
@@ -66,8 +68,26 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
-class QueueFull(RuntimeError):
+class Shed(RuntimeError):
+    """The router does not take the request now (an HTTP 429): it would not be served in time, or
+    its tenant is over its rate limit. Nothing of it was admitted."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """When trying again may succeed, seconds."""
+
+
+class QueueFull(Shed):
     """Every worker is busy and the wait queue is full: the request cannot be accepted now."""
+
+
+class SloShed(Shed):
+    """The latency model predicts that the request would wait past its objective's TTFT target."""
+
+
+class RateLimited(Shed):
+    """The request's tenant sent more tokens than its rate limit allows."""
 
 
 class NoWorkers(RuntimeError):
@@ -85,7 +105,14 @@ class Thresholds:
     """A worker whose predicted KV use exceeds this fraction of its cache takes no new request
     (beyond it the engine would preempt running sequences)."""
     queue_size: int = 1024
-    """Requests that may wait while every worker is busy; beyond it new requests are refused."""
+    """Requests that may wait while every worker is busy, counting those of the new request's
+    priority or higher (a full queue of low-priority requests does not refuse a higher one; the
+    priorities are the objectives', so the queue holds at most this times their number). A tenant
+    holding less than its share of its band's waiting requests may still queue, up to twice this:
+    a full queue is not one tenant's to refuse the others with."""
+    rate_window_s: float = 10.0
+    """Window over which the router measures the tokens per second it routes, which is how fast
+    its queue drains while the fleet is saturated (what admission predicts waits with)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +175,12 @@ class FlightRecord:
     prefill_tokens: int
     prefill_ms: float
     kv_tokens: float
+    output_tokens: int = 0
+    """Output tokens expected (0: a prefill-only charge, or a peer that does not say)."""
+    tenant: str = ""
+    """Tenant of the request (for the fair share across replicas)."""
+    priority: int = 0
+    """Priority of the request's objective."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,7 +214,12 @@ class Router:
         seed: int | None = None,
         moe: MoeConfig | None = None,
         moe_perf: PerfModel | None = None,
+        tenant_weight: Callable[[str], float] | None = None,
+        limits: TenantLimits | None = None,
     ) -> None:
+        """``tenant_weight(tenant)``: a tenant's share of the fleet while requests wait, against
+        the others' of the same priority (1 for every tenant when not given); ``limits``: rate
+        limits per tenant (none when not given)."""
         self.settings = settings
         self.thresholds = thresholds or Thresholds()
         self.disagg = disagg or DisaggSettings()
@@ -219,9 +257,14 @@ class Router:
         # Role -> (versions it was built at, its free workers or None): valid until a worker joins,
         # leaves or crosses a busy threshold.
         self._free_cache: dict[Role, tuple[tuple[int, int], _Eligible | None]] = {}
-        self._queue: deque[tuple[RouteRequest, frozenset[str]]] = deque()
-        self._queued: set[str] = set()
+        self._queue: FairQueue[tuple[RouteRequest, frozenset[str]]] = FairQueue(
+            weight=tenant_weight or (lambda _tenant: 1.0)
+        )
         self._routes: dict[str, Route] = {}
+        self.limits = limits
+        self._routed_tokens: deque[tuple[float, float]] = deque()
+        """(time, tokens) of every request routed within the last ``rate_window_s``."""
+        self._routed_sum = 0.0
         self.outbox: list[PeerChange] | None = [] if share_load else None
         """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
         self.prompt_tokens_routed = 0
@@ -298,19 +341,93 @@ class Router:
     ) -> Route | None:
         """Route ``request``; ``None`` when it waits in the queue (it comes back from
         :meth:`prefill_done`, :meth:`finish` or :meth:`add_worker`). Raises :class:`NoWorkers` when
-        no registered worker could ever take it and :class:`QueueFull` when it cannot wait."""
+        no registered worker could ever take it, and a :class:`Shed` when it is not admitted: its
+        tenant is over its rate limit (:class:`RateLimited`), it would wait past its TTFT target
+        (:class:`SloShed`) or the queue is full (:class:`QueueFull`). An admitted request is
+        routed now or waits in the queue until it is (or is cancelled by :meth:`finish`)."""
         if not self._servable(exclude):
             raise NoWorkers("no worker is available for this request")
+        tokens = float(request.prompt_tokens + request.max_tokens)
+        # A retry (workers excluded) is the router's doing: its tenant was charged the first time.
+        limits = self.limits if not exclude else None
+        if limits is not None:
+            wait_s = limits.wait_s(request.tenant, tokens, now=now)
+            if wait_s > 0.0:
+                raise RateLimited(
+                    f"tenant {request.tenant or '(default)'} is over its limit of "
+                    f"{limits.limit(request.tenant):g} tokens per minute",
+                    retry_after_s=wait_s,
+                )
         route = None if self._queue else self._try_route(request, now=now, exclude=exclude)
         if route is None:
-            self._enqueue(request, exclude)
+            self._admit(request, now=now)
+            self._enqueue(request, exclude, now=now)
+        if limits is not None:
+            limits.take(request.tenant, tokens, now=now)
         return route
 
-    def _enqueue(self, request: RouteRequest, exclude: frozenset[str]) -> None:
-        if len(self._queue) >= self.thresholds.queue_size:
-            raise QueueFull(f"all workers are busy and {len(self._queue)} requests are already waiting")
-        self._queue.append((request, exclude))
-        self._queued.add(request.request_id)
+    def routed_tokens_per_s(self, *, now: float) -> float | None:
+        """Tokens (prompt plus expected output) per second this router routed over the last
+        ``rate_window_s``: how fast its queue drains while the fleet is saturated; ``None`` before
+        a window's worth of history."""
+        window = self.thresholds.rate_window_s
+        recent = self._routed_tokens
+        while recent and recent[0][0] < now - window:
+            self._routed_sum -= recent.popleft()[1]
+        if not recent or now - recent[0][0] < window / 2:
+            return None
+        return self._routed_sum / window
+
+    def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
+        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queue
+        serves before it is done (higher priorities, and of its own band its tenant's waiting tokens
+        and the other tenants' fair share beside them: :meth:`FairQueue.tokens_ahead`), over the
+        rate the fleet takes tokens; ``None`` when that rate is not known yet."""
+        rate = self.routed_tokens_per_s(now=now)
+        if rate is None or rate <= 0.0:
+            return None
+        tokens = float(request.prompt_tokens + request.max_tokens)
+        return (
+            self._queue.tokens_ahead(priority=request.priority, tenant=request.tenant, tokens=tokens) / rate
+        )
+
+    def _admit(self, request: RouteRequest, *, now: float) -> None:
+        """Refuse (:class:`SloShed`) a request that must wait and is predicted to miss its TTFT
+        target: its predicted wait plus the compute of its prompt on an idle worker."""
+        target_ms = request.ttft_slo_ms
+        if target_ms is None:
+            return
+        wait_s = self.predicted_wait_s(request, now=now)
+        if wait_s is None:
+            return
+        prefill_ms = self.perf.compute_ms(new_tokens=request.prompt_tokens, cached_tokens=0)
+        predicted_ms = wait_s * 1000.0 + prefill_ms
+        if predicted_ms > target_ms:
+            raise SloShed(
+                f"the fleet is saturated: predicted time to first token {predicted_ms:,.0f} ms is past "
+                f"the objective's {target_ms:,.0f} ms",
+                retry_after_s=max(1.0, (predicted_ms - target_ms) / 1000.0),
+            )
+
+    def _enqueue(self, request: RouteRequest, exclude: frozenset[str], *, now: float) -> None:
+        waiting = self._queue.count_at_or_above(request.priority)
+        limit = self.thresholds.queue_size
+        # A full queue still takes a tenant that holds less than its share of the band (another
+        # tenant filled it), up to twice its size.
+        fair = not self._queue.holds_its_share(priority=request.priority, tenant=request.tenant)
+        if waiting >= (2 * limit if fair else limit):
+            wait_s = self.predicted_wait_s(request, now=now)
+            raise QueueFull(
+                f"all workers are busy and {waiting} requests are already waiting",
+                retry_after_s=max(1.0, wait_s or 1.0),
+            )
+        self._queue.push(
+            request.request_id,
+            (request, exclude),
+            priority=request.priority,
+            tenant=request.tenant,
+            tokens=float(request.prompt_tokens + request.max_tokens),
+        )
 
     def prefill_done(self, request_id: str, *, now: float) -> list[Route]:
         """The first token of ``request_id`` arrived; returns queued requests now routed."""
@@ -326,9 +443,8 @@ class Router:
 
     def finish(self, request_id: str, *, now: float) -> list[Route]:
         """``request_id`` ended, failed or was cancelled; returns queued requests now routed."""
-        if request_id in self._queued:
-            self._queued.discard(request_id)
-            self._queue = deque(item for item in self._queue if item[0].request_id != request_id)
+        if request_id in self._queue:
+            self._queue.remove(request_id)
             return []
         route = self._routes.pop(request_id, None)
         if route is None:
@@ -378,13 +494,12 @@ class Router:
         # so that a decision only pays for its own change.
         self.costs.refresh()
         routed: list[Route] = []
-        while self._queue:
-            request, exclude = self._queue[0]
+        while (head := self._queue.peek()) is not None:
+            key, (request, exclude) = head
             route = self._try_route(request, now=now, exclude=exclude)
             if route is None:
                 break
-            self._queue.popleft()
-            self._queued.discard(request.request_id)
+            self._queue.pop(key)
             routed.append(route)
         return routed
 
@@ -608,7 +723,12 @@ class Router:
             prefill_ms=prefill_ms,
             kv_tokens=kv_extra,
             now=now,
+            output_tokens=request.max_tokens if output else 0,
         )
+        if output:
+            tokens = float(request.prompt_tokens + request.max_tokens)
+            self._routed_tokens.append((now, tokens))
+            self._routed_sum += tokens
         if output and self.experts is not None:
             self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
         self.costs.refresh()
@@ -621,6 +741,9 @@ class Router:
                 prefill_tokens=new_tokens,
                 prefill_ms=prefill_ms,
                 kv_tokens=kv_extra,
+                output_tokens=request.max_tokens if output else 0,
+                tenant=request.tenant,
+                priority=request.priority,
             )
             self.outbox.append(PeerChange(op="add", key=key, record=record))
 
@@ -645,7 +768,11 @@ class Router:
                 prefill_ms=record.prefill_ms,
                 kv_tokens=record.kv_tokens,
                 now=now,
+                output_tokens=record.output_tokens,
             )
+            if record.output_tokens:  # the request's main charge: what the peer served it
+                served = len(record.hashes) * self.settings.block_size + record.kv_tokens
+                self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)
@@ -671,6 +798,7 @@ class Router:
                     prefill_tokens=flight.prefill_tokens,
                     prefill_ms=flight.prefill_ms,
                     kv_tokens=flight.kv_tokens,
+                    output_tokens=flight.output_tokens,
                 )
                 flights.append((key, record, flight.prefilling))
         return flights

@@ -31,6 +31,8 @@ class PerfTable:
     __slots__ = (
         "_active",
         "_context",
+        "_curve_x",
+        "_curve_y",
         "_itl",
         "_itl_flat",
         "f0",
@@ -52,6 +54,7 @@ class PerfTable:
         self.model = model
         curve_x = np.arange(0.0, max_context + 1.0, float(curve_step))
         curve_y = np.array([model.prefill_curve_ms(float(x)) for x in curve_x])
+        self._curve_x, self._curve_y = curve_x, curve_y
         self.prefill_curve = loops.Curve(curve_x, curve_y)
         """``F`` (:meth:`PerfModel.prefill_curve_ms`) by token count: exact at multiples of the
         sampling step (block sizes are), linear in between, constant beyond the longest context."""
@@ -83,6 +86,13 @@ class PerfTable:
         per-step cost ``f0`` (a prefill spanning several steps pays ``f0`` in each), ms."""
         curve = self.model.prefill_curve_ms
         return curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
+
+    def compute_ms_array(self, *, new_tokens: FloatArray, total_tokens: float) -> FloatArray:
+        """:meth:`compute_ms` of prefilling the last ``new_tokens`` (one figure per worker) of a
+        ``total_tokens`` prompt, from the sampled curve, ms."""
+        xs, ys = self._curve_x, self._curve_y
+        out: FloatArray = np.interp(total_tokens, xs, ys) - np.interp(total_tokens - new_tokens, xs, ys)
+        return out
 
     def itl_ms(self, active_kv_tokens: FloatArray, sequences: FloatArray) -> FloatArray:
         """Decode step time of each worker holding ``active_kv_tokens`` of KV over ``sequences``

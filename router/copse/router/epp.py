@@ -16,8 +16,11 @@ through the gateway. The protocol (the Inference Extension's proposal 004, v1.0.
   list, or one comma-separated string) restricts the choice to those endpoints;
 * errors are ``ImmediateResponse`` s with an OpenAI error body: 400 for a body that is not a
   valid request, 404 for another model, 413 past the router's ``max_body_bytes``, 503 when no
-  worker is ready (or none of the subset), 429 when the workers are saturated and the request is
-  shed;
+  worker is ready (or none of the subset), 429 with ``retry-after`` when the request is shed
+  (its tenant is over its rate limit, or it would miss its objective's TTFT target or find the
+  queue full: :mod:`copse.router.objectives`); the request's objective and tenant come from its
+  ``x-gateway-inference-objective``, ``authorization`` and ``x-gateway-inference-fairness-id``
+  headers, as over HTTP;
 * response headers: ``x-gateway-destination-endpoint-served`` in the metadata ``envoy.lb`` names
   the worker that answered; when it is a fallback the request's load moves there;
 * response body: passed back unchanged, read on the way (first token, output tokens, ``[DONE]``);
@@ -60,6 +63,7 @@ from copse.router.discovery import Source
 from copse.router.policies import RouteRequest
 from copse.router.service import (
     GENERATE_PATHS,
+    Overloaded,
     Prepared,
     Rejected,
     RoutingService,
@@ -98,22 +102,27 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def immediate(
-    status: int, body: bytes, *, content_type: str = "application/json"
+    status: int, body: bytes, *, content_type: str = "application/json", retry_after: str | None = None
 ) -> ext_proc.ProcessingResponse:
     """An answer the gateway sends the client instead of forwarding the request."""
+    headers = [_header("content-type", content_type)]
+    if retry_after is not None:
+        headers.append(_header("retry-after", retry_after))
     return ext_proc.ProcessingResponse(
         immediate_response=ext_proc.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=ext_proc.HeaderMutation(set_headers=[_header("content-type", content_type)]),
+            headers=ext_proc.HeaderMutation(set_headers=headers),
             body=body,
             details=f"copse_endpoint_picker_{status}",
         )
     )
 
 
-def error_answer(status: int, message: str, *, param: str | None = None) -> ext_proc.ProcessingResponse:
-    """An ``ImmediateResponse`` carrying an OpenAI-shaped error."""
-    return immediate(status, error_body(status, message, param=param))
+def error_answer(
+    status: int, message: str, *, param: str | None = None, retry_after: str | None = None
+) -> ext_proc.ProcessingResponse:
+    """An ``ImmediateResponse`` carrying an OpenAI-shaped error (and ``Retry-After`` when given)."""
+    return immediate(status, error_body(status, message, param=param), retry_after=retry_after)
 
 
 def _metadata(message: ext_proc.ProcessingRequest, namespace: str) -> dict[str, Any]:
@@ -321,13 +330,13 @@ class Exchange:
         return []
 
     def _reject(
-        self, status: int, message: str, *, param: str | None = None
+        self, status: int, message: str, *, param: str | None = None, retry_after: str | None = None
     ) -> list[ext_proc.ProcessingResponse]:
         self.closed = True
         self.status = str(status)
         self.picker.metrics.requests.labels(status=self.status).inc()
         log.info("endpoint picker answers %d: %s", status, message)
-        return [error_answer(status, message, param=param)]
+        return [error_answer(status, message, param=param, retry_after=retry_after)]
 
     def _on_request_headers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         self.headers = _headers_of(message.request_headers)
@@ -351,13 +360,15 @@ class Exchange:
             answers = [_destination([address], body_bytes=len(body)), *self._body(body, trailers)]
         else:
             try:
-                prepared = await self.picker.prepare(model, body)
+                prepared = await self.picker.prepare(model, body, self.headers)
             except Rejected as exc:
                 return self._reject(exc.status, exc.message, param=exc.param)
             try:
                 answers = await self._route(prepared, body, trailers)
+            except Overloaded as exc:
+                return self._reject(429, str(exc), retry_after=exc.retry_after)
             except Unavailable as exc:
-                return self._reject(429 if exc.shed else 503, str(exc))
+                return self._reject(503, str(exc))
         return answers
 
     def _body(self, body: bytes, trailers: bool) -> list[ext_proc.ProcessingResponse]:
@@ -372,7 +383,7 @@ class Exchange:
         picker = self.picker
         excluded = picker._excluded(self.subset)
         if self.subset is not None and not set(picker.router.workers) - excluded:
-            raise Unavailable("none of the endpoints in the gateway's subset is a ready worker", shed=False)
+            raise Unavailable("none of the endpoints in the gateway's subset is a ready worker")
         route = await picker._route(prepared.route, excluded)
         urls = picker._urls
         fallbacks = picker.router.fallbacks(
@@ -385,7 +396,7 @@ class Exchange:
         endpoints = [address_of(urls[w]) for w in (route.worker_id, *fallbacks) if w in urls]
         if not endpoints:
             picker._finish(route.request_id)
-            raise Unavailable(f"worker {route.worker_id} left while the request was routed", shed=False)
+            raise Unavailable(f"worker {route.worker_id} left while the request was routed")
         self.routed = _Routed(
             request=prepared.route, route=route, primary=endpoints[0], stream=prepared.request.stream
         )
@@ -459,7 +470,7 @@ class Exchange:
                 continue
             if first:
                 picker._first_token(routed.route.request_id)
-                picker.metrics.ttft.observe(self.meter.first_at - self.arrived)
+                picker.metrics.first_token(routed.request, self.meter.first_at - self.arrived)
 
     def _finish(self) -> None:
         """The response ended: account it and release the request's load (once)."""
@@ -475,7 +486,7 @@ class Exchange:
             picker._count_output(self.meter.output_tokens)
             itl = self.meter.mean_itl
             if itl is not None and self.meter.done:
-                picker.metrics.itl.observe(itl)
+                picker.metrics.inter_token(routed.request, itl)
         elif self.status == "200":
             picker._first_token(routed.route.request_id)
             with contextlib.suppress(ValueError):

@@ -12,8 +12,10 @@
 
 Errors, every one in the OpenAI error shape: 400 with the workers' error body naming the field;
 404 for a model not served here (or an unknown path); 413 for a body over ``max_body_bytes``;
-503 with ``Retry-After`` when every worker is busy and the queue is full (or the wait in it
-timed out) or no worker is up.
+429 with ``Retry-After`` when the request is shed: its tenant is over its rate limit, the router
+predicts it would wait past its objective's TTFT target, the queue is full, or the wait in it
+timed out (objectives and tenants: :mod:`copse.router.objectives`); 503 with ``Retry-After`` only
+when no worker is up to serve it.
 
 A request whose worker fails before its first token (connection refused or reset, a 5xx, a
 stream that ends early) is sent to another worker, at most ``max_retries`` times; nothing has
@@ -48,8 +50,10 @@ from copse.router.config import RouterConfig
 from copse.router.core import Role, Route
 from copse.router.discovery import Source
 from copse.router.migration import MigrationReason, StreamProgress
+from copse.router.policies import RouteRequest
 from copse.router.service import (
     GENERATE_PATHS,
+    Overloaded,
     Prepared,
     Rejected,
     RoutingService,
@@ -69,15 +73,20 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 RETRY_AFTER_S = 1
-"""``Retry-After`` of a 503: about the time a busy worker takes to admit more work."""
+"""``Retry-After`` of a 503: about the time a worker takes to come back or be replaced."""
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def error_response(status: int, message: str, *, param: str | None = None) -> web.Response:
-    """An error answer in the one error shape (with ``Retry-After`` on a 429 or 503)."""
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+def error_response(
+    status: int, message: str, *, param: str | None = None, retry_after: str | None = None
+) -> web.Response:
+    """An error answer in the workers' (``trtllm-serve``'s) shape; a 503 and a 429 carry
+    ``Retry-After`` (``retry_after``, else :data:`RETRY_AFTER_S`)."""
+    if retry_after is None and status in (429, 503):
+        retry_after = str(RETRY_AFTER_S)
+    headers = None if retry_after is None else {"Retry-After": retry_after}
     return web.json_response(
         text=error_body(status, message, param=param).decode(), status=status, headers=headers
     )
@@ -144,6 +153,8 @@ class _ClientStream:
     arrived: float
     write_timeout_s: float
     """Longest one write may wait for the client to read."""
+    request: RouteRequest
+    """What the router routed (its objective and tenant label the latency metrics)."""
     relay: TokenRelay | None = None
     """Set when the engine streams token ids that the router turns into the client's text."""
     client: web.StreamResponse | None = None
@@ -375,7 +386,9 @@ class RouterService(RoutingService):
         arrived: float,
     ) -> web.StreamResponse:
         try:
-            prepared = await self.prepare(model, raw)
+            prepared = await self.prepare(
+                model, raw, {name.lower(): value for name, value in http.headers.items()}
+            )
         except Rejected as exc:
             self.metrics.requests.labels(status=str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param)
@@ -413,6 +426,7 @@ class RouterService(RoutingService):
             stream = _ClientStream(
                 progress=progress,
                 arrived=arrived,
+                request=route_request,
                 relay=relay,
                 write_timeout_s=self.config.clients.write_timeout_s,
             )
@@ -421,11 +435,14 @@ class RouterService(RoutingService):
         while True:
             try:
                 route = await self._route(route_request, frozenset(exclude))
-            except Unavailable as exc:
+            except (Unavailable, Overloaded) as exc:
                 if stream is not None and stream.client is not None:
                     return await self._end_stream(
                         stream, f"no worker can continue the stream: {exc}", why="unavailable"
                     )
+                if isinstance(exc, Overloaded):
+                    self.metrics.requests.labels(status="429").inc()
+                    return error_response(429, str(exc), retry_after=exc.retry_after)
                 self.metrics.requests.labels(status="503").inc()
                 return error_response(503, str(exc))
             try:
@@ -712,7 +729,7 @@ class RouterService(RoutingService):
                             assert isinstance(events[0], dict)
                             progress.note_first(events[0])
                             stream.first_at = meter.first_at
-                            self.metrics.ttft.observe(meter.first_at - stream.arrived)
+                            self.metrics.first_token(stream.request, meter.first_at - stream.arrived)
                             await stream.open(http, held)
                     lines_out = self._client_lines(
                         events, line, resumed=resumed, progress=progress, relay=translator
@@ -769,7 +786,7 @@ class RouterService(RoutingService):
             await stream.seal()
             await stream.write(b"data: [DONE]\n\n")
         if stream.events > 1:
-            self.metrics.itl.observe((stream.last_at - stream.first_at) / (stream.events - 1))
+            self.metrics.inter_token(stream.request, (stream.last_at - stream.first_at) / (stream.events - 1))
         assert stream.client is not None
         await stream.client.write_eof()
         return stream.client

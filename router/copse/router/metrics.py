@@ -6,13 +6,14 @@ what the router decides with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from copse.router.core import Router
+from copse.router.policies import RouteRequest
 
 PREFIX = "copse_router"
 
@@ -68,6 +69,24 @@ WORKER_KV_TOKENS = f"{PREFIX}_worker_kv_tokens"
 WORKER_PREFILL_TOKENS = f"{PREFIX}_worker_prefill_tokens"
 """Gauge by ``worker``: prompt tokens still to prefill."""
 
+CLASS_ADMITTED = f"{PREFIX}_class_admitted"
+"""Counter (``_total``) by ``objective``, ``tenant``: requests admitted (routed now or queued)."""
+CLASS_QUEUED = f"{PREFIX}_class_queued"
+"""Counter (``_total``) by ``objective``, ``tenant``: admitted requests that waited in the queue."""
+CLASS_SHED = f"{PREFIX}_class_shed"
+"""Counter (``_total``) by ``objective``, ``tenant``, ``reason``: requests answered 429 because the
+fleet could not serve them in time (``SloShed``, ``QueueFull``, ``QueueTimeout``)."""
+CLASS_RATE_LIMITED = f"{PREFIX}_class_rate_limited"
+"""Counter (``_total``) by ``objective``, ``tenant``: requests answered 429 for their tenant's limit."""
+CLASS_TTFT_SECONDS = f"{PREFIX}_class_time_to_first_token_seconds"
+"""Histogram by ``objective``, ``tenant``: request arrival to its first streamed token."""
+CLASS_ITL_SECONDS = f"{PREFIX}_class_inter_token_latency_seconds"
+"""Histogram by ``objective``, ``tenant``: mean gap between streamed tokens of a request."""
+OTHER_TENANTS = "other"
+"""The ``tenant`` label of tenants beyond the labelled ones."""
+DEFAULT_LABEL = "default"
+"""The ``objective``/``tenant`` label of the default objective and of requests naming no tenant."""
+
 #: Latency buckets (seconds) spanning a fast decode step to a long queued prefill.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 #: Inter-token latency buckets (seconds).
@@ -79,9 +98,47 @@ PROMPT_LENGTH_BUCKETS = tuple(float(2**k) for k in range(6, 19))
 class RouterMetrics:
     """The router's metrics in their own registry (one per router instance)."""
 
-    def __init__(self, router: Callable[[], Router]) -> None:
+    def __init__(
+        self, router: Callable[[], Router], *, tenants: Collection[str] = (), tenant_labels: int = 20
+    ) -> None:
+        """``tenants`` get their own ``tenant`` label, and so do the first ``tenant_labels`` others
+        seen; the rest are ``other``."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self._labelled = set(tenants)
+        self._unlisted = 0
+        self._tenant_labels = tenant_labels
+        classes = ["objective", "tenant"]
+        self.class_admitted = Counter(
+            CLASS_ADMITTED, "Requests admitted (routed now or queued).", classes, registry=r
+        )
+        self.class_queued = Counter(
+            CLASS_QUEUED, "Admitted requests that waited in the queue.", classes, registry=r
+        )
+        self.class_shed = Counter(
+            CLASS_SHED,
+            "Requests answered 429 because the fleet could not serve them in time, by why: SloShed (predicted"
+            " past the objective's TTFT target), QueueFull, QueueTimeout.",
+            [*classes, "reason"],
+            registry=r,
+        )
+        self.class_rate_limited = Counter(
+            CLASS_RATE_LIMITED, "Requests answered 429 for their tenant's rate limit.", classes, registry=r
+        )
+        self.class_ttft = Histogram(
+            CLASS_TTFT_SECONDS,
+            "Time from request arrival to its first streamed token, by objective and tenant.",
+            classes,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.class_itl = Histogram(
+            CLASS_ITL_SECONDS,
+            "Mean gap between streamed tokens of a request, by objective and tenant.",
+            classes,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter(REQUESTS, "Requests answered, by HTTP status.", ["status"], registry=r)
         self.ttft = Histogram(
             TTFT_SECONDS,
@@ -171,6 +228,42 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_WorkerLoad(router))
+
+    def labels(self, request: RouteRequest) -> tuple[str, str]:
+        """The ``objective`` and ``tenant`` labels of ``request`` (bounded: see the constructor)."""
+        tenant = request.tenant or DEFAULT_LABEL
+        if tenant not in self._labelled:
+            if self._unlisted >= self._tenant_labels:
+                tenant = OTHER_TENANTS
+            else:
+                self._labelled.add(tenant)
+                self._unlisted += 1
+        return request.objective or DEFAULT_LABEL, tenant
+
+    def admitted(self, request: RouteRequest, *, queued: bool) -> None:
+        """``request`` was admitted: routed now, or queued."""
+        labels = self.labels(request)
+        self.class_admitted.labels(*labels).inc()
+        if queued:
+            self.class_queued.labels(*labels).inc()
+
+    def shed(self, request: RouteRequest, *, reason: str) -> None:
+        """``request`` was answered 429 (``reason``: the core's exception, or ``QueueTimeout``)."""
+        labels = self.labels(request)
+        if reason == "RateLimited":
+            self.class_rate_limited.labels(*labels).inc()
+        else:
+            self.class_shed.labels(*labels, reason).inc()
+
+    def first_token(self, request: RouteRequest, seconds: float) -> None:
+        """``request``'s first token came ``seconds`` after it arrived."""
+        self.ttft.observe(seconds)
+        self.class_ttft.labels(*self.labels(request)).observe(seconds)
+
+    def inter_token(self, request: RouteRequest, seconds: float) -> None:
+        """``request``'s tokens came ``seconds`` apart on average."""
+        self.itl.observe(seconds)
+        self.class_itl.labels(*self.labels(request)).observe(seconds)
 
 
 class _WorkerLoad(Collector):

@@ -6,11 +6,14 @@ router tracks. Figures are arrays over all worker slots, so a decision costs a f
 operations however many workers there are. A policy returns the slot of its choice.
 
 * ``kv`` (default): the predicted latency of this request on each worker, from the shared perf
-  model: its time to first token (the compute of the worker's prefill backlog and of the prompt
-  tokens the worker does not hold, plus for every step that takes the fixed step cost and the
-  worker's decode step, which is how decode load slows a prefill), plus ``decode_weight`` x its
-  decode time (output tokens x the decode step time once its KV joins the worker's; weight 0 by
-  default, see ``SelectionSettings``). The minimum wins; a softmax temperature spreads near-ties.
+  model, under ``SelectionSettings.objective``. ``e2e`` (default): its time to first token (the
+  compute of the worker's prefill backlog and of the prompt tokens the worker does not hold, plus
+  for every step that takes the fixed step cost and the worker's decode step), plus its decode
+  under the batch it joins (which drains as it decodes), plus what joining costs the streams
+  decoding there (its prefill shares their steps; its KV lengthens them): ``Selection.e2e_ms``.
+  ``ttft``: the time to first token plus ``decode_weight`` x its decode time (weight 0 by
+  default). ``goodput``: ``e2e`` among the workers predicted to meet the request's TTFT target.
+  The minimum wins; a softmax temperature spreads near-ties.
 * ``kv_expert``: ``kv``'s predicted time to first token plus ``expert_weight`` x the request's
   decode time on each worker, each step stretched by the slowest EP rank for the expert load in
   flight there plus the request's expected experts, and the all-to-all added, to the engines'
@@ -39,7 +42,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +67,27 @@ class RouteRequest:
     """Prompt length in tokens (the partial last block included)."""
     max_tokens: int
     """Output tokens expected (the request's ``max_tokens``)."""
+    priority: int = 0
+    """Priority of its objective (``InferenceObjective`` ``spec.priority``; higher is served first
+    while requests wait)."""
+    tenant: str = ""
+    """Who sent it (fair-share key: the ``x-gateway-inference-fairness-id`` header or the API key;
+    empty: the one default tenant)."""
+    objective: str = ""
+    """Name of its objective ("" for the default one), for metrics."""
+    ttft_slo_ms: float | None = None
+    """Its objective's time-to-first-token target: a request predicted to wait past it is not
+    admitted while the fleet is saturated (``None``: admitted while the queue has room)."""
+
+
+RoutingObjective = Literal["e2e", "ttft", "goodput"]
+"""What ``kv`` minimises for each request (``SelectionSettings.objective``)."""
+ROUTING_OBJECTIVES: tuple[str, ...] = get_args(RoutingObjective)
+
+
+MISSED_TARGET_MS = 1e7
+"""What the ``goodput`` objective adds to the cost of a worker predicted to miss the request's TTFT
+target: more than any latency, so such workers are chosen only when every worker misses."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,10 +100,18 @@ class SelectionSettings:
     """Per-step token budget of the engines: a prefill of N tokens spans ceil(N / budget) steps."""
     temperature: float = 0.0
     """Softmax temperature over costs normalised by their spread; 0 picks the minimum."""
+    objective: RoutingObjective = "e2e"
+    """What ``kv`` minimises. ``e2e`` (default): the request's predicted end-to-end latency, its time
+    to first token plus its decode under the batch it joins (what users feel: a worker holding the
+    prefix but crowded with decoding sequences loses to one that is not). ``ttft``: the predicted
+    time to first token plus ``decode_weight`` x the decode time (weight 0: time to first token
+    alone, the best first token at the cost of slower streams on prefix holders). ``goodput``:
+    ``e2e`` among the workers predicted to meet the request's TTFT target
+    (``RouteRequest.ttft_slo_ms``), any other worker only when none is (a request without a target
+    is routed as under ``e2e``)."""
     decode_weight: float = 0.0
     """Weight of the request's predicted decode time against its time to first token in the ``kv``
-    cost; 0 ranks by time to first token alone, which still charges decode work through the
-    decode part of every prefill step (see benchmarks/RESULTS.md for the measured effect)."""
+    cost under the ``ttft`` objective (``e2e`` weighs it 1 and counts the batch draining)."""
     overlap_weight: float = 1.0
     """Weight of prefill blocks in the ``dynamo`` cost."""
     expert_weight: float = 1.0
@@ -221,12 +253,63 @@ class Selection:
         out: FloatArray = request.max_tokens * (step_ms + added)
         return out
 
+    def e2e_ms(self) -> FloatArray:
+        """Predicted end-to-end cost of serving the request on each worker, ms: its time to first
+        token, its decode under the batch it joins there, and what joining costs the sequences
+        already decoding there (a worker is shared: the request's latency is not all users feel).
+
+        - The batch drains as the request decodes: the sequences in flight are on average halfway
+          through their expected outputs (:attr:`ActiveSequences.outputs`), so a worker's load
+          stays for the fraction ``min(1, mean remaining output / this output)`` of the request's
+          decode; for the rest, requests arriving meanwhile refill every eligible worker alike, to
+          the eligible workers' mean.
+        - Joining delays every sequence in flight there by the compute of the request's uncached
+          prompt tokens (chunked prefill shares their decode steps; those still prefilling decode
+          by the time this prompt's turn comes), and lengthens each of their steps, for as long as
+          they overlap, by what the request's KV adds to the decode step.
+
+        Time to first token alone piles requests sharing a prefix onto its holders until their
+        streams slow down; decode load alone forgets that a cache hit spares every sequence on the
+        worker the prefill it avoids."""
+        request, seq = self.request, self.sequences
+        osl = float(max(request.max_tokens, 1))
+        requests = seq.requests
+        kv = seq.kv_tokens()
+        remaining = np.divide(seq.outputs, 2.0 * requests, out=np.zeros_like(kv), where=requests > 0)
+        stays = np.minimum(1.0, remaining / osl)
+        eligible = self.eligible
+        mean_kv = float(kv[eligible].mean()) if eligible.any() else 0.0
+        mean_requests = float(requests[eligible].mean()) if eligible.any() else 0.0
+        own = request.prompt_tokens + osl / 2.0 - self.shared_active_blocks() * self.settings.block_size
+        kv_during = mean_kv + (kv - mean_kv) * stays
+        requests_during = mean_requests + (requests - mean_requests) * stays
+        step_ms = self.perf.itl_ms(kv_during + own, requests_during + 1.0)
+        decode = osl * step_ms
+        ttft = self.ttft_ms()
+        assert self._uncached is not None
+        prefill = self.perf.compute_ms_array(
+            new_tokens=self._uncached, total_tokens=float(request.prompt_tokens)
+        )
+        slowed = step_ms - self.perf.itl_ms(kv_during, np.maximum(requests_during, 1.0))
+        overlap = requests * osl * stays
+        out: FloatArray = ttft + decode + requests * prefill + overlap * slowed
+        return out
+
     def latency_ms(self) -> FloatArray:
-        """Predicted time to first token plus (weighted) decode time on each worker, ms."""
-        weight = self.settings.decode_weight
-        if weight == 0.0:
+        """What ``kv`` minimises on each worker under :attr:`SelectionSettings.objective`, ms."""
+        settings = self.settings
+        if settings.objective == "e2e":
+            return self.e2e_ms()
+        if settings.objective == "goodput":
+            cost = self.e2e_ms()
+            target = self.request.ttft_slo_ms
+            if target is None:
+                return cost
+            late: FloatArray = cost + np.where(self.ttft_ms() > target, MISSED_TARGET_MS, 0.0)
+            return late
+        if settings.decode_weight == 0.0:
             return self.ttft_ms()
-        out: FloatArray = self.ttft_ms() + weight * self.decode_ms()
+        out: FloatArray = self.ttft_ms() + settings.decode_weight * self.decode_ms()
         return out
 
 
@@ -283,9 +366,10 @@ class KvExpertPolicy:
     decode time with the MoE layers (``Selection.moe_decode_ms``); ``kv`` for a dense model."""
 
     def choose(self, selection: Selection) -> int:
-        costs = selection.latency_ms()
-        if selection.experts is not None:
-            costs = costs + selection.settings.expert_weight * selection.moe_decode_ms()
+        if selection.experts is None:
+            costs = selection.latency_ms()
+        else:  # the decode term is the MoE one (whatever kv's objective)
+            costs = selection.ttft_ms() + selection.settings.expert_weight * selection.moe_decode_ms()
         return pick_lowest(
             costs, selection.exclusion, temperature=selection.settings.temperature, rng=selection.rng
         )

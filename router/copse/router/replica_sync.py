@@ -58,6 +58,10 @@ class WireRecord(_Wire):
     prefill_tokens: int
     prefill_ms: float
     kv_tokens: float
+    output_tokens: int = 0
+    """Output tokens expected (absent from replicas of earlier versions)."""
+    tenant: str = ""
+    priority: int = 0
 
 
 class WireChange(_Wire):
@@ -99,6 +103,9 @@ def _wire(record: FlightRecord) -> WireRecord:
         prefill_tokens=record.prefill_tokens,
         prefill_ms=record.prefill_ms,
         kv_tokens=record.kv_tokens,
+        output_tokens=record.output_tokens,
+        tenant=record.tenant,
+        priority=record.priority,
     )
 
 
@@ -109,6 +116,9 @@ def _record(wire: WireRecord) -> FlightRecord:
         prefill_tokens=wire.prefill_tokens,
         prefill_ms=wire.prefill_ms,
         kv_tokens=wire.kv_tokens,
+        output_tokens=wire.output_tokens,
+        tenant=wire.tenant,
+        priority=wire.priority,
     )
 
 

@@ -49,6 +49,8 @@ class Flight:
     started: float
     """When it was routed (the clock of the caller), for the backlog and for expiry."""
     prefilling: bool = True
+    output_tokens: int = 0
+    """Output tokens the request is expected to generate (its ``max_tokens``; 0 when unknown)."""
 
 
 ROWS = loops.LOAD_ROWS
@@ -71,6 +73,7 @@ class ActiveSequences:
         "head_ms",
         "head_start",
         "kv_extra",
+        "outputs",
         "prefill_ms",
         "prefill_tokens",
         "prefilling",
@@ -108,6 +111,9 @@ class ActiveSequences:
         self.step_ms: FloatArray = self.columns[0]
         """Kept by :class:`copse.router.cost.WorkerCosts` (which see), with :attr:`free_flags`."""
         self.free_flags: FloatArray = self.columns[0]
+        self.outputs: FloatArray = np.zeros(0)
+        """Expected output tokens of the in-flight requests per worker (their ``max_tokens``), which
+        say how long the batch a new request joins lasts."""
         self.ensure(slots)
 
     def ensure(self, size: int) -> None:
@@ -133,6 +139,9 @@ class ActiveSequences:
             self.step_ms,
             self.free_flags,
         ) = columns
+        outputs = np.zeros(size)
+        outputs[:old] = self.outputs
+        self.outputs = outputs
         self._pending.extend(OrderedDict() for _ in range(size - old))
         self.changed.update(range(old, size))
 
@@ -170,8 +179,10 @@ class ActiveSequences:
         prefill_ms: float,
         kv_tokens: float,
         now: float,
+        output_tokens: int = 0,
     ) -> None:
-        """Start tracking a request routed to ``slot`` (a request id already tracked is replaced)."""
+        """Start tracking a request routed to ``slot`` (a request id already tracked is replaced);
+        ``output_tokens``: what it is expected to generate (0 for a prefill-only charge)."""
         if request_id in self._flights:
             self.free(request_id)
         self.ensure(slot + 1)
@@ -182,8 +193,10 @@ class ActiveSequences:
             prefill_ms=prefill_ms,
             kv_tokens=kv_tokens,
             started=now,
+            output_tokens=output_tokens,
         )
         self._flights[request_id] = flight
+        self.outputs[slot] += output_tokens
         self._load.add(slot, hashes, prefill_tokens, prefill_ms, kv_tokens)
         pending = self._pending[slot]
         pending[request_id] = None
@@ -209,6 +222,7 @@ class ActiveSequences:
         if flight.prefilling:
             self._end_prefill(request_id, flight, now=flight.started if now is None else now)
         self._load.free(slot, flight.hashes, flight.kv_tokens)
+        self.outputs[slot] -= flight.output_tokens
         self.changed.add(slot)
         return slot
 

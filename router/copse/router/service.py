@@ -37,7 +37,7 @@ import aiohttp
 from prometheus_client import generate_latest
 
 from copse.router.config import RouterConfig
-from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, WorkerInfo
+from copse.router.core import NoWorkers, Role, Route, Router, Shed, WorkerInfo
 from copse.router.discovery import Endpoint, Source
 from copse.router.metrics import RouterMetrics
 from copse.router.policies import RouteRequest
@@ -62,13 +62,21 @@ GENERATE_PATHS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]]
 
 
 class Unavailable(Exception):
-    """No worker can take the request now (503)."""
+    """No healthy worker can take the request (503)."""
 
-    def __init__(self, message: str, *, shed: bool) -> None:
+
+class Overloaded(Exception):
+    """The request is shed (429 with ``Retry-After``): its tenant is over its rate limit, it would
+    miss its objective's TTFT target, the queue is full, or it waited the whole queue timeout."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
         super().__init__(message)
-        self.shed = shed
-        """Workers exist but are saturated (the queue is full or the wait timed out): the request
-        is shed, as opposed to there being no worker for it at all."""
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> str:
+        """The ``Retry-After`` header's value (whole seconds, at least 1)."""
+        return str(max(1, math.ceil(self.retry_after_s)))
 
 
 class Rejected(Exception):
@@ -201,6 +209,8 @@ class RoutingService:
         self.config = config
         self.source = source
         self.tokenizer = tokenizer
+        self.classes = config.classes()
+        """Objectives (config, and Kubernetes' InferenceObjectives) and tenant weights."""
         self.router = Router(
             perf=perf,
             settings=config.selection(),
@@ -210,8 +220,12 @@ class RoutingService:
             use_kv_events=use_kv_events,
             share_load=share_load,
             seed=config.seed,
+            tenant_weight=self.classes.weight,
+            limits=config.limits(),
         )
-        self.metrics = RouterMetrics(lambda: self.router)
+        self.metrics = RouterMetrics(
+            lambda: self.router, tenants=config.tenants, tenant_labels=config.metrics_tenants
+        )
         self._endpoints: dict[str, Endpoint] = {}
         self._live: dict[str, _Live] = {}
         self._failures: dict[str, int] = {}
@@ -452,10 +466,13 @@ class RoutingService:
     async def _route(self, request: RouteRequest, exclude: frozenset[str]) -> Route:
         try:
             route = self.router.submit(request, now=self.now(), exclude=exclude)
-        except QueueFull as exc:
-            raise Unavailable(str(exc), shed=True) from exc
+        except Shed as exc:
+            self.metrics.shed(request, reason=type(exc).__name__)
+            raise Overloaded(str(exc), retry_after_s=exc.retry_after_s) from exc
         except NoWorkers as exc:
-            raise Unavailable(f"{exc}; retry shortly", shed=False) from exc
+            raise Unavailable(f"{exc}; retry shortly") from exc
+        if not exclude:  # a retry was counted the first time
+            self.metrics.admitted(request, queued=route is None)
         self.metrics.queue_depth.set(self.router.queued)
         if route is None:
             future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
@@ -465,9 +482,10 @@ class RoutingService:
             except TimeoutError as exc:
                 self._waiting.pop(request.request_id, None)
                 self.router.finish(request.request_id, now=self.now())
-                raise Unavailable(
+                self.metrics.shed(request, reason="QueueTimeout")
+                raise Overloaded(
                     f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)",
-                    shed=True,
+                    retry_after_s=1.0,
                 ) from exc
         self.metrics.prompt_tokens.inc(route.prompt_tokens)
         self.metrics.prompt_length.observe(route.prompt_tokens)
@@ -489,7 +507,10 @@ class RoutingService:
     # -- requests -----------------------------------------------------------------------------
 
     async def prepare(
-        self, model: type[CompletionRequest] | type[ChatCompletionRequest], raw: bytes
+        self,
+        model: type[CompletionRequest] | type[ChatCompletionRequest],
+        raw: bytes,
+        headers: Mapping[str, str] | None = None,
     ) -> Prepared:
         """Parse a generation request's body and hash its prompt. Raises :class:`Rejected` (400 for
         a malformed request, 404 for a model not served here). A body over
@@ -528,16 +549,24 @@ class RoutingService:
         except RequestError as exc:
             raise Rejected(400, exc.message, param=exc.param) from exc
         expected = min(request.requested_tokens(), context - len(tokens))
-        route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=expected)
+        route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=expected, headers=headers or {})
         return Prepared(request=request, body=body, tokens=tokens, route=route)
 
-    def route_request(self, request_id: str, tokens: list[int], *, max_tokens: int) -> RouteRequest:
-        """What the core needs to route a prompt of ``tokens``."""
+    def route_request(
+        self, request_id: str, tokens: list[int], *, max_tokens: int, headers: Mapping[str, str] | None = None
+    ) -> RouteRequest:
+        """What the core needs to route a prompt of ``tokens``; ``headers`` (lower-case names) name
+        its objective and tenant (:meth:`copse.router.objectives.Classes.of`)."""
+        objective, tenant = self.classes.of(headers or {})
         return RouteRequest(
             request_id=request_id,
             hashes=block_hashes(tokens, block_size=self.config.block_size),
             prompt_tokens=len(tokens),
             max_tokens=max_tokens,
+            priority=objective.priority,
+            tenant=tenant,
+            ttft_slo_ms=objective.ttft_ms,
+            objective=objective.name,
         )
 
     def metrics_text(self) -> bytes:

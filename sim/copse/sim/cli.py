@@ -11,7 +11,7 @@ import click
 from tqdm import tqdm
 
 from copse.router.core import Thresholds
-from copse.router.policies import POLICIES
+from copse.router.policies import POLICIES, ROUTING_OBJECTIVES, RoutingObjective
 from copse.sim import faults
 from copse.sim.replay import (
     DEFAULT_ENGINE_NOISE,
@@ -98,11 +98,18 @@ def _table(report: ReplayReport) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="Router softmax temperature.")
 @click.option(
+    "--objective",
+    type=click.Choice(ROUTING_OBJECTIVES),
+    default="e2e",
+    show_default=True,
+    help="What kv minimises: e2e (end-to-end latency), ttft, or goodput (e2e meeting TTFT targets).",
+)
+@click.option(
     "--decode-weight",
     type=float,
     default=0.0,
     show_default=True,
-    help="Weight of the request's predicted decode time in the kv cost.",
+    help="Weight of the request's predicted decode time in the kv cost (--objective ttft).",
 )
 @click.option(
     "--expert-weight",
@@ -165,6 +172,7 @@ def replay_command(
     engine_config: Path | None,
     seed: int,
     temperature: float,
+    objective: RoutingObjective,
     decode_weight: float,
     expert_weight: float,
     no_expert_reports: bool,
@@ -235,6 +243,7 @@ def replay_command(
         seed=seed,
         trace_block_size=trace_block_size,
         temperature=temperature,
+        objective=objective,
         decode_weight=decode_weight,
         expert_weight=expert_weight,
         expert_reports=not no_expert_reports,

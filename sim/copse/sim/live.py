@@ -199,6 +199,7 @@ async def live_replay(
                 "engine": "mock",
                 "policy": settings.policy,
                 "temperature": settings.temperature,
+                "objective": settings.objective,
                 "decode_weight": settings.decode_weight,
                 "block_size": block_size,
                 "queue_size": settings.thresholds.queue_size,

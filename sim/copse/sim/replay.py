@@ -38,8 +38,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from copse.router.core import NoWorkers, QueueFull, Role, Route, Router, Thresholds, WorkerInfo
-from copse.router.policies import RouteRequest, SelectionSettings
+from copse.router.core import NoWorkers, Role, Route, Router, Shed, Thresholds, WorkerInfo
+from copse.router.policies import RouteRequest, RoutingObjective, SelectionSettings
 from copse.sim.profiler import ScaledPerfModel, measure_profile
 from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.files import read_yaml_mapping
@@ -192,8 +192,10 @@ class ReplaySettings:
     """Tokens per trace hash id (512 for Mooncake traces)."""
     temperature: float = 0.0
     """Softmax temperature of the router's selection."""
+    objective: RoutingObjective = "e2e"
+    """What ``kv`` minimises (``SelectionSettings.objective``)."""
     decode_weight: float = 0.0
-    """Weight of predicted decode time in the ``kv`` cost."""
+    """Weight of predicted decode time in the ``kv`` cost under the ``ttft`` objective."""
     expert_weight: float = 1.0
     """Weight of the predicted decode time with the MoE layers in the ``kv_expert`` cost."""
     expert_reports: bool = True
@@ -351,6 +353,16 @@ class KvEventChannel:
         return len(self._in_flight)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestClass:
+    """Who sent a trace request and how it must be served (shared-fleet replays)."""
+
+    objective: str = ""
+    priority: int = 0
+    tenant: str = ""
+    ttft_slo_ms: float | None = None
+
+
 @dataclasses.dataclass(slots=True)
 class _Pending:
     index: int
@@ -369,8 +381,16 @@ class Fleet:
     forgotten it) and finishes those it has; :attr:`retired_ms` says when it had none left.
     """
 
-    def __init__(self, trace: Sequence[TraceRequest], settings: ReplaySettings, *, engines: int) -> None:
-        """``engines`` serve from the start. Raises ``ValueError`` for unusable settings."""
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        settings: ReplaySettings,
+        *,
+        engines: int,
+        classes: Sequence[RequestClass] | None = None,
+    ) -> None:
+        """``engines`` serve from the start; ``classes``: each request's objective and tenant (all
+        of the default class when not given). Raises ``ValueError`` for unusable settings."""
         self.settings = settings
         self.trace = trace
         config = settings.engine_config()
@@ -394,6 +414,7 @@ class Fleet:
                 block_size=block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 temperature=settings.temperature,
+                objective=settings.objective,
                 decode_weight=settings.decode_weight,
                 expert_weight=settings.expert_weight,
                 host_block_ms=host_block_ms,
@@ -419,6 +440,9 @@ class Fleet:
         self.finish_ms = np.full(n, np.nan)
         self.failed_ms = np.full(n, np.nan)
         """When a request was refused (router queue full, or the engine refused it)."""
+        self.classes = classes
+        self.shed_ms = np.full(n, np.nan)
+        """When the router shed a request (what a client sees as a 429): also in ``failed_ms``."""
         self.outputs = np.zeros(n)
         self.prompts = np.array([r.input_length for r in trace], dtype=np.float64)
         self.cached = np.zeros(n)
@@ -503,11 +527,22 @@ class Fleet:
             prompt_tokens=request.input_length,
             max_tokens=request.output_length,
         )
+        if self.classes is not None:
+            kind = self.classes[index]
+            route_request = dataclasses.replace(
+                route_request,
+                objective=kind.objective,
+                priority=kind.priority,
+                tenant=kind.tenant,
+                ttft_slo_ms=kind.ttft_slo_ms,
+            )
         try:
             route = self.router.submit(route_request, now=self.now_ms / 1000.0)
-        except (QueueFull, NoWorkers):
+        except (Shed, NoWorkers) as exc:
             self._pending.pop(request_id)
             self.failed_ms[index] = self.now_ms
+            if isinstance(exc, Shed):
+                self.shed_ms[index] = self.now_ms
             return
         if route is not None:
             self._dispatch([route])

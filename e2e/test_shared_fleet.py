@@ -1,0 +1,82 @@
+"""A shared fleet above capacity, premium and batch objectives: through the real HTTP router, and
+through a real Envoy with copse's endpoint picker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from e2e.envoy_gateway import envoy_gateway
+from e2e.local_router import MODEL
+from e2e.local_router import static_router as _router
+
+from copse.router.server import RunningRouter
+from copse.workers.testing import mock_fleet
+
+pytestmark = pytest.mark.e2e
+
+PREMIUM = {"x-gateway-inference-objective": "premium", "x-gateway-inference-fairness-id": "team-a"}
+BATCH = {"x-gateway-inference-objective": "batch", "x-gateway-inference-fairness-id": "team-b"}
+SETTINGS: dict[str, Any] = {
+    "busy_prefill_tokens": 8,  # each engine takes one request at a time
+    "rate_window_s": 1.0,
+    "objectives": {"premium": {"priority": 100, "ttft_ms": 60000}, "batch": {"priority": 0, "ttft_ms": 1}},
+}
+
+
+async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> tuple[int, str | None]:
+    body = {"model": MODEL, "prompt": "shared fleets " * 40, "max_tokens": 48}
+    async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
+        await response.read()
+        return response.status, response.headers.get("Retry-After")
+
+
+@contextlib.asynccontextmanager
+async def _entry(mode: str, urls: list[str], tmp_path: Path) -> AsyncIterator[tuple[RunningRouter, str]]:
+    """The router and the URL clients call: the router itself, or Envoy asking the picker."""
+    if mode == "http":
+        async with _router(urls, **SETTINGS) as running:
+            yield running, running.url
+        return
+    async with _router(urls, epp={}, **SETTINGS) as running:
+        assert running.grpc_target is not None
+        with envoy_gateway(
+            picker=running.grpc_target, upstream="original_dst", engines=urls, scratch=tmp_path
+        ) as url:
+            yield running, url
+
+
+@pytest.mark.parametrize("mode", ["http", "envoy"])
+async def test_above_capacity_premium_is_served_and_batch_is_shed_with_429(mode: str, tmp_path: Path) -> None:
+    """Two engines that take one request each at a time, a burst of 10 premium and 30 batch
+    requests: the queue serves premium first, and batch requests that would wait past their 1 ms
+    TTFT target are answered 429 with Retry-After at once; nothing is 503."""
+    async with (
+        mock_fleet(engines=2) as fleet,
+        _entry(mode, fleet.urls, tmp_path) as (running, url),
+        aiohttp.ClientSession() as http,
+    ):
+        service = running.service
+        while service.router.routed_tokens_per_s(now=service.now()) is None:
+            # history of the drain rate admission predicts waits with
+            assert (await _post(http, url, PREMIUM))[0] == 200
+        burst = [_post(http, url, PREMIUM if i % 4 == 0 else BATCH) for i in range(40)]
+        answers = await asyncio.gather(*burst)
+        metrics = service.metrics_text().decode()
+    premium = [answers[i] for i in range(40) if i % 4 == 0]
+    batch = [answers[i] for i in range(40) if i % 4]
+    assert all(status == 200 for status, _ in premium), premium
+    shed = [retry for status, retry in batch if status == 429]
+    assert shed, "the saturated fleet sheds batch requests"
+    assert all(retry is not None and int(retry) >= 1 for retry in shed)
+    assert {status for status, _ in batch} <= {200, 429}, "503 only means no healthy worker"
+    counted = (
+        f'copse_router_class_shed_total{{objective="batch",reason="SloShed",tenant="team-b"}} {len(shed)}.0'
+    )
+    assert counted in metrics
+    assert 'objective="premium",reason=' not in metrics

@@ -1,0 +1,104 @@
+"""The router's wait queue: priority bands first, then fair shares of tokens between tenants."""
+
+from __future__ import annotations
+
+from copse.router.fairness import FairQueue
+
+
+def _drain(queue: FairQueue[str]) -> list[str]:
+    served = []
+    while (head := queue.peek()) is not None:
+        key, item = head
+        assert queue.pop(key) == item
+        served.append(item)
+    return served
+
+
+def test_a_higher_priority_band_is_served_first_whatever_the_arrival_order() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.push("b1", "batch-1", priority=0, tenant="t", tokens=10)
+    queue.push("p1", "premium-1", priority=100, tenant="t", tokens=10)
+    queue.push("b2", "batch-2", priority=0, tenant="t", tokens=10)
+    queue.push("p2", "premium-2", priority=100, tenant="u", tokens=10)
+    assert _drain(queue) == ["premium-1", "premium-2", "batch-1", "batch-2"]
+
+
+def test_a_tenant_sending_ten_times_the_requests_gets_the_same_tokens() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    for i in range(20):
+        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100)
+    queue.push("light0", "light", priority=0, tenant="light", tokens=100)
+    queue.push("light1", "light", priority=0, tenant="light", tokens=100)
+    served = _drain(queue)
+    assert served[:4].count("light") == 2, "the light tenant's requests alternate with the heavy one's"
+
+
+def test_shares_are_in_tokens_not_requests() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    for i in range(10):
+        queue.push(f"long{i}", "long", priority=0, tenant="long", tokens=1000)
+        queue.push(f"short{i}", "short", priority=0, tenant="short", tokens=100)
+    first = _drain(queue)[:11]
+    assert first.count("short") == 10, "ten 100-token requests for one of 1,000 tokens"
+
+
+def test_weights_scale_a_tenants_share() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda tenant: 3.0 if tenant == "gold" else 1.0)
+    for i in range(30):
+        queue.push(f"gold{i}", "gold", priority=0, tenant="gold", tokens=100)
+        queue.push(f"std{i}", "std", priority=0, tenant="std", tokens=100)
+    first = _drain(queue)[:20]
+    assert first.count("gold") == 15
+
+
+def test_an_idle_tenant_gets_no_credit_for_the_time_it_sent_nothing() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    for i in range(10):
+        queue.push(f"a{i}", "a", priority=0, tenant="a", tokens=100)
+    for _ in range(6):
+        head = queue.peek()
+        assert head is not None
+        queue.pop(head[0])
+    for i in range(5):
+        queue.push(f"b{i}", "b", priority=0, tenant="b", tokens=100)
+    assert _drain(queue)[:4] == ["b", "a", "b", "a"], "the newcomer alternates, no catching up"
+
+
+def test_removed_requests_are_not_served_and_counts_go_by_priority_and_tenant() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.push("p", "premium", priority=100, tenant="t", tokens=10)
+    queue.push("b1", "batch-1", priority=0, tenant="t", tokens=10)
+    queue.push("b2", "batch-2", priority=0, tenant="t", tokens=10)
+    queue.push("u1", "other", priority=0, tenant="u", tokens=10)
+    assert queue.count_at_or_above(100) == 1
+    assert queue.count_at_or_above(0) == 4
+    assert queue.holds_its_share(priority=0, tenant="t")
+    assert not queue.holds_its_share(priority=0, tenant="u")
+    assert not queue.holds_its_share(priority=0, tenant="new")
+    assert queue.remove("u1") == "other"
+    assert queue.remove("b1") == "batch-1"
+    assert "b1" not in queue
+    assert len(queue) == 2
+    assert _drain(queue) == ["premium", "batch-2"]
+
+
+def test_the_tokens_ahead_of_a_new_request_count_other_tenants_only_up_to_their_share() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    for i in range(50):
+        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100)
+    queue.push("p", "premium", priority=100, tenant="x", tokens=300)
+    assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 100 + 100
+    assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 5100
+    assert queue.tokens_ahead(priority=100, tenant="y", tokens=100) == 100 + 100, "x and y alternate"
+
+
+def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.push("a0", "a", priority=0, tenant="a", tokens=100)
+    queue.charge(priority=0, tenant="b", tokens=500)  # b was served 500 tokens by a peer
+    for i in range(1, 6):
+        queue.push(f"a{i}", "a", priority=0, tenant="a", tokens=100)
+    queue.push("b0", "b", priority=0, tenant="b", tokens=100)
+    assert _drain(queue) == ["a"] * 5 + ["b", "a"], "b waits until a has had the 500 tokens b got elsewhere"
+    queue.charge(priority=0, tenant="idle", tokens=100)
+    assert queue.tokens_ahead(priority=0, tenant="idle", tokens=1) == 1, "an empty band keeps no state"
