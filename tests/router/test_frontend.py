@@ -563,7 +563,7 @@ async def test_tenants_over_their_token_rate_get_429_and_requests_are_counted_by
                 async with http.post(f"{running.url}/v1/completions", json=body, headers=team_a) as response:
                     assert response.status == 429
                     assert int(response.headers["Retry-After"]) >= 1
-                    assert "team-a" in (await response.json())["message"]
+                    assert "team-a" in (await response.json())["error"]["message"]
                 team_b = {"x-gateway-inference-fairness-id": "team-b"}
                 async with http.post(f"{running.url}/v1/completions", json=body, headers=team_b) as response:
                     assert response.status == 200, "another tenant is not limited"

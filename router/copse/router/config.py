@@ -332,7 +332,7 @@ class RouterConfig(_Model):
             default_weight=self.default_tenant.weight,
         )
 
-    def limits(self) -> TenantLimits | None:
+    def rate_limits(self) -> TenantLimits | None:
         """Per-tenant rate limits; ``None`` when no tenant is limited."""
         limited = {name: t.tokens_per_minute for name, t in self.tenants.items() if t.tokens_per_minute}
         default = self.default_tenant.tokens_per_minute

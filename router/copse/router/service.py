@@ -221,7 +221,7 @@ class RoutingService:
             share_load=share_load,
             seed=config.seed,
             tenant_weight=self.classes.weight,
-            limits=config.limits(),
+            limits=config.rate_limits(),
         )
         self.metrics = RouterMetrics(
             lambda: self.router, tenants=config.tenants, tenant_labels=config.metrics_tenants
