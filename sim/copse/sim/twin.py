@@ -7,9 +7,10 @@ What runs is what runs in a cluster, minus the cluster:
   :meth:`~copse.planner.core.Planner.step`) learns from the interval that ended and decides the
   replicas. It sees what it would see in a cluster, the router's Prometheus series over the
   interval (:func:`observe`): requests answered, prompt and output tokens, the router's
-  *predicted* hit rate, and the p90 prompt length and p99 TTFT and ITL read from the router's
-  histogram buckets with Prometheus' ``histogram_quantile``; queue and batch gauges at the end
-  of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
+  *predicted* hit rate, the p90 prompt length and p99 TTFT and ITL read from the router's
+  histogram buckets with Prometheus' ``histogram_quantile`` (alert signals), the mean TTFT and
+  mean TPOT from the histograms' sums and counts; queue and batch gauges and the engines serving
+  at the end of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
   path adds capacity only).
 * A replica added starts serving ``startup_delay_s`` after the decision (it holds its GPUs from
   the decision on). A replica removed first cancels one still starting (newest first), else
@@ -110,6 +111,10 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
         itl_ms=None if itl_s is None else itl_s * 1000.0,
+        # the histograms' _sum / _count: exact means
+        ttft_mean_ms=float(ttft.mean()) if len(ttft) else None,
+        itl_mean_ms=float(itl.mean()) if len(itl) else None,
+        serving=float(len(fleet.engines) - len(fleet.retired_ms) - len(fleet.draining)),
         queue_depth=_queued(fleet),
         inflight=float(sum(len(engine.running) for engine in fleet.engines)),
     )
