@@ -41,6 +41,11 @@ def _requests(times_s: list[float], *, isl: int = 1500, osl: int = 50) -> list[T
     ]
 
 
+def _held_s(replicas: Replicas, *, end_ms: float) -> float:
+    """Replica-seconds held from 0 to ``end_ms``."""
+    return sum(end - begin for begin, end in replicas.spans(start_ms=0.0, end_ms=end_ms)) / 1000.0
+
+
 def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
     buckets = (1.0, 2.0, 4.0)
     values = np.array([0.5, 1.5, 1.5, 3.0])
@@ -90,7 +95,7 @@ def test_a_replica_serves_only_after_the_startup_delay() -> None:
     replicas.start_ready(130_000.0)
     assert (replicas.serving(), len(fleet.engines), len(fleet.router.workers)) == (3, 3, 3)
     # GPUs were held from the decision on, starting time included
-    assert replicas.gpu_seconds(start_ms=0.0, end_ms=130_000.0, gpus=1) == pytest.approx(130.0 + 2 * 120.0)
+    assert _held_s(replicas, end_ms=130_000.0) == pytest.approx(130.0 + 2 * 120.0)
     # scaling down cancels a replica still starting before it drains a serving one
     replicas.apply(5, now_ms=130_000.0, startup_delay_s=60.0)
     replicas.apply(4, now_ms=131_000.0, startup_delay_s=60.0)
@@ -127,7 +132,7 @@ def test_a_removed_replica_drains_before_its_gpus_are_released() -> None:
     assert not np.isnan(finished_on_1)  # the drained engine finished what it had
     assert fleet.retired_ms[1] == finished_on_1 > 1000.0  # and released its GPUs only then
     assert "worker-1" not in fleet.router.workers  # then the router forgot it
-    seconds = replicas.gpu_seconds(start_ms=0.0, end_ms=60_000.0, gpus=1)
+    seconds = _held_s(replicas, end_ms=60_000.0)
     assert seconds == pytest.approx(60.0 + finished_on_1 / 1000.0)
 
 
@@ -205,17 +210,36 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
         "--itl-ms",
         "50",
     ]
-    result = runner.invoke(bench, [*args, "--predictor", "constant", "--startup-delay", "60", "--intervals"])
+    planner = [*args, "--predictor", "constant", "--startup-delay", "60"]
+    result = runner.invoke(bench, [*planner, "--intervals", "--jobs", "1"])
     assert result.exit_code == 0, result.output
     assert "planner (constant), start-up delay 60 s" in result.stdout
     assert "SLO (TTFT <= 1000 ms and ITL <= 50 ms)" in result.stdout
+    assert "Static fleets on the same arrivals" in result.stdout
+    framed = runner.invoke(bench, [*planner, "--json", "--jobs", "1"])
+    document = json.loads(framed.stdout)
+    frontier = document["frontier"]
+    sizes = [point["replicas"] for point in frontier["static"]]
+    assert sizes == list(range(sizes[0], sizes[-1] + 1))  # contiguous sizes
+    # from a size below both the goal and the planner's attainment (or 1) to one above both
+    first, last = frontier["static"][0], frontier["static"][-1]
+    bar_low = min(0.99, document["slo_attainment"])
+    assert first["replicas"] == 1 or first["slo_attainment"] < bar_low
+    assert last["slo_attainment"] >= max(0.99, document["slo_attainment"]) or last["replicas"] == 16
+    if frontier["ratio_at_equal_attainment"] is not None:
+        static_cost = frontier["static_gpu_hours_at_equal_attainment"]
+        assert frontier["ratio_at_equal_attainment"] == pytest.approx(document["gpu_hours"] / static_cost)
+    for key in ("slo_attainment", "gpu_hours", "mean_replicas", "peak_replicas", "flaps"):
+        assert key in document
     static = runner.invoke(bench, [*args, "--static", "2", "--json"])
     assert static.exit_code == 0, static.output
     report = json.loads(static.stdout)
     assert report["predictor"] is None
     assert report["gpu_hours"] == pytest.approx(2 * 240 / 3600)
     for bad, message in (
-        ([], "give exactly one of --trace FILE or --metrics FILE"),
+        ([], "give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME"),
+        ([*args[1:], "--static", "2,3"], "--static '2,3': expected N (replicas, >= 1)"),
+        (["--load", "burst-4h", "--traces", str(tmp_path), *args[5:]], f"reads {tmp_path / 'mooncake_fast25_conversation'}"),
         (["--metrics", str(recording)], "--metrics needs --shapes FILE"),
         ([*args[1:], "--predictor", "oracle"], "unknown predictor 'oracle'"),
         ([*args[1:], "--warmup", "1000"], "covers the whole load"),
