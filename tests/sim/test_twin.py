@@ -239,7 +239,10 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
     for bad, message in (
         ([], "give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME"),
         ([*args[1:], "--static", "2,3"], "--static '2,3': expected N (replicas, >= 1)"),
-        (["--load", "burst-4h", "--traces", str(tmp_path), *args[5:]], f"reads {tmp_path / 'mooncake_fast25_conversation'}"),
+        (
+            ["--load", "burst-4h", "--traces", str(tmp_path), *args[5:]],
+            f"reads {tmp_path / 'mooncake_fast25_conversation'}",
+        ),
         (["--metrics", str(recording)], "--metrics needs --shapes FILE"),
         ([*args[1:], "--predictor", "oracle"], "unknown predictor 'oracle'"),
         ([*args[1:], "--warmup", "1000"], "covers the whole load"),
