@@ -15,6 +15,7 @@ from copse.planner.config import PlannerConfig
 from copse.planner.observations import Observation
 from copse.planner.policy import AGGREGATED, Limits
 from copse.planner.recording import write_metrics_jsonl
+from copse.router.core import Role as EngineRole
 from copse.sim.cli import bench
 from copse.sim.load import arrival_times_s, shapes_in_order, synthesize
 from copse.sim.replay import Fleet, ReplaySettings, RouterModel
@@ -236,6 +237,10 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
     report = json.loads(static.stdout)
     assert report["predictor"] is None
     assert report["gpu_hours"] == pytest.approx(2 * 240 / 3600)
+    split = runner.invoke(bench, [*args, "--disaggregated", "--static", "1,2", "--json"])
+    assert split.exit_code == 0, split.output
+    pools = json.loads(split.stdout)["pools"]
+    assert {role: pool["mean_replicas"] for role, pool in pools.items()} == {"prefill": 1.0, "decode": 2.0}
     for bad, message in (
         ([], "give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME"),
         ([*args[1:], "--static", "2,3"], "--static '2,3': expected N (replicas, >= 1)"),
@@ -250,3 +255,53 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
         failed = runner.invoke(bench, ["planner", *bad])
         assert failed.exit_code == 2, failed.output
         assert message in failed.stderr
+
+
+def test_a_disaggregated_fleet_prefills_on_one_pool_and_decodes_on_the_other() -> None:
+    trace = _requests([0.0, 0.2, 0.4, 0.6], isl=6000, osl=30)
+    fleet = Fleet(trace, EXACT, engines={EngineRole.PREFILL: 1, EngineRole.DECODE: 1})
+    for i in range(len(trace)):
+        fleet.run_until(float(fleet.arrival_ms[i]))
+        fleet.arrive(i)
+    fleet.run()
+    prefill, decode = fleet.engines
+    assert fleet.roles == [EngineRole.PREFILL, EngineRole.DECODE]
+    # the prefill engine computed every prompt and one token each; the decode engine the rest
+    assert prefill.requests_finished_total == decode.requests_finished_total == 4
+    assert prefill.prompt_tokens_total == decode.prompt_tokens_total == 4 * 6000
+    assert fleet.outputs.tolist() == [30.0] * 4
+    # the client's first token comes from the decode engine after the KV transfer
+    transfer_ms = (
+        6000 * decode.config.kv_bytes_per_token / (decode.config.kv_transfer_bandwidth_gbps * 1e9) * 1e3
+    )
+    ttft = fleet.first_ms - fleet.arrival_ms
+    assert float(ttft.min()) > transfer_ms
+    assert not fleet.router.workers[prefill.worker_id].draining
+
+
+def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
+    # 1 req/s, then 12 req/s of 6000-token prompts: one prefill engine cannot keep up
+    times = list(np.arange(0.0, 600.0, 1.0)) + list(np.arange(600.0, 1200.0, 1 / 12))
+    trace = _requests([float(t) for t in times], isl=6000, osl=100)
+    limits = Limits(
+        roles=(Role.PREFILL, Role.DECODE),
+        gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 2},
+        ttft_ms=2000.0,
+        itl_ms=50.0,
+        max_replicas=8,
+    )
+    planner = PlannerConfig(predictor="constant", startup_delay_s=60.0)
+    report = run_twin(trace, TwinSettings(fleet=EXACT, limits=limits, planner=planner, interval_s=60.0))
+    assert set(report.pools) == {Role.PREFILL, Role.DECODE}
+    assert report.pools[Role.PREFILL].peak_replicas > 1  # the prefill pool grew with the load
+    assert {change.role for change in report.changes} >= {"prefill"}
+    # GPU-hours per pool at its GPUs per replica; the total is their sum
+    decode = report.pools[Role.DECODE]
+    assert decode.gpu_hours == pytest.approx(decode.mean_replicas * 2 * report.window_h)
+    assert report.gpu_hours == pytest.approx(sum(pool.gpu_hours for pool in report.pools.values()))
+    static = run_twin(
+        trace,
+        TwinSettings(fleet=EXACT, limits=limits, planner=None, initial={Role.PREFILL: 1, Role.DECODE: 1}),
+    )
+    assert static.gpu_hours == pytest.approx(3 * 1200.0 / 3600.0, rel=0.01)
+    assert report.slo_attainment > static.slo_attainment
