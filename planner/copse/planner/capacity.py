@@ -40,7 +40,7 @@ from numpy.typing import NDArray
 
 from copse.api import Role
 from copse.planner.queueing import (
-    lognormal_points,
+    gamma_points,
     lognormal_scv,
     mean_wait_s,
     normal_quantile,
@@ -213,7 +213,7 @@ class CapacityModel:
         self.isl_scv = isl_scv
         self._z = normal_quantile(quantile)
         self._best_decode: dict[tuple[float, int], float] = {}
-        self._prefill_points: dict[tuple[float, ...], NDArray[np.float64]] = {}
+        self._prefill_points: dict[tuple[float | None, ...], NDArray[np.float64]] = {}
 
     # --- building blocks -----------------------------------------------------------------
 
@@ -488,19 +488,14 @@ class CapacityModel:
     # --- per-request attainment and means -------------------------------------------------
 
     def prompt_prefill_ms(self, load: Workload, *, scale: float = 1.0) -> NDArray[np.float64]:
-        """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (lognormal lengths
-        with its mean and p90; each prompt's uncached part at the hit rate), ms, ascending."""
-        scv = self.service_scv(load)
-        key = (
-            round(load.isl, 3),
-            round(scv, 9),
-            round(load.kv_hit_rate, 9),
-            round(load.onboard_ms, 6),
-            scale,
-        )
+        """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (gamma-distributed
+        lengths with its mean and p90, :func:`gamma_points`; each prompt's uncached part at the hit
+        rate), ms, ascending."""
+        p90 = None if load.isl_p90 is None else round(load.isl_p90, 3)
+        key = (round(load.isl, 3), p90, round(load.kv_hit_rate, 9), round(load.onboard_ms, 6), scale)
         times = self._prefill_points.get(key)
         if times is None:
-            lengths = lognormal_points(mean=load.isl, scv=scv, count=_PROMPT_POINTS)
+            lengths = gamma_points(mean=load.isl, p90=p90, scv=self.isl_scv, count=_PROMPT_POINTS)
             times = np.array(
                 [
                     self.prefill_service_ms(
