@@ -1,7 +1,8 @@
 """Capacity from the shared perf model: latency of a load on given replicas, and replicas for a target.
 
 Built on :class:`copse.workers.perf.PerfModel` (the same model the mocker and the router use), with
-queueing added here:
+queueing added here. Latency of an interval at a quantile (:meth:`CapacityModel.estimate`, the dry
+run's table):
 
 * **Prefill** (TTFT). Each prefill engine serves one prompt at a time; a prompt of ``isl`` tokens
   with hit rate ``h`` costs ``prefill_ms(new_tokens=isl*(1-h), cached_tokens=isl*h)``, plus the
@@ -23,10 +24,16 @@ queueing added here:
   the backlog waits ``backlog / capacity``. Prefill backlog adds to TTFT; a prefilled request
   waiting for a decode slot sees that wait as an inter-token gap, so it adds to ITL.
 
-Sizing searches the fewest replicas whose estimate meets the target, starting from the
-throughput bound the issue asks for: prefill tokens/s net of the prefix-cache hit rate over the
-perf model's prefill tokens/s per GPU, and output tokens/s over the best decode tokens/s per GPU
-whose ITL meets the target at the expected context length.
+Sizing (:meth:`CapacityModel.attainment`) is per request, not per interval p99: the fewest replicas
+that serve a goal share of the requests within both targets, starting from the throughput bound
+(prefill tokens/s net of the prefix-cache hit rate over the perf model's prefill tokens/s per GPU,
+plus output tokens/s over the best decode tokens/s per GPU whose ITL meets the target). A prompt's
+TTFT is the M/G/c wait plus its own prefill (prompt lengths: a gamma distribution with the observed
+mean and p90), so prompts too long for the target are lost on any fleet and do not make it grow;
+a request's mean inter-token gap is the decode step at the pool's concurrency, stretched in
+aggregated engines by the prefill chunks that share its steps. :meth:`CapacityModel.means` gives
+the mean TTFT and mean gap the correction factors are solved from. :meth:`CapacityModel.estimate`
+(latency at a quantile, with a backlog carried between segments) is what the dry run reports.
 """
 
 from __future__ import annotations
