@@ -15,6 +15,7 @@ from copse.planner.config import PlannerConfig
 from copse.planner.observations import Observation
 from copse.planner.policy import AGGREGATED, Limits
 from copse.planner.recording import write_metrics_jsonl
+from copse.router.core import Role as EngineRole
 from copse.sim.cli import bench
 from copse.sim.load import arrival_times_s, shapes_in_order, synthesize
 from copse.sim.replay import Fleet, ReplaySettings, RouterModel
@@ -39,6 +40,11 @@ def _requests(times_s: list[float], *, isl: int = 1500, osl: int = 50) -> list[T
         )
         for i, t in enumerate(times_s)
     ]
+
+
+def _held_s(replicas: Replicas, *, end_ms: float) -> float:
+    """Replica-seconds held from 0 to ``end_ms``."""
+    return sum(end - begin for begin, end in replicas.spans(start_ms=0.0, end_ms=end_ms)) / 1000.0
 
 
 def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
@@ -90,7 +96,7 @@ def test_a_replica_serves_only_after_the_startup_delay() -> None:
     replicas.start_ready(130_000.0)
     assert (replicas.serving(), len(fleet.engines), len(fleet.router.workers)) == (3, 3, 3)
     # GPUs were held from the decision on, starting time included
-    assert replicas.gpu_seconds(start_ms=0.0, end_ms=130_000.0, gpus=1) == pytest.approx(130.0 + 2 * 120.0)
+    assert _held_s(replicas, end_ms=130_000.0) == pytest.approx(130.0 + 2 * 120.0)
     # scaling down cancels a replica still starting before it drains a serving one
     replicas.apply(5, now_ms=130_000.0, startup_delay_s=60.0)
     replicas.apply(4, now_ms=131_000.0, startup_delay_s=60.0)
@@ -127,7 +133,7 @@ def test_a_removed_replica_drains_before_its_gpus_are_released() -> None:
     assert not np.isnan(finished_on_1)  # the drained engine finished what it had
     assert fleet.retired_ms[1] == finished_on_1 > 1000.0  # and released its GPUs only then
     assert "worker-1" not in fleet.router.workers  # then the router forgot it
-    seconds = replicas.gpu_seconds(start_ms=0.0, end_ms=60_000.0, gpus=1)
+    seconds = _held_s(replicas, end_ms=60_000.0)
     assert seconds == pytest.approx(60.0 + finished_on_1 / 1000.0)
 
 
@@ -205,17 +211,44 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
         "--itl-ms",
         "50",
     ]
-    result = runner.invoke(bench, [*args, "--predictor", "constant", "--startup-delay", "60", "--intervals"])
+    planner = [*args, "--predictor", "constant", "--startup-delay", "60"]
+    result = runner.invoke(bench, [*planner, "--intervals", "--jobs", "1"])
     assert result.exit_code == 0, result.output
     assert "planner (constant), start-up delay 60 s" in result.stdout
     assert "SLO (TTFT <= 1000 ms and ITL <= 50 ms)" in result.stdout
+    assert "Static fleets on the same arrivals" in result.stdout
+    framed = runner.invoke(bench, [*planner, "-o", "json", "--jobs", "1"])
+    document = json.loads(framed.stdout)
+    frontier = document["frontier"]
+    sizes = [point["replicas"] for point in frontier["static"]]
+    assert sizes == list(range(sizes[0], sizes[-1] + 1))  # contiguous sizes
+    # from a size below both the goal and the planner's attainment (or 1) to one above both
+    first, last = frontier["static"][0], frontier["static"][-1]
+    bar_low = min(0.99, document["slo_attainment"])
+    assert first["replicas"] == 1 or first["slo_attainment"] < bar_low
+    assert last["slo_attainment"] >= max(0.99, document["slo_attainment"]) or last["replicas"] == 16
+    if frontier["ratio_at_equal_attainment"] is not None:
+        static_cost = frontier["static_gpu_hours_at_equal_attainment"]
+        assert frontier["ratio_at_equal_attainment"] == pytest.approx(document["gpu_hours"] / static_cost)
+    for key in ("slo_attainment", "gpu_hours", "mean_replicas", "peak_replicas", "flaps"):
+        assert key in document
     static = runner.invoke(bench, [*args, "--static", "2", "-o", "json"])
     assert static.exit_code == 0, static.output
     report = json.loads(static.stdout)
     assert report["predictor"] is None
     assert report["gpu_hours"] == pytest.approx(2 * 240 / 3600)
+    split = runner.invoke(bench, [*args, "--disaggregated", "--static", "1,2", "-o", "json"])
+    assert split.exit_code == 0, split.output
+    pools = json.loads(split.stdout)["pools"]
+    assert {role: pool["mean_replicas"] for role, pool in pools.items()} == {"prefill": 1.0, "decode": 2.0}
     for bad, message, code in (
-        ([], "give exactly one of --trace FILE or --metrics FILE", 2),
+        ([], "give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME", 2),
+        ([*args[1:], "--static", "2,3"], "--static '2,3': expected N (replicas, >= 1)", 2),
+        (
+            ["--load", "burst-4h", "--traces", str(tmp_path), *args[5:]],
+            f"reads {tmp_path / 'mooncake_fast25_conversation'}",
+            1,
+        ),
         (["--metrics", str(recording)], "--metrics needs --shapes FILE", 2),
         ([*args[1:], "--predictor", "oracle"], "unknown predictor 'oracle'", 2),
         ([*args[1:], "--warmup", "1000"], "covers the whole load", 1),  # given the recording's length
@@ -223,3 +256,53 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
         failed = runner.invoke(bench, ["planner", *bad])
         assert failed.exit_code == code, failed.output
         assert message in failed.stderr
+
+
+def test_a_disaggregated_fleet_prefills_on_one_pool_and_decodes_on_the_other() -> None:
+    trace = _requests([0.0, 0.2, 0.4, 0.6], isl=6000, osl=30)
+    fleet = Fleet(trace, EXACT, engines={EngineRole.PREFILL: 1, EngineRole.DECODE: 1})
+    for i in range(len(trace)):
+        fleet.run_until(float(fleet.arrival_ms[i]))
+        fleet.arrive(i)
+    fleet.run()
+    prefill, decode = fleet.engines
+    assert fleet.roles == [EngineRole.PREFILL, EngineRole.DECODE]
+    # the prefill engine computed every prompt and one token each; the decode engine the rest
+    assert prefill.requests_finished_total == decode.requests_finished_total == 4
+    assert prefill.prompt_tokens_total == decode.prompt_tokens_total == 4 * 6000
+    assert fleet.outputs.tolist() == [30.0] * 4
+    # the client's first token comes from the decode engine after the KV transfer
+    transfer_ms = (
+        6000 * decode.config.kv_bytes_per_token / (decode.config.kv_transfer_bandwidth_gbps * 1e9) * 1e3
+    )
+    ttft = fleet.first_ms - fleet.arrival_ms
+    assert float(ttft.min()) > transfer_ms
+    assert not fleet.router.workers[prefill.worker_id].draining
+
+
+def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
+    # 1 req/s, then 12 req/s of 6000-token prompts: one prefill engine cannot keep up
+    times = list(np.arange(0.0, 600.0, 1.0)) + list(np.arange(600.0, 1200.0, 1 / 12))
+    trace = _requests([float(t) for t in times], isl=6000, osl=100)
+    limits = Limits(
+        roles=(Role.PREFILL, Role.DECODE),
+        gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 2},
+        ttft_ms=2000.0,
+        itl_ms=50.0,
+        max_replicas=8,
+    )
+    planner = PlannerConfig(predictor="constant", startup_delay_s=60.0)
+    report = run_twin(trace, TwinSettings(fleet=EXACT, limits=limits, planner=planner, interval_s=60.0))
+    assert set(report.pools) == {Role.PREFILL, Role.DECODE}
+    assert report.pools[Role.PREFILL].peak_replicas > 1  # the prefill pool grew with the load
+    assert {change.role for change in report.changes} >= {"prefill"}
+    # GPU-hours per pool at its GPUs per replica; the total is their sum
+    decode = report.pools[Role.DECODE]
+    assert decode.gpu_hours == pytest.approx(decode.mean_replicas * 2 * report.window_h)
+    assert report.gpu_hours == pytest.approx(sum(pool.gpu_hours for pool in report.pools.values()))
+    static = run_twin(
+        trace,
+        TwinSettings(fleet=EXACT, limits=limits, planner=None, initial={Role.PREFILL: 1, Role.DECODE: 1}),
+    )
+    assert static.gpu_hours == pytest.approx(3 * 1200.0 / 3600.0, rel=0.01)
+    assert report.slo_attainment > static.slo_attainment

@@ -217,3 +217,20 @@ def test_load_perf_model_defaults_to_the_polynomial(tmp_path: Path) -> None:
     path = tmp_path / "p.npz"
     np.savez(path, **_dynamo_layout())
     assert isinstance(load_perf_model(path), InterpolatedPerfModel)
+
+
+def test_decode_steps_in_array_math_equal_the_step_by_step_values() -> None:
+    # fused decode steps take their times from decode_itl_many_ms: value for value decode_itl_ms
+    active = np.arange(1, 400, dtype=np.int64) * 37 + 5
+    interpolated = InterpolatedPerfModel(  # the base class's loop
+        prefill_isl=(100.0, 200.0),
+        prefill_ttft_ms=(1.0, 100.0),
+        decode_active_kv_tokens=(1.0, 20_000.0),
+        decode_context_length=(1.0, 2000.0),
+        decode_itl=((5.0, 9.0), (7.0, 15.0)),
+        kv_capacity_tokens=20_000,
+    )
+    for model in (PolynomialPerfModel(), interpolated):
+        many = model.decode_itl_many_ms(active, sequences=37)
+        one = [model.decode_itl_ms(active_kv_tokens=a, context_length=a / 37) for a in active.tolist()]
+        assert many.tolist() == one

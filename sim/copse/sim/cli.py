@@ -13,6 +13,7 @@ from tqdm import tqdm
 from copse.router.core import Thresholds
 from copse.router.policies import POLICIES, ROUTING_OBJECTIVES, RoutingObjective
 from copse.sim import faults
+from copse.sim.load import LOADS, SHARED_TRACES
 from copse.sim.replay import (
     DEFAULT_ENGINE_NOISE,
     DEFAULT_KV_EVENT_LAG_MS,
@@ -29,6 +30,8 @@ from copse.workers.files import OutputPath
 from copse.workers.perf import PerfModel, ProfileError, load_profile
 
 if TYPE_CHECKING:
+    from copse.api import Role
+    from copse.sim.frontier import Frontier
     from copse.sim.twin import TwinReport
 
 
@@ -463,13 +466,22 @@ def synth(
 
 def _twin_summary(report: TwinReport, *, ttft_ms: float, itl_ms: float) -> str:
     who = "static fleet" if report.predictor is None else f"planner ({report.predictor})"
+    pools = ""
+    if len(report.pools) > 1:
+        pools = "; " + ", ".join(
+            f"{role.value} {pool.gpu_hours:,.2f} GPU-h "
+            f"(mean {pool.mean_replicas:.2f}, peak {pool.peak_replicas})"
+            for role, pool in report.pools.items()
+        )
     lines = [
         f"{who}, start-up delay {report.startup_delay_s:g} s: {report.requests:,} requests, "
         f"{report.failed} refused",
         f"SLO (TTFT <= {ttft_ms:g} ms and ITL <= {itl_ms:g} ms): {report.slo_attainment:.2%} of requests, "
         f"{report.interval_attainment:.2%} of intervals",
         f"GPU-hours {report.gpu_hours:,.2f} (mean {report.mean_replicas:.2f} replicas, peak "
-        f"{report.peak_replicas}), {report.scaling_events} scaling events",
+        f"{report.peak_replicas}){pools}",
+        f"{report.scaling_events} scaling events ({report.scaling_events / report.window_h:.1f} per hour), "
+        f"{report.flaps} flaps (up-down-up within the {report.scale_down_delay_s:g} s scale-down delay)",
         f"TTFT ms p50 {report.ttft_ms.p50:,.0f} p99 {report.ttft_ms.p99:,.0f}; "
         f"ITL ms p50 {report.itl_ms.p50:,.1f} p99 {report.itl_ms.p99:,.1f}",
         f"simulated {report.simulated_s:,.0f} s in {report.wall_s:,.1f} s",
@@ -488,6 +500,57 @@ def _interval_table(report: TwinReport) -> str:
             f"{row.itl_p99_ms:>9,.1f}  {'yes' if row.slo_ok else 'NO ':<4}{forecast}"
         )
     return "\n".join(lines)
+
+
+def _frontier_summary(frontier: Frontier, planner: TwinReport) -> str:
+    lines = [f"Static fleets on the same arrivals (goal {frontier.goal:.2%} of requests):"]
+    lines.append(f"{'size':>5} {'pools':<22} {'requests ok':>11} {'GPU-hours':>10}")
+    best = frontier.first_meeting_goal
+    for point in frontier.static:
+        pools = ", ".join(f"{role} {count}" for role, count in point.pools.items())
+        mark = "  <- first meeting the goal" if point is best else ""
+        lines.append(
+            f"{point.replicas:>5} {pools:<22} {point.slo_attainment:>11.2%} {point.gpu_hours:>10,.2f}{mark}"
+        )
+    attainment, cost = planner.slo_attainment, planner.gpu_hours
+    static_cost = frontier.static_gpu_hours_at(attainment)
+    ratio = frontier.ratio_at_equal_attainment(attainment=attainment, gpu_hours=cost)
+    if static_cost is None or ratio is None:
+        lines.append(
+            f"planner: {cost:,.2f} GPU-h at {attainment:.2%}; "
+            "no static size simulated reaches that attainment"
+        )
+    else:
+        lines.append(
+            f"planner: {cost:,.2f} GPU-h at {attainment:.2%}; static at equal attainment {static_cost:,.2f} "
+            f"GPU-h: ratio at equal attainment {ratio:.2f}"
+        )
+    at_cost = frontier.static_attainment_at(cost)
+    lines.append(
+        "at the planner's cost a static fleet reaches "
+        + ("(outside the sizes simulated)" if at_cost is None else f"{at_cost:.2%}")
+        + f", the planner {attainment:.2%}"
+    )
+    return "\n".join(lines)
+
+
+def _static_option(value: str | None, *, disaggregated: bool) -> dict[Role, int] | None:
+    """``--static``: ``N`` replicas (aggregated), ``P,D`` prefill and decode replicas."""
+    from copse.api import Role  # noqa: PLC0415 (pydantic: only when a static fleet is asked for)
+
+    if value is None:
+        return None
+    parts = value.split(",")
+    try:
+        counts = [int(part) for part in parts]
+    except ValueError:
+        counts = []
+    if disaggregated and len(counts) == 2 and min(counts) >= 1:
+        return {Role.PREFILL: counts[0], Role.DECODE: counts[1]}
+    if not disaggregated and len(counts) == 1 and counts[0] >= 1:
+        return {Role.WORKER: counts[0]}
+    form = "P,D (prefill and decode replicas, each >= 1)" if disaggregated else "N (replicas, >= 1)"
+    raise click.UsageError(f"--static {value!r}: expected {form}")
 
 
 @bench.command("planner")
@@ -509,13 +572,37 @@ def _interval_table(report: TwinReport) -> str:
     help="Mooncake trace whose requests (lengths, shared prefixes) the --metrics arrivals get, in order.",
 )
 @click.option(
-    "--peak-rate", type=float, help="Scale the --metrics rates so the busiest interval has this req/s."
+    "--load",
+    "load_name",
+    type=click.Choice(sorted(LOADS)),
+    help="Or a named load (ServeGen rates, trace shapes; read from --traces): "
+    + "; ".join(f"{name}: {spec.description}" for name, spec in sorted(LOADS.items())),
+)
+@click.option(
+    "--traces",
+    type=click.Path(path_type=Path),
+    default=SHARED_TRACES,
+    show_default=True,
+    help="Folder holding the public traces a --load reads (multi-day inputs are not in the repository).",
+)
+@click.option(
+    "--hours", type=click.FloatRange(min=0, min_open=True), help="Only the first hours of the --load."
+)
+@click.option(
+    "--peak-rate",
+    type=float,
+    help="Scale the --metrics or --load rates so the busiest interval has this req/s.",
 )
 @click.option("--max-isl", type=int, help="Leave out --shapes requests with longer prompts.")
-@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="p99 TTFT target, ms.")
-@click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="p99 ITL target, ms.")
+@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="TTFT target, ms.")
+@click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="ITL target (mean gap), ms.")
 @click.option(
     "--deployment", type=click.Path(path_type=Path), help="Take targets and bounds from a manifest."
+)
+@click.option(
+    "--disaggregated",
+    is_flag=True,
+    help="Prefill and decode pools (the router's P/D path, KV transfers) instead of aggregated workers.",
 )
 @click.option(
     "--interval", type=click.FloatRange(min=1), default=60.0, show_default=True, help="Seconds per decision."
@@ -529,24 +616,37 @@ def _interval_table(report: TwinReport) -> str:
     help="Seconds from adding a replica to it serving (default: the deployment's spec.coldStart, else 120).",
 )
 @click.option("--scale-down-delay", type=click.FloatRange(min=0), help="Seconds the need must stay lower.")
-@click.option("--min-replicas", type=click.IntRange(min=1), help="Fewest replicas (default 1).")
-@click.option("--max-replicas", type=click.IntRange(min=1), help="Most replicas (default 16).")
-@click.option("--gpu-budget", type=click.IntRange(min=1), help="Most GPUs the pool may use.")
+@click.option("--min-replicas", type=click.IntRange(min=1), help="Fewest replicas per pool (default 1).")
+@click.option("--max-replicas", type=click.IntRange(min=1), help="Most replicas per pool (default 16).")
+@click.option("--gpu-budget", type=click.IntRange(min=1), help="Most GPUs the pools may use.")
 @click.option(
-    "--initial-replicas", type=click.IntRange(min=1), help="Replicas serving at the start (default: min)."
+    "--initial-replicas", type=click.IntRange(min=1), help="Replicas per pool at the start (default: min)."
 )
 @click.option(
     "--static",
     "static_replicas",
-    type=click.IntRange(min=1),
-    help="No planner: this many replicas throughout (a static deployment).",
+    help="No planner: this many replicas throughout (a static deployment); P,D with --disaggregated.",
+)
+@click.option(
+    "--frontier/--no-frontier",
+    default=True,
+    show_default=True,
+    help="Also run the static fleet sizes around the planner on the same arrivals and compare.",
+)
+@click.option(
+    "--goal",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=0.99,
+    show_default=True,
+    help="Share of requests within SLO the static walk goes up to.",
+)
+@click.option(
+    "--jobs", type=click.IntRange(min=1), default=2, show_default=True, help="Static runs in parallel."
 )
 @click.option(
     "--warmup",
     type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="Seconds before results count.",
+    help="Seconds before results count (default: the --load's, else 0).",
 )
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
 @click.option("--policy", type=click.Choice(sorted(POLICIES)), default="kv", show_default=True)
@@ -565,11 +665,15 @@ def planner_command(
     speedup: float,
     metrics: Path | None,
     shapes: Path | None,
+    load_name: str | None,
+    traces: Path,
+    hours: float | None,
     peak_rate: float | None,
     max_isl: int | None,
     ttft_ms: float | None,
     itl_ms: float | None,
     deployment: Path | None,
+    disaggregated: bool,
     interval: float,
     predictor: str | None,
     startup_delay: float | None,
@@ -578,8 +682,11 @@ def planner_command(
     max_replicas: int | None,
     gpu_budget: int | None,
     initial_replicas: int | None,
-    static_replicas: int | None,
-    warmup: float,
+    static_replicas: str | None,
+    frontier: bool,
+    goal: float,
+    jobs: int,
+    warmup: float | None,
     config_path: Path | None,
     policy: str,
     engine_config: Path | None,
@@ -591,40 +698,48 @@ def planner_command(
 ) -> None:
     """The planner in closed loop with a simulated fleet: every interval it sizes the fleet from the
     metrics it would read in a cluster; replicas start after the start-up delay and drain before
-    they go; the router routes every request; TTFT and ITL are measured per request. With
-    --static N, a fixed fleet instead (what the planner is compared with).
+    they go; the router routes every request; TTFT and ITL are measured per request. Then, unless
+    --no-frontier, every static fleet size around it on the same arrivals, from the largest that
+    misses both the goal and the planner's attainment to the first that reaches both, and the
+    planner's GPU-hours over the static ones interpolated at its attainment. With --static, a
+    fixed fleet instead (what the planner is compared with).
 
     \b
     Examples:
       copse bench planner --metrics examples/planner/servegen-m-large-burst.jsonl \\
         --shapes examples/traces/mooncake-conversation-first-20min.jsonl.gz --max-isl 32768 \\
-        --peak-rate 40 --ttft-ms 2000 --itl-ms 50 --startup-delay 120
+        --peak-rate 40 --ttft-ms 2000 --itl-ms 50 --startup-delay 120 --no-frontier
       copse bench planner --metrics examples/planner/servegen-m-large-burst.jsonl \\
         --shapes examples/traces/mooncake-conversation-first-20min.jsonl.gz --peak-rate 40 \\
         --ttft-ms 2000 --itl-ms 50 --static 8 -o json
+      copse bench planner --load burst-4h --peak-rate 9 --startup-delay 420 -o json
     """
     from copse.planner.cli import config_from_options, limits_from_options  # noqa: PLC0415
     from copse.planner.predictors import PREDICTORS  # noqa: PLC0415
     from copse.planner.recording import RecordingError, read_metrics  # noqa: PLC0415
-    from copse.sim.load import synthesize  # noqa: PLC0415
+    from copse.sim.frontier import TwinPool, run_frontier  # noqa: PLC0415
+    from copse.sim.load import LoadError, build_load, synthesize  # noqa: PLC0415
     from copse.sim.twin import TwinSettings, run_twin  # noqa: PLC0415
 
-    if (trace_path is None) == (metrics is None):
-        raise click.UsageError("give exactly one of --trace FILE or --metrics FILE (with --shapes FILE)")
+    if sum(source is not None for source in (trace_path, metrics, load_name)) != 1:
+        raise click.UsageError("give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME")
     if predictor is not None and predictor not in PREDICTORS:
         raise click.UsageError(f"unknown predictor {predictor!r}; known: {', '.join(sorted(PREDICTORS))}")
     if metrics is not None and shapes is None:
         raise click.UsageError("--metrics needs --shapes FILE: the trace whose requests the arrivals get")
+    if hours is not None and load_name is None:
+        raise click.UsageError("--hours slices a --load; give --load NAME")
     for name, number in (("--engine-noise", engine_noise), ("--kv-event-lag-ms", kv_event_lag_ms)):
         if not (number >= 0 and math.isfinite(number)):
             raise click.UsageError(f"{name} must be a non-negative number, got {number}")
     for name, positive in (("--speedup", speedup), ("--peak-rate", peak_rate)):
         if positive is not None and not (positive > 0 and math.isfinite(positive)):
             raise click.UsageError(f"{name} must be a positive number, got {positive}")
+    static = _static_option(static_replicas, disaggregated=disaggregated)
     config = config_from_options(config_path, predictor=predictor, startup_delay_s=startup_delay)
     limits = limits_from_options(
         deployment=deployment,
-        aggregated=True,
+        aggregated=not disaggregated,
         ttft_ms=ttft_ms,
         itl_ms=itl_ms,
         min_replicas=min_replicas,
@@ -636,7 +751,12 @@ def planner_command(
     try:
         engines = load_engine_setup(engine_config)
         end_s: float | None = None
-        if metrics is not None:
+        warmup_s = warmup or 0.0
+        if load_name is not None:
+            load = build_load(load_name, seed=seed, peak_rate=peak_rate, traces=traces, hours=hours)
+            trace, end_s = load.requests, load.end_s
+            warmup_s = load.warmup_s if warmup is None else warmup
+        elif metrics is not None:
             assert shapes is not None
             recording = read_metrics(metrics)
             peak = max(obs.rate for obs in recording)
@@ -648,10 +768,11 @@ def planner_command(
         else:
             assert trace_path is not None
             trace = load_trace(trace_path, fmt=fmt)
+        start = initial_replicas or max(limits.min_replicas, 1)
         settings = TwinSettings(
             fleet=ReplaySettings(
                 policy=policy,
-                workers=static_replicas or initial_replicas or max(limits.min_replicas, 1),
+                workers=start,
                 speedup=speedup,
                 seed=seed,
                 engines=engines,
@@ -659,11 +780,12 @@ def planner_command(
                 kv_event_lag_ms=kv_event_lag_ms,
             ),
             limits=limits,
-            planner=None if static_replicas else config,
+            planner=None if static else config,
             interval_s=interval,
-            warmup_s=warmup,
+            warmup_s=warmup_s,
+            initial=static,
         )
-    except (TraceError, EngineConfigError, RecordingError, ValueError) as exc:
+    except (TraceError, EngineConfigError, RecordingError, LoadError, ValueError) as exc:
         raise Failure(str(exc)) from exc
     total = end_s if end_s is not None else trace[-1].timestamp_ms / 1000.0 / speedup
     with tqdm(total=round(total), unit="s", file=sys.stderr, disable=None, desc="simulated") as bar:
@@ -671,9 +793,30 @@ def planner_command(
             report = run_twin(trace, settings, end_s=end_s, progress=bar.update)
         except ValueError as exc:
             raise Failure(str(exc)) from exc
+    result = None
+    if frontier and static is None:
+
+        def done(size: int, static_report: TwinReport) -> None:
+            click.echo(
+                f"  static {size}: {static_report.slo_attainment:.2%} of requests, "
+                f"{static_report.gpu_hours:,.2f} GPU-h ({static_report.wall_s:,.0f} s)",
+                err=True,
+            )
+
+        with TwinPool(trace, settings, end_s=end_s, jobs=jobs) as pool:
+            result, _ = run_frontier(pool, [report], goal=goal, on_static=done)
     if output != "table":
-        click.echo(render(report.as_json(), output=output, table=str))
+        document = report.as_json()
+        if load_name is not None:
+            document["load"] = load_name
+        if result is not None:
+            document["frontier"] = result.as_json(
+                attainment=report.slo_attainment, gpu_hours=report.gpu_hours
+            )
+        click.echo(render(document, output=output, table=str))
         return
     if show_intervals:
         click.echo(_interval_table(report))
     click.echo(_twin_summary(report, ttft_ms=limits.ttft_ms, itl_ms=limits.itl_ms))
+    if result is not None:
+        click.echo(_frontier_summary(result, report))

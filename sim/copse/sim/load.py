@@ -12,14 +12,17 @@ through the shape trace gets its own hash ids (a new pass is new users, not the 
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from copse.planner.observations import Observation
-from copse.sim.trace import TraceRequest
+from copse.sim.trace import TraceFormat, TraceRequest, load_trace
 
 #: Step of the grid the cumulative rate is tabulated on, seconds.
 _GRID_S = 1.0
@@ -94,3 +97,160 @@ def synthesize(
         dataclasses.replace(request, timestamp_ms=float(t) * 1000.0)
         for t, request in zip(times, picked, strict=True)
     ]
+
+
+#: Where multi-day inputs are read from: the public traces beside the repository (``../shared``).
+SHARED_TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
+#: ServeGen's aggregate rate curves come in 600-s windows.
+SERVEGEN_WINDOW_S = 600.0
+
+
+class LoadError(ValueError):
+    """A named load that cannot be built; the message names the missing file or the bad value."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """A named load of the closed-loop twin: a ServeGen rate curve and a trace's request shapes."""
+
+    description: str
+    rates: str
+    """ServeGen aggregate rate CSV (``window_start_s,total_rate_req_per_s,...``) under the traces folder."""
+    windows: tuple[int, int]
+    """600-s windows ``[first, last)`` of the curve."""
+    shapes: str
+    """Trace whose requests the arrivals get, in order, under the traces folder."""
+    shapes_format: TraceFormat
+    peak_rate: float
+    """Busiest window after scaling, req/s (sets how many replicas the peak needs)."""
+    warmup_s: float
+    """Load before results count (the planner learns it first)."""
+    max_input_length: int | None = 32768
+    """Longer prompts are left out (they would go to a long-context pool)."""
+
+    @property
+    def duration_s(self) -> float:
+        return (self.windows[1] - self.windows[0]) * SERVEGEN_WINDOW_S
+
+
+#: The loads ``copse bench planner --load`` knows. Rates: ServeGen ``language/m-large`` (Alibaba
+#: Bailian, 14 days of 600-s windows; days 11-13 are a weekend and the Monday after it, days 9-10 of
+#: the data hold its sharpest burst). Shapes: Mooncake conversation (Kimi, shared prefixes, 12k-token
+#: mean prompts) or the Azure 2023 conversation and code traces (no prefix sharing, 1-2k-token prompts).
+LOADS: dict[str, LoadSpec] = {
+    "servegen-3d": LoadSpec(
+        description="3 days of ServeGen m-large (a weekend and the Monday after: diurnal and weekly swing, "
+        "peak/trough 7.6x), Mooncake conversation shapes",
+        rates="servegen_language_m-large_aggregate_rate.csv",
+        windows=(1584, 2016),
+        shapes="mooncake_fast25_conversation_trace.jsonl.gz",
+        shapes_format="mooncake",
+        peak_rate=24.0,
+        warmup_s=7200.0,
+    ),
+    "burst-4h": LoadSpec(
+        description="4 hours of ServeGen m-large around its sharpest burst (156 -> 504 req/s), Mooncake "
+        "conversation shapes (RESULTS' planner-twin load)",
+        rates="servegen_language_m-large_aggregate_rate.csv",
+        windows=(1392, 1416),
+        shapes="mooncake_fast25_conversation_trace.jsonl.gz",
+        shapes_format="mooncake",
+        peak_rate=18.0,
+        warmup_s=3600.0,
+    ),
+    "azure-conv": LoadSpec(
+        description="the 4-hour burst's rate curve, Azure 2023 conversation shapes",
+        rates="servegen_language_m-large_aggregate_rate.csv",
+        windows=(1392, 1416),
+        shapes="azure_llm_2023_conv.csv.gz",
+        shapes_format="azure",
+        peak_rate=40.0,
+        warmup_s=3600.0,
+    ),
+    "azure-code": LoadSpec(
+        description="the 4-hour burst's rate curve, Azure 2023 code shapes",
+        rates="servegen_language_m-large_aggregate_rate.csv",
+        windows=(1392, 1416),
+        shapes="azure_llm_2023_code.csv.gz",
+        shapes_format="azure",
+        peak_rate=40.0,
+        warmup_s=3600.0,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Load:
+    """A load ready to serve."""
+
+    requests: list[TraceRequest]
+    end_s: float
+    warmup_s: float
+    recording: list[Observation]
+    """The rate curve as the planner's metrics (unscaled), e.g. for ``copse planner dry-run``."""
+
+
+def _need(folder: Path, name: str, load: str) -> Path:
+    path = folder / name
+    if not path.is_file():
+        raise LoadError(
+            f"load {load!r} reads {path}, which does not exist: multi-day inputs are not copied into the "
+            f"repository; put the public traces in {folder} (see shared/traces/README.md)"
+        )
+    return path
+
+
+def servegen_recording(
+    path: Path, *, windows: tuple[int, int], shapes: Sequence[TraceRequest]
+) -> list[Observation]:
+    """ServeGen 600-s windows ``[first, last)`` as the planner's metrics, with the shapes' mean lengths."""
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))[windows[0] : windows[1]]
+    if len(rows) != windows[1] - windows[0]:
+        raise LoadError(
+            f"{path}: windows {windows[0]}-{windows[1] - 1} asked for, the file has {len(rows)} of them"
+        )
+    isl = np.array([r.input_length for r in shapes], dtype=float)
+    osl = np.array([r.output_length for r in shapes], dtype=float)
+    return [
+        Observation(
+            timestamp=float(row["window_start_s"]),
+            duration_s=SERVEGEN_WINDOW_S,
+            num_requests=float(row["total_rate_req_per_s"]) * SERVEGEN_WINDOW_S,
+            isl=float(isl.mean()),
+            osl=float(osl.mean()),
+            isl_p90=float(np.percentile(isl, 90)),
+        )
+        for row in rows
+    ]
+
+
+def build_load(
+    name: str,
+    *,
+    seed: int,
+    peak_rate: float | None = None,
+    traces: Path = SHARED_TRACES,
+    hours: float | None = None,
+) -> Load:
+    """The named load (:data:`LOADS`), arrivals drawn with ``seed``; ``peak_rate`` replaces the
+    spec's; ``hours`` keeps only that much of it from the start (a slice). Raises :class:`LoadError`."""
+    spec = LOADS.get(name)
+    if spec is None:
+        raise LoadError(f"unknown load {name!r}; known: {', '.join(sorted(LOADS))}")
+    shapes = load_trace(_need(traces, spec.shapes, name), fmt=spec.shapes_format)
+    usable = [r for r in shapes if spec.max_input_length is None or r.input_length <= spec.max_input_length]
+    windows = spec.windows
+    if hours is not None:
+        count = max(1, round(hours * 3600.0 / SERVEGEN_WINDOW_S))
+        windows = (windows[0], min(windows[1], windows[0] + count))
+    recording = servegen_recording(_need(traces, spec.rates, name), windows=windows, shapes=usable)
+    peak = peak_rate if peak_rate is not None else spec.peak_rate
+    if not (peak > 0 and math.isfinite(peak)):
+        raise LoadError(f"peak rate must be a positive number of req/s, got {peak}")
+    full = servegen_recording(_need(traces, spec.rates, name), windows=spec.windows, shapes=usable)
+    scale = peak / max(obs.rate for obs in full)  # a slice keeps the full load's scale
+    requests = synthesize(recording, usable, seed=seed, scale=scale)
+    end_s = recording[-1].end - recording[0].timestamp
+    warmup = min(spec.warmup_s, end_s / 4) if hours is not None else spec.warmup_s
+    return Load(requests=requests, end_s=end_s, warmup_s=warmup, recording=recording)

@@ -30,15 +30,24 @@ import dataclasses
 import functools
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from copse.router.core import NoWorkers, Role, Route, Router, Shed, Thresholds, WorkerInfo
+from copse.router.core import (
+    DisaggSettings,
+    NoWorkers,
+    Role,
+    Route,
+    Router,
+    Shed,
+    Thresholds,
+    WorkerInfo,
+)
 from copse.router.policies import RouteRequest, RoutingObjective, SelectionSettings
 from copse.sim.profiler import ScaledPerfModel, measure_profile
 from copse.sim.trace import TokenSynth, TraceRequest
@@ -47,10 +56,12 @@ from copse.workers.mocker import (
     Engine,
     EngineConfig,
     EngineOverloaded,
+    Request,
     RequestRejected,
     Simulator,
     StepOutput,
 )
+from copse.workers.mocker import Role as EngineRole
 from copse.workers.moe import MoeConfig
 from copse.workers.perf import PerfModel, load_perf_model
 from copse.workers.protocol.hashing import hash_blocks
@@ -372,6 +383,13 @@ class _Pending:
     max_tokens: int
 
 
+_ENGINE_ROLES: dict[Role, EngineRole] = {
+    Role.WORKER: "aggregated",
+    Role.PREFILL: "prefill",
+    Role.DECODE: "decode",
+}
+
+
 class Fleet:
     """Mocked engines behind the real router on one virtual clock, serving the requests of a trace.
 
@@ -379,6 +397,14 @@ class Fleet:
     and may add engines and drain them; per-request times land in the arrays (ms, NaN until they
     happen; indexed like the trace). An engine being drained takes no new requests (the router has
     forgotten it) and finishes those it has; :attr:`retired_ms` says when it had none left.
+
+    Disaggregated fleets have prefill and decode engines: the router's P/D path picks both; the
+    prefill engine computes the prompt and its first token (a context-only request, ``max_tokens``
+    1), then the decode engine receives the KV (the transfer takes ``prompt tokens x
+    kv_bytes_per_token / kv_transfer_bandwidth_gbps``, as the mocker times it; the router is told
+    the same bandwidth) and streams the output from that first token on. TTFT is the decode
+    engine's first token, as the client sees it. A prompt the router keeps on the decode engine
+    (too short to be worth moving) is served there whole.
     """
 
     def __init__(
@@ -386,11 +412,18 @@ class Fleet:
         trace: Sequence[TraceRequest],
         settings: ReplaySettings,
         *,
-        engines: int,
+        engines: int | Mapping[Role, int],
         classes: Sequence[RequestClass] | None = None,
     ) -> None:
-        """``engines`` serve from the start; ``classes``: each request's objective and tenant (all
-        of the default class when not given). Raises ``ValueError`` for unusable settings."""
+        """``engines`` serve from the start: a number of aggregated workers, or engines per role
+        (prefill and decode for a disaggregated fleet); ``classes``: each request's objective and
+        tenant (all of the default class when not given). Raises ``ValueError`` for unusable
+        settings."""
+        pools = {Role.WORKER: engines} if isinstance(engines, int) else dict(engines)
+        if set(pools) not in ({Role.WORKER}, {Role.PREFILL, Role.DECODE}):
+            raise ValueError(f"a fleet has workers, or prefill and decode engines; got {sorted(pools)}")
+        self.front = Role.PREFILL if Role.PREFILL in pools else Role.WORKER
+        """The pool requests queue in front of: aggregated workers, or prefill engines."""
         self.settings = settings
         self.trace = trace
         config = settings.engine_config()
@@ -425,6 +458,11 @@ class Fleet:
             seed=settings.seed,
             moe=config.moe,
             moe_perf=settings.router_model.balanced(config=config, perf=self._perf),
+            # the twin has no localities: every transfer runs at the engines' bandwidth
+            disagg=DisaggSettings(
+                kv_bytes_per_token=float(config.kv_bytes_per_token),
+                far_gbps=config.kv_transfer_bandwidth_gbps,
+            ),
         )
         radix = self.router.radix
         assert radix is not None
@@ -456,8 +494,15 @@ class Fleet:
         """Expert placement version each MoE engine last reported to the router."""
         self.draining: set[int] = set()
         self.retired_ms: dict[int, float] = {}
-        for _ in range(engines):
-            self.add_engine()
+        self.roles: list[Role] = []
+        """Each engine's role."""
+        self._handoff: dict[str, tuple[int, _Pending]] = {}
+        """Requests being prefilled remotely: their decode engine and what it will be sent."""
+        self._incoming: Counter[int] = Counter()
+        """Per decode engine, requests on their way to it (it is not drained before they arrive)."""
+        for role, count in pools.items():
+            for _ in range(count):
+                self.add_engine(role)
 
     @property
     def now_ms(self) -> float:
@@ -471,16 +516,21 @@ class Fleet:
     def failed(self) -> int:
         return int(np.count_nonzero(~np.isnan(self.failed_ms)))
 
-    def add_engine(self) -> int:
-        """A new engine serving from now; returns its index."""
+    def add_engine(self, role: Role = Role.WORKER) -> int:
+        """A new engine of ``role`` serving from now; returns its index."""
         index = len(self.simulator.engines)
-        config = dataclasses.replace(self._config, seed=self._config.seed * 1_000_003 + index)
-        engine = Engine(worker_id=f"worker-{index}", config=config, perf=self._perf)
+        config = dataclasses.replace(
+            self._config,
+            seed=self._config.seed * 1_000_003 + index,
+            role=_ENGINE_ROLES[role],
+        )
+        engine = Engine(worker_id=f"{role.value}-{index}", config=config, perf=self._perf)
         self.simulator.add_engine(engine)
         self._index_of[engine.worker_id] = index
         self._placements.append(-1)
+        self.roles.append(role)
         routes = self.router.add_worker(
-            WorkerInfo(worker_id=engine.worker_id, role=Role.WORKER), now=self.now_ms / 1000.0
+            WorkerInfo(worker_id=engine.worker_id, role=role), now=self.now_ms / 1000.0
         )
         if engine.moe is not None:  # a new engine reports its expert placement at once
             self._placements[index] = engine.moe.version
@@ -493,12 +543,10 @@ class Fleet:
         ``copse.dev/draining``: no new requests, its load and cache still known); it finishes the
         requests it has, then retires and the router forgets it."""
         engine = self.simulator.engines[index]
-        info = WorkerInfo(worker_id=engine.worker_id, role=Role.WORKER, draining=True)
+        info = WorkerInfo(worker_id=engine.worker_id, role=self.roles[index], draining=True)
         self._dispatch(self.router.add_worker(info, now=self.now_ms / 1000.0))
-        if engine.has_work():
-            self.draining.add(index)
-        else:
-            self._retire(index, self.now_ms)
+        self.draining.add(index)
+        self._retire_if_drained(index, self.now_ms)
 
     def _retire(self, index: int, at_ms: float) -> None:
         self.router.remove_worker(self.simulator.engines[index].worker_id)
@@ -556,12 +604,13 @@ class Fleet:
         for route in routes:
             item = self._pending.pop(route.request_id)
             now = self.now_ms
+            remote = route.prefill_worker_id
             try:
                 self.simulator.submit(
-                    self._index_of[route.worker_id],
+                    self._index_of[route.worker_id if remote is None else remote],
                     request_id=route.request_id,
                     tokens=item.tokens,
-                    max_tokens=item.max_tokens,
+                    max_tokens=item.max_tokens if remote is None else 1,
                     block_hashes=(item.hashes, item.local),
                 )
             except (RequestRejected, EngineOverloaded):
@@ -571,6 +620,45 @@ class Fleet:
             self.routed_ms[item.index] = now
             self.predicted_cached[item.index] = route.cached_tokens
             self.predicted_onboard_ms[item.index] = route.onboard_ms
+            if remote is not None:
+                decode = self._index_of[route.worker_id]
+                self._handoff[route.request_id] = (decode, item)
+                self._incoming[decode] += 1
+
+    def _hand_over(self, request: Request) -> None:
+        """A context-only request finished on its prefill engine: its decode engine gets the KV
+        and the first token."""
+        decode, item = self._handoff.pop(request.request_id)
+        self._incoming[decode] -= 1
+        self.cached[item.index] = max(request.cached_tokens, 0)
+        now = self.now_ms
+        if item.max_tokens <= 1:  # the first token was the whole output
+            self.first_ms[item.index] = self.finish_ms[item.index] = now
+            self.outputs[item.index] = 1
+            router = self.router
+            released = router.prefill_done(request.request_id, now=now / 1000.0)
+            self._dispatch(released + router.finish(request.request_id, now=now / 1000.0))
+            self._retire_if_drained(decode, now)
+            return
+        try:
+            self.simulator.submit(
+                decode,
+                request_id=request.request_id,
+                tokens=item.tokens,
+                max_tokens=item.max_tokens,
+                block_hashes=(item.hashes, item.local),
+                transferred_first_token=int(request.output[0]),
+            )
+        except (RequestRejected, EngineOverloaded):
+            self.failed_ms[item.index] = now
+            self._dispatch(self.router.finish(request.request_id, now=now / 1000.0))
+            self._retire_if_drained(decode, now)
+
+    def _retire_if_drained(self, index: int, at_ms: float) -> None:
+        busy = self.simulator.engines[index].has_work() or self._incoming[index]
+        if index in self.draining and not busy:
+            self.draining.discard(index)
+            self._retire(index, at_ms)
 
     def _on_step(self, index: int, output: StepOutput) -> None:
         engine = self.simulator.engines[index]
@@ -585,12 +673,29 @@ class Fleet:
             router.set_expert_placement(engine.worker_id, moe.placement)
         now = output.end_ms / 1000.0
         released: list[Route] = []
-        for request in output.advanced:
-            if request.num_output == 1:
-                i = int(request.request_id)
-                self.first_ms[i] = output.end_ms
-                self.cached[i] = max(request.cached_tokens, 0)
-                released += router.prefill_done(request.request_id, now=now)
+        if self.roles[index] is Role.PREFILL:
+            for request in output.finished:  # context-only: done at its first token
+                self._hand_over(request)
+        else:
+            for request in output.advanced:
+                if request.num_output == 1:
+                    i = int(request.request_id)
+                    self.first_ms[i] = output.end_ms
+                    if math.isnan(request.ready_ms):  # prefilled here, not received from a prefill engine
+                        self.cached[i] = max(request.cached_tokens, 0)
+                    released += router.prefill_done(request.request_id, now=now)
+            released += self._finished(index, output)
+        if released:
+            self.channel.deliver(output.end_ms)
+            self._dispatch(released)
+        self._retire_if_drained(index, output.end_ms)
+
+    def _finished(self, index: int, output: StepOutput) -> list[Route]:
+        """Record the requests that finished on engine ``index``; returns the routes they free."""
+        router = self.router
+        moe = self.simulator.engines[index].moe
+        now = output.end_ms / 1000.0
+        released: list[Route] = []
         for request in output.finished:
             i = int(request.request_id)
             self.finish_ms[i] = output.end_ms
@@ -600,12 +705,7 @@ class Fleet:
                 computed = request.prompt_len - max(request.cached_tokens, 0) + request.num_output
                 router.report_experts(request.request_id, moe.activations(request.expert_row, computed))
             released += router.finish(request.request_id, now=now)
-        if released:
-            self.channel.deliver(output.end_ms)
-            self._dispatch(released)
-        if index in self.draining and not engine.has_work():
-            self.draining.discard(index)
-            self._retire(index, output.end_ms)
+        return released
 
     def report(
         self, *, started: float, workers: int, window: npt.NDArray[np.bool_] | None = None

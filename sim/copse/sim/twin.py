@@ -7,9 +7,10 @@ What runs is what runs in a cluster, minus the cluster:
   :meth:`~copse.planner.core.Planner.step`) learns from the interval that ended and decides the
   replicas. It sees what it would see in a cluster, the router's Prometheus series over the
   interval (:func:`observe`): requests answered, prompt and output tokens, the router's
-  *predicted* hit rate, and the p90 prompt length and p99 TTFT and ITL read from the router's
-  histogram buckets with Prometheus' ``histogram_quantile``; queue and batch gauges at the end
-  of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
+  *predicted* hit rate, the p90 prompt length and p99 TTFT and ITL read from the router's
+  histogram buckets with Prometheus' ``histogram_quantile`` (alert signals), the mean TTFT and
+  mean TPOT from the histograms' sums and counts; queue and batch gauges and the engines serving
+  at the end of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
   path adds capacity only).
 * A replica added starts serving ``startup_delay_s`` after the decision (it holds its GPUs from
   the decision on). A replica removed first cancels one still starting (newest first), else
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from copse.planner.config import PlannerConfig
 from copse.planner.core import Decision, Planner
 from copse.planner.observations import Observation
 from copse.planner.policy import Limits
+from copse.router.core import Role as EngineRole
 from copse.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PROMPT_LENGTH_BUCKETS
 from copse.sim.replay import Distribution, Fleet, ReplaySettings
 from copse.sim.trace import TraceRequest
@@ -77,9 +79,15 @@ def _in(times: FloatArray, start: float, end: float) -> npt.NDArray[np.bool_]:
     return (times >= start) & (times < end)
 
 
-def _queued(fleet: Fleet) -> float:
-    """The planner's queue_depth gauge: the router's queue plus every engine's waiting requests."""
-    return float(fleet.router.queued + sum(engine.num_waiting for engine in fleet.engines))
+def _queues(fleet: Fleet) -> dict[Role, float]:
+    """The planner's queue gauges per pool: the front pool's (aggregated workers, or prefill) is the
+    router's queue plus its engines' waiting requests; decode's, its engines' waiting requests
+    (KV transfers in flight included)."""
+    queues = {Role(fleet.front.value): float(fleet.router.queued)}
+    for role, engine in zip(fleet.roles, fleet.engines, strict=True):
+        pool = Role(role.value)
+        queues[pool] = queues.get(pool, 0.0) + engine.num_waiting
+    return queues
 
 
 def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) -> Observation:
@@ -97,7 +105,12 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
     itl = itl[outputs > 1]
     ttft = fleet.first_ms[first] - fleet.arrival_ms[first]
     ttft_s = histogram_quantile(quantile, ttft / 1000.0, buckets=LATENCY_BUCKETS)
+    queues = _queues(fleet)
     itl_s = histogram_quantile(quantile, itl / 1000.0, buckets=ITL_BUCKETS)
+    serving: dict[Role, float] = {}  # engines scraped: not retired, not draining
+    for index, role in enumerate(fleet.roles):
+        if index not in fleet.retired_ms and index not in fleet.draining:
+            serving[Role(role.value)] = serving.get(Role(role.value), 0.0) + 1.0
     return Observation(
         timestamp=start_ms / 1000.0,
         duration_s=(end_ms - start_ms) / 1000.0,
@@ -110,9 +123,49 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
         itl_ms=None if itl_s is None else itl_s * 1000.0,
-        queue_depth=_queued(fleet),
+        # the histograms' _sum / _count: exact means
+        ttft_mean_ms=float(ttft.mean()) if len(ttft) else None,
+        itl_mean_ms=float(itl.mean()) if len(itl) else None,
+        serving=serving.get(Role(fleet.front.value), 0.0),
+        decode_serving=serving.get(Role.DECODE),
+        queue_depth=queues[Role(fleet.front.value)],
+        decode_queue_depth=queues.get(Role.DECODE),
         inflight=float(sum(len(engine.running) for engine in fleet.engines)),
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScalingChange:
+    """One decision that changed a pool's replica count."""
+
+    time_s: float
+    role: str
+    before: int
+    after: int
+
+
+def flaps(changes: Sequence[ScalingChange], *, window_s: float) -> int:
+    """Up-down-up sequences of one pool within ``window_s`` (the scale-down delay): an increase, a
+    decrease after it, and an increase again no later than ``window_s`` after the first one. Each
+    first increase is counted once."""
+    count = 0
+    by_role: dict[str, list[ScalingChange]] = {}
+    for change in sorted(changes, key=lambda c: c.time_s):
+        by_role.setdefault(change.role, []).append(change)
+    for series in by_role.values():
+        for i, first in enumerate(series):
+            if first.after <= first.before:
+                continue
+            went_down = False
+            for later in series[i + 1 :]:
+                if later.time_s - first.time_s > window_s:
+                    break
+                if later.after < later.before:
+                    went_down = True
+                elif went_down and later.after > later.before:
+                    count += 1
+                    break
+    return count
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,25 +173,37 @@ class TwinSettings:
     """One closed-loop run."""
 
     fleet: ReplaySettings
-    """Routing and engines; ``workers`` replicas serve at the start."""
+    """Routing and engines; ``workers`` replicas of every pool serve at the start (unless
+    ``initial`` says otherwise)."""
     limits: Limits
-    """Targets and bounds of the deployment (aggregated workers)."""
+    """Targets and bounds of the deployment: aggregated workers, or prefill and decode pools."""
     planner: PlannerConfig | None = dataclasses.field(default_factory=PlannerConfig)
     """The planner's configuration (predictor, start-up delay, ...); ``None``: a static fleet."""
     interval_s: float = 60.0
     """Seconds between the planner's decisions."""
     warmup_s: float = 0.0
     """Load simulated before results count (the planner learns it; the fleet settles)."""
+    initial: Mapping[Role, int] | None = None
+    """Replicas per pool at the start (a static disaggregated fleet's sizes); default:
+    ``fleet.workers`` for every pool of ``limits``."""
 
     def __post_init__(self) -> None:
-        if self.limits.roles != (Role.WORKER,):
-            raise ValueError("the twin simulates aggregated workers only (limits.roles must be (worker,))")
         if not self.interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {self.interval_s}")
         if self.warmup_s < 0:
             raise ValueError(f"warmup_s must not be negative, got {self.warmup_s}")
-        if self.fleet.workers < 1:
-            raise ValueError(f"the fleet starts with at least 1 worker, got {self.fleet.workers}")
+        pools = self.pools
+        if set(pools) != set(self.limits.roles):
+            raise ValueError(f"initial replicas for {sorted(pools)}, the deployment has {self.limits.roles}")
+        if any(count < 1 for count in pools.values()):
+            raise ValueError(f"every pool starts with at least 1 replica, got {dict(pools)}")
+
+    @property
+    def pools(self) -> dict[Role, int]:
+        """Replicas per pool at the start."""
+        if self.initial is not None:
+            return dict(self.initial)
+        return dict.fromkeys(self.limits.roles, self.fleet.workers)
 
     @property
     def startup_delay_s(self) -> float:
@@ -157,7 +222,7 @@ class IntervalRow:
     start_s: float
     arrivals: int
     serving: int
-    """Replicas serving at the interval's start."""
+    """Replicas serving at the interval's start (every pool)."""
     held: int
     """Replicas holding GPUs at the interval's start (starting and draining ones included)."""
     ttft_p99_ms: float
@@ -167,6 +232,19 @@ class IntervalRow:
     slo_ok: bool
     forecast: float | None
     """Requests the planner forecast for the interval (``None`` for a static fleet)."""
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolReport:
+    """One pool's GPUs over the results window."""
+
+    gpu_hours: float
+    mean_replicas: float
+    peak_replicas: int
+    startup_delay_s: float
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -187,16 +265,29 @@ class TwinReport:
     interval_attainment: float
     """Share of intervals (with arrivals) whose p99 TTFT and p99 ITL met the targets."""
     gpu_hours: float
+    """Every pool's."""
     mean_replicas: float
-    """Replicas holding GPUs, time-averaged."""
+    """Replicas holding GPUs (every pool), time-averaged."""
     peak_replicas: int
+    """Most replicas (every pool together) holding GPUs at once."""
     scaling_events: int
-    """Decisions in the results window that changed the replica count."""
+    """Decisions in the results window that changed a replica count."""
+    pools: dict[Role, PoolReport]
+    changes: list[ScalingChange]
+    """Every replica count change in the results window, per pool."""
+    scale_down_delay_s: float
+    window_h: float
+    """Length of the results window, hours."""
     ttft_ms: Distribution
     itl_ms: Distribution
     intervals: list[IntervalRow]
     simulated_s: float
     wall_s: float
+
+    @property
+    def flaps(self) -> int:
+        """Up-down-up sequences of a pool within the scale-down delay."""
+        return flaps(self.changes, window_s=self.scale_down_delay_s)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -210,6 +301,9 @@ class TwinReport:
             "mean_replicas": self.mean_replicas,
             "peak_replicas": self.peak_replicas,
             "scaling_events": self.scaling_events,
+            "scaling_events_per_hour": self.scaling_events / self.window_h if self.window_h else math.nan,
+            "flaps": self.flaps,
+            "pools": {role.value: pool.as_json() for role, pool in self.pools.items()},
             "ttft_ms": self.ttft_ms.as_dict(),
             "itl_ms": self.itl_ms.as_dict(),
             "intervals": [row.as_json() for row in self.intervals],
@@ -230,11 +324,17 @@ class Replica:
 
 
 class Replicas:
-    """The deployment's replicas over time: starting, serving, draining, gone."""
+    """One pool's replicas over time: starting, serving, draining, gone."""
 
-    def __init__(self, fleet: Fleet, *, initial: int) -> None:
+    def __init__(self, fleet: Fleet, *, initial: int, role: Role = Role.WORKER) -> None:
+        """The fleet's engines of ``role`` at the start are the pool's ``initial`` replicas."""
         self.fleet = fleet
-        self.all = [Replica(launched_ms=0.0, ready_ms=0.0, engine=i) for i in range(initial)]
+        self.role = role
+        self._engine_role = EngineRole(role.value)
+        engines = [i for i, r in enumerate(fleet.roles) if r == self._engine_role][:initial]
+        self.all = [Replica(launched_ms=0.0, ready_ms=0.0, engine=i) for i in engines]
+        self._starting: list[Replica] = []
+        """Replicas not serving yet, in launch order (cancelled ones leave it too)."""
 
     def held(self) -> int:
         """Replicas the deployment asks for (the spec's count): starting or serving."""
@@ -250,25 +350,27 @@ class Replicas:
 
     def settle(self) -> None:
         """Release the GPUs of drained engines."""
+        retired = self.fleet.retired_ms
         for replica in self.all:
             if replica.ended_ms is None and replica.engine is not None:
-                retired = self.fleet.retired_ms.get(replica.engine)
-                if retired is not None:
-                    replica.ended_ms = retired
+                at = retired.get(replica.engine)
+                if at is not None:
+                    replica.ended_ms = at
 
     def next_ready_ms(self) -> float:
-        waiting = [r.ready_ms for r in self.all if r.engine is None and r.ended_ms is None]
-        return min(waiting, default=math.inf)
+        return min((r.ready_ms for r in self._starting), default=math.inf)
 
     def start_ready(self, now_ms: float) -> None:
-        for replica in self.all:
-            if replica.engine is None and replica.ended_ms is None and replica.ready_ms <= now_ms:
-                replica.engine = self.fleet.add_engine()
+        for replica in [r for r in self._starting if r.ready_ms <= now_ms]:
+            replica.engine = self.fleet.add_engine(self._engine_role)
+            self._starting.remove(replica)
 
     def apply(self, target: int, *, now_ms: float, startup_delay_s: float) -> None:
         held = self.held()
         for _ in range(target - held):
-            self.all.append(Replica(launched_ms=now_ms, ready_ms=now_ms + startup_delay_s * 1000.0))
+            replica = Replica(launched_ms=now_ms, ready_ms=now_ms + startup_delay_s * 1000.0)
+            self.all.append(replica)
+            self._starting.append(replica)
         if startup_delay_s == 0:
             self.start_ready(now_ms)
         excess = held - target
@@ -279,33 +381,32 @@ class Replicas:
                 continue
             if replica.engine is None:
                 replica.ended_ms = now_ms
+                self._starting.remove(replica)
             else:
                 self.fleet.drain(replica.engine)
             excess -= 1
         self.settle()
 
-    def peak(self, *, start_ms: float, end_ms: float) -> int:
-        """Most replicas holding GPUs at once within ``[start_ms, end_ms)``."""
+    def spans(self, *, start_ms: float, end_ms: float) -> list[tuple[float, float]]:
+        """(from, to) of every replica's GPUs held within ``[start_ms, end_ms)``."""
         self.settle()
-        changes = []
-        for replica in self.all:
-            ended = end_ms if replica.ended_ms is None else replica.ended_ms
-            begun = max(replica.launched_ms, start_ms)
-            if begun < min(ended, end_ms):
-                changes += [(begun, 1), (ended, -1)]
-        held = most = 0
-        for _, change in sorted(changes):  # at equal times a release (-1) sorts before a launch
-            held += change
-            most = max(most, held)
-        return most
-
-    def gpu_seconds(self, *, start_ms: float, end_ms: float, gpus: int) -> float:
-        self.settle()
-        total = 0.0
+        out = []
         for replica in self.all:
             ended = end_ms if replica.ended_ms is None else min(replica.ended_ms, end_ms)
-            total += max(0.0, ended - max(replica.launched_ms, start_ms))
-        return total / 1000.0 * gpus
+            begun = max(replica.launched_ms, start_ms)
+            if begun < ended:
+                out.append((begun, ended))
+        return out
+
+
+def peak(spans: Sequence[tuple[float, float]]) -> int:
+    """Most spans open at once (at equal times a close sorts before an open)."""
+    changes = sorted([(begun, 1) for begun, _ in spans] + [(ended, -1) for _, ended in spans])
+    held = most = 0
+    for _, change in changes:
+        held += change
+        most = max(most, held)
+    return most
 
 
 def run_twin(
@@ -321,14 +422,15 @@ def run_twin(
     started = time.perf_counter()
     if not trace:
         raise ValueError("no requests to serve")
-    fleet = Fleet(trace, settings.fleet, engines=settings.fleet.workers)
+    initial = settings.pools
+    fleet = Fleet(trace, settings.fleet, engines={EngineRole(r.value): n for r, n in initial.items()})
     arrival = fleet.arrival_ms
     end_ms = float(arrival[-1]) if end_s is None else end_s * 1000.0
     warmup_ms = settings.warmup_s * 1000.0
     if warmup_ms >= end_ms:
         raise ValueError(f"the warm-up ({settings.warmup_s:g} s) covers the whole load ({end_ms / 1000:g} s)")
     limits = settings.limits
-    replicas = Replicas(fleet, initial=settings.fleet.workers)
+    pools = {role: Replicas(fleet, initial=count, role=role) for role, count in initial.items()}
     planner: Planner | None = None
     if settings.planner is not None:
         capacity = CapacityModel(
@@ -345,17 +447,27 @@ def run_twin(
     boundary = interval_ms
     poll = poll_ms
     next_arrival = 0
-    decisions: list[tuple[float, Decision, int]] = []  # (time ms, decision, held before)
-    starts: list[tuple[float, int, int]] = [(0.0, replicas.serving(), replicas.held())]
+    decisions: list[tuple[float, Decision]] = []
+    changes: list[tuple[float, Role, int, int]] = []  # (time ms, pool, held before, target)
+    starts: list[tuple[float, int, int]] = [(0.0, *_counts(pools))]
     delay = settings.startup_delay_s
 
-    def decide(decision: Decision, now_ms: float) -> None:
-        decisions.append((now_ms, decision, replicas.held()))
-        replicas.apply(decision.target[Role.WORKER], now_ms=now_ms, startup_delay_s=delay)
+    def held() -> dict[Role, int]:
+        return {role: pool.held() for role, pool in pools.items()}
 
+    def decide(decision: Decision, now_ms: float) -> None:
+        decisions.append((now_ms, decision))
+        for role, pool in pools.items():
+            before, target = pool.held(), decision.target[role]
+            if target != before:
+                changes.append((now_ms, role, before, target))
+            pool.apply(target, now_ms=now_ms, startup_delay_s=delay)
+
+    n_arrivals = len(arrival)
+    arrival_list = arrival.tolist()
     while True:
-        upcoming = float(arrival[next_arrival]) if next_arrival < len(arrival) else math.inf
-        ready = replicas.next_ready_ms()
+        upcoming = arrival_list[next_arrival] if next_arrival < n_arrivals else math.inf
+        ready = min(pool.next_ready_ms() for pool in pools.values())
         now = min(
             upcoming,
             ready if ready <= end_ms else math.inf,
@@ -366,22 +478,22 @@ def run_twin(
             break
         fleet.run_until(now)
         if ready <= now:
-            replicas.start_ready(now)
+            for pool in pools.values():
+                pool.start_ready(now)
         if boundary <= now:
             if planner is not None:
                 obs = observe(
                     fleet, start_ms=boundary - interval_ms, end_ms=boundary, quantile=planner.config.quantile
                 )
-                decide(planner.step(obs, current={Role.WORKER: replicas.held()}), now)
-            starts.append((boundary, replicas.serving(), replicas.held()))
+                decide(planner.step(obs, current=held()), now)
+            starts.append((boundary, *_counts(pools)))
             if progress is not None:
                 progress(settings.interval_s)
             poll = boundary + poll_ms
             boundary += interval_ms
         elif poll <= now:
             assert planner is not None
-            queues = {Role.WORKER: _queued(fleet)}
-            fast = planner.fast_path(now=now / 1000.0, current={Role.WORKER: replicas.held()}, queues=queues)
+            fast = planner.fast_path(now=now / 1000.0, current=held(), queues=_queues(fleet))
             if fast is not None:
                 decide(fast, now)
             poll += poll_ms
@@ -389,12 +501,14 @@ def run_twin(
             fleet.arrive(next_arrival)
             next_arrival += 1
     fleet.run()
-    replicas.settle()
+    for pool in pools.values():
+        pool.settle()
     return _report(
         fleet=fleet,
         settings=settings,
-        replicas=replicas,
+        pools=pools,
         decisions=decisions,
+        changes=changes,
         starts=starts,
         warmup_ms=warmup_ms,
         end_ms=end_ms,
@@ -402,12 +516,18 @@ def run_twin(
     )
 
 
+def _counts(pools: Mapping[Role, Replicas]) -> tuple[int, int]:
+    """(serving, held) replicas over every pool."""
+    return sum(p.serving() for p in pools.values()), sum(p.held() for p in pools.values())
+
+
 def _report(
     *,
     fleet: Fleet,
     settings: TwinSettings,
-    replicas: Replicas,
-    decisions: list[tuple[float, Decision, int]],
+    pools: Mapping[Role, Replicas],
+    decisions: list[tuple[float, Decision]],
+    changes: list[tuple[float, Role, int, int]],
     starts: list[tuple[float, int, int]],
     warmup_ms: float,
     end_ms: float,
@@ -423,18 +543,23 @@ def _report(
     done = ~np.isnan(fleet.finish_ms)
     ok = done & (ttft <= limits.ttft_ms) & (itl <= limits.itl_ms)
     rows: list[IntervalRow] = []
-    forecasts = {round(t): d.next_forecast for t, d, _ in decisions if d.next_forecast is not None}
+    forecasts = {round(t): d.next_forecast for t, d in decisions if d.next_forecast is not None}
     interval_ms = settings.interval_s * 1000.0
+    # requests by interval of arrival: one sort instead of a mask per interval
+    order = np.argsort(arrival, kind="stable")
+    sorted_arrival = arrival[order]
     for start_ms, serving, held in starts:
         if start_ms < warmup_ms or start_ms >= end_ms:
             continue
-        members = window & (arrival >= start_ms) & (arrival < start_ms + interval_ms)
-        count = int(members.sum())
+        lo, hi = np.searchsorted(sorted_arrival, [start_ms, min(start_ms + interval_ms, end_ms)], side="left")
+        members = order[lo:hi]
+        count = len(members)
         if not count:
             continue
         # a refused or unfinished request counts as an infinite latency
-        ttft_p99 = float(np.percentile(np.where(done[members], ttft[members], np.inf), 99, method="higher"))
-        itl_p99 = float(np.percentile(np.where(done[members], itl[members], np.inf), 99, method="higher"))
+        finished = done[members]
+        ttft_p99 = float(np.percentile(np.where(finished, ttft[members], np.inf), 99, method="higher"))
+        itl_p99 = float(np.percentile(np.where(finished, itl[members], np.inf), 99, method="higher"))
         forecast = forecasts.get(round(start_ms))
         rows.append(
             IntervalRow(
@@ -448,22 +573,44 @@ def _report(
                 forecast=None if forecast is None else forecast.num_requests,
             )
         )
-    gpus = limits.gpus_per_replica[Role.WORKER]
-    seconds = replicas.gpu_seconds(start_ms=warmup_ms, end_ms=end_ms, gpus=gpus)
     span_s = (end_ms - warmup_ms) / 1000.0
-    measured = [d for t, d, held in decisions if warmup_ms <= t < end_ms and d.target[Role.WORKER] != held]
+    delay = settings.startup_delay_s
+    reports: dict[Role, PoolReport] = {}
+    every: list[tuple[float, float]] = []
+    seconds = 0.0
+    for role, pool in pools.items():
+        spans = pool.spans(start_ms=warmup_ms, end_ms=end_ms)
+        every += spans
+        held_s = sum(ended - begun for begun, ended in spans) / 1000.0
+        gpus = limits.gpus_per_replica[role]
+        seconds += held_s * gpus
+        reports[role] = PoolReport(
+            gpu_hours=held_s * gpus / 3600.0,
+            mean_replicas=held_s / span_s,
+            peak_replicas=peak(spans),
+            startup_delay_s=delay,
+        )
+    measured = {t for t, *_ in changes if warmup_ms <= t < end_ms}
     requests = int(window.sum())
     return TwinReport(
         predictor=None if settings.planner is None else settings.planner.predictor,
-        startup_delay_s=settings.startup_delay_s,
+        startup_delay_s=delay,
         requests=requests,
         failed=int((window & ~np.isnan(fleet.failed_ms)).sum()),
         slo_attainment=float((ok & window).sum()) / requests if requests else math.nan,
         interval_attainment=sum(row.slo_ok for row in rows) / len(rows) if rows else math.nan,
         gpu_hours=seconds / 3600.0,
-        mean_replicas=seconds / gpus / span_s,
-        peak_replicas=replicas.peak(start_ms=warmup_ms, end_ms=end_ms),
+        mean_replicas=sum(r.mean_replicas for r in reports.values()),
+        peak_replicas=peak(every),
         scaling_events=len(measured),
+        pools=reports,
+        changes=[
+            ScalingChange(time_s=t / 1000.0, role=role.value, before=before, after=after)
+            for t, role, before, after in changes
+            if warmup_ms <= t < end_ms
+        ],
+        scale_down_delay_s=limits.scale_down_delay_s,
+        window_h=span_s / 3600.0,
         ttft_ms=Distribution.of(ttft[window & done]),
         itl_ms=Distribution.of(np.where(outputs > 1, itl, np.nan)[window & done]),
         intervals=rows,

@@ -303,6 +303,8 @@ class Engine:
         self._last_event_id = 0
         self._samples = _sample_table(config.seed)
         self._noise = _noise_table(config.seed, config.step_time_cv) if config.step_time_cv else None
+        self._noise_array = None if self._noise is None else np.asarray(self._noise)
+        """The same factors as an array (fused decode steps take many at once)."""
         self._step_count = 0
         """Steps run so far (indexes the noise table)."""
         self._busy_until: float | None = None
@@ -611,25 +613,22 @@ class Engine:
         the last ends."""
         if self._transfers:
             horizon_ms = min(horizon_ms, *(r.ready_ms for r in self._transfers))
-        itl = self.perf.decode_itl_ms
-        speed = self._decode_speed
-        noise = self._noise
-        ends = [end]
-        append = ends.append
-        # step k (k = 1, 2, ...) computes the KV of decode_kv + k * decodes tokens
-        factor, extra = self._moe_factor, self._moe_ms
-        for active in range(decode_kv + decodes, decode_kv + limit * decodes, decodes):
-            step = itl(active_kv_tokens=active, context_length=active / decodes) / speed * factor + extra
-            if noise is not None:
-                step *= noise[(self._step_count + len(ends)) & _NOISE_MASK]
-            step_end = end + step
-            if step_end > horizon_ms:
-                break
-            end = step_end
-            append(end)
-        if len(ends) > 1:
-            self._step_ends = ends
-        return len(ends), end
+        if limit <= 1:
+            return 1, end
+        # step k (k = 1, 2, ..., limit - 1) computes the KV of decode_kv + k * decodes tokens; all at
+        # once in array math, each value as the step-by-step sum gives it (cumsum adds in order)
+        k = np.arange(1, limit, dtype=np.int64)
+        steps = self.perf.decode_itl_many_ms(decode_kv + k * decodes, sequences=decodes)
+        steps /= self._decode_speed
+        steps *= self._moe_factor
+        steps += self._moe_ms
+        if self._noise_array is not None:
+            steps *= self._noise_array[(self._step_count + k) & _NOISE_MASK]
+        ends = np.cumsum(np.concatenate(([end], steps)))
+        count = int(np.searchsorted(ends, horizon_ms, side="right"))  # ends at or before the horizon
+        if count > 1:
+            self._step_ends = ends[:count].tolist()
+        return count, float(ends[count - 1])
 
     def cut_steps(self, now_ms: float) -> float | None:
         """A request arrived (or was aborted) at ``now_ms`` during fused decode steps: end them

@@ -24,6 +24,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
 
 #: Most batch sizes evaluated when searching for the best decode point; beyond this the search
 #: samples batch sizes evenly, which is exact for monotone ITL curves and close otherwise.
@@ -58,6 +61,17 @@ class PerfModel(ABC):
     def decode_itl_ms(self, *, active_kv_tokens: float, context_length: float) -> float:
         """Time of one decode step, ms, for a batch holding ``active_kv_tokens`` tokens of KV at
         mean ``context_length``."""
+
+    def decode_itl_many_ms(self, active_kv_tokens: npt.NDArray[np.int64], *, sequences: int) -> FloatArray:
+        """:meth:`decode_itl_ms` of ``sequences`` sequences holding each of ``active_kv_tokens``
+        (a run of decode steps), value for value the same; models override it with array math."""
+        return np.array(
+            [
+                self.decode_itl_ms(active_kv_tokens=active, context_length=active / sequences)
+                for active in active_kv_tokens.tolist()
+            ],
+            dtype=np.float64,
+        )
 
     def prefill_ms(self, *, new_tokens: int, cached_tokens: int = 0) -> float:
         """Time to prefill ``new_tokens`` of one request after ``cached_tokens`` already in KV, ms."""

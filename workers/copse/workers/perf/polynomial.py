@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from copse.workers.perf.model import PerfModel
+import numpy as np
+import numpy.typing as npt
+
+from copse.workers.perf.model import FloatArray, PerfModel
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,3 +55,8 @@ class PolynomialPerfModel(PerfModel):
     def decode_itl_ms(self, *, active_kv_tokens: float, context_length: float) -> float:
         u = active_kv_tokens / self.kv_capacity_tokens
         return max(self.min_itl_ms, (self.decode_a * u + self.decode_b) * u + self.decode_c)
+
+    def decode_itl_many_ms(self, active_kv_tokens: npt.NDArray[np.int64], *, sequences: int) -> FloatArray:
+        u = active_kv_tokens / self.kv_capacity_tokens
+        out: FloatArray = np.maximum(self.min_itl_ms, (self.decode_a * u + self.decode_b) * u + self.decode_c)
+        return out
