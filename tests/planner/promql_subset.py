@@ -1,6 +1,6 @@
 """Evaluation of the PromQL the planner's default queries use, over scraped samples:
 vector selectors (a metric name and/or ``{label op "value", ...}`` with ``=``, ``!=``, ``=~``,
-``!~``, regexes fully anchored as in Prometheus), ``sum(...)``, ``sum by (labels) (...)``,
+``!~``, regexes fully anchored as in Prometheus), ``sum(...)``, ``count(...)``, ``sum by (labels) (...)``,
 ``vector(N)``, numbers, ``or``, ``+``, ``*`` and ``/`` (one-element operands), with parentheses;
 ``increase(v[d])`` and ``rate(v[d])`` over two scrapes (``earlier``, then ``samples``, ``d`` apart:
 the difference per series, no extrapolation), and ``histogram_quantile(q, v)`` with Prometheus'
@@ -125,6 +125,12 @@ class _Parser:
             inner = self.expression()
             self.take("op", ")")
             return [({}, sum(value for _, value in inner))] if inner else []
+        if token == ("name", "count"):
+            self.pos += 1
+            self.take("op", "(")
+            inner = self.expression()
+            self.take("op", ")")
+            return [({}, float(len(inner)))] if inner else []
         if token == ("name", "vector"):
             self.pos += 1
             self.take("op", "(")

@@ -299,6 +299,8 @@ def test_default_queries_select_the_deployment() -> None:
         'sum(increase(copse_router_requests_total{namespace="serving",deployment="llama"}[60000ms]))'
     )
     assert "histogram_quantile(0.99," in text["ttft_ms"]
+    assert "copse_router_time_to_first_token_seconds_sum" in text["ttft_mean_ms"]
+    assert "copse_router_inter_token_latency_seconds_count" in text["itl_mean_ms"]
     assert "copse_router_output_tokens_total" in text["osl"]
     assert "histogram_quantile(0.9," in text["isl_p90"]
     assert "copse_router_predicted_onboard_seconds_total" in text["onboard_ms"]
@@ -319,6 +321,10 @@ async def test_prometheus_source_builds_an_observation() -> None:
         "onboard_ms": "4.5",
         "ttft_ms": "310.5",
         "itl_ms": "22",
+        "ttft_mean_ms": "120.25",
+        "itl_mean_ms": "12.5",
+        "serving": "3",
+        "decode_serving": None,
         "queue_depth": "7",
         "decode_queue_depth": None,
         "inflight": "40",
@@ -348,6 +354,9 @@ async def test_prometheus_source_builds_an_observation() -> None:
         onboard_ms=4.5,
         ttft_ms=310.5,
         itl_ms=22.0,
+        ttft_mean_ms=120.25,
+        itl_mean_ms=12.5,
+        serving=3.0,
         queue_depth=7.0,
         decode_queue_depth=None,
         inflight=40.0,

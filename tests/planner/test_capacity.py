@@ -5,19 +5,36 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from copse.api import Role
 from copse.planner.capacity import Backlog, CapacityModel, Corrections, Workload
-from copse.planner.queueing import erlang_c, lognormal_scv, wait_quantile_s
+from copse.planner.queueing import erlang_c, lognormal_points, lognormal_scv, mean_wait_s, wait_quantile_s
 from copse.workers.perf import PolynomialPerfModel
+
+from .conftest import LinearPerf
 
 PD = (Role.PREFILL, Role.DECODE)
 
 
 # --- queueing ------------------------------------------------------------------------------
+
+
+def test_mean_wait_of_an_m_m_1_queue() -> None:
+    # M/M/1, rho = 0.5, service 1 s: W = rho / (mu - lambda) = 0.5 / 0.5 = 1 s
+    assert mean_wait_s(servers=1, arrival_rate=0.5, service_s=1.0) == pytest.approx(1.0)
+    assert mean_wait_s(servers=1, arrival_rate=1.0, service_s=1.0) == math.inf
+
+
+def test_lognormal_points_have_the_mean_and_spread() -> None:
+    points = lognormal_points(mean=1000.0, scv=1.0, count=2000)
+    assert points.mean() == pytest.approx(1000.0, rel=0.02)
+    assert points.var() / points.mean() ** 2 == pytest.approx(1.0, rel=0.1)
+    assert list(points) == sorted(points)
+    assert set(lognormal_points(mean=5.0, scv=0.0, count=3)) == {5.0}
 
 
 def test_erlang_c_hand_values() -> None:
@@ -73,13 +90,79 @@ def test_prefill_ttft_hand_computed(linear: CapacityModel) -> None:
     assert estimate.backlog == Backlog()
 
 
-def test_prefill_replicas_start_from_the_token_throughput_bound(linear: CapacityModel) -> None:
+def test_prefill_replicas_start_from_the_token_throughput_bound() -> None:
+    fixed = CapacityModel(LinearPerf(), max_num_seqs=64, isl_scv=0.0)  # every prompt 1,000 tokens
     load = Workload(rate=100.0, isl=1000, osl=100, kv_hit_rate=0.5)
-    # 100 req/s x 500 new tokens = 50k tokens/s over 500 / 15 ms = 33.3k tokens/s per GPU: 2.
-    sizing = linear.prefill_replicas(load, ttft_ms=150.0)
-    assert (sizing.throughput_replicas, sizing.replicas, sizing.feasible) == (2, 2, True)
-    # 139.9 ms at 2 replicas misses 100 ms; 3 replicas give 46.6 ms.
-    assert linear.prefill_replicas(load, ttft_ms=100.0).replicas == 3
+    # 100 req/s x 15 ms of prefill (500 new tokens) = 1.5 engines busy: the bound is 2.
+    sizing = fixed.prefill_replicas(load, ttft_ms=150.0)
+    assert sizing.throughput_replicas == 2
+    assert sizing.feasible
+    assert sizing.replicas == 2  # at 75 % busy hardly any prompt waits 135 ms
+    # A tight target (10 ms of waiting allowed): the fewest engines serving 99 % within it.
+    tight = fixed.prefill_replicas(load, ttft_ms=25.0)
+
+    def share(engines: int) -> float:
+        return fixed.attainment(
+            replicas={Role.PREFILL: engines, Role.DECODE: 64}, load=load, ttft_ms=25.0, itl_ms=math.inf
+        ).ttft
+
+    assert tight.replicas > 2
+    assert share(tight.replicas - 1) < 0.99 <= share(tight.replicas)
+
+
+def test_the_ttft_tail_is_the_prompts_own_prefill() -> None:
+    """Long prompts whose prefill alone exceeds the target are lost on any fleet: the share that can
+    meet it is the share of prompts short enough, and sizing aims at the goal among those."""
+    model = CapacityModel(LinearPerf(), max_num_seqs=64, isl_scv=1.0)
+    load = Workload(rate=20.0, isl=2000, osl=100)
+    # prefill = 10 + 0.01 x isl ms: a 50 ms target fits prompts of up to 4,000 tokens
+    points = model.prompt_prefill_ms(load)
+    reachable = float(np.mean(points <= 50.0))
+    assert 0.8 < reachable < 0.95
+    many = model.attainment(replicas={Role.PREFILL: 64, Role.DECODE: 64}, load=load, ttft_ms=50.0, itl_ms=1e9)
+    assert many.reachable == pytest.approx(reachable)
+    assert many.ttft == pytest.approx(reachable, abs=1e-6)  # no waiting with 64 engines
+    sizing = model.prefill_replicas(load, ttft_ms=50.0, goal=0.99)
+    assert not sizing.feasible  # the goal is above the reachable share...
+    assert sizing.replicas < 64  # ...which does not make the fleet grow without end
+    fewest = model.attainment(
+        replicas={Role.PREFILL: sizing.replicas, Role.DECODE: 64}, load=load, ttft_ms=50.0, itl_ms=1e9
+    )
+    assert fewest.ttft >= 0.99 * reachable
+
+
+def test_a_higher_goal_needs_at_least_as_many_replicas(linear: CapacityModel) -> None:
+    load = Workload(rate=200.0, isl=3000, isl_p90=6000, osl=200)
+    counts = [
+        linear.aggregated_replicas(load, ttft_ms=500.0, itl_ms=40.0, goal=goal).replicas
+        for goal in (0.5, 0.9, 0.99, 0.999)
+    ]
+    assert counts == sorted(counts)
+    assert counts[0] < counts[-1]
+
+
+def test_prefill_chunks_stretch_the_mean_gap_of_aggregated_engines(linear: CapacityModel) -> None:
+    """Aggregated engines spend a share of their time prefilling; decode steps that share it wait."""
+    short = Workload(rate=50.0, isl=100, osl=100)
+    long = Workload(rate=50.0, isl=20000, osl=100)
+    replicas = {Role.WORKER: 20}
+    assert (
+        linear.means(replicas=replicas, load=long, duration_s=60.0).itl_ms
+        > linear.means(replicas=replicas, load=short, duration_s=60.0).itl_ms
+    )
+    assert (
+        linear.attainment(replicas=replicas, load=long, ttft_ms=1e9, itl_ms=15.0).itl
+        < linear.attainment(replicas=replicas, load=short, ttft_ms=1e9, itl_ms=15.0).itl
+    )
+
+
+def test_a_backlog_adds_to_the_mean_ttft(linear: CapacityModel) -> None:
+    load = Workload(rate=50.0, isl=1000, osl=100)
+    replicas = {Role.WORKER: 4}
+    calm = linear.means(replicas=replicas, load=load, duration_s=60.0)
+    behind = linear.means(replicas=replicas, load=load, duration_s=60.0, backlog=200.0)
+    assert behind.ttft_ms > calm.ttft_ms
+    assert behind.queue_ms - calm.queue_ms == pytest.approx(behind.ttft_ms - calm.ttft_ms)
 
 
 def test_prefix_hits_reduce_prefill_replicas(linear: CapacityModel) -> None:
@@ -122,9 +205,10 @@ def test_p90_isl_sets_the_ttft_tail(linear: CapacityModel) -> None:
     assert (a.ttft_ms, b.ttft_ms) == pytest.approx((20.0, 30.0))
 
 
-def test_unreachable_ttft_is_reported(linear: CapacityModel) -> None:
+def test_unreachable_ttft_is_reported() -> None:
+    fixed = CapacityModel(LinearPerf(), max_num_seqs=64, isl_scv=0.0)
     load = Workload(rate=10.0, isl=1000, osl=100)
-    sizing = linear.prefill_replicas(load, ttft_ms=15.0)  # one prompt alone takes 20 ms
+    sizing = fixed.prefill_replicas(load, ttft_ms=15.0)  # one prompt alone takes 20 ms
     assert not sizing.feasible
     assert sizing.replicas == sizing.throughput_replicas == 1
 
@@ -269,16 +353,19 @@ def test_more_replicas_never_make_latency_worse(
 
 @settings(max_examples=40, deadline=None)
 @given(rate=st.floats(0.5, 300.0), isl=st.floats(100.0, 8000.0), osl=st.floats(10.0, 500.0))
-def test_sized_pools_meet_the_targets(rate: float, isl: float, osl: float) -> None:
+def test_sized_pools_meet_the_goal(rate: float, isl: float, osl: float) -> None:
     capacity = CapacityModel(PolynomialPerfModel())
     load = Workload(rate=rate, isl=isl, osl=osl)
-    prefill = capacity.prefill_replicas(load, ttft_ms=800.0)
-    decode = capacity.decode_replicas(load, itl_ms=30.0)
-    estimate = capacity.estimate(
-        replicas={Role.PREFILL: prefill.replicas, Role.DECODE: decode.replicas}, load=load, duration_s=60
+    prefill = capacity.prefill_replicas(load, ttft_ms=800.0, goal=0.99)
+    decode = capacity.decode_replicas(load, itl_ms=30.0, goal=0.99)
+    sized = capacity.attainment(
+        replicas={Role.PREFILL: prefill.replicas, Role.DECODE: decode.replicas},
+        load=load,
+        ttft_ms=800.0,
+        itl_ms=30.0,
     )
-    if prefill.feasible:
-        assert estimate.ttft_ms <= 800.0
-        assert prefill.replicas >= prefill.throughput_replicas
+    assert prefill.replicas >= prefill.throughput_replicas
+    assert sized.ttft >= 0.99 * sized.reachable
     if decode.feasible:
-        assert estimate.itl_ms <= 30.0
+        assert decode.replicas >= decode.throughput_replicas
+        assert sized.itl >= 0.99

@@ -226,38 +226,68 @@ def test_aggregated_deployments_size_one_pool(linear: CapacityModel) -> None:
     assert decision.target[W] == expected.replicas
 
 
-def test_corrections_learn_slower_engines(linear: CapacityModel) -> None:
+def test_corrections_learn_slower_engines_from_means(linear: CapacityModel) -> None:
     cfg = config(correction=True, correction_smoothing=1.0)
     plan = planner(linear, cfg=cfg)
     replicas = {P: 4, D: 2}
     obs = interval(0, 100.0)
-    estimate = linear.estimate(replicas=replicas, load=workload_of(obs), duration_s=INTERVAL)
+    means = linear.means(replicas=replicas, load=workload_of(obs), duration_s=INTERVAL)
     plan.observe(
-        dataclasses.replace(obs, ttft_ms=estimate.ttft_ms, itl_ms=estimate.itl_ms), replicas=replicas
+        dataclasses.replace(obs, ttft_mean_ms=means.ttft_ms, itl_mean_ms=means.itl_ms), replicas=replicas
     )
     assert (plan.corrections.prefill, plan.corrections.decode) == pytest.approx((1.0, 1.0), abs=1e-6)
-    # Observed 50 % slower prefill: the solved factor makes the estimate match the observation.
-    slower = dataclasses.replace(obs, ttft_ms=estimate.ttft_ms * 1.5)
+    # Observed 50 % slower prefill: the solved factor makes the mean estimate match the observation.
+    slower = dataclasses.replace(obs, ttft_mean_ms=means.ttft_ms * 1.5)
     plan.observe(slower, replicas=replicas)
     assert plan.corrections.prefill > 1.0
-    matched = linear.estimate(
+    matched = linear.means(
         replicas=replicas,
         load=workload_of(obs),
         duration_s=INTERVAL,
         corrections=Corrections(prefill=plan.corrections.prefill, decode=plan.corrections.decode),
     )
-    assert matched.ttft_ms == pytest.approx(estimate.ttft_ms * 1.5, rel=1e-4)
-    # A wild measurement is clamped.
-    plan.observe(dataclasses.replace(obs, itl_ms=estimate.itl_ms * 100), replicas=replicas)
+    assert matched.ttft_ms == pytest.approx(means.ttft_ms * 1.5, rel=1e-4)
+    # A wild measurement is clamped, and the clamp hit is counted and reported.
+    plan.observe(dataclasses.replace(obs, itl_mean_ms=means.itl_ms * 100), replicas=replicas)
     assert plan.corrections.decode == 2.0
+    assert plan.clamp_hits == {"prefill": 0, "decode": 1}
+    assert plan.decide(now=2 * INTERVAL, current=replicas).clamped == ("decode",)
+
+
+def test_corrections_are_solved_against_serving_replicas(linear: CapacityModel) -> None:
+    """Replicas still starting hold GPUs but serve nothing: the engines that did serve were not
+    slow, so the observation's serving count, not the held one, is what the factor is solved on."""
+    cfg = config(correction=True, correction_smoothing=1.0)
+    lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=2000.0, itl_ms=50.0)
+    obs = interval(0, 60.0)
+    means = linear.means(replicas={W: 4}, load=workload_of(obs), duration_s=INTERVAL)
+    seen = dataclasses.replace(obs, ttft_mean_ms=means.ttft_ms, itl_mean_ms=means.itl_ms, serving=4.0)
+    plan = planner(linear, cfg=cfg, lim=lim)
+    plan.observe(seen, replicas={W: 8})  # 8 held, 4 of them serving
+    assert (plan.corrections.prefill, plan.corrections.decode) == pytest.approx((1.0, 1.0), rel=1e-4)
+    blind = planner(linear, cfg=cfg, lim=lim)
+    blind.observe(dataclasses.replace(seen, serving=None), replicas={W: 8})
+    assert blind.corrections.decode > 1.05  # read against 8 engines, 4 look slow
+
+
+def test_an_interval_mostly_spent_waiting_leaves_the_prefill_factor_alone(linear: CapacityModel) -> None:
+    cfg = config(correction=True, correction_smoothing=1.0)
+    lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=2000.0, itl_ms=50.0)
+    plan = planner(linear, cfg=cfg, lim=lim)
+    # four engines at 80 % busy (Erlang C): most of the mean TTFT is queueing
+    obs = interval(0, 200.0)
+    means = linear.means(replicas={W: 4}, load=workload_of(obs), duration_s=INTERVAL)
+    assert means.queue_ms > 0.5 * means.ttft_ms
+    plan.observe(dataclasses.replace(obs, ttft_mean_ms=means.ttft_ms * 3, serving=4.0), replicas={W: 4})
+    assert plan.corrections.prefill == 1.0
 
 
 def test_corrections_are_smoothed(linear: CapacityModel) -> None:
     plan = planner(linear, cfg=config(correction=True, correction_smoothing=0.3))
     replicas = {P: 4, D: 2}
     obs = interval(0, 100.0)
-    estimate = linear.estimate(replicas=replicas, load=workload_of(obs), duration_s=INTERVAL)
-    plan.observe(dataclasses.replace(obs, itl_ms=estimate.itl_ms * 100), replicas=replicas)
+    means = linear.means(replicas=replicas, load=workload_of(obs), duration_s=INTERVAL)
+    plan.observe(dataclasses.replace(obs, itl_mean_ms=means.itl_ms * 100), replicas=replicas)
     assert plan.corrections.decode == pytest.approx(0.7 + 0.3 * 2.0)
 
 
@@ -270,19 +300,22 @@ def test_decision_log_line_has_the_numbers(linear: CapacityModel) -> None:
     assert "corrections prefill 1.00 decode 1.00" in line
 
 
-def test_forecast_error_margin_adds_capacity_up_to_a_cap(linear: CapacityModel) -> None:
-    # A predictor that keeps under-forecasting by ~30 %: sizing for its p90 error adds replicas.
-    rates = [100.0 * 1.3**k for k in range(8)]
-    point = planner(linear)
-    margin = planner(linear, cfg=config(forecast_quantile=0.9))
+def test_sizing_uses_a_quantile_of_the_forecast_distribution(linear: CapacityModel) -> None:
+    # A load alternating between 160 and 240 req/s: the constant predictor's one-step errors are
+    # +50 % and -33 %; their p90 (+50 %) grows as sqrt(k) to the lead-time horizon.
+    rates = [160.0 if k % 2 else 240.0 for k in range(30)] + [160.0]
+    point = planner(linear, cfg=config(startup_delay_s=180.0))
+    spread = planner(linear, cfg=config(startup_delay_s=180.0, forecast_quantile=0.9))
     for step, rate in enumerate(rates):
         point.observe(interval(step, rate), replicas={P: 1, D: 1})
-        margin.observe(interval(step, rate), replicas={P: 1, D: 1})
-    a = point.decide(now=8 * INTERVAL, current={P: 1, D: 1})
-    b = margin.decide(now=8 * INTERVAL, current={P: 1, D: 1})
-    assert b.margin == pytest.approx(1.3)
+        spread.observe(interval(step, rate), replicas={P: 1, D: 1})
+    a = point.decide(now=31 * INTERVAL, current={P: 1, D: 1})
+    b = spread.decide(now=31 * INTERVAL, current={P: 1, D: 1})
+    assert a.margin == 1.0
+    # four intervals ahead (180 s of start-up, then the interval it serves): 1 + 0.5 x sqrt(4)
+    assert b.margin == pytest.approx(2.0)
+    assert b.forecast is not None
+    assert b.forecast.num_requests == pytest.approx(160.0 * INTERVAL * 2.0)
     assert b.target[P] > a.target[P]
-    capped = planner(linear, cfg=config(forecast_quantile=0.9, max_forecast_margin=0.1))
-    for step, rate in enumerate(rates):
-        capped.observe(interval(step, rate), replicas={P: 1, D: 1})
-    assert capped.decide(now=8 * INTERVAL, current={P: 1, D: 1}).margin == pytest.approx(1.1)
+    assert b.next_forecast is not None
+    assert b.next_forecast.num_requests == pytest.approx(160.0 * INTERVAL)

@@ -173,6 +173,46 @@ def test_state_space_filter_matches_statsmodels() -> None:
     assert ours.forecast(5) == pytest.approx(np.asarray(theirs.forecast(5)), rel=1e-8)
 
 
+def test_state_space_forecast_variance_is_pmdarimas_prediction_interval() -> None:
+    """``upper`` of ARIMA is the one-sided bound of pmdarima's ``conf_int``: same variance."""
+    rng = np.random.default_rng(5)
+    series = np.empty(120)
+    series[0] = 50.0
+    for t in range(1, 120):
+        series[t] = 10.0 + 0.8 * series[t - 1] + rng.normal(0, 2)
+    model = pmdarima.ARIMA(order=(1, 0, 1), suppress_warnings=True).fit(series)
+    ours: StateSpaceFilter = filter_from(model.arima_res_)
+    _point, bounds = model.predict(n_periods=6, return_conf_int=True, alpha=0.2)  # 80 % two-sided
+    upper = ours.forecast(6) + 1.2815515655446004 * np.sqrt(ours.variance(6))  # its p90
+    assert upper == pytest.approx(np.asarray(bounds)[:, 1], rel=1e-6)
+
+
+def test_arima_upper_uses_its_own_interval() -> None:
+    rng = np.random.default_rng(11)
+    series = np.empty(80)
+    series[0] = 200.0
+    for t in range(1, 80):
+        series[t] = 40.0 + 0.8 * series[t - 1] + rng.normal(0, 3)
+    predictor = ArimaPredictor(SETTINGS)
+    feed(predictor, series)
+    point, upper = predictor.forecast(5), predictor.upper(5, 0.9)
+    assert np.all(upper > point)
+    assert np.all(np.diff(upper - point) >= 0)  # the interval widens with the horizon
+
+
+def test_residual_spread_grows_with_the_horizon() -> None:
+    """Predictors without an error model: the quantile of their own one-step errors, x sqrt(k)."""
+    predictor = make_predictor("constant", SETTINGS)
+    for k in range(40):
+        predictor.observe(160.0 if k % 2 else 240.0)  # last: 160; errors +50 % and -33 %
+    assert predictor.upper(4, 0.5) == pytest.approx([160.0] * 4)
+    assert predictor.upper(4, 0.9) == pytest.approx(160.0 * (1 + 0.5 * np.sqrt([1, 2, 3, 4])))
+    fresh = make_predictor("constant", SETTINGS)
+    fresh.observe(100.0)
+    fresh.observe(300.0)
+    assert fresh.upper(2, 0.9) == pytest.approx([300.0, 300.0])  # too few errors to say
+
+
 def test_arima_refits_on_log1p_when_the_raw_fit_is_white_noise() -> None:
     rng = np.random.default_rng(3)
     predictor = ArimaPredictor(SETTINGS)

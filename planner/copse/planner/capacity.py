@@ -35,8 +35,18 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
+import numpy as np
+from numpy.typing import NDArray
+
 from copse.api import Role
-from copse.planner.queueing import lognormal_scv, normal_quantile, wait_quantile_s
+from copse.planner.queueing import (
+    lognormal_points,
+    lognormal_scv,
+    mean_wait_s,
+    normal_quantile,
+    wait_exceeds,
+    wait_quantile_s,
+)
 from copse.workers.perf import PerfModel
 
 #: Largest replica count sizing will consider before calling a target unreachable.
@@ -47,6 +57,14 @@ _STEADY = math.inf
 _CACHE_SIZE = 4096
 #: Bisection steps for the decode concurrency fixed point (2^-40 of the batch range).
 _BISECTION_STEPS = 40
+#: Equally likely prompt lengths the share of requests meeting the TTFT target is summed over:
+#: steps of 0.5 %, finer than the 1 % a 99 % goal leaves.
+_PROMPT_POINTS = 200
+#: Prefill-time tables kept (one per distinct prompt-length distribution and correction factor).
+_PREFILL_CACHE_SIZE = 256
+#: A correction factor is learned from an interval only when waiting made up at most this share of
+#: its estimated mean TTFT: beyond, the queue model's error, not the engines' speed, would be solved for.
+_QUEUE_SHARE_FOR_CORRECTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,6 +144,35 @@ class Sizing:
     """False when no replica count meets the target (even one request alone misses it)."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Attainment:
+    """Shares of requests expected to meet each target: the per-request SLO, estimated."""
+
+    ttft: float
+    """Share whose TTFT (queueing, its own prefill, one decode step) is within the target."""
+    itl: float
+    """Share whose mean inter-token gap (TPOT) is within the target."""
+    reachable: float
+    """Share whose own prefill alone fits the TTFT target: no fleet size serves the others in time."""
+
+    @property
+    def both(self) -> float:
+        """Share meeting both targets (taken as independent)."""
+        return self.ttft * self.itl
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Means:
+    """Mean latencies of a load on given replicas: what engine speed is learned from."""
+
+    ttft_ms: float
+    """Mean TTFT."""
+    itl_ms: float
+    """Mean over requests of their mean inter-token gap (TPOT)."""
+    queue_ms: float
+    """Of the mean TTFT, the part spent waiting (queueing and draining a backlog)."""
+
+
 def _search(meets: Callable[[int], bool], start: int) -> int:
     """Smallest ``c >= start`` with ``meets(c)``, for a monotone ``meets``; exponential then binary."""
     low = max(start, 1)
@@ -166,6 +213,7 @@ class CapacityModel:
         self.isl_scv = isl_scv
         self._z = normal_quantile(quantile)
         self._best_decode: dict[tuple[float, int], float] = {}
+        self._prefill_points: dict[tuple[float, ...], NDArray[np.float64]] = {}
 
     # --- building blocks -----------------------------------------------------------------
 
@@ -437,36 +485,243 @@ class CapacityModel:
             decoding=busy * servers,
         )
 
+    # --- per-request attainment and means -------------------------------------------------
+
+    def prompt_prefill_ms(self, load: Workload, *, scale: float = 1.0) -> NDArray[np.float64]:
+        """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (lognormal lengths
+        with its mean and p90; each prompt's uncached part at the hit rate), ms, ascending."""
+        scv = self.service_scv(load)
+        key = (
+            round(load.isl, 3),
+            round(scv, 9),
+            round(load.kv_hit_rate, 9),
+            round(load.onboard_ms, 6),
+            scale,
+        )
+        times = self._prefill_points.get(key)
+        if times is None:
+            lengths = lognormal_points(mean=load.isl, scv=scv, count=_PROMPT_POINTS)
+            times = np.array(
+                [
+                    self.prefill_service_ms(
+                        float(x), hit_rate=load.kv_hit_rate, scale=scale, onboard_ms=load.onboard_ms
+                    )
+                    for x in lengths
+                ]
+            )
+            if len(self._prefill_points) >= _PREFILL_CACHE_SIZE:
+                self._prefill_points.clear()
+            self._prefill_points[key] = times
+        return times
+
+    def _pool_state(
+        self, *, servers: int, rate: float, load: Workload, corrections: Corrections, prefill_share: bool
+    ) -> _PoolState | None:
+        """Prefill times, decode step and concurrency of ``servers`` engines at ``rate``; ``None`` when
+        they cannot keep up. ``prefill_share``: the engines also prefill (aggregated serving)."""
+        times = self.prompt_prefill_ms(load, scale=corrections.prefill)
+        context = load.context_length
+        n_max = self.max_batch(context)
+        share = rate * float(times.mean()) / (1000.0 * servers) if prefill_share else 0.0
+        if share >= 1:
+            return None
+
+        def step(n: float) -> float:
+            return self.decode_step_ms(n, context_length=context, scale=corrections.decode)
+
+        sequences = self._concurrency(
+            servers=servers, rate=rate, osl=load.osl, step=lambda n: step(n) / (1.0 - share), n_max=n_max
+        )
+        if sequences is None:
+            return None
+        return _PoolState(times=times, share=share, sequences=sequences, step=step, n_max=n_max)
+
+    def _gap_spread_ms(self, state: _PoolState, *, servers: int, rate: float, load: Workload) -> float:
+        """Standard deviation of one request's mean inter-token gap around the pool's mean: its batch
+        varies (Poisson, ``sqrt(n)``), and in aggregated engines the prefill chunks that share its
+        steps arrive at random (compound Poisson over its decode time, spread over its tokens)."""
+        n = state.sequences
+        gap = state.step(n) / (1.0 - state.share)
+        batch = (state.step(n + math.sqrt(max(n, 1.0))) - state.step(n)) / (1.0 - state.share)
+        interference = 0.0
+        if state.share > 0:
+            life_s = load.osl * gap / 1000.0
+            second_moment = float(np.mean(state.times**2))
+            interference = math.sqrt(rate / servers * life_s * second_moment) / load.osl
+        return math.hypot(batch, interference)
+
+    def attainment(
+        self,
+        *,
+        replicas: Mapping[Role, int],
+        load: Workload,
+        ttft_ms: float,
+        itl_ms: float,
+        corrections: Corrections | None = None,
+    ) -> Attainment:
+        """Shares of ``load``'s requests meeting ``ttft_ms`` and ``itl_ms`` at steady state on
+        ``replicas``: each prompt's TTFT is the M/G/c wait (Erlang C tail) plus its own prefill
+        (its uncached tokens) plus one decode step; each request's mean gap is the decode step at the
+        pool's concurrency, stretched by the engine time prefill takes (aggregated), with the spread
+        of :meth:`_gap_spread_ms` (normal)."""
+        corrections = corrections or Corrections()
+        times = self.prompt_prefill_ms(load, scale=corrections.prefill)
+        first_step = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)
+        aggregated = Role.WORKER in replicas
+        reachable = float(np.mean(times + (first_step if aggregated else 0.0) <= ttft_ms))
+        if load.rate <= 0:
+            return Attainment(ttft=1.0, itl=1.0, reachable=reachable)
+        if aggregated:
+            front = back = replicas[Role.WORKER]
+        else:
+            front, back = replicas[Role.PREFILL], replicas[Role.DECODE]
+        if front == 0 or back == 0:
+            return Attainment(ttft=0.0, itl=0.0, reachable=reachable)
+        state = self._pool_state(
+            servers=back, rate=load.rate, load=load, corrections=corrections, prefill_share=aggregated
+        )
+        if state is None:
+            return Attainment(ttft=0.0, itl=0.0, reachable=reachable)
+        # The front queue: an engine's time per request (its prefill, plus in aggregated engines its
+        # share of decode steps at full batches); the variability is that of the prefills.
+        mean_prefill = float(times.mean())
+        work_ms = mean_prefill
+        first = 0.0
+        if aggregated:
+            work_ms += load.osl * state.step(state.n_max) / state.n_max
+            first = state.step(state.sequences)
+        late = wait_exceeds(
+            (ttft_ms - times - first) / 1000.0,
+            servers=front,
+            arrival_rate=load.rate,
+            service_s=work_ms / 1000.0,
+            service_scv=float(np.var(times)) / (work_ms * work_ms),
+        )
+        gap = state.step(state.sequences) / (1.0 - state.share)
+        spread = self._gap_spread_ms(state, servers=back, rate=load.rate, load=load)
+        itl = 1.0 if spread == 0 and gap <= itl_ms else 0.0
+        if spread > 0:
+            itl = _normal_cdf((itl_ms - gap) / spread)
+        return Attainment(ttft=float(np.mean(1.0 - late)), itl=itl, reachable=reachable)
+
+    def means(
+        self,
+        *,
+        replicas: Mapping[Role, int],
+        load: Workload,
+        duration_s: float,
+        backlog: float = 0.0,
+        corrections: Corrections | None = None,
+    ) -> Means:
+        """Mean TTFT and mean TPOT of ``load`` served for ``duration_s`` by ``replicas`` that start with
+        ``backlog`` requests queued: the M/G/c mean wait, plus draining the backlog (a fluid queue),
+        plus the mean prefill and one decode step; the mean gap as in :meth:`attainment`. Saturated
+        pools get full batches and the fluid queue's mean wait."""
+        corrections = corrections or Corrections()
+        times = self.prompt_prefill_ms(load, scale=corrections.prefill)
+        mean_prefill = float(times.mean())
+        aggregated = Role.WORKER in replicas
+        if aggregated:
+            front = back = replicas[Role.WORKER]
+        else:
+            front, back = replicas[Role.PREFILL], replicas[Role.DECODE]
+        context = load.context_length
+        n_max = self.max_batch(context)
+        full_step = self.decode_step_ms(n_max, context_length=context, scale=corrections.decode)
+        work_ms = mean_prefill + (load.osl * full_step / n_max if aggregated else 0.0)
+        if front == 0 or back == 0:
+            waited = duration_s * 1000.0
+            return Means(ttft_ms=waited + mean_prefill, itl_ms=full_step, queue_ms=waited)
+        capacity = front * 1000.0 / work_ms
+        state = self._pool_state(
+            servers=back, rate=load.rate, load=load, corrections=corrections, prefill_share=aggregated
+        )
+        if state is None or load.rate >= capacity:
+            # Saturated: the queue grows through the segment; requests wait on average for half of it.
+            growth = max(load.rate - capacity, 0.0) * duration_s
+            queue_ms = (backlog + growth / 2.0) / capacity * 1000.0
+            share = min(load.rate, capacity) * mean_prefill / (1000.0 * front) if aggregated else 0.0
+            itl = full_step / max(1.0 - share, 1e-3)
+            return Means(ttft_ms=queue_ms + mean_prefill + full_step, itl_ms=itl, queue_ms=queue_ms)
+        wait_ms = 1000.0 * mean_wait_s(
+            servers=front,
+            arrival_rate=load.rate,
+            service_s=work_ms / 1000.0,
+            service_scv=float(np.var(times)) / (work_ms * work_ms),
+        )
+        if backlog > 0:
+            # The backlog drains at the spare capacity; the requests arriving meanwhile find half of it.
+            drain_s = backlog / (capacity - load.rate)
+            wait_ms += min(1.0, drain_s / duration_s) * backlog / 2.0 / capacity * 1000.0
+        first = state.step(state.sequences) if aggregated else 0.0
+        gap = state.step(state.sequences) / (1.0 - state.share)
+        return Means(ttft_ms=wait_ms + mean_prefill + first, itl_ms=gap, queue_ms=wait_ms)
+
     # --- sizing ------------------------------------------------------------------------------
 
-    def prefill_replicas(self, load: Workload, *, ttft_ms: float, scale: float = 1.0) -> Sizing:
-        """Fewest prefill engines whose TTFT estimate for ``load`` meets ``ttft_ms``."""
-        if load.rate <= 0:
-            return Sizing(replicas=0, throughput_replicas=0, feasible=True)
-        isl = max(2, round(load.isl))
-        cached = min(isl - 1, round(isl * load.kv_hit_rate))
-        per_request_ms = (
-            self.perf.prefill_ms(new_tokens=isl - cached, cached_tokens=cached) + load.onboard_ms
-        ) * scale
-        # the throughput bound: a prefill engine serves one prompt at a time
-        bound = math.ceil(load.rate * per_request_ms / 1000.0)
-        tail = self.prefill_service_ms(
-            load.isl_p90 or load.isl, hit_rate=load.kv_hit_rate, scale=scale, onboard_ms=load.onboard_ms
+    def _size(
+        self,
+        *,
+        replicas: Callable[[int], Mapping[Role, int]],
+        load: Workload,
+        ttft_ms: float,
+        itl_ms: float,
+        corrections: Corrections,
+        goal: float,
+        bound: int,
+        check_ttft: bool = True,
+        check_itl: bool = True,
+    ) -> Sizing:
+        """Fewest ``c`` (from ``bound``) with ``replicas(c)`` serving ``goal`` of the requests that can
+        be served in time at all (``goal x reachable``): requests whose own prefill exceeds the TTFT
+        target are lost whatever the fleet, so they do not make the fleet grow."""
+        alone = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)
+        probe = self.attainment(
+            replicas=replicas(max(bound, 1)),
+            load=load,
+            ttft_ms=ttft_ms,
+            itl_ms=itl_ms,
+            corrections=corrections,
         )
-        if tail > ttft_ms:
+        reachable = probe.reachable if check_ttft else 1.0
+        feasible = reachable >= goal and not (check_itl and alone > itl_ms)
+        if reachable <= 0 or (check_itl and alone > itl_ms):
             return Sizing(replicas=bound, throughput_replicas=bound, feasible=False)
-        corrections = Corrections(prefill=scale)
+        need = goal * reachable
 
         def meets(servers: int) -> bool:
-            estimate = self.estimate(
-                replicas={Role.PREFILL: servers, Role.DECODE: 0},
-                load=load,
-                duration_s=_STEADY,
-                corrections=corrections,
+            att = self.attainment(
+                replicas=replicas(servers), load=load, ttft_ms=ttft_ms, itl_ms=itl_ms, corrections=corrections
             )
-            return estimate.ttft_ms <= ttft_ms
+            return (att.ttft if check_ttft else 1.0) * (att.itl if check_itl else 1.0) >= need
 
-        return Sizing(replicas=_search(meets, bound), throughput_replicas=bound, feasible=True)
+        return Sizing(replicas=_search(meets, bound), throughput_replicas=bound, feasible=feasible)
+
+    def prefill_replicas(
+        self,
+        load: Workload,
+        *,
+        ttft_ms: float,
+        scale: float = 1.0,
+        goal: float = 0.99,
+        decode: int = 1 << 16,
+    ) -> Sizing:
+        """Fewest prefill engines serving ``goal`` of ``load``'s requests (that can meet it) within
+        ``ttft_ms``; ``decode`` engines take the handed-over requests (enough not to matter)."""
+        if load.rate <= 0:
+            return Sizing(replicas=0, throughput_replicas=0, feasible=True)
+        mean_ms = float(self.prompt_prefill_ms(load, scale=scale).mean())
+        bound = math.ceil(load.rate * mean_ms / 1000.0)  # one prompt at a time per engine
+        return self._size(
+            replicas=lambda c: {Role.PREFILL: c, Role.DECODE: decode},
+            load=load,
+            ttft_ms=ttft_ms,
+            itl_ms=math.inf,
+            corrections=Corrections(prefill=scale),
+            goal=goal,
+            bound=bound,
+            check_itl=False,
+        )
 
     def decode_throughput_per_engine(self, load: Workload, *, itl_ms: float, scale: float = 1.0) -> float:
         """Output tokens/s of one engine at the best batch whose ITL meets ``itl_ms`` (0 if none)."""
@@ -482,65 +737,79 @@ class CapacityModel:
             self._best_decode[key] = per_gpu
         return per_gpu * self.perf.gpus_per_engine / scale
 
-    def decode_replicas(self, load: Workload, *, itl_ms: float, scale: float = 1.0) -> Sizing:
-        """Fewest decode engines whose ITL estimate for ``load`` meets ``itl_ms``."""
+    def _full_batch_tokens_per_s(self, load: Workload, *, scale: float) -> float:
+        n_max = self.max_batch(load.context_length)
+        return n_max * 1000.0 / self.decode_step_ms(n_max, context_length=load.context_length, scale=scale)
+
+    def decode_replicas(
+        self, load: Workload, *, itl_ms: float, scale: float = 1.0, goal: float = 0.99
+    ) -> Sizing:
+        """Fewest decode engines giving ``goal`` of ``load``'s requests a mean gap within ``itl_ms``."""
         if load.rate <= 0:
             return Sizing(replicas=0, throughput_replicas=0, feasible=True)
         per_engine = self.decode_throughput_per_engine(load, itl_ms=itl_ms, scale=scale)
         if per_engine <= 0:
             # No batch meets the target: size for throughput at full batches and say so.
-            n_max = self.max_batch(load.context_length)
-            full = (
-                n_max * 1000.0 / self.decode_step_ms(n_max, context_length=load.context_length, scale=scale)
-            )
-            bound = math.ceil(load.rate * load.osl / full)
+            bound = math.ceil(load.rate * load.osl / self._full_batch_tokens_per_s(load, scale=scale))
             return Sizing(replicas=bound, throughput_replicas=bound, feasible=False)
         bound = math.ceil(load.rate * load.osl / per_engine)
-
-        def meets(servers: int) -> bool:
-            itl, _, _ = self._decode(
-                servers=servers, rate=load.rate, load=load, backlog=0.0, duration_s=_STEADY, scale=scale
-            )
-            return itl <= itl_ms
-
-        return Sizing(replicas=_search(meets, bound), throughput_replicas=bound, feasible=True)
+        return self._size(
+            replicas=lambda c: {Role.PREFILL: 1 << 16, Role.DECODE: c},
+            load=load,
+            ttft_ms=math.inf,
+            itl_ms=itl_ms,
+            corrections=Corrections(decode=scale),
+            goal=goal,
+            bound=bound,
+            check_ttft=False,
+        )
 
     def aggregated_replicas(
-        self, load: Workload, *, ttft_ms: float, itl_ms: float, corrections: Corrections | None = None
+        self,
+        load: Workload,
+        *,
+        ttft_ms: float,
+        itl_ms: float,
+        corrections: Corrections | None = None,
+        goal: float = 0.99,
     ) -> Sizing:
-        """Fewest aggregated engines whose TTFT and ITL estimates both meet their targets."""
+        """Fewest aggregated engines serving ``goal`` of ``load``'s requests (of those that can be
+        served in time) within both targets."""
         if load.rate <= 0:
             return Sizing(replicas=0, throughput_replicas=0, feasible=True)
         corrections = corrections or Corrections()
-        service = self.prefill_service_ms(
-            load.isl, hit_rate=load.kv_hit_rate, scale=corrections.prefill, onboard_ms=load.onboard_ms
-        )
+        mean_ms = float(self.prompt_prefill_ms(load, scale=corrections.prefill).mean())
         per_engine = self.decode_throughput_per_engine(load, itl_ms=itl_ms, scale=corrections.decode)
-        feasible = per_engine > 0
-        if not feasible:
-            n_max = self.max_batch(load.context_length)
-            per_engine = (
-                n_max
-                * 1000.0
-                / self.decode_step_ms(n_max, context_length=load.context_length, scale=corrections.decode)
-            )
+        if per_engine <= 0:
+            per_engine = self._full_batch_tokens_per_s(load, scale=corrections.decode)
         # Engine-seconds per second: prefill time plus decode time at the best batch.
-        bound = math.ceil(load.rate * service / 1000.0 + load.rate * load.osl / per_engine)
-        tail = self.prefill_service_ms(
-            load.isl_p90 or load.isl,
-            hit_rate=load.kv_hit_rate,
-            scale=corrections.prefill,
-            onboard_ms=load.onboard_ms,
+        bound = math.ceil(load.rate * mean_ms / 1000.0 + load.rate * load.osl / per_engine)
+        return self._size(
+            replicas=lambda c: {Role.WORKER: c},
+            load=load,
+            ttft_ms=ttft_ms,
+            itl_ms=itl_ms,
+            corrections=corrections,
+            goal=goal,
+            bound=bound,
         )
-        # With unlimited engines a lone request still pays its prefill and one decode step.
-        alone = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)
-        if not feasible or tail + alone > ttft_ms:
-            return Sizing(replicas=bound, throughput_replicas=bound, feasible=False)
 
-        def meets(servers: int) -> bool:
-            estimate = self._aggregated(
-                servers=servers, load=load, duration_s=_STEADY, backlog=Backlog(), corrections=corrections
-            )
-            return estimate.ttft_ms <= ttft_ms and estimate.itl_ms <= itl_ms
 
-        return Sizing(replicas=_search(meets, bound), throughput_replicas=bound, feasible=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PoolState:
+    """A pool at steady state: what attainment and means are computed from."""
+
+    times: NDArray[np.float64]
+    """Prefill times of equally likely prompts, ms."""
+    share: float
+    """Share of engine time prefill takes (0 for a decode pool)."""
+    sequences: float
+    """Sequences decoding per engine (Little's law)."""
+    step: Callable[[float], float]
+    """Decode step time (ms) with that many sequences."""
+    n_max: int
+    """Largest batch."""
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))

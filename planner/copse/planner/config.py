@@ -54,16 +54,23 @@ class PlannerConfig(pydantic.BaseModel):
     """Length of the load cycle the seasonal predictor repeats: a day."""
     interval_s: float = Field(default=60.0, gt=0)
     """Seconds between decisions in ``copse planner run``; the dry run takes it from the recording."""
+    attainment_goal: float = Field(default=0.99, gt=0, lt=1)
+    """Share of requests that must meet the SLO (TTFT and mean inter-token gap, TPOT, both within
+    target): the planner sizes for it. Requests whose own prefill exceeds the TTFT target cannot
+    meet it on any fleet; the goal applies to the others."""
     quantile: float = Field(default=DEFAULT_QUANTILE, gt=0, lt=1)
-    """Quantile of TTFT/ITL the estimates are taken at, matching the deployment's p99 targets."""
-    headroom: float = Field(default=0.9, gt=0, le=1)
-    """Size pools for this fraction of each target: margin for engines a little slower than profiled."""
-    forecast_quantile: float | None = Field(default=0.99, gt=0, lt=1)
-    """Size for this quantile of the predictor's recent errors, not its point forecast (None: the point)."""
+    """Quantile of TTFT/ITL the per-interval latency estimates (the dry run's table, alerts) are
+    taken at; sizing uses ``attainment_goal``."""
+    headroom: float = Field(default=1.0, gt=0, le=1)
+    """Size pools for this fraction of each target. 1.0: the correction factors learn the engines'
+    speed, so no blanket margin is needed; lower it for engines whose speed drifts within an interval."""
+    forecast_quantile: float | None = Field(default=0.9, gt=0, lt=1)
+    """Size for this quantile of the predictor's forecast distribution at the lead-time horizon (ARIMA:
+    its prediction interval; others: their recent errors grown with the horizon); None: the point
+    forecast. A quantile of load, not of latency: a load a little above the sized one costs a few
+    slow requests, not the SLO, so 0.9 rather than 0.99."""
     error_window: int = Field(default=144, ge=1)
-    """Recent one-step forecast errors the quantile is taken over (a day of 10-minute intervals)."""
-    max_forecast_margin: float = Field(default=0.5, ge=0)
-    """Cap on that margin (0.5: +50 %), so one missed burst does not inflate the fleet for a day."""
+    """Recent one-step forecast errors the residual-based forecast distribution is taken over."""
     startup_delay_s: float | None = Field(default=None, ge=0)
     """Time from adding a replica to it serving (pod start, weight load); scale-ups start this early.
     ``None``: the deployment's (``spec.coldStart``: its ``startupDelay``, else its strategy's typical
@@ -71,9 +78,11 @@ class PlannerConfig(pydantic.BaseModel):
     hysteresis: float = Field(default=0.1, ge=0)
     """Remove a replica only if the rest would still meet the targets at this much more load."""
     correction: bool = True
-    """Learn how much slower (or faster) the engines are than the profile from observed TTFT/ITL."""
+    """Learn how much slower (or faster) the engines are than the profile from the observed mean TTFT
+    and mean TPOT against the capacity model's means for the same load on the serving replicas."""
     correction_bounds: tuple[float, float] = (0.5, 2.0)
-    """Clamp of a correction factor: a wild measurement must not double or halve the fleet at once."""
+    """Clamp of a correction factor: a wild measurement must not double or halve the fleet at once
+    (a factor at its clamp is counted in copse_planner_correction_clamped_total)."""
     correction_smoothing: float = Field(default=0.3, gt=0, le=1)
     """Weight of the newest measurement in the exponentially smoothed correction factor."""
     isl_scv: float = Field(default=1.0, ge=0)
@@ -109,7 +118,11 @@ class PlannerConfig(pydantic.BaseModel):
 
     def settings_for(self, interval_s: float) -> PredictorSettings:
         """Predictor settings with the seasonal period expressed in intervals of ``interval_s``."""
-        return dataclasses.replace(self.predictor_settings, period=max(1, round(self.season_s / interval_s)))
+        return dataclasses.replace(
+            self.predictor_settings,
+            period=max(1, round(self.season_s / interval_s)),
+            error_window=self.error_window,
+        )
 
 
 class ConfigError(ValueError):

@@ -2,10 +2,13 @@
 
 One decision, at the start of each interval:
 
-1. Forecast the next ``1 + ceil(startup_delay / interval)`` intervals: a replica added now serves
-   only after the start-up delay, so a rise predicted that far ahead is acted on now (lead time).
-2. Size each pool for each forecast interval at ``headroom`` x the targets (see
-   :mod:`copse.planner.capacity`), with the correction factors learned so far; take the largest.
+1. Forecast the load at two horizons, each at ``forecast_quantile`` of the predictor's own forecast
+   distribution there: the next interval (what the replicas in place serve) and
+   ``1 + ceil(startup_delay / interval)`` intervals ahead, when a replica added now would serve
+   (lead time).
+2. Size each pool for both (see :mod:`copse.planner.capacity`): the fewest replicas that serve
+   ``attainment_goal`` of the requests within the targets (``headroom`` x them), with the
+   correction factors learned so far; take the larger.
 3. Fast path: when a pool's queue exceeds ``queue_depth`` per replica, size that pool for the
    forecast plus draining its queue within ``queue_drain_s``, whatever the forecast said.
 4. Floors: never below what in-flight work needs -- the decoding sequences' KV, and the queued
@@ -22,7 +25,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from copse.api import Role
-from copse.planner.capacity import CapacityModel, Corrections, Sizing, Workload
+from copse.planner.capacity import CapacityModel, Corrections, Means, Sizing, Workload
 from copse.planner.config import PlannerConfig
 from copse.planner.forecast import LoadForecast, LoadForecaster
 from copse.planner.observations import Observation
@@ -30,6 +33,11 @@ from copse.planner.policy import Limits, ScaleDownGate, clamp, fit_budget
 
 #: Bisection steps when solving for a correction factor (2^-30 of the clamp range).
 _CORRECTION_STEPS = 30
+#: An interval whose estimated mean TTFT is more than this share waiting does not update the prefill
+#: correction (the queue model's error would be learned as engine speed).
+_QUEUE_SHARE = 0.5
+#: Correction phases, in the order they are reported.
+PHASES: tuple[str, ...] = ("prefill", "decode")
 
 
 def queues_of(obs: Observation, limits: Limits) -> dict[Role, float]:
@@ -65,15 +73,19 @@ class Decision:
     sized: dict[Role, Sizing]
     """What the forecast load needs per pool, before floors, stability and bounds."""
     forecast: LoadForecast | None
-    """The load sized for (the largest over the lead-time horizon); ``None`` before any data."""
+    """The load sized for (the larger of the next interval's and the lead time's, at the forecast
+    quantile); ``None`` before any data."""
     next_forecast: LoadForecast | None
-    """The forecast for the very next interval."""
+    """The point forecast for the very next interval."""
     corrections: Corrections
     """Correction factors in use."""
     reasons: tuple[str, ...]
     """Why the target differs from the sized need (bounds, budget, delay, fast path, ...)."""
     margin: float
-    """Factor on the forecast rate covering recent forecast errors (1.0 = the point forecast)."""
+    """The load sized for over the point forecast at the same horizon (the forecast quantile's
+    allowance for forecast error; 1.0 = the point forecast)."""
+    clamped: tuple[str, ...] = ()
+    """Correction phases whose newest solved factor hit a bound of ``correction_bounds``."""
 
     @property
     def changed(self) -> bool:
@@ -97,6 +109,7 @@ class Decision:
             )
         parts.append(
             f"corrections prefill {self.corrections.prefill:.2f} decode {self.corrections.decode:.2f}"
+            + (f" (clamped: {', '.join(self.clamped)})" if self.clamped else "")
         )
         if self.reasons:
             parts.append("because " + "; ".join(self.reasons))
@@ -125,9 +138,12 @@ class Planner:
             settings=config.settings_for(interval_s),
             default_isl=config.default_isl,
             default_osl=config.default_osl,
-            error_window=config.error_window,
         )
         self.corrections = Corrections()
+        self.clamp_hits = dict.fromkeys(PHASES, 0)
+        """Times each phase's solved correction factor hit a bound (the metric's counter)."""
+        self._clamped: tuple[str, ...] = ()
+        self._backlog: dict[Role, float] = {}
         self._gate = ScaleDownGate()
         self._observed = False
 
@@ -145,32 +161,60 @@ class Planner:
     # --- learning ---------------------------------------------------------------------------
 
     def observe(self, obs: Observation, *, replicas: Mapping[Role, int]) -> None:
-        """Learn from an interval that ended, served by ``replicas``."""
+        """Learn from an interval that ended, held at ``replicas`` (the serving ones, when the
+        observation says, are what the corrections are solved against)."""
         self.forecaster.observe(obs)
         self._observed = True
+        self._clamped = ()
         if self.config.correction and obs.num_requests > 0 and obs.isl and obs.osl:
-            self.corrections = self._corrected(obs, replicas)
+            self.corrections = self._corrected(obs, self._serving(obs, replicas))
+        self._backlog = queues_of(obs, self.limits)
 
-    def _corrected(self, obs: Observation, replicas: Mapping[Role, int]) -> Corrections:
-        """Correction factors moved toward the ones that make the estimate match ``obs``."""
+    def _serving(self, obs: Observation, held: Mapping[Role, int]) -> dict[Role, int]:
+        """Replicas that served the interval: the observation's engine counts, else those held."""
+        serving = {role: held.get(role, 0) for role in self.limits.roles}
+        for role, count in ((self.limits.front, obs.serving), (Role.DECODE, obs.decode_serving)):
+            if count is not None and role in serving:
+                serving[role] = max(0, round(count))
+        return serving
+
+    def _corrected(self, obs: Observation, serving: Mapping[Role, int]) -> Corrections:
+        """Correction factors moved toward the ones that make the capacity model's *mean* TTFT and
+        mean TPOT of the observed load, on the serving replicas with the backlog the interval
+        started with, match the observed means. Engine speed is learned from means, not tails: the
+        TTFT tail is the prompts' own lengths (sized for in :meth:`CapacityModel.attainment`), not
+        slow engines. An interval whose estimated mean TTFT is mostly waiting teaches nothing of the
+        prefill speed (the queue model would be fitted instead), so it leaves that factor alone."""
         low, high = self.config.correction_bounds
         alpha = self.config.correction_smoothing
         corrections = self.corrections
-        if any(replicas.get(role, 0) == 0 for role in self.limits.roles):
+        if any(serving.get(role, 0) == 0 for role in self.limits.roles):
             return corrections
-        for field, observed in (("prefill", obs.ttft_ms), ("decode", obs.itl_ms)):
-            if observed is None:
+        backlog = self._backlog.get(self.limits.front, 0.0)
+        means = _MeansOf(
+            capacity=self.capacity,
+            obs=obs,
+            replicas=serving,
+            backlog=backlog,
+            corrections=corrections,
+            field="prefill",
+        )
+        current = means.at(corrections)
+        clamped = []
+        for field, observed in (("prefill", obs.ttft_mean_ms), ("decode", obs.itl_mean_ms)):
+            if observed is None or observed <= 0:
+                continue
+            if field == "prefill" and current.queue_ms > _QUEUE_SHARE * current.ttft_ms:
                 continue
             solved = _solve_increasing(
-                _EstimateOf(
-                    capacity=self.capacity, obs=obs, replicas=replicas, corrections=corrections, field=field
-                ),
-                observed,
-                low=low,
-                high=high,
+                dataclasses.replace(means, corrections=corrections, field=field), observed, low=low, high=high
             )
+            if solved <= low or solved >= high:
+                clamped.append(field)
+                self.clamp_hits[field] += 1
             smoothed = (1 - alpha) * getattr(corrections, field) + alpha * solved
             corrections = dataclasses.replace(corrections, **{field: min(max(smoothed, low), high)})
+        self._clamped = tuple(clamped)
         return corrections
 
     # --- the live loop's two moves ------------------------------------------------------------
@@ -198,17 +242,23 @@ class Planner:
     # --- deciding ---------------------------------------------------------------------------
 
     def size(self, load: Workload) -> dict[Role, Sizing]:
-        """Replicas each pool needs for ``load`` at ``headroom`` x the targets, with current corrections."""
+        """Replicas each pool needs to serve ``attainment_goal`` of ``load``'s requests within
+        ``headroom`` x the targets, with the current corrections."""
         ttft = self.limits.ttft_ms * self.config.headroom
         itl = self.limits.itl_ms * self.config.headroom
+        goal = self.config.attainment_goal
         if not self.limits.disaggregated:
             sizing = self.capacity.aggregated_replicas(
-                load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections
+                load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections, goal=goal
             )
             return {Role.WORKER: sizing}
         return {
-            Role.PREFILL: self.capacity.prefill_replicas(load, ttft_ms=ttft, scale=self.corrections.prefill),
-            Role.DECODE: self.capacity.decode_replicas(load, itl_ms=itl, scale=self.corrections.decode),
+            Role.PREFILL: self.capacity.prefill_replicas(
+                load, ttft_ms=ttft, scale=self.corrections.prefill, goal=goal
+            ),
+            Role.DECODE: self.capacity.decode_replicas(
+                load, itl_ms=itl, scale=self.corrections.decode, goal=goal
+            ),
         }
 
     def _size_horizon(self, forecasts: list[LoadForecast], *, scale: float = 1.0) -> dict[Role, Sizing]:
@@ -218,6 +268,18 @@ class Planner:
                 if role not in best or sizing.replicas > best[role].replicas:
                     best[role] = sizing
         return best
+
+    def _horizon_forecasts(self) -> tuple[list[LoadForecast], float, LoadForecast]:
+        """The forecasts sized for -- the next interval, and the one a replica added now serves
+        first -- at the forecast quantile; the margin this quantile adds at the lead time; the next
+        interval's point forecast."""
+        quantile = self.config.forecast_quantile
+        points = self.forecaster.forecast(self.horizon)
+        uppers = points if quantile is None else self.forecaster.forecast(self.horizon, quantile=quantile)
+        picked = [uppers[0]] if self.horizon == 1 else [uppers[0], uppers[-1]]
+        point = points[-1].num_requests
+        margin = uppers[-1].num_requests / point if point > 0 else 1.0
+        return picked, margin, points[0]
 
     def decide(
         self,
@@ -248,16 +310,13 @@ class Planner:
                 reasons=("no load observed yet: holding", *_bound_reasons(current, target)),
                 margin=1.0,
             )
-        forecasts = self.forecaster.forecast(self.horizon)
-        quantile = self.config.forecast_quantile
-        error = self.forecaster.margin(quantile) if quantile is not None else 0.0
-        margin = 1.0 + min(error, self.config.max_forecast_margin)
-        sized = self._size_horizon(forecasts, scale=margin)
+        forecasts, margin, expected = self._horizon_forecasts()
+        sized = self._size_horizon(forecasts)
         peak = max(forecasts, key=lambda f: f.num_requests)
         if peak is not forecasts[0] and any(
             sized[role].replicas > current[role] for role in self.limits.roles
         ):
-            reasons.append(f"lead time: sized for the load {forecasts.index(peak)} interval(s) ahead")
+            reasons.append(f"lead time: sized for the load {self.horizon - 1} interval(s) ahead")
         desired = {role: sizing.replicas for role, sizing in sized.items()}
         # Fast path: a queue the forecast did not see.
         queues = queues or {}
@@ -267,7 +326,7 @@ class Planner:
                 continue
             backlog = queued * forecasts[0].duration_s / self.config.queue_drain_s
             drain = dataclasses.replace(forecasts[0], num_requests=forecasts[0].num_requests + backlog)
-            need = self.size(workload_of(drain, scale=margin))[role].replicas
+            need = self.size(workload_of(drain))[role].replicas
             if need > desired[role]:
                 desired[role] = need
                 trigger = self.limits.queue_depth
@@ -283,7 +342,7 @@ class Planner:
         # Hysteresis: shrink only to what would still hold with more load.
         shrinking = [role for role in self.limits.roles if desired[role] < current[role]]
         if shrinking and self.config.hysteresis > 0:
-            padded = self._size_horizon(forecasts, scale=margin * (1 + self.config.hysteresis))
+            padded = self._size_horizon(forecasts, scale=1 + self.config.hysteresis)
             for role in shrinking:
                 held = min(current[role], max(desired[role], padded[role].replicas))
                 if held > desired[role]:
@@ -307,10 +366,11 @@ class Planner:
             target=target,
             sized=sized,
             forecast=peak,
-            next_forecast=forecasts[0],
+            next_forecast=expected,
             corrections=self.corrections,
             reasons=tuple(reasons),
             margin=margin,
+            clamped=self._clamped,
         )
 
     def _floors(self, forecast: LoadForecast, *, queued: float, inflight: float | None) -> dict[Role, int]:
@@ -333,23 +393,28 @@ class Planner:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _EstimateOf:
-    """The estimated TTFT (field ``prefill``) or ITL (``decode``) of an observed interval as a
-    function of that field's correction factor."""
+class _MeansOf:
+    """The capacity model's mean TTFT (field ``prefill``) or mean TPOT (``decode``) of an observed
+    interval as a function of that field's correction factor."""
 
     capacity: CapacityModel
     obs: Observation
     replicas: Mapping[Role, int]
+    backlog: float
     corrections: Corrections
     field: str
 
-    def __call__(self, scale: float) -> float:
-        result = self.capacity.estimate(
+    def at(self, corrections: Corrections) -> Means:
+        return self.capacity.means(
             replicas=self.replicas,
             load=workload_of(self.obs),
             duration_s=self.obs.duration_s,
-            corrections=dataclasses.replace(self.corrections, **{self.field: scale}),
+            backlog=self.backlog,
+            corrections=corrections,
         )
+
+    def __call__(self, scale: float) -> float:
+        result = self.at(dataclasses.replace(self.corrections, **{self.field: scale}))
         return result.ttft_ms if self.field == "prefill" else result.itl_ms
 
 

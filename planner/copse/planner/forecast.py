@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-
-import numpy as np
 
 from copse.planner.observations import Observation
 from copse.planner.predictors import PredictorSettings, make_predictor
@@ -52,7 +49,6 @@ class LoadForecaster:
         settings: PredictorSettings | None = None,
         default_isl: float = 3000.0,
         default_osl: float = 150.0,
-        error_window: int = 144,
     ) -> None:
         settings = settings or PredictorSettings()
         self.predictor = predictor
@@ -60,25 +56,13 @@ class LoadForecaster:
         self._seen: set[str] = set()
         self._defaults = {"isl": default_isl, "osl": default_osl}
         self.duration_s: float | None = None
-        self._errors: deque[float] = deque(maxlen=error_window)
 
     def observe(self, obs: Observation) -> None:
-        if "num_requests" in self._seen:
-            predicted = float(self._predictors["num_requests"].forecast(1)[0])
-            if predicted > 0:
-                self._errors.append(obs.num_requests / predicted - 1.0)
         self.duration_s = obs.duration_s
         self._update("num_requests", obs.num_requests)
         if obs.num_requests > 0:
             for name in ("isl", "osl", "isl_p90", "kv_hit_rate", "onboard_ms"):
                 self._update(name, getattr(obs, name))
-
-    def margin(self, quantile: float) -> float:
-        """How far above its forecast the request count has come, at ``quantile`` of the recent
-        one-step errors (relative, never negative): what sizing for that quantile adds."""
-        if not self._errors:
-            return 0.0
-        return max(0.0, float(np.quantile(np.asarray(self._errors), quantile)))
 
     def _update(self, name: str, value: float | None) -> None:
         if value is None:
@@ -86,13 +70,17 @@ class LoadForecaster:
         self._seen.add(name)
         self._predictors[name].observe(value)
 
-    def forecast(self, steps: int) -> list[LoadForecast]:
-        """The next ``steps`` intervals (``steps`` >= 1); requires at least one observation."""
+    def forecast(self, steps: int, *, quantile: float | None = None) -> list[LoadForecast]:
+        """The next ``steps`` intervals (``steps`` >= 1); requires at least one observation. With a
+        ``quantile``, the request counts are that quantile of the predictor's forecast distribution
+        at each horizon (the request shapes stay point forecasts)."""
         if self.duration_s is None:
             raise ValueError("no observation yet: nothing to forecast the interval length from")
         values = {
             name: self._predictors[name].forecast(steps) if name in self._seen else None for name in SERIES
         }
+        if quantile is not None and "num_requests" in self._seen:
+            values["num_requests"] = self._predictors["num_requests"].upper(steps, quantile)
         out = []
         for k in range(steps):
             at = {name: None if series is None else float(series[k]) for name, series in values.items()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from copse.planner.core import Decision
+from copse.planner.core import PHASES, Decision
 
 PREFIX = "copse_planner"
 
@@ -21,7 +21,8 @@ PREDICTED_OSL = f"{PREFIX}_predicted_osl_tokens"
 PREDICTED_KV_HIT_RATE = f"{PREFIX}_predicted_kv_hit_rate"
 """Gauge: forecast prefix-cache hit rate of the next interval."""
 FORECAST_MARGIN = f"{PREFIX}_forecast_margin"
-"""Gauge: factor on the forecast rate that covers recent forecast errors."""
+"""Gauge: the load sized for over the point forecast at the lead-time horizon (the forecast
+quantile's allowance for the predictor's error)."""
 SIZED_REPLICAS = f"{PREFIX}_sized_replicas"
 """Gauge by role: replicas the forecast load needs, before floors, stability rules and bounds."""
 TARGET_REPLICAS = f"{PREFIX}_target_replicas"
@@ -29,7 +30,11 @@ TARGET_REPLICAS = f"{PREFIX}_target_replicas"
 CURRENT_REPLICAS = f"{PREFIX}_current_replicas"
 """Gauge by role: replicas in the deployment's spec when deciding."""
 CORRECTION_FACTOR = f"{PREFIX}_correction_factor"
-"""Gauge by phase (prefill, decode): observed over profiled latency, smoothed and clamped."""
+"""Gauge by phase (prefill, decode): how much slower the engines are than the profile, solved from
+observed mean TTFT / mean TPOT, smoothed and clamped."""
+CORRECTION_CLAMPED = f"{PREFIX}_correction_clamped"
+"""Counter (``_total``) by phase: intervals whose solved correction factor hit a bound of
+``correction_bounds`` (alert when it keeps rising: the factor is pinned, not measured)."""
 DECISIONS = f"{PREFIX}_decisions"
 """Counter (``_total``) by action (scale_up, scale_down, rebalance, hold)."""
 PATCHES = f"{PREFIX}_patches"
@@ -63,6 +68,9 @@ class PlannerMetrics:
         self.target = Gauge(TARGET_REPLICAS, "Replicas decided.", [*_DEPLOYMENT, "role"], registry=r)
         self.current = Gauge(CURRENT_REPLICAS, "Replicas in the spec.", [*_DEPLOYMENT, "role"], registry=r)
         self.correction = Gauge(CORRECTION_FACTOR, "Correction factors.", [*_DEPLOYMENT, "phase"], registry=r)
+        self.clamped = Counter(
+            CORRECTION_CLAMPED, "Correction factors solved at a bound.", [*_DEPLOYMENT, "phase"], registry=r
+        )
         self.decisions = Counter(DECISIONS, "Decisions by action.", [*_DEPLOYMENT, "action"], registry=r)
         self.patches = Counter(PATCHES, "Patches by result.", [*_DEPLOYMENT, "result"], registry=r)
         self.skipped = Counter(SKIPPED_INTERVALS, "Intervals without a decision.", _DEPLOYMENT, registry=r)
@@ -85,6 +93,10 @@ class PlannerMetrics:
             self.current.labels(*labels, role.value).set(decision.current.get(role, 0))
         self.correction.labels(*labels, "prefill").set(decision.corrections.prefill)
         self.correction.labels(*labels, "decode").set(decision.corrections.decode)
+        for phase in PHASES:
+            counter = self.clamped.labels(*labels, phase)  # every phase exported, from 0
+            if phase in decision.clamped:
+                counter.inc()
         self.decisions.labels(*labels, action_of(decision)).inc()
         self.last_decision.labels(*labels).set(now)
 

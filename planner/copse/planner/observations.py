@@ -34,9 +34,21 @@ class Observation:
     """Mean time a request's prefill spent bringing cached blocks back from host memory or disk,
     ms (the router's prediction; 0 without offload tiers)."""
     ttft_ms: float | None = None
-    """Observed p99 time to first token, ms (drives the prefill correction factor)."""
+    """Observed p99 time to first token, ms: an alert signal (read from histogram buckets, so coarse);
+    the planner does not size from it."""
     itl_ms: float | None = None
-    """Observed p99 inter-token latency, ms (drives the decode correction factor)."""
+    """Observed p99 of the requests' mean inter-token gaps (TPOT), ms: an alert signal like ttft_ms."""
+    ttft_mean_ms: float | None = None
+    """Mean time to first token of the interval's requests, ms (histogram sum over count: exact);
+    with the capacity model's mean estimate it gives the prefill correction factor."""
+    itl_mean_ms: float | None = None
+    """Mean over the interval's requests of their mean inter-token gap (TPOT), ms; gives the decode
+    correction factor."""
+    serving: float | None = None
+    """Replicas of the front pool (prefill, or aggregated workers) serving during the interval
+    (engines reporting metrics; starting replicas do not). Corrections are solved against these."""
+    decode_serving: float | None = None
+    """Decode replicas serving during the interval (disaggregated)."""
     queue_depth: float | None = None
     """Requests waiting for prefill (or an aggregated worker) at the end of the interval (the fast path)."""
     decode_queue_depth: float | None = None
@@ -86,6 +98,10 @@ def merge(group: Sequence[Observation]) -> Observation:
         onboard_ms=_weighted([(obs.onboard_ms, w) for obs, w in zip(group, weights, strict=True)]),
         ttft_ms=_largest([obs.ttft_ms for obs in group]),
         itl_ms=_largest([obs.itl_ms for obs in group]),
+        ttft_mean_ms=_weighted([(obs.ttft_mean_ms, w) for obs, w in zip(group, weights, strict=True)]),
+        itl_mean_ms=_weighted([(obs.itl_mean_ms, w) for obs, w in zip(group, weights, strict=True)]),
+        serving=_weighted([(obs.serving, obs.duration_s) for obs in group]),
+        decode_serving=_weighted([(obs.decode_serving, obs.duration_s) for obs in group]),
         queue_depth=group[-1].queue_depth,
         decode_queue_depth=group[-1].decode_queue_depth,
         inflight=group[-1].inflight,

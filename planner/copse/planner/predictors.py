@@ -1,8 +1,15 @@
 """Load predictors: given one series observed interval by interval, forecast its next values.
 
-Every predictor has the same two methods, ``observe(value)`` and ``forecast(steps)``, and is
-made by name from :data:`PREDICTORS` (``constant``, ``moving_average``, ``arima``, ``kalman``,
-``seasonal``). They are pure (no I/O) and never forecast a negative value.
+Every predictor has the same three methods, ``observe(value)``, ``forecast(steps)`` (the point
+forecast) and ``upper(steps, quantile)`` (a quantile of its forecast distribution at each horizon),
+and is made by name from :data:`PREDICTORS` (``constant``, ``moving_average``, ``arima``,
+``kalman``, ``seasonal``). They are pure (no I/O) and never forecast a negative value.
+
+The forecast distribution: ARIMA's own prediction interval (the state-space forecast variance,
+what pmdarima's ``conf_int`` reports), on the log scale when the model was fitted on ``log1p``.
+The others have no calibrated model of their errors, so they use their own recent one-step errors
+(relative to the forecast, the last ``error_window``): the empirical ``quantile`` of those, grown
+with the horizon as ``sqrt(k)`` (independent steps add variances).
 
 ARIMA and the Kalman filter share one linear-Gaussian state-space filter: pmdarima's
 ``auto_arima`` chooses the order and estimates the parameters, and each new observation is then
@@ -20,6 +27,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -27,6 +35,8 @@ from numpy.typing import NDArray
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 FloatArray = NDArray[np.float64]
+#: One-step errors needed before their quantile is used (fewer say little of the distribution).
+_MIN_ERRORS = 10
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,9 +61,19 @@ class PredictorSettings:
     """kalman: trend noise variance; small so one spike does not become a trend."""
     kalman_r: float = 10.0
     """kalman: observation noise variance; large relative to q so the filter smooths."""
+    error_window: int = 144
+    """Recent one-step errors a residual-based forecast distribution is taken over (a day of
+    10-minute intervals; 2.4 hours of 1-minute ones)."""
 
     def __post_init__(self) -> None:
-        for name in ("window", "period", "level_window", "arima_min_points", "arima_refit_every"):
+        for name in (
+            "window",
+            "period",
+            "level_window",
+            "arima_min_points",
+            "arima_refit_every",
+            "error_window",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"predictor setting {name}={getattr(self, name)} must be at least 1")
         if self.arima_fit_window < self.arima_min_points:
@@ -76,6 +96,7 @@ class Predictor(ABC):
     def __init__(self, settings: PredictorSettings) -> None:
         self.settings = settings
         self._started = False
+        self._errors: deque[float] = deque(maxlen=settings.error_window)
 
     def observe(self, value: float) -> None:
         """Record the value of the interval that just ended."""
@@ -84,8 +105,28 @@ class Predictor(ABC):
         value = max(0.0, float(value))
         if not self._started and value == 0.0:
             return
+        if self._started:
+            predicted = float(self.forecast(1)[0])
+            if predicted > 0:
+                self._errors.append(value / predicted - 1.0)
         self._started = True
         self._observe(value)
+
+    def upper(self, steps: int, quantile: float) -> FloatArray:
+        """The ``quantile`` of the forecast distribution of each of the next ``steps`` values (the
+        point forecast for a quantile of 0.5 or below, and before any error has been seen)."""
+        point = self.forecast(steps)
+        if quantile <= 0.5 or not self._started:
+            return point
+        return np.maximum(self._upper(point, quantile), point)
+
+    def _upper(self, point: FloatArray, quantile: float) -> FloatArray:
+        """From the recent one-step errors, relative to the forecast, growing as ``sqrt(k)``."""
+        if len(self._errors) < _MIN_ERRORS:
+            return point
+        one_step = max(0.0, float(np.quantile(np.asarray(self._errors), quantile)))
+        horizon = np.sqrt(np.arange(1, len(point) + 1, dtype=np.float64))
+        return point * (1.0 + one_step * horizon)
 
     def forecast(self, steps: int = 1) -> FloatArray:
         """The next ``steps`` values (``forecast(1)[0]`` is the next interval); 0 before any data."""
@@ -196,6 +237,15 @@ class StateSpaceFilter:
         self.state_intercept = self.state_intercept + self.intercept_step
         self.state = self.transition @ self.state + self.state_intercept
         self.cov = self.transition @ self.cov @ self.transition.T + self.state_cov
+
+    def variance(self, steps: int) -> FloatArray:
+        """Variance of the forecast error of each of the next ``steps`` observations."""
+        cov = self.cov
+        out = np.empty(steps)
+        for k in range(steps):
+            out[k] = float(self.design @ cov @ self.design) + self.obs_cov
+            cov = self.transition @ cov @ self.transition.T + self.state_cov
+        return out
 
     def forecast(self, steps: int) -> FloatArray:
         state, intercept = self.state, self.state_intercept
@@ -341,6 +391,15 @@ class ArimaPredictor(Predictor):
         if self._filter is None:
             return np.full(steps, self._history[-1])
         values = self._filter.forecast(steps)
+        return np.expm1(values) if self._log else values
+
+    def _upper(self, point: FloatArray, quantile: float) -> FloatArray:
+        """The fitted model's prediction interval (pmdarima's ``conf_int``), one-sided."""
+        if self._filter is None or self._constant is not None:
+            return super()._upper(point, quantile)
+        steps = len(point)
+        spread = NormalDist().inv_cdf(quantile) * np.sqrt(np.maximum(self._filter.variance(steps), 0.0))
+        values = self._filter.forecast(steps) + spread
         return np.expm1(values) if self._log else values
 
 

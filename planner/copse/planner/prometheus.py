@@ -65,6 +65,19 @@ DEFAULT_QUERIES: dict[str, str] = {
         "1000 * histogram_quantile({quantile}, "
         "sum by (le) (rate(copse_router_inter_token_latency_seconds_bucket{{{selector}}}[{window}])))"
     ),
+    # Means from the histograms' _sum and _count: exact, where quantiles interpolate coarse buckets.
+    "ttft_mean_ms": (
+        "1000 * sum(increase(copse_router_time_to_first_token_seconds_sum{{{selector}}}[{window}]))"
+        " / sum(increase(copse_router_time_to_first_token_seconds_count{{{selector}}}[{window}]))"
+    ),
+    # The router observes each request's mean inter-token gap (TPOT): this is their mean.
+    "itl_mean_ms": (
+        "1000 * sum(increase(copse_router_inter_token_latency_seconds_sum{{{selector}}}[{window}]))"
+        " / sum(increase(copse_router_inter_token_latency_seconds_count{{{selector}}}[{window}]))"
+    ),
+    # Engines reporting at the end of the window: a starting replica has no engine to scrape yet.
+    "serving": 'count({{__name__=~"(trtllm_)?num_requests_running",{selector},role=~"prefill|worker"}})',
+    "decode_serving": 'count({{__name__=~"(trtllm_)?num_requests_running",{selector},role="decode"}})',
     "queue_depth": (
         "(sum(copse_router_queue_depth{{{selector}}}) or vector(0))"
         ' + (sum({{__name__=~"(trtllm_)?num_requests_waiting",{selector},role=~"prefill|worker"}})'
@@ -177,6 +190,10 @@ class PrometheusSource:
             onboard_ms=values["onboard_ms"] if busy else None,
             ttft_ms=values["ttft_ms"] if busy else None,
             itl_ms=values["itl_ms"] if busy else None,
+            ttft_mean_ms=values["ttft_mean_ms"] if busy else None,
+            itl_mean_ms=values["itl_mean_ms"] if busy else None,
+            serving=values["serving"],
+            decode_serving=values["decode_serving"],
             queue_depth=values["queue_depth"],
             decode_queue_depth=values["decode_queue_depth"],
             inflight=values["inflight"],

@@ -5,13 +5,17 @@
   factor ``(1 + cs^2) / 2`` for general service times (M/G/c); ``cs^2`` is the squared coefficient
   of variation of the service time (0 for fixed-size prompts, 1 for exponential).
 * A lognormal fit of the prompt-length distribution from its mean and 90th percentile, which
-  gives ``cs^2`` when the metrics carry a p90.
+  gives ``cs^2`` when the metrics carry a p90, and equal-probability points of that distribution
+  (what the share of requests meeting a TTFT target is summed over).
 """
 
 from __future__ import annotations
 
 import math
 from statistics import NormalDist
+
+import numpy as np
+from numpy.typing import NDArray
 
 #: z of the 90th percentile of a standard normal distribution.
 _Z90 = NormalDist().inv_cdf(0.9)
@@ -74,3 +78,52 @@ def lognormal_scv(*, mean: float, p90: float) -> float:
 def normal_quantile(quantile: float) -> float:
     """z such that a standard normal variable stays below it with probability ``quantile``."""
     return NormalDist().inv_cdf(quantile)
+
+
+def wait_exceeds(
+    waits_s: NDArray[np.float64],
+    *,
+    servers: int,
+    arrival_rate: float,
+    service_s: float,
+    service_scv: float = 1.0,
+) -> NDArray[np.float64]:
+    """``P(W > t)`` for each ``t`` in ``waits_s`` (seconds; negative ``t``: 1) in an M/G/c queue:
+    Erlang C times the M/M/c exponential tail, its decay slowed by ``(1 + service_scv) / 2``
+    (the Allen-Cunneen scaling :func:`wait_quantile_s` uses); 1 everywhere when unstable."""
+    if arrival_rate <= 0:
+        return np.where(waits_s < 0, 1.0, 0.0)
+    capacity = servers / service_s
+    if arrival_rate >= capacity:
+        return np.ones_like(waits_s)
+    waiting = erlang_c(servers, arrival_rate * service_s)
+    decay = (capacity - arrival_rate) * 2.0 / (1.0 + service_scv)
+    return np.where(waits_s < 0, 1.0, waiting * np.exp(-decay * np.maximum(waits_s, 0.0)))
+
+
+def mean_wait_s(*, servers: int, arrival_rate: float, service_s: float, service_scv: float = 1.0) -> float:
+    """Mean wait before service in an M/G/c queue (Erlang C over the spare capacity, Allen-Cunneen
+    scaled); ``inf`` when unstable."""
+    if arrival_rate <= 0:
+        return 0.0
+    capacity = servers / service_s
+    if arrival_rate >= capacity:
+        return math.inf
+    waiting = erlang_c(servers, arrival_rate * service_s)
+    return waiting / (capacity - arrival_rate) * (1.0 + service_scv) / 2.0
+
+
+def lognormal_points(*, mean: float, scv: float, count: int) -> NDArray[np.float64]:
+    """``count`` equally likely values of a lognormal distribution with this mean and squared CV:
+    its quantiles at ``(i + 1/2) / count`` (all equal to the mean when ``scv`` is 0)."""
+    if count < 1:
+        raise ValueError(f"count={count} must be at least 1")
+    if mean <= 0:
+        raise ValueError(f"mean={mean} must be positive")
+    if scv <= 0:
+        return np.full(count, float(mean))
+    sigma = math.sqrt(math.log1p(scv))
+    mu = math.log(mean) - sigma * sigma / 2.0
+    normal = NormalDist()
+    z = np.array([normal.inv_cdf((i + 0.5) / count) for i in range(count)])
+    return np.exp(mu + sigma * z)

@@ -7,9 +7,10 @@ What runs is what runs in a cluster, minus the cluster:
   :meth:`~copse.planner.core.Planner.step`) learns from the interval that ended and decides the
   replicas. It sees what it would see in a cluster, the router's Prometheus series over the
   interval (:func:`observe`): requests answered, prompt and output tokens, the router's
-  *predicted* hit rate, and the p90 prompt length and p99 TTFT and ITL read from the router's
-  histogram buckets with Prometheus' ``histogram_quantile``; queue and batch gauges at the end
-  of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
+  *predicted* hit rate, the p90 prompt length and p99 TTFT and ITL read from the router's
+  histogram buckets with Prometheus' ``histogram_quantile`` (alert signals), the mean TTFT and
+  mean TPOT from the histograms' sums and counts; queue and batch gauges and the engines serving
+  at the end of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
   path adds capacity only).
 * A replica added starts serving ``startup_delay_s`` after the decision (it holds its GPUs from
   the decision on). A replica removed first cancels one still starting (newest first), else
@@ -89,6 +90,15 @@ def _queues(fleet: Fleet) -> dict[Role, float]:
     return queues
 
 
+def _serving(fleet: Fleet) -> dict[Role, float]:
+    """Engines serving per pool (neither draining nor retired)."""
+    serving: dict[Role, float] = {}
+    for index, role in enumerate(fleet.roles):
+        if index not in fleet.draining and index not in fleet.retired_ms:
+            serving[Role(role.value)] = serving.get(Role(role.value), 0.0) + 1
+    return serving
+
+
 def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) -> Observation:
     """What the planner's Prometheus queries return for ``[start_ms, end_ms)``: the router's counters
     and histograms over the window, the queue and batch gauges at its end."""
@@ -105,6 +115,7 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
     ttft = fleet.first_ms[first] - fleet.arrival_ms[first]
     ttft_s = histogram_quantile(quantile, ttft / 1000.0, buckets=LATENCY_BUCKETS)
     queues = _queues(fleet)
+    serving = _serving(fleet)
     itl_s = histogram_quantile(quantile, itl / 1000.0, buckets=ITL_BUCKETS)
     return Observation(
         timestamp=start_ms / 1000.0,
@@ -118,6 +129,11 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
         itl_ms=None if itl_s is None else itl_s * 1000.0,
+        # the histograms' _sum / _count: exact means
+        ttft_mean_ms=float(ttft.mean()) if len(ttft) else None,
+        itl_mean_ms=float(itl.mean()) if len(itl) else None,
+        serving=serving.get(Role(fleet.front.value), 0.0),
+        decode_serving=serving.get(Role.DECODE, 0.0) if fleet.front is EngineRole.PREFILL else None,
         queue_depth=queues[Role(fleet.front.value)],
         decode_queue_depth=queues.get(Role.DECODE),
         inflight=float(sum(len(engine.running) for engine in fleet.engines)),

@@ -1,0 +1,37 @@
+"""The planner's own metrics: correction factors and their clamp hits are exported, never silent."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from copse.api import Role
+from copse.planner.capacity import CapacityModel, Corrections
+from copse.planner.core import Decision
+from copse.planner.metrics import CORRECTION_CLAMPED, CORRECTION_FACTOR, PlannerMetrics
+
+
+def test_correction_factors_and_clamp_hits_are_exported(linear: CapacityModel) -> None:
+    metrics = PlannerMetrics()
+    decision = Decision(
+        time=0.0,
+        current={Role.WORKER: 2},
+        target={Role.WORKER: 2},
+        sized={},
+        forecast=None,
+        next_forecast=None,
+        corrections=Corrections(prefill=2.0, decode=1.1),
+        reasons=(),
+        margin=1.0,
+        clamped=("prefill",),
+    )
+    metrics.record(decision, namespace="ns", deployment="llm", now=1.0)
+    metrics.record(dataclasses.replace(decision, clamped=()), namespace="ns", deployment="llm", now=2.0)
+
+    def value(name: str, phase: str) -> float | None:
+        labels = {"namespace": "ns", "deployment": "llm", "phase": phase}
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value(CORRECTION_FACTOR, "prefill") == 2.0
+    assert value(CORRECTION_FACTOR, "decode") == 1.1
+    assert value(f"{CORRECTION_CLAMPED}_total", "prefill") == 1.0
+    assert value(f"{CORRECTION_CLAMPED}_total", "decode") == 0.0
