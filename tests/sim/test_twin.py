@@ -249,6 +249,7 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
             f"reads {tmp_path / 'mooncake_fast25_conversation'}",
         ),
         (["--metrics", str(recording)], "--metrics needs --shapes FILE"),
+        (["--trace", str(shapes), "--hours", "1"], "--hours slices a --load or --metrics, not a --trace"),
         ([*args[1:], "--predictor", "oracle"], "unknown predictor 'oracle'"),
         ([*args[1:], "--warmup", "1000"], "covers the whole load"),
     ):

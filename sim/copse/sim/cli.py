@@ -529,7 +529,9 @@ def _static_option(value: str | None, *, disaggregated: bool) -> dict[Role, int]
     help="Folder holding the public traces a --load reads (multi-day inputs are not in the repository).",
 )
 @click.option(
-    "--hours", type=click.FloatRange(min=0, min_open=True), help="Only the first hours of the --load."
+    "--hours",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Only the first hours of the --load or --metrics.",
 )
 @click.option(
     "--peak-rate",
@@ -657,8 +659,8 @@ def planner_command(
         raise _fail(f"unknown predictor {predictor!r}; known: {', '.join(sorted(PREDICTORS))}")
     if metrics is not None and shapes is None:
         raise _fail("--metrics needs --shapes FILE: the trace whose requests the arrivals get")
-    if hours is not None and load_name is None:
-        raise _fail("--hours slices a --load; give --load NAME")
+    if hours is not None and trace_path is not None:
+        raise _fail("--hours slices a --load or --metrics, not a --trace")
     for name, number in (("--engine-noise", engine_noise), ("--kv-event-lag-ms", kv_event_lag_ms)):
         if not (number >= 0 and math.isfinite(number)):
             raise _fail(f"{name} must be a non-negative number, got {number}")
@@ -689,6 +691,10 @@ def planner_command(
         elif metrics is not None:
             assert shapes is not None
             recording = read_metrics(metrics)
+            if hours is not None:  # the intervals starting within the first hours
+                recording = [
+                    obs for obs in recording if obs.timestamp < recording[0].timestamp + hours * 3600
+                ]
             peak = max(obs.rate for obs in recording)
             scale = 1.0 if peak_rate is None or peak <= 0 else peak_rate / peak
             trace = synthesize(
