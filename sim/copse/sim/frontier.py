@@ -37,7 +37,8 @@ class StaticPoint:
     """One static fleet size as simulated."""
 
     replicas: int
-    """The size walked over: aggregated workers, or decode replicas of a disaggregated fleet."""
+    """The size walked over: aggregated workers, or replicas of the larger pool of a disaggregated
+    fleet (the other pool in the planner's proportion)."""
     slo_attainment: float
     gpu_hours: float
     pools: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -138,12 +139,17 @@ def search(
     return Frontier(static=tuple(points[n] for n in sorted(points)), goal=high_bar)
 
 
-def static_pools(size: int, *, roles: Sequence[Role], prefill_per_decode: float) -> dict[Role, int]:
-    """The pools of static size ``size``: that many aggregated workers, or that many decode replicas
-    and ``prefill_per_decode`` times as many prefill ones (rounded, at least 1)."""
+def static_pools(size: int, *, roles: Sequence[Role], split: Mapping[Role, float]) -> dict[Role, int]:
+    """The pools of static size ``size``: that many aggregated workers; for a disaggregated fleet,
+    ``size`` replicas of the pool ``split`` holds more of (the planner's mean replicas per pool)
+    and the other in proportion (rounded, at least 1), so the walk moves in single replicas of
+    the larger pool."""
     if Role.PREFILL not in roles:
         return {Role.WORKER: size}
-    return {Role.PREFILL: max(1, round(size * prefill_per_decode)), Role.DECODE: size}
+    larger = max((Role.PREFILL, Role.DECODE), key=lambda role: split.get(role, 0.0))
+    other = Role.DECODE if larger is Role.PREFILL else Role.PREFILL
+    ratio = split.get(other, 0.0) / split[larger] if split.get(larger, 0.0) > 0 else 1.0
+    return {larger: size, other: max(1, round(size * ratio))}
 
 
 _JOB: dict[str, Any] = {}
@@ -196,17 +202,15 @@ def run_frontier(
 ) -> tuple[Frontier, dict[int, TwinReport]]:
     """Every static size :func:`search` needs to place the ``planners`` (runs of the pool's settings)
     on the frontier, simulated on the same arrivals. A disaggregated fleet's static sizes keep the
-    planners' mean prefill-to-decode ratio. ``on_static`` sees each static run as it completes."""
+    planners' mean prefill-to-decode ratio, walking the larger pool (:func:`static_pools`).
+    ``on_static`` sees each static run as it completes."""
     limits = pool.settings.limits
-    ratio = 1.0
-    if limits.disaggregated:
-        decode = sum(p.pools[Role.DECODE].mean_replicas for p in planners)
-        prefill = sum(p.pools[Role.PREFILL].mean_replicas for p in planners)
-        ratio = prefill / decode if decode > 0 else 1.0
+    split = {role: sum(p.pools[role].mean_replicas for p in planners) for role in limits.roles}
+    walked = max(limits.roles, key=lambda role: split[role])
     reports: dict[int, TwinReport] = {}
 
     def simulate(sizes: Sequence[int]) -> list[StaticPoint]:
-        batch = [static_pools(n, roles=limits.roles, prefill_per_decode=ratio) for n in sizes]
+        batch = [static_pools(n, roles=limits.roles, split=split) for n in sizes]
         points = []
         runs = pool.map([{"planner": None, "initial": pools} for pools in batch])
         for n, pools, report in zip(sizes, batch, runs, strict=True):
@@ -223,7 +227,7 @@ def run_frontier(
             )
         return points
 
-    mean = sorted(p.pools[limits.back].mean_replicas for p in planners)[len(planners) // 2]
+    mean = sorted(p.pools[walked].mean_replicas for p in planners)[len(planners) // 2]
     attainments = [p.slo_attainment for p in planners]
     frontier = search(
         simulate,
