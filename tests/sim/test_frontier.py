@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from copse.sim.frontier import Frontier, StaticPoint, search
+from copse.api import Role
+from copse.sim.frontier import Frontier, StaticPoint, search, static_pools
 from copse.sim.twin import ScalingChange, flaps
 
 # attainment by static size: grows with the size, 3 replicas cost 3 GPU-hours
@@ -63,3 +64,11 @@ def test_flapping_is_an_increase_a_decrease_and_an_increase_within_the_scale_dow
     # pools are judged apart
     mixed = [change(0, 2, 3, "prefill"), change(60, 3, 2, "decode"), change(120, 2, 3, "prefill")]
     assert flaps(mixed, window_s=300.0) == 0
+
+
+def test_a_disaggregated_static_size_walks_the_larger_pool_in_the_planners_proportion() -> None:
+    split = {Role.PREFILL: 5.1, Role.DECODE: 1.3}
+    roles = (Role.PREFILL, Role.DECODE)
+    assert static_pools(5, roles=roles, split=split) == {Role.PREFILL: 5, Role.DECODE: 1}
+    assert static_pools(8, roles=roles, split=split) == {Role.PREFILL: 8, Role.DECODE: 2}
+    assert static_pools(3, roles=(Role.WORKER,), split={Role.WORKER: 2.0}) == {Role.WORKER: 3}
