@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from copse.api import Role
 from copse.planner.capacity import Backlog, CapacityModel, Corrections, Workload
-from copse.planner.queueing import erlang_c, lognormal_points, lognormal_scv, mean_wait_s, wait_quantile_s
+from copse.planner.queueing import erlang_c, gamma_points, lognormal_scv, mean_wait_s, wait_quantile_s
 from copse.workers.perf import PolynomialPerfModel
 
 from .conftest import LinearPerf
@@ -29,12 +29,19 @@ def test_mean_wait_of_an_m_m_1_queue() -> None:
     assert mean_wait_s(servers=1, arrival_rate=1.0, service_s=1.0) == math.inf
 
 
-def test_lognormal_points_have_the_mean_and_spread() -> None:
-    points = lognormal_points(mean=1000.0, scv=1.0, count=2000)
-    assert points.mean() == pytest.approx(1000.0, rel=0.02)
-    assert points.var() / points.mean() ** 2 == pytest.approx(1.0, rel=0.1)
+def test_gamma_points_have_the_mean_and_the_p90() -> None:
+    # no p90: the squared CV sets the shape (1.0: exponential, whose p90 is ln(10) x the mean)
+    points = gamma_points(mean=1000.0, scv=1.0, count=2000)
+    assert points.mean() == pytest.approx(1000.0, rel=0.01)
+    assert points.var() / points.mean() ** 2 == pytest.approx(1.0, rel=0.05)
+    assert np.quantile(points, 0.9) == pytest.approx(1000.0 * math.log(10), rel=0.01)
     assert list(points) == sorted(points)
-    assert set(lognormal_points(mean=5.0, scv=0.0, count=3)) == {5.0}
+    # a p90 beyond what any lognormal with this mean has (2.28 x): matched, with a light tail
+    fitted = gamma_points(mean=8667.0, p90=20380.0, count=2000)
+    assert np.quantile(fitted, 0.9) == pytest.approx(20380.0, rel=0.01)
+    assert fitted.mean() == pytest.approx(8667.0, rel=0.01)
+    assert set(gamma_points(mean=5.0, scv=0.0, count=3)) == {5.0}
+    assert set(gamma_points(mean=5.0, p90=4.0, count=3)) == {5.0}
 
 
 def test_erlang_c_hand_values() -> None:

@@ -185,6 +185,23 @@ def test_queue_depth_fast_path_scales_up_ahead_of_the_forecast(linear: CapacityM
     assert not any("fast path" in reason for reason in below.reasons)
 
 
+def test_what_the_fast_path_adds_stays_for_the_scale_down_delay(linear: CapacityModel) -> None:
+    """A queue scales up between intervals; the next interval's forecast, which never saw the
+    queue, must not take the replicas back before the scale-down delay has passed."""
+    plan = planner(linear, lim=limits(queue_depth=10, scale_down_delay_s=300.0))
+    current = {P: 1, D: 1}
+    for step in range(8):  # longer than the delay at a steady load: the gate may remove capacity
+        plan.observe(interval(step, 100.0), replicas=current)
+        current = plan.decide(now=(step + 1) * INTERVAL, current=current).target
+    fast = plan.fast_path(now=8.5 * INTERVAL, current=current, queues={P: 9000.0})
+    assert fast is not None
+    assert fast.target[P] > current[P]
+    plan.observe(interval(8, 100.0), replicas=fast.target)
+    later = plan.decide(now=9 * INTERVAL, current=fast.target)
+    assert later.target[P] == fast.target[P]
+    assert any("scale-down delay keeps" in reason for reason in later.reasons)
+
+
 def test_in_flight_sequences_keep_their_decode_replicas(linear: CapacityModel) -> None:
     plan = planner(linear)
     plan.observe(interval(0, 1.0), replicas={P: 4, D: 10})

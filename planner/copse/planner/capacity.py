@@ -1,7 +1,8 @@
 """Capacity from the shared perf model: latency of a load on given replicas, and replicas for a target.
 
 Built on :class:`copse.workers.perf.PerfModel` (the same model the mocker and the router use), with
-queueing added here:
+queueing added here. Latency of an interval at a quantile (:meth:`CapacityModel.estimate`, the dry
+run's table):
 
 * **Prefill** (TTFT). Each prefill engine serves one prompt at a time; a prompt of ``isl`` tokens
   with hit rate ``h`` costs ``prefill_ms(new_tokens=isl*(1-h), cached_tokens=isl*h)``, plus the
@@ -23,10 +24,16 @@ queueing added here:
   the backlog waits ``backlog / capacity``. Prefill backlog adds to TTFT; a prefilled request
   waiting for a decode slot sees that wait as an inter-token gap, so it adds to ITL.
 
-Sizing searches the fewest replicas whose estimate meets the target, starting from the
-throughput bound the issue asks for: prefill tokens/s net of the prefix-cache hit rate over the
-perf model's prefill tokens/s per GPU, and output tokens/s over the best decode tokens/s per GPU
-whose ITL meets the target at the expected context length.
+Sizing (:meth:`CapacityModel.attainment`) is per request, not per interval p99: the fewest replicas
+that serve a goal share of the requests within both targets, starting from the throughput bound
+(prefill tokens/s net of the prefix-cache hit rate over the perf model's prefill tokens/s per GPU,
+plus output tokens/s over the best decode tokens/s per GPU whose ITL meets the target). A prompt's
+TTFT is the M/G/c wait plus its own prefill (prompt lengths: a gamma distribution with the observed
+mean and p90), so prompts too long for the target are lost on any fleet and do not make it grow;
+a request's mean inter-token gap is the decode step at the pool's concurrency, stretched in
+aggregated engines by the prefill chunks that share its steps. :meth:`CapacityModel.means` gives
+the mean TTFT and mean gap the correction factors are solved from. :meth:`CapacityModel.estimate`
+(latency at a quantile, with a backlog carried between segments) is what the dry run reports.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from numpy.typing import NDArray
 
 from copse.api import Role
 from copse.planner.queueing import (
-    lognormal_points,
+    gamma_points,
     lognormal_scv,
     mean_wait_s,
     normal_quantile,
@@ -213,7 +220,7 @@ class CapacityModel:
         self.isl_scv = isl_scv
         self._z = normal_quantile(quantile)
         self._best_decode: dict[tuple[float, int], float] = {}
-        self._prefill_points: dict[tuple[float, ...], NDArray[np.float64]] = {}
+        self._prefill_points: dict[tuple[float | None, ...], NDArray[np.float64]] = {}
 
     # --- building blocks -----------------------------------------------------------------
 
@@ -488,19 +495,14 @@ class CapacityModel:
     # --- per-request attainment and means -------------------------------------------------
 
     def prompt_prefill_ms(self, load: Workload, *, scale: float = 1.0) -> NDArray[np.float64]:
-        """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (lognormal lengths
-        with its mean and p90; each prompt's uncached part at the hit rate), ms, ascending."""
-        scv = self.service_scv(load)
-        key = (
-            round(load.isl, 3),
-            round(scv, 9),
-            round(load.kv_hit_rate, 9),
-            round(load.onboard_ms, 6),
-            scale,
-        )
+        """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (gamma-distributed
+        lengths with its mean and p90, :func:`gamma_points`; each prompt's uncached part at the hit
+        rate), ms, ascending."""
+        p90 = None if load.isl_p90 is None else round(load.isl_p90, 3)
+        key = (round(load.isl, 3), p90, round(load.kv_hit_rate, 9), round(load.onboard_ms, 6), scale)
         times = self._prefill_points.get(key)
         if times is None:
-            lengths = lognormal_points(mean=load.isl, scv=scv, count=_PROMPT_POINTS)
+            lengths = gamma_points(mean=load.isl, p90=p90, scv=self.isl_scv, count=_PROMPT_POINTS)
             times = np.array(
                 [
                     self.prefill_service_ms(

@@ -90,15 +90,6 @@ def _queues(fleet: Fleet) -> dict[Role, float]:
     return queues
 
 
-def _serving(fleet: Fleet) -> dict[Role, float]:
-    """Engines serving per pool (neither draining nor retired)."""
-    serving: dict[Role, float] = {}
-    for index, role in enumerate(fleet.roles):
-        if index not in fleet.draining and index not in fleet.retired_ms:
-            serving[Role(role.value)] = serving.get(Role(role.value), 0.0) + 1
-    return serving
-
-
 def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) -> Observation:
     """What the planner's Prometheus queries return for ``[start_ms, end_ms)``: the router's counters
     and histograms over the window, the queue and batch gauges at its end."""
@@ -115,8 +106,11 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
     ttft = fleet.first_ms[first] - fleet.arrival_ms[first]
     ttft_s = histogram_quantile(quantile, ttft / 1000.0, buckets=LATENCY_BUCKETS)
     queues = _queues(fleet)
-    serving = _serving(fleet)
     itl_s = histogram_quantile(quantile, itl / 1000.0, buckets=ITL_BUCKETS)
+    serving: dict[Role, float] = {}  # engines scraped: not retired, not draining
+    for index, role in enumerate(fleet.roles):
+        if index not in fleet.retired_ms and index not in fleet.draining:
+            serving[Role(role.value)] = serving.get(Role(role.value), 0.0) + 1.0
     return Observation(
         timestamp=start_ms / 1000.0,
         duration_s=(end_ms - start_ms) / 1000.0,
@@ -133,7 +127,7 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         ttft_mean_ms=float(ttft.mean()) if len(ttft) else None,
         itl_mean_ms=float(itl.mean()) if len(itl) else None,
         serving=serving.get(Role(fleet.front.value), 0.0),
-        decode_serving=serving.get(Role.DECODE, 0.0) if fleet.front is EngineRole.PREFILL else None,
+        decode_serving=serving.get(Role.DECODE),
         queue_depth=queues[Role(fleet.front.value)],
         decode_queue_depth=queues.get(Role.DECODE),
         inflight=float(sum(len(engine.running) for engine in fleet.engines)),
