@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--loads", default="burst-4h", help=f"Comma-separated: {', '.join(sorted(LOADS))}.")
     parser.add_argument("--predictors", default="constant", help=f"Known: {', '.join(sorted(PREDICTORS))}.")
     parser.add_argument("--delays", default="420", help="Start-up delays, s.")
+    parser.add_argument(
+        "--runs", default=None, help="PREDICTOR:DELAY,... instead of every predictor at every delay."
+    )
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--hours", type=float, default=None, help="Only the first hours of each load.")
     parser.add_argument("--peak-rate", type=float, default=None, help="Replace the loads' peak req/s.")
@@ -107,6 +110,8 @@ def main() -> None:
                 warmup_s=load.warmup_s,
             )
             runs = [(p, d) for d in delays for p in predictors]
+            if args.runs is not None:
+                runs = [(p, float(d)) for p, d in (item.split(":") for item in args.runs.split(","))]
             with TwinPool(load.requests, base, end_s=load.end_s, jobs=args.jobs) as pool:
                 planners = pool.map(
                     [{"planner": PlannerConfig(predictor=p, startup_delay_s=d)} for p, d in runs]
