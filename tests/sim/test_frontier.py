@@ -72,3 +72,13 @@ def test_a_disaggregated_static_size_walks_the_larger_pool_in_the_planners_propo
     assert static_pools(5, roles=roles, split=split) == {Role.PREFILL: 5, Role.DECODE: 1}
     assert static_pools(8, roles=roles, split=split) == {Role.PREFILL: 8, Role.DECODE: 2}
     assert static_pools(3, roles=(Role.WORKER,), split={Role.WORKER: 2.0}) == {Role.WORKER: 3}
+
+
+def test_the_walk_stops_climbing_when_larger_fleets_serve_worse() -> None:
+    falling = {1: 0.90, 2: 0.995, 3: 0.99, 4: 0.985, 5: 0.98, 6: 0.97}
+
+    def simulate(sizes: Sequence[int]) -> list[StaticPoint]:
+        return [StaticPoint(replicas=n, slo_attainment=falling[n], gpu_hours=float(n)) for n in sizes]
+
+    frontier = search(simulate, start=2, low_bar=0.95, high_bar=0.999, max_replicas=6, width=1)
+    assert [p.replicas for p in frontier.static] == [1, 2, 3]

@@ -113,7 +113,8 @@ def search(
     (``simulate`` runs a batch of sizes, in parallel if it can): down until a size misses
     ``low_bar`` (or 1 replica), up until one reaches ``high_bar`` (or ``max_replicas``). The bars
     are the lower and the higher of the goal and the planners' attainments. Attainment is taken to
-    grow with the size; the walk stops at the first size past each end."""
+    grow with the size; the walk stops at the first size past each end, and stops going up when
+    the sizes it adds all fall below the best attainment seen (larger fleets no longer help)."""
     if not 1 <= start <= max_replicas:
         raise ValueError(f"start {start} must lie in [1, {max_replicas}]")
     points: dict[int, StaticPoint] = {}
@@ -123,10 +124,11 @@ def search(
             points[point.replicas] = point
 
     run(list(range(start, min(start + width, max_replicas + 1))))
+    growing = True
     while True:
         lowest, highest = min(points), max(points)
         need_down = lowest > 1 and points[lowest].slo_attainment >= low_bar
-        need_up = highest < max_replicas and points[highest].slo_attainment < high_bar
+        need_up = growing and highest < max_replicas and points[highest].slo_attainment < high_bar
         if not (need_down or need_up):
             break
         if need_up and need_down:
@@ -135,7 +137,10 @@ def search(
             batch = list(range(highest + 1, min(highest + width, max_replicas) + 1))
         else:
             batch = list(range(max(1, lowest - width), lowest))
+        before = max(p.slo_attainment for p in points.values())
         run(batch)
+        if need_up and max(points[n].slo_attainment for n in batch if n > highest) < before:
+            growing = False  # larger fleets stopped helping: no size ahead is taken to reach the bar
     return Frontier(static=tuple(points[n] for n in sorted(points)), goal=high_bar)
 
 
