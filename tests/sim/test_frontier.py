@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from copse.sim.frontier import Frontier, StaticPoint, search
+from copse.api import Role
+from copse.sim.frontier import Frontier, StaticPoint, search, static_pools
 from copse.sim.twin import ScalingChange, flaps
 
 # attainment by static size: grows with the size, 3 replicas cost 3 GPU-hours
@@ -63,3 +64,21 @@ def test_flapping_is_an_increase_a_decrease_and_an_increase_within_the_scale_dow
     # pools are judged apart
     mixed = [change(0, 2, 3, "prefill"), change(60, 3, 2, "decode"), change(120, 2, 3, "prefill")]
     assert flaps(mixed, window_s=300.0) == 0
+
+
+def test_a_disaggregated_static_size_walks_the_larger_pool_in_the_planners_proportion() -> None:
+    split = {Role.PREFILL: 5.1, Role.DECODE: 1.3}
+    roles = (Role.PREFILL, Role.DECODE)
+    assert static_pools(5, roles=roles, split=split) == {Role.PREFILL: 5, Role.DECODE: 1}
+    assert static_pools(8, roles=roles, split=split) == {Role.PREFILL: 8, Role.DECODE: 2}
+    assert static_pools(3, roles=(Role.WORKER,), split={Role.WORKER: 2.0}) == {Role.WORKER: 3}
+
+
+def test_the_walk_stops_climbing_when_larger_fleets_serve_worse() -> None:
+    falling = {1: 0.90, 2: 0.995, 3: 0.99, 4: 0.985, 5: 0.98, 6: 0.97}
+
+    def simulate(sizes: Sequence[int]) -> list[StaticPoint]:
+        return [StaticPoint(replicas=n, slo_attainment=falling[n], gpu_hours=float(n)) for n in sizes]
+
+    frontier = search(simulate, start=2, low_bar=0.95, high_bar=0.999, max_replicas=6, width=1)
+    assert [p.replicas for p in frontier.static] == [1, 2, 3]

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from copse.router.core import Thresholds
 from copse.router.policies import POLICIES, ROUTING_OBJECTIVES, RoutingObjective
 from copse.sim import faults
-from copse.sim.load import LOADS, SHARED_TRACES
+from copse.sim.load import LOADS
 from copse.sim.replay import (
     DEFAULT_ENGINE_NOISE,
     DEFAULT_KV_EVENT_LAG_MS,
@@ -581,12 +581,14 @@ def _static_option(value: str | None, *, disaggregated: bool) -> dict[Role, int]
 @click.option(
     "--traces",
     type=click.Path(path_type=Path),
-    default=SHARED_TRACES,
-    show_default=True,
-    help="Folder holding the public traces a --load reads (multi-day inputs are not in the repository).",
+    envvar="COPSE_TRACES",
+    help="Folder holding the whole public traces a --load reads (they are not in the repository; "
+    "docs/guides/benchmarks.md, 'Inputs', says where to get them) [env: COPSE_TRACES].",
 )
 @click.option(
-    "--hours", type=click.FloatRange(min=0, min_open=True), help="Only the first hours of the --load."
+    "--hours",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Only the first hours of the --load or --metrics.",
 )
 @click.option(
     "--peak-rate",
@@ -666,7 +668,7 @@ def planner_command(
     metrics: Path | None,
     shapes: Path | None,
     load_name: str | None,
-    traces: Path,
+    traces: Path | None,
     hours: float | None,
     peak_rate: float | None,
     max_isl: int | None,
@@ -712,7 +714,7 @@ def planner_command(
       copse bench planner --metrics examples/planner/servegen-m-large-burst.jsonl \\
         --shapes examples/traces/mooncake-conversation-first-20min.jsonl.gz --peak-rate 40 \\
         --ttft-ms 2000 --itl-ms 50 --static 8 -o json
-      copse bench planner --load burst-4h --peak-rate 9 --startup-delay 420 -o json
+      copse bench planner --load burst-4h --traces ~/traces --peak-rate 9 --startup-delay 420 -o json
     """
     from copse.planner.cli import config_from_options, limits_from_options  # noqa: PLC0415
     from copse.planner.predictors import PREDICTORS  # noqa: PLC0415
@@ -722,13 +724,19 @@ def planner_command(
     from copse.sim.twin import TwinSettings, run_twin  # noqa: PLC0415
 
     if sum(source is not None for source in (trace_path, metrics, load_name)) != 1:
-        raise click.UsageError("give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME")
+        raise click.UsageError(
+            "give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME"
+        )
     if predictor is not None and predictor not in PREDICTORS:
         raise click.UsageError(f"unknown predictor {predictor!r}; known: {', '.join(sorted(PREDICTORS))}")
     if metrics is not None and shapes is None:
         raise click.UsageError("--metrics needs --shapes FILE: the trace whose requests the arrivals get")
-    if hours is not None and load_name is None:
-        raise click.UsageError("--hours slices a --load; give --load NAME")
+    if load_name is not None and traces is None:
+        raise click.UsageError(
+            f"--load {load_name} reads whole public traces: give --traces DIR or set COPSE_TRACES"
+        )
+    if hours is not None and trace_path is not None:
+        raise click.UsageError("--hours slices a --load or --metrics, not a --trace")
     for name, number in (("--engine-noise", engine_noise), ("--kv-event-lag-ms", kv_event_lag_ms)):
         if not (number >= 0 and math.isfinite(number)):
             raise click.UsageError(f"{name} must be a non-negative number, got {number}")
@@ -753,12 +761,17 @@ def planner_command(
         end_s: float | None = None
         warmup_s = warmup or 0.0
         if load_name is not None:
+            assert traces is not None
             load = build_load(load_name, seed=seed, peak_rate=peak_rate, traces=traces, hours=hours)
             trace, end_s = load.requests, load.end_s
             warmup_s = load.warmup_s if warmup is None else warmup
         elif metrics is not None:
             assert shapes is not None
             recording = read_metrics(metrics)
+            if hours is not None:  # the intervals starting within the first hours
+                recording = [
+                    obs for obs in recording if obs.timestamp < recording[0].timestamp + hours * 3600
+                ]
             peak = max(obs.rate for obs in recording)
             scale = 1.0 if peak_rate is None or peak <= 0 else peak_rate / peak
             trace = synthesize(

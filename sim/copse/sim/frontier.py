@@ -37,7 +37,8 @@ class StaticPoint:
     """One static fleet size as simulated."""
 
     replicas: int
-    """The size walked over: aggregated workers, or decode replicas of a disaggregated fleet."""
+    """The size walked over: aggregated workers, or replicas of the larger pool of a disaggregated
+    fleet (the other pool in the planner's proportion)."""
     slo_attainment: float
     gpu_hours: float
     pools: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -112,7 +113,8 @@ def search(
     (``simulate`` runs a batch of sizes, in parallel if it can): down until a size misses
     ``low_bar`` (or 1 replica), up until one reaches ``high_bar`` (or ``max_replicas``). The bars
     are the lower and the higher of the goal and the planners' attainments. Attainment is taken to
-    grow with the size; the walk stops at the first size past each end."""
+    grow with the size; the walk stops at the first size past each end, and stops going up when
+    the sizes it adds all fall below the best attainment seen (larger fleets no longer help)."""
     if not 1 <= start <= max_replicas:
         raise ValueError(f"start {start} must lie in [1, {max_replicas}]")
     points: dict[int, StaticPoint] = {}
@@ -122,10 +124,11 @@ def search(
             points[point.replicas] = point
 
     run(list(range(start, min(start + width, max_replicas + 1))))
+    growing = True
     while True:
         lowest, highest = min(points), max(points)
         need_down = lowest > 1 and points[lowest].slo_attainment >= low_bar
-        need_up = highest < max_replicas and points[highest].slo_attainment < high_bar
+        need_up = growing and highest < max_replicas and points[highest].slo_attainment < high_bar
         if not (need_down or need_up):
             break
         if need_up and need_down:
@@ -134,16 +137,24 @@ def search(
             batch = list(range(highest + 1, min(highest + width, max_replicas) + 1))
         else:
             batch = list(range(max(1, lowest - width), lowest))
+        before = max(p.slo_attainment for p in points.values())
         run(batch)
+        if need_up and max(points[n].slo_attainment for n in batch if n > highest) < before:
+            growing = False  # larger fleets stopped helping: no size ahead is taken to reach the bar
     return Frontier(static=tuple(points[n] for n in sorted(points)), goal=high_bar)
 
 
-def static_pools(size: int, *, roles: Sequence[Role], prefill_per_decode: float) -> dict[Role, int]:
-    """The pools of static size ``size``: that many aggregated workers, or that many decode replicas
-    and ``prefill_per_decode`` times as many prefill ones (rounded, at least 1)."""
+def static_pools(size: int, *, roles: Sequence[Role], split: Mapping[Role, float]) -> dict[Role, int]:
+    """The pools of static size ``size``: that many aggregated workers; for a disaggregated fleet,
+    ``size`` replicas of the pool ``split`` holds more of (the planner's mean replicas per pool)
+    and the other in proportion (rounded, at least 1), so the walk moves in single replicas of
+    the larger pool."""
     if Role.PREFILL not in roles:
         return {Role.WORKER: size}
-    return {Role.PREFILL: max(1, round(size * prefill_per_decode)), Role.DECODE: size}
+    larger = max((Role.PREFILL, Role.DECODE), key=lambda role: split.get(role, 0.0))
+    other = Role.DECODE if larger is Role.PREFILL else Role.PREFILL
+    ratio = split.get(other, 0.0) / split[larger] if split.get(larger, 0.0) > 0 else 1.0
+    return {larger: size, other: max(1, round(size * ratio))}
 
 
 _JOB: dict[str, Any] = {}
@@ -196,17 +207,15 @@ def run_frontier(
 ) -> tuple[Frontier, dict[int, TwinReport]]:
     """Every static size :func:`search` needs to place the ``planners`` (runs of the pool's settings)
     on the frontier, simulated on the same arrivals. A disaggregated fleet's static sizes keep the
-    planners' mean prefill-to-decode ratio. ``on_static`` sees each static run as it completes."""
+    planners' mean prefill-to-decode ratio, walking the larger pool (:func:`static_pools`).
+    ``on_static`` sees each static run as it completes."""
     limits = pool.settings.limits
-    ratio = 1.0
-    if limits.disaggregated:
-        decode = sum(p.pools[Role.DECODE].mean_replicas for p in planners)
-        prefill = sum(p.pools[Role.PREFILL].mean_replicas for p in planners)
-        ratio = prefill / decode if decode > 0 else 1.0
+    split = {role: sum(p.pools[role].mean_replicas for p in planners) for role in limits.roles}
+    walked = max(limits.roles, key=lambda role: split[role])
     reports: dict[int, TwinReport] = {}
 
     def simulate(sizes: Sequence[int]) -> list[StaticPoint]:
-        batch = [static_pools(n, roles=limits.roles, prefill_per_decode=ratio) for n in sizes]
+        batch = [static_pools(n, roles=limits.roles, split=split) for n in sizes]
         points = []
         runs = pool.map([{"planner": None, "initial": pools} for pools in batch])
         for n, pools, report in zip(sizes, batch, runs, strict=True):
@@ -223,7 +232,7 @@ def run_frontier(
             )
         return points
 
-    mean = sorted(p.pools[limits.back].mean_replicas for p in planners)[len(planners) // 2]
+    mean = sorted(p.pools[walked].mean_replicas for p in planners)[len(planners) // 2]
     attainments = [p.slo_attainment for p in planners]
     frontier = search(
         simulate,

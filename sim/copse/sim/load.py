@@ -99,8 +99,6 @@ def synthesize(
     ]
 
 
-#: Where multi-day inputs are read from: the public traces beside the repository (``../shared``).
-SHARED_TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
 #: ServeGen's aggregate rate curves come in 600-s windows.
 SERVEGEN_WINDOW_S = 600.0
 
@@ -195,7 +193,8 @@ def _need(folder: Path, name: str, load: str) -> Path:
     if not path.is_file():
         raise LoadError(
             f"load {load!r} reads {path}, which does not exist: multi-day inputs are not copied into the "
-            f"repository; put the public traces in {folder} (see shared/traces/README.md)"
+            f"repository; put the public traces in {folder} (docs/guides/benchmarks.md, 'Inputs', says where "
+            "each comes from)"
         )
     return path
 
@@ -230,7 +229,7 @@ def build_load(
     *,
     seed: int,
     peak_rate: float | None = None,
-    traces: Path = SHARED_TRACES,
+    traces: Path,
     hours: float | None = None,
 ) -> Load:
     """The named load (:data:`LOADS`), arrivals drawn with ``seed``; ``peak_rate`` replaces the
