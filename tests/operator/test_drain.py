@@ -214,3 +214,32 @@ async def test_an_endpoint_picker_is_asked_on_its_metrics_port() -> None:
     await scaled_down_and_draining(harness, in_flight, requests=1)
     await harness.settle()
     assert in_flight.asked[-1][0] == [f"http://10.0.9.9:{children.EPP_METRICS_PORT}"]
+
+
+async def test_a_scale_up_during_a_drain_takes_the_draining_group_back() -> None:
+    harness, in_flight = draining_harness(replicas=2)
+    victim = await scaled_down_and_draining(harness, in_flight, requests=2)
+    pods_before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in group_pods(harness, victim)}
+    harness.update_spec(replicas=2)
+    await harness.settle()
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in group_pods(harness, victim)} == pods_before
+    assert all(names.LABEL_DRAINING not in p["metadata"]["labels"] for p in group_pods(harness, victim))
+    annotations = harness.kube.objects[("Service", NAMESPACE, victim)]["metadata"]["annotations"]
+    assert names.ANNOTATION_DRAINING_SINCE not in annotations
+    assert names.ANNOTATION_DRAINING_REASON not in annotations
+    assert reasons(harness)["DrainCancelled"] == 1
+    assert reasons(harness)["Placed"] == 2, "no new group was placed for the scale-up"
+    assert harness.status["ready"] == "worker 2/2"
+    assert all("disruption" not in g for g in harness.status["groups"])
+
+
+async def test_a_draining_group_of_an_old_template_is_not_taken_back() -> None:
+    harness, in_flight = draining_harness(replicas=2)
+    victim = await scaled_down_and_draining(harness, in_flight, requests=2)
+    harness.update_spec(replicas=2, engine={"image": "trtllm:next"})
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    assert "DrainCancelled" not in reasons(harness)
+    assert all(
+        p["metadata"]["labels"].get(names.LABEL_DRAINING) == "true" for p in group_pods(harness, victim)
+    )

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from copse.api import parse_deployment
+from copse.api import Role, parse_deployment
 from copse.operator import names
+from copse.operator.children import legacy_template_hash
 from copse.operator.controller import Controller
 from copse.operator.reconcile import ReconcileSettings, reconcile
 from copse.operator.state import GroupState, observe_groups
@@ -502,3 +503,74 @@ async def test_modelexpress_runs_its_server_and_points_new_groups_at_a_ready_one
     assert env["MX_METADATA_BACKEND"] == "k8s-service"
     assert env["MX_K8S_SERVICE_PATTERN"] == "llama-mx-source"
     assert env["COPSE_COLD_START_SOURCE"] == "llama-worker-0"
+
+
+async def test_pods_stuck_terminating_on_a_dead_node_are_force_deleted_after_the_grace() -> None:
+    harness = Harness(replicas=1, disruption={"notReadyGrace": "120s"})
+    await harness.settle()
+    pod = harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-1")]
+    node = node_of(pod)
+    # The node controller evicted the pod; its kubelet is gone, so nobody confirms the deletion.
+    pod["metadata"]["deletionTimestamp"] = datetime.now(UTC).isoformat()
+    set_ready(harness.kube.nodes[node], "False", since=datetime.now(UTC) - timedelta(seconds=30))
+    harness.kube.sync(harness.controller)
+    requeue = await harness.controller.reconcile_once(KEY)
+    assert ("Pod", NAMESPACE, "llama-worker-0-1") in harness.kube.objects, "within the grace: waits"
+    assert requeue == pytest.approx(90, abs=2)
+
+    set_ready(harness.kube.nodes[node], "False", since=datetime.now(UTC) - timedelta(seconds=121))
+    await harness.settle()
+    assert ("Pod", "llama-worker-0-1", 0) in harness.kube.deletions, "deleted with no grace"
+    [forced] = [m for _, reason, m in harness.kube.events if reason == "ForceDeleted"]
+    assert forced.startswith(f"pod llama-worker-0-1: stuck Terminating on node {node}, NotReady for 121s")
+    assert node not in {node_of(p) for p in harness.pods()}, "the gang restarted elsewhere"
+    assert harness.status["phase"] == "Running"
+
+
+async def test_a_replica_patch_or_a_new_default_rolls_nothing() -> None:
+    harness = Harness(replicas=2)
+    await harness.settle()
+    services = [s for s in harness.kube.of_kind("Service") if names.LABEL_GROUP in s["metadata"]["labels"]]
+    hashes = {s["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] for s in services}
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in harness.pods()}
+    harness.update_spec(replicas=3)
+    await harness.settle()
+    harness.update_spec(replicas=2)
+    await harness.settle()
+    # The user writes out a value that is the default anyway (as an upgraded CRD's defaulting would).
+    harness.update_spec(engine={"backend": "trtllm"})
+    await harness.settle()
+    assert "RollingUpdate" not in {reason for _, reason, _ in harness.kube.events}
+    after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in harness.pods()}
+    assert {name: after.get(name) for name in uids} == uids
+    assert len(hashes) == 1
+
+
+async def test_groups_recorded_with_the_old_hash_format_are_current() -> None:
+    harness = Harness(replicas=1)
+    await harness.settle()
+    body = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
+    deployment = parse_deployment(body, source="test")
+    service = harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")]
+    annotations = service["metadata"]["annotations"]
+    annotations[names.ANNOTATION_TEMPLATE_HASH] = legacy_template_hash(deployment, Role.WORKER)
+    del annotations[names.ANNOTATION_TEMPLATE]
+    await harness.settle()
+    assert "RollingUpdate" not in {reason for _, reason, _ in harness.kube.events}
+    harness.update_spec(engine={"image": "trtllm:next"})
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    [rolling] = [m for _, reason, m in harness.kube.events if reason == "RollingUpdate"]
+    assert rolling.endswith("(changed: a template made by an older operator)")
+
+
+async def test_a_roll_names_the_fields_that_changed() -> None:
+    harness = Harness(replicas=1)
+    await harness.settle()
+    harness.update_spec(engine={"image": "trtllm:next"}, pod={"labels": {"team": "a"}})
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    [rolling] = [m for _, reason, m in harness.kube.events if reason == "RollingUpdate"]
+    assert (
+        rolling == "worker: surging one group to replace llama-worker-0 (changed: engine.image, pod.labels)"
+    )

@@ -734,7 +734,10 @@ class RouterSpec(_SpecModel):
     )
     policy: RoutingPolicy = Field(default=RoutingPolicy.KV, description="Worker selection policy by name.")
     replicas: int = Field(
-        default=1, ge=1, description="Router replicas; they share in-flight load over NATS."
+        default=2,
+        ge=1,
+        description="Router replicas; they share in-flight load over NATS. Two by default, with a "
+        "PodDisruptionBudget, so a node drain or a router crash leaves one serving.",
     )
     temperature: float = Field(
         default=0.0, ge=0, description="Softmax temperature over predicted latency; 0 always picks the best."

@@ -17,3 +17,7 @@ PLACEMENT_SCORE = Gauge(
     "Placement score of a deployment in [0, 1]; 1 = every group ideally placed.",
     ["namespace", "deployment"],
 )
+LEADER = Gauge("copse_operator_leader", "1 while this replica holds the leader Lease and reconciles.")
+LEADER_TRANSITIONS = Counter(
+    "copse_operator_leader_transitions_total", "Times this replica won the leader Lease."
+)

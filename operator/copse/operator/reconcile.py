@@ -17,9 +17,17 @@ from typing import Any
 
 from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
 from copse.operator import names
-from copse.operator.children import GroupLayout, RoutingIssue, routing_issues, template_hash
+from copse.operator.children import (
+    GroupLayout,
+    RoutingIssue,
+    changed_fields,
+    legacy_template_hash,
+    routing_issues,
+    template_hash,
+    template_inputs,
+)
 from copse.operator.planning import Placer
-from copse.operator.state import GroupState, ObservedGroup
+from copse.operator.state import GroupState, ObservedGroup, pod_ready
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,11 @@ class Decision:
     """Broken gangs: delete all their pods now, count the restart, forget the placement."""
     drain: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
     """Serving groups to remove once idle: mark them draining (the router sends them nothing new)."""
+    undrain: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
+    """Draining groups taken back (a scale-up during their drain): unmark them, they serve again."""
+    force_delete: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(pod name, why) of pods stuck Terminating on a NotReady node past the grace: delete them
+    with no grace (their kubelet will never confirm), so the gang can restart elsewhere."""
     remove: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
     """Groups to delete with their Service (idle or drained; scale-down, finished roll)."""
     place: list[GroupLayout] = dataclasses.field(default_factory=list)
@@ -143,11 +156,41 @@ def _node_trouble(
     return _NodeTrouble(broken=broken, waiting=waiting, cordoned=cordoned, waits=waits)
 
 
+def _stuck_pods(
+    *, terminating: Sequence[ObservedGroup], placer: Placer, grace_s: float, now: datetime
+) -> tuple[list[tuple[str, str]], list[float]]:
+    """Pods of terminating groups that wait on a NotReady node: force-delete those whose node has
+    been down for the grace (a dead kubelet never confirms a deletion), and when the others are due."""
+    stuck: list[tuple[str, str]] = []
+    waits: list[float] = []
+    for group in terminating:
+        for pod in group.pods.values():
+            node = pod.get("spec", {}).get("nodeName")
+            if not pod.get("metadata", {}).get("deletionTimestamp") or not node:
+                continue
+            since = placer.not_ready_since(node)
+            if since is None:
+                continue
+            due = since + grace_s - now.timestamp()
+            if due > 0:
+                waits.append(due)
+                continue
+            stuck.append(
+                (
+                    pod["metadata"]["name"],
+                    f"stuck Terminating on node {node}, NotReady for {now.timestamp() - since:.0f}s "
+                    f"(grace {grace_s:g}s)",
+                )
+            )
+    return stuck, waits
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Drained:
     remove: list[tuple[ObservedGroup, str]]
     """Draining groups that are idle now, or out of time."""
     events: list[Event]
+    """One per removed group, in the same order."""
     messages: dict[str, str]
     """Group name -> how its drain stands (for its status entry)."""
     waits: list[float]
@@ -210,6 +253,7 @@ def reconcile(
     ``in_flight``: requests the routers still have on each draining group (None: unknown)."""
     decision = Decision()
     name = deployment.metadata.name
+    terminating = [group for group in groups if group.state is GroupState.TERMINATING]
     live = [group for group in groups if group.state is not GroupState.TERMINATING]
     # Draining groups are on their way out: not part of any pool, their GPUs still taken.
     draining = [group for group in live if group.state is GroupState.DRAINING]
@@ -224,6 +268,14 @@ def reconcile(
     trouble = _node_trouble(deployment=deployment, placer=placer, holding=holding, now=now)
     invalid = trouble.broken
     waits = list(trouble.waits)
+    decision.force_delete, stuck_waits = _stuck_pods(
+        terminating=terminating, placer=placer, grace_s=deployment.spec.disruption.not_ready_grace_s, now=now
+    )
+    waits += stuck_waits
+    decision.events += [
+        Event(type="Warning", reason="ForceDeleted", message=f"pod {pod}: {why}; deleted with no grace")
+        for pod, why in decision.force_delete
+    ]
     disruptions = {**trouble.cordoned, **trouble.waiting}
     """Group name -> why it is not serving normally (for its status entry)."""
     live = [
@@ -235,10 +287,9 @@ def reconcile(
     drained = _drained(
         deployment=deployment, draining=draining, in_flight=in_flight or {}, now=now, settings=settings
     )
-    decision.remove += drained.remove
-    decision.events += drained.events
     waits += drained.waits
-    disruptions.update(drained.messages)
+    taken_back: set[str] = set()
+    """Draining groups a scale-up takes back this pass."""
     drain_timeout = deployment.spec.disruption.drain_timeout_s
 
     def retire(group: ObservedGroup, reason: str) -> None:
@@ -253,6 +304,7 @@ def reconcile(
 
     for pool in deployment.spec.pools():
         current = template_hash(deployment, pool.role)
+        accepted = {current, legacy_template_hash(deployment, pool.role)}
         slots = [group for group in live if group.role is pool.role]
         for group in slots:
             if group.state is GroupState.BROKEN:
@@ -265,8 +317,8 @@ def reconcile(
                     )
                 )
 
-        def outdated(group: ObservedGroup, current: str = current) -> bool:
-            return group.layout is not None and group.template_hash != current
+        def outdated(group: ObservedGroup, accepted: set[str] = accepted) -> bool:
+            return group.layout is not None and group.template_hash not in accepted
 
         rolling = any(outdated(group) for group in slots)
         surplus = len(slots) - pool.replicas - (1 if rolling else 0)
@@ -312,15 +364,42 @@ def reconcile(
                 # One group of surge at a time: the next comes once the last old one is gone.
                 [surge] = _free_indices({g.replica for g in groups if g.role is pool.role}, 1)
                 to_place.append((pool.role, surge))
+                inputs = template_inputs(deployment, pool.role)
+                fields = changed_fields(old[0].template, inputs) if old[0].template is not None else []
+                because = ", ".join(fields) if fields else "a template made by an older operator"
                 decision.events.append(
                     Event(
                         type="Normal",
                         reason="RollingUpdate",
-                        message=f"{pool.role.value}: surging one group to replace {old[0].name}",
+                        message=f"{pool.role.value}: surging one group to replace {old[0].name} "
+                        f"(changed: {because})",
                     )
                 )
 
         missing = pool.replicas - len(remaining)
+        if missing > 0:
+            # A scale-up during a drain takes the draining groups back before placing new ones:
+            # they are warm, placed, and of the current template.
+            back = [
+                g
+                for g in draining
+                if g.role is pool.role
+                and g.template_hash in accepted
+                and g.pods
+                and all(pod_ready(pod) for pod in g.pods.values())
+            ][:missing]
+            for group in back:
+                taken_back.add(group.name)
+                decision.undrain.append((group, "scale-up"))
+                remaining.append(dataclasses.replace(group, state=GroupState.READY, reason=""))
+                decision.events.append(
+                    Event(
+                        type="Normal",
+                        reason="DrainCancelled",
+                        message=f"group {group.name} serves again: the pool grew back during its drain",
+                    )
+                )
+            missing -= len(back)
         for group in remaining:
             if group.state is GroupState.UNPLACED:
                 wait = (
@@ -338,6 +417,12 @@ def reconcile(
             to_place += [(pool.role, index) for index in _free_indices(taken, missing)]
         staying += [g for g in remaining if g.state not in {GroupState.UNPLACED, GroupState.BROKEN}]
 
+    for (group, why), event in zip(drained.remove, drained.events, strict=True):
+        if group.name not in taken_back:
+            decision.remove.append((group, why))
+            decision.events.append(event)
+    disruptions.update({g: why for g, why in drained.messages.items() if g not in taken_back})
+    draining = [g for g in draining if g.name not in taken_back]
     restarting = {group.name for group, _ in decision.restart}
     for group in staying:
         if group.name in restarting:
@@ -411,7 +496,15 @@ def reconcile(
         previous_conditions=previous.get("conditions", []),
         routing=issues,
     )
-    acting = decision.restart or decision.drain or decision.remove or decision.place or decision.lift_gates
+    acting = (
+        decision.restart
+        or decision.drain
+        or decision.undrain
+        or decision.force_delete
+        or decision.remove
+        or decision.place
+        or decision.lift_gates
+    )
     if waits:
         decision.requeue_after_s = min(waits)
     elif acting:
