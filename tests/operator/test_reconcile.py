@@ -361,8 +361,13 @@ async def test_disaggregated_deployments_get_no_spec_replicas_and_scale_per_pool
     # What `kubectl patch idep/llama --type=merge -p '{"spec":{"decode":{"replicas":2}}}'` does.
     harness.update_spec(decode={"replicas": 2})
     await harness.settle()
-    assert harness.status["roles"]["decode"] == {"desired": 2, "placed": 2, "ready": 2}
-    assert harness.status["roles"]["prefill"] == {"desired": 1, "placed": 1, "ready": 1}
+    roll = {"old": 0}
+    assert harness.status["roles"]["decode"] == {
+        "desired": 2, "placed": 2, "ready": 2, "updated": 2, "updatedReady": 2, **roll
+    }  # fmt: skip
+    assert harness.status["roles"]["prefill"] == {
+        "desired": 1, "placed": 1, "ready": 1, "updated": 1, "updatedReady": 1, **roll
+    }  # fmt: skip
 
 
 async def test_replicas_are_defaulted_only_over_the_version_read() -> None:
@@ -383,7 +388,9 @@ async def test_infeasible_groups_are_reported_and_heal_when_nodes_arrive() -> No
     await harness.settle()
     status = harness.status
     assert status["phase"] == "Degraded"
-    assert status["roles"]["worker"] == {"desired": 12, "placed": 9, "ready": 9}
+    assert status["roles"]["worker"] == {
+        "desired": 12, "placed": 9, "ready": 9, "updated": 9, "updatedReady": 9, "old": 0
+    }  # fmt: skip
     assert len(status["unplaced"]) == 3
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["PlacementInfeasible"]["status"] == "True"
@@ -571,6 +578,7 @@ async def test_a_roll_names_the_fields_that_changed() -> None:
     harness.kube.sync(harness.controller)
     await harness.controller.reconcile_once(KEY)
     [rolling] = [m for _, reason, m in harness.kube.events if reason == "RollingUpdate"]
-    assert (
-        rolling == "worker: surging one group to replace llama-worker-0 (changed: engine.image, pod.labels)"
+    assert rolling == (
+        "worker: 1 new group(s) surging, 0 old group(s) retiring, 1 old left "
+        "(changed: engine.image, pod.labels)"
     )

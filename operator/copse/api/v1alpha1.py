@@ -437,6 +437,34 @@ class DisruptionSpec(_SpecModel):
         return parse_duration(self.drain_timeout)
 
 
+class RolloutSpec(_SpecModel):
+    """How groups of an outdated template (a changed image, engine arguments, pod settings) are
+    replaced, per pool and counted in TP groups. A replica change never rolls anything."""
+
+    max_surge: int = Field(
+        default=1,
+        ge=0,
+        description="Groups a pool may hold above its replicas while rolling (draining ones count: "
+        "they still hold their GPUs). 0 replaces in place, for a cluster with no spare GPUs.",
+    )
+    max_unavailable: int = Field(
+        default=0,
+        ge=0,
+        description="Ready groups a pool may lack below its replicas while rolling. 0 keeps full "
+        "capacity (new groups are ready before old ones drain).",
+    )
+    partition: int = Field(
+        default=0,
+        ge=0,
+        description="Groups per pool kept on the old template: a canary runs replicas - partition "
+        "new groups next to them; 0 rolls everything.",
+    )
+    paused: bool = Field(
+        default=False,
+        description="Start no new step of a roll (steps under way finish); a canary holds here.",
+    )
+
+
 #: Seconds from a scale-up decision to the new group serving, by how it gets its weights: ModelExpress's
 #: published DeepSeek-V4-Pro figures (TP8 on 8xB200, its README's benchmarks). ``hub``: a cold Hugging Face
 #: pull (8m53s) plus the rest of a cold start from local storage (8m01s API-ready, of which 1m10s loading
@@ -985,6 +1013,11 @@ class InferenceDeploymentSpec(_SpecModel):
         json_schema_extra=_defaults_of(ColdStartSpec),
         description="How new replicas load.",
     )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        json_schema_extra=_defaults_of(RolloutSpec),
+        description="Surge, unavailability, canary partition and pause of template changes.",
+    )
     engine: EngineSpec = Field(
         default_factory=EngineSpec,
         json_schema_extra=_defaults_of(EngineSpec),
@@ -1128,6 +1161,9 @@ class RoleStatus(_Model):
     desired: int = 0
     placed: int = 0
     ready: int = 0
+    updated: int = Field(default=0, description="Groups of the current template (revision).")
+    updated_ready: int = Field(default=0, description="Ready groups of the current template.")
+    old: int = Field(default=0, description="Groups of an older template still serving or starting.")
 
 
 class GroupPodStatus(_Model):
@@ -1179,6 +1215,11 @@ class InferenceDeploymentStatus(_Model):
         "(scale subresource).",
     )
     score: Nullable[float] = Field(default=None, description="Placement score in [0, 1].")
+    revision: str = Field(
+        default="",
+        description="The current revision (what prefill and decode share); pods carry it as the "
+        "copse.dev/revision label.",
+    )
     groups: list[GroupStatus] = Field(default_factory=list)
     unplaced: list[UnplacedStatus] = Field(default_factory=list)
     cold_start: Nullable[ColdStartStatus] = None

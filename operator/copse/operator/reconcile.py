@@ -11,17 +11,19 @@ capacity never drops below the desired count while a roll has room to surge.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
+from copse.api.v1alpha1 import RolloutSpec
 from copse.operator import names
 from copse.operator.children import (
     GroupLayout,
     RoutingIssue,
     changed_fields,
     legacy_template_hash,
+    revision,
     routing_issues,
     template_hash,
     template_inputs,
@@ -186,6 +188,56 @@ def _stuck_pods(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class _RollStep:
+    retire: list[ObservedGroup]
+    """Old groups to retire now (drained first when serving)."""
+    budget: int
+    """New groups the pool may place this pass (filling what it lacks first, then surging)."""
+    wanted: int
+    """New groups the roll still needs in all."""
+
+
+def _roll_step(
+    *,
+    rollout: RolloutSpec,
+    desired: int,
+    remaining: Sequence[ObservedGroup],
+    outdated: Callable[[ObservedGroup], bool],
+    draining: int,
+    keep_last_old: bool,
+) -> _RollStep:
+    """One step of a roll of a pool within ``spec.rollout``: retire old groups while the pool keeps
+    ``desired - maxUnavailable`` ready groups (idle old ones first: they serve nothing), and place
+    new ones while it holds at most ``desired + maxSurge`` groups (draining ones included: they
+    still hold their GPUs), never touching the ``partition`` groups a canary keeps old.
+    ``keep_last_old``: the last ready old group stays (the old revision's last P/D pair).
+    Level-triggered: a revert or a second change mid-roll is another set of outdated groups under
+    the same bounds."""
+    old = [g for g in remaining if outdated(g) and g.state is not GroupState.BROKEN]
+    fresh = [g for g in remaining if not outdated(g)]
+    keep_old = min(rollout.partition, desired)
+    ready = sum(1 for g in remaining if g.state is GroupState.READY)
+    old_ready = sum(1 for g in old if g.state is GroupState.READY)
+    floor = desired - rollout.max_unavailable
+    retire: list[ObservedGroup] = []
+    for group in sorted(old, key=lambda g: g.state is GroupState.READY):
+        if len(old) - len(retire) <= keep_old:
+            break
+        if group.state is GroupState.READY:
+            if ready - 1 < floor or (old_ready == 1 and keep_last_old):
+                break
+            ready -= 1
+            old_ready -= 1
+        retire.append(group)
+    held = len(remaining) + draining
+    return _RollStep(
+        retire=retire,
+        budget=max(0, desired + rollout.max_surge - held),
+        wanted=max(0, desired - keep_old - len(fresh)),
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _Drained:
     remove: list[tuple[ObservedGroup, str]]
     """Draining groups that are idle now, or out of time."""
@@ -301,10 +353,31 @@ def reconcile(
 
     to_place: list[tuple[Role, int]] = []
     staying: list[ObservedGroup] = []
+    accepted_by_role = {
+        pool.role: {template_hash(deployment, pool.role), legacy_template_hash(deployment, pool.role)}
+        for pool in deployment.spec.pools()
+    }
+    ready_by_role = {
+        role: [g for g in live if g.role is role and g.state is GroupState.READY and g.layout is not None]
+        for role in accepted_by_role
+    }
+    # P/D coherence: the last ready old group of a role stays while the old revision still serves
+    # with the other role, unless the new revision has a routable pair (or this is not P/D).
+    new_pair = all(
+        any(g.template_hash in accepted_by_role[role] for g in ready) for role, ready in ready_by_role.items()
+    )
+    old_ready_other = {
+        role: any(
+            g.template_hash not in accepted_by_role[other]
+            for other, ready in ready_by_role.items()
+            if other is not role
+            for g in ready
+        )
+        for role in accepted_by_role
+    }
 
     for pool in deployment.spec.pools():
-        current = template_hash(deployment, pool.role)
-        accepted = {current, legacy_template_hash(deployment, pool.role)}
+        accepted = accepted_by_role[pool.role]
         slots = [group for group in live if group.role is pool.role]
         for group in slots:
             if group.state is GroupState.BROKEN:
@@ -320,8 +393,11 @@ def reconcile(
         def outdated(group: ObservedGroup, accepted: set[str] = accepted) -> bool:
             return group.layout is not None and group.template_hash not in accepted
 
-        rolling = any(outdated(group) for group in slots)
-        surplus = len(slots) - pool.replicas - (1 if rolling else 0)
+        rollout = deployment.spec.rollout
+        keep_old = min(rollout.partition, pool.replicas)
+        rolling = not rollout.paused and sum(1 for group in slots if outdated(group)) > keep_old
+        # While rolling, up to max_surge groups above the replicas are the roll's, not surplus.
+        surplus = len(slots) - pool.replicas - (rollout.max_surge if rolling else 0)
         removable = sorted(
             slots,
             key=lambda group: (
@@ -347,23 +423,27 @@ def reconcile(
                 retire(group, "scale-down")
         remaining = [group for group in slots if group not in removed]
 
-        if rolling and surplus <= 0:
-            fresh_ready = sum(1 for g in remaining if not outdated(g) and g.state is GroupState.READY)
-            old = [g for g in remaining if outdated(g)]
-            if len(remaining) > pool.replicas and fresh_ready >= len(remaining) - len(old):
-                # The surge group is up: retire one outdated group.
-                victim = sorted(old, key=lambda g: g.state is GroupState.READY)[0]
+        surge = 0
+        budget: int | None = None
+        """New groups the roll lets this pool place this pass (None: not rolling, no bound)."""
+        if rolling:
+            step = _roll_step(
+                rollout=rollout,
+                desired=pool.replicas,
+                remaining=remaining,
+                outdated=outdated,
+                draining=sum(1 for g in draining if g.role is pool.role),
+                keep_last_old=old_ready_other[pool.role] and not new_pair,
+            )
+            for victim in step.retire:
                 removed.append(victim)
                 remaining.remove(victim)
                 retire(victim, "rolled to the new template")
-            elif (
-                len(remaining) <= pool.replicas
-                and all(g.state is GroupState.READY for g in remaining)
-                and not any(g.role is pool.role for g in draining)
-            ):
-                # One group of surge at a time: the next comes once the last old one is gone.
-                [surge] = _free_indices({g.replica for g in groups if g.role is pool.role}, 1)
-                to_place.append((pool.role, surge))
+            lacking = max(0, pool.replicas - len(remaining))
+            budget = step.budget
+            surge = max(0, min(budget, step.wanted) - min(lacking, budget))
+            if surge or step.retire:
+                old = [g for g in slots if outdated(g)]
                 inputs = template_inputs(deployment, pool.role)
                 fields = changed_fields(old[0].template, inputs) if old[0].template is not None else []
                 because = ", ".join(fields) if fields else "a template made by an older operator"
@@ -371,12 +451,18 @@ def reconcile(
                     Event(
                         type="Normal",
                         reason="RollingUpdate",
-                        message=f"{pool.role.value}: surging one group to replace {old[0].name} "
-                        f"(changed: {because})",
+                        message=f"{pool.role.value}: {surge} new group(s) surging, "
+                        f"{len(step.retire)} old group(s) retiring, {len(old) - len(step.retire)} old "
+                        f"left (changed: {because})",
                     )
                 )
+        if surge:
+            taken = {g.replica for g in groups if g.role is pool.role}
+            to_place += [(pool.role, index) for index in _free_indices(taken, surge)]
 
         missing = pool.replicas - len(remaining)
+        if budget is not None:
+            missing = min(missing, budget)  # a roll without surge room waits for the drains
         if missing > 0:
             # A scale-up during a drain takes the draining groups back before placing new ones:
             # they are warm, placed, and of the current template.
@@ -495,6 +581,7 @@ def reconcile(
         generation=generation,
         previous_conditions=previous.get("conditions", []),
         routing=issues,
+        accepted=accepted_by_role,
     )
     acting = (
         decision.restart
@@ -551,7 +638,9 @@ def _status(
     generation: int | None,
     previous_conditions: Sequence[Mapping[str, Any]],
     routing: Sequence[RoutingIssue],
+    accepted: Mapping[Role, set[str]],
 ) -> dict[str, Any]:
+    """``accepted``: per role, the template hashes that count as current."""
     name = deployment.metadata.name
     layouts = [g.layout for g in groups if g.layout is not None] + list(placed)
     ready_names = {g.name for g in groups if g.state is GroupState.READY}
@@ -560,7 +649,20 @@ def _status(
     for pool in deployment.spec.pools():
         role_layouts = [layout for layout in layouts if layout.role is pool.role]
         ready = sum(1 for g in groups if g.role is pool.role and g.name in ready_names)
-        roles[pool.role.value] = {"desired": pool.replicas, "placed": len(role_layouts), "ready": ready}
+        updated = [
+            g
+            for g in groups
+            if g.role is pool.role and (g.layout is None or g.template_hash in accepted[pool.role])
+        ]
+        updated_count = len(updated) + sum(1 for layout in placed if layout.role is pool.role)
+        roles[pool.role.value] = {
+            "desired": pool.replicas,
+            "placed": len(role_layouts),
+            "ready": ready,
+            "updated": updated_count,
+            "updatedReady": sum(1 for g in updated if g.name in ready_names),
+            "old": sum(1 for g in groups if g.role is pool.role) - len(updated),
+        }
         desired_total += pool.replicas
         ready_total += min(ready, pool.replicas)
     placed_total = sum(min(r["placed"], r["desired"]) for r in roles.values())
@@ -641,6 +743,7 @@ def _status(
         "replicas": scaled,
         "selector": names.scale_selector_string(name),
         "score": round(evaluation.score, 4) if layouts else None,
+        "revision": revision(deployment),
         "groups": groups_status,
         "unplaced": unplaced,
         "coldStart": {"strategy": deployment.spec.cold_start.strategy.value, "source": cold_start_source},
