@@ -364,7 +364,8 @@ def _restarts(kubectl: Kubectl, namespace: str) -> list[str]:
 def test_a_cordon_keeps_the_group_and_a_not_ready_node_is_waited_out_for_the_grace(
     kubectl: Kubectl, namespace: str, operator: Operator
 ) -> None:
-    kubectl.apply(seed("upkeep", replicas=2, disruption={"notReadyGrace": "30s"}), namespace=namespace)
+    disruption = {"notReadyGrace": "30s", "onCordon": "Keep"}
+    kubectl.apply(seed("upkeep", replicas=2, disruption=disruption), namespace=namespace)
     wait_running(kubectl, "upkeep", namespace, operator)
     before = _pods_by_name(kubectl, "upkeep", namespace)
     node = before["upkeep-worker-0-0"][1]

@@ -4,6 +4,7 @@ without duplicates, orphans or gang restarts."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from e2e.operator_harness import (
     Operator,
     lease_holder,
     seed,
+    status,
     wait_running,
     wait_until,
     worker_pods,
@@ -97,3 +99,74 @@ def test_killing_the_leader_mid_reconcile_hands_over_to_the_standby(
             operator.start()
         standby.stop()  # a clean stop hands the Lease to the session's operator at once
     wait_until("the session's operator to lead again", lambda: operator.leading, operator=operator)
+
+
+def _gang(kubectl: Kubectl, name: str, namespace: str) -> dict[str, tuple[str, str]]:
+    """Worker pod name -> (uid, node)."""
+    return {
+        pod["metadata"]["name"]: (pod["metadata"]["uid"], pod["spec"].get("nodeName", ""))
+        for pod in worker_pods(kubectl, name, namespace)
+        if not pod["metadata"].get("deletionTimestamp")
+    }
+
+
+def test_a_drain_moves_the_gang_whole_through_its_disruption_budget(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    # No router to count in-flight requests here: a retired group goes at once.
+    kubectl.apply(seed("drained", replicas=2, disruption={"drainTimeout": "0s"}), namespace=namespace)
+    wait_running(kubectl, "drained", namespace, operator)
+    budgets = {b["metadata"]["name"]: b for b in kubectl.items("pdb", namespace=namespace)}
+    assert budgets["drained-worker-0"]["spec"]["minAvailable"] == 2, "TP=8 on 4-GPU trays: 2 pods"
+    assert budgets["drained-worker-0"]["metadata"]["ownerReferences"][0]["kind"] == "Service"
+    assert budgets["drained-router"]["spec"]["maxUnavailable"] == 1
+    assert kubectl.get("deployment", "drained-router", namespace=namespace)["spec"]["replicas"] == 2
+    before = _gang(kubectl, "drained", namespace)
+    node = before["drained-worker-0-0"][1]
+    moving = {pod for pod in before if pod.startswith("drained-worker-0-")}
+    # The kubelet's and the disruption controller's view: the budget allows no eviction.
+    wait_until(
+        "the disruption controller to count the gang",
+        lambda: (
+            kubectl.get("pdb", "drained-worker-0", namespace=namespace)
+            .get("status", {})
+            .get("currentHealthy")
+            == 2
+        ),
+        operator=operator,
+    )
+    drain = subprocess.Popen(
+        [str(kubectl.executable), f"--kubeconfig={kubectl.kubeconfig}", "drain", node, "--ignore-daemonsets",
+         "--delete-emptydir-data", "--timeout=180s"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+
+        def moved() -> bool:
+            gang = _gang(kubectl, "drained", namespace)
+            return (
+                drain.poll() is not None
+                and status(kubectl, "drained", namespace).get("phase") == "Running"
+                and node not in {where for _, where in gang.values()}
+            )
+
+        wait_until("the drain to finish and the gang to run elsewhere", moved, operator=operator, timeout=200)
+        output = drain.stdout.read() if drain.stdout else ""
+        assert drain.returncode == 0, output
+        # The budget refused every eviction of the gang's pods: only the operator removed them, whole.
+        assert "disruption budget" in output, output
+        after = _gang(kubectl, "drained", namespace)
+        others = {pod: where for pod, where in before.items() if pod not in moving}
+        assert {pod: after[pod] for pod in others} == others, "the other gang kept its pods"
+        assert _restarts(kubectl, namespace) == [], "moved by a roll to a successor, not restarted"
+        events = kubectl.items("events", "--field-selector", "reason=Draining", namespace=namespace)
+        assert any("moved off a cordoned node" in event["message"] for event in events)
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+        kubectl.run("uncordon", node)
+
+
+def _restarts(kubectl: Kubectl, namespace: str) -> list[str]:
+    events = kubectl.items("events", "--field-selector", "reason=GangRestart", namespace=namespace)
+    return [event["message"] for event in events]

@@ -218,8 +218,36 @@ def placement_of(harness: Harness) -> dict[str, tuple[str, str]]:
     return {p["metadata"]["name"]: (p["metadata"]["uid"], node_of(p)) for p in harness.pods()}
 
 
-async def test_cordoned_node_keeps_its_gang_and_takes_no_new_one() -> None:
+async def test_a_cordon_moves_the_gang_whole_new_one_first() -> None:
     harness = Harness(racks=1, replicas=1)
+    await harness.settle()
+    node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
+    harness.kube.nodes[node]["spec"]["unschedulable"] = True
+    seen = []
+    for _ in range(12):
+        before = harness.snapshot()
+        harness.kube.sync(harness.controller)
+        await harness.controller.reconcile_once(KEY)
+        harness.kube.kubelet()
+        seen.append(
+            {
+                p["metadata"]["labels"][names.LABEL_GROUP]
+                for p in harness.pods()
+                if p["status"]["phase"] == "Running"
+            }
+        )
+        if harness.snapshot() == before:
+            break
+    assert all(seen), "a group serves at every pass"
+    assert seen[-1] == {"llama-worker-1"}, "the successor took over; the cordoned group is gone"
+    assert node not in {node_of(p) for p in harness.pods()}
+    assert "GangRestart" not in [reason for _, reason, _ in harness.kube.events]
+    [retired] = [m for _, reason, m in harness.kube.events if reason == "Draining"]
+    assert retired.startswith("group llama-worker-0 drains before removal (moved off a cordoned node)")
+
+
+async def test_a_cordon_with_on_cordon_keep_keeps_its_gang_and_takes_no_new_one() -> None:
+    harness = Harness(racks=1, replicas=1, disruption={"onCordon": "Keep"})
     await harness.settle()
     before = placement_of(harness)
     node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
@@ -579,6 +607,6 @@ async def test_a_roll_names_the_fields_that_changed() -> None:
     await harness.controller.reconcile_once(KEY)
     [rolling] = [m for _, reason, m in harness.kube.events if reason == "RollingUpdate"]
     assert rolling == (
-        "worker: 1 new group(s) surging, 0 old group(s) retiring, 1 old left "
+        "worker: 1 new group(s) surging, 0 group(s) retiring, 1 of an old template "
         "(changed: engine.image, pod.labels)"
     )

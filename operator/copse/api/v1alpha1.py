@@ -411,8 +411,20 @@ class ScalingSpec(_SpecModel):
         return parse_duration(self.scale_down_delay)
 
 
+class CordonPolicy(str, schema.Enum):
+    MOVE = "Move"
+    KEEP = "Keep"
+
+
 class DisruptionSpec(_SpecModel):
     """How groups ride out node trouble, and leave without cutting the requests they serve."""
+
+    on_cordon: CordonPolicy = Field(
+        default=CordonPolicy.MOVE,
+        description="Move: a group on a cordoned node is replaced elsewhere first, then drained and "
+        "removed whole (what lets `kubectl drain` through the group's PodDisruptionBudget, which "
+        "evicts no pod of a gang); Keep: it keeps running there and a drain waits on it.",
+    )
 
     not_ready_grace: Duration = Field(
         default="300s",

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
-from copse.api.v1alpha1 import RolloutSpec
+from copse.api.v1alpha1 import CordonPolicy, RolloutSpec
 from copse.operator import names
 from copse.operator.children import (
     GroupLayout,
@@ -121,7 +121,7 @@ class _NodeTrouble:
     waiting: dict[str, str]
     """Group name -> the NotReady node it waits out, and until when."""
     cordoned: dict[str, str]
-    """Group name -> the cordoned node it keeps running on."""
+    """Group name -> the cordoned node under it, and what happens to it."""
     waits: list[float]
     """Seconds until each wait ends (the pass requeues itself for the first)."""
 
@@ -133,9 +133,12 @@ def _node_trouble(
     evicting taint breaks a gang now, a NotReady one after the grace, a cordon never."""
     name = deployment.metadata.name
     broken = placer.invalid(holding)
+    moves = deployment.spec.disruption.on_cordon is CordonPolicy.MOVE
     cordoned = {
-        names.group_name(name, *key): f"node {node} is cordoned: the group keeps running there, "
-        "no new pods land on it"
+        names.group_name(name, *key): f"node {node} is cordoned: the group moves whole (its successor "
+        "is placed elsewhere first, then it drains)"
+        if moves
+        else f"node {node} is cordoned: the group keeps running there, no new pods land on it"
         for key, node in placer.cordoned(holding).items()
     }
     waiting: dict[str, str] = {}
@@ -200,6 +203,7 @@ class _RollStep:
 def _roll_step(
     *,
     rollout: RolloutSpec,
+    moving: set[str],
     desired: int,
     remaining: Sequence[ObservedGroup],
     outdated: Callable[[ObservedGroup], bool],
@@ -211,6 +215,7 @@ def _roll_step(
     new ones while it holds at most ``desired + maxSurge`` groups (draining ones included: they
     still hold their GPUs), never touching the ``partition`` groups a canary keeps old.
     ``keep_last_old``: the last ready old group stays (the old revision's last P/D pair).
+    ``moving``: groups leaving a cordoned node; they count as old, but no partition keeps them.
     Level-triggered: a revert or a second change mid-roll is another set of outdated groups under
     the same bounds."""
     old = [g for g in remaining if outdated(g) and g.state is not GroupState.BROKEN]
@@ -220,20 +225,23 @@ def _roll_step(
     old_ready = sum(1 for g in old if g.state is GroupState.READY)
     floor = desired - rollout.max_unavailable
     retire: list[ObservedGroup] = []
-    for group in sorted(old, key=lambda g: g.state is GroupState.READY):
-        if len(old) - len(retire) <= keep_old:
-            break
+    stale = sum(1 for g in old if g.name not in moving)
+    for group in sorted(old, key=lambda g: (g.name not in moving, g.state is GroupState.READY)):
+        if group.name not in moving and stale <= keep_old:
+            continue
         if group.state is GroupState.READY:
             if ready - 1 < floor or (old_ready == 1 and keep_last_old):
                 break
             ready -= 1
             old_ready -= 1
+        if group.name not in moving:
+            stale -= 1
         retire.append(group)
     held = len(remaining) + draining
     return _RollStep(
         retire=retire,
         budget=max(0, desired + rollout.max_surge - held),
-        wanted=max(0, desired - keep_old - len(fresh)),
+        wanted=max(0, desired - min(keep_old, sum(1 for g in old if g.name not in moving)) - len(fresh)),
     )
 
 
@@ -353,6 +361,8 @@ def reconcile(
 
     to_place: list[tuple[Role, int]] = []
     staying: list[ObservedGroup] = []
+    moving = set(trouble.cordoned) if deployment.spec.disruption.on_cordon is CordonPolicy.MOVE else set()
+    """Groups on cordoned nodes that move whole: rolled like outdated ones, whatever the partition."""
     accepted_by_role = {
         pool.role: {template_hash(deployment, pool.role), legacy_template_hash(deployment, pool.role)}
         for pool in deployment.spec.pools()
@@ -391,11 +401,12 @@ def reconcile(
                 )
 
         def outdated(group: ObservedGroup, accepted: set[str] = accepted) -> bool:
-            return group.layout is not None and group.template_hash not in accepted
+            return group.layout is not None and (group.template_hash not in accepted or group.name in moving)
 
         rollout = deployment.spec.rollout
         keep_old = min(rollout.partition, pool.replicas)
-        rolling = not rollout.paused and sum(1 for group in slots if outdated(group)) > keep_old
+        stale = sum(1 for group in slots if outdated(group) and group.name not in moving)
+        rolling = (not rollout.paused and stale > keep_old) or any(g.name in moving for g in slots)
         # While rolling, up to max_surge groups above the replicas are the roll's, not surplus.
         surplus = len(slots) - pool.replicas - (rollout.max_surge if rolling else 0)
         removable = sorted(
@@ -429,6 +440,7 @@ def reconcile(
         if rolling:
             step = _roll_step(
                 rollout=rollout,
+                moving=moving,
                 desired=pool.replicas,
                 remaining=remaining,
                 outdated=outdated,
@@ -438,12 +450,15 @@ def reconcile(
             for victim in step.retire:
                 removed.append(victim)
                 remaining.remove(victim)
-                retire(victim, "rolled to the new template")
+                retire(
+                    victim,
+                    "moved off a cordoned node" if victim.name in moving else "rolled to the new template",
+                )
             lacking = max(0, pool.replicas - len(remaining))
             budget = step.budget
             surge = max(0, min(budget, step.wanted) - min(lacking, budget))
-            if surge or step.retire:
-                old = [g for g in slots if outdated(g)]
+            if (surge or step.retire) and stale:
+                old = [g for g in slots if outdated(g) and g.name not in moving]
                 inputs = template_inputs(deployment, pool.role)
                 fields = changed_fields(old[0].template, inputs) if old[0].template is not None else []
                 because = ", ".join(fields) if fields else "a template made by an older operator"
@@ -452,8 +467,8 @@ def reconcile(
                         type="Normal",
                         reason="RollingUpdate",
                         message=f"{pool.role.value}: {surge} new group(s) surging, "
-                        f"{len(step.retire)} old group(s) retiring, {len(old) - len(step.retire)} old "
-                        f"left (changed: {because})",
+                        f"{len(step.retire)} group(s) retiring, {len(old)} of an old template "
+                        f"(changed: {because})",
                     )
                 )
         if surge:
