@@ -567,7 +567,7 @@ def test_the_liveness_endpoint_reports_the_reconcile_loop(operator: Operator) ->
         return True
 
     wait_until("the liveness endpoint to answer 200", answered, operator=operator)
-    assert set(answers[-1]["reconciler"]) == {"queued", "oldest_due_s", "pass_running_s"}
+    assert set(answers[-1]["reconciler"]) == {"queued", "oldest_due_s", "pass_running_s", "leader"}
 
 
 class _Stream:
