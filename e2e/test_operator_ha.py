@@ -15,6 +15,7 @@ from e2e.operator_harness import (
     lease_holder,
     seed,
     status,
+    unresponsive,
     wait_running,
     wait_until,
     worker_pods,
@@ -172,3 +173,54 @@ def test_a_drain_moves_the_gang_whole_through_its_disruption_budget(
 def _restarts(kubectl: Kubectl, namespace: str) -> list[str]:
     events = kubectl.items("events", "--field-selector", "reason=GangRestart", namespace=namespace)
     return [event["message"] for event in events]
+
+
+def test_pods_stuck_terminating_on_a_dead_node_are_force_deleted_and_the_gang_moves(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    kubectl.apply(seed("stuck", replicas=1, disruption={"notReadyGrace": "15s"}), namespace=namespace)
+    wait_running(kubectl, "stuck", namespace, operator)
+    node = _gang(kubectl, "stuck", namespace)["stuck-worker-0-1"][1]
+    with unresponsive(kubectl, node):
+        # As the node controller's eviction would: a graceful delete nobody on the node confirms.
+        kubectl.run("delete", "pod", "stuck-worker-0-1", f"--namespace={namespace}", "--wait=false")
+        wait_until(
+            "the stuck pod to be force-deleted and the gang to run elsewhere",
+            lambda: (
+                status(kubectl, "stuck", namespace).get("phase") == "Running"
+                and node not in {where for _, where in _gang(kubectl, "stuck", namespace).values()}
+                and len(_gang(kubectl, "stuck", namespace)) == 2
+            ),
+            operator=operator,
+            timeout=120,
+        )
+    events = kubectl.items("events", "--field-selector", "reason=ForceDeleted", namespace=namespace)
+    assert [e["message"].split(":")[0] for e in events] == ["pod stuck-worker-0-1"]
+    assert f"stuck Terminating on node {node}" in events[0]["message"]
+
+
+def test_a_scale_up_during_a_drain_takes_the_draining_group_back(
+    kubectl: Kubectl, namespace: str, operator: Operator
+) -> None:
+    # No router answers for the draining group's requests: it would wait out the whole timeout.
+    kubectl.apply(seed("regrow", replicas=2, disruption={"drainTimeout": "600s"}), namespace=namespace)
+    wait_running(kubectl, "regrow", namespace, operator)
+    before = _gang(kubectl, "regrow", namespace)
+    kubectl.run("scale", "idep/regrow", "--replicas=1", f"--namespace={namespace}")
+
+    def draining() -> list[str]:
+        pods = kubectl.items("pods", "-l", f"{names.LABEL_DRAINING}=true", namespace=namespace)
+        return [pod["metadata"]["name"] for pod in pods]
+
+    wait_until("a group to drain", lambda: bool(draining()), operator=operator)
+    kubectl.run("scale", "idep/regrow", "--replicas=2", f"--namespace={namespace}")
+    wait_until(
+        "the draining group taken back",
+        lambda: not draining() and status(kubectl, "regrow", namespace).get("ready") == "worker 2/2",
+        operator=operator,
+    )
+    assert _gang(kubectl, "regrow", namespace) == before, "the same pods serve again: nothing was placed"
+    events = kubectl.items("events", "--field-selector", "reason=DrainCancelled", namespace=namespace)
+    assert len(events) == 1
+    placed = kubectl.items("events", "--field-selector", "reason=Placed", namespace=namespace)
+    assert len(placed) == 2, "only the two first placements"
