@@ -242,6 +242,8 @@ async def test_a_cordon_moves_the_gang_whole_new_one_first() -> None:
     assert seen[-1] == {"llama-worker-1"}, "the successor took over; the cordoned group is gone"
     assert node not in {node_of(p) for p in harness.pods()}
     assert "GangRestart" not in [reason for _, reason, _ in harness.kube.events]
+    [moved] = [m for _, reason, m in harness.kube.events if reason == "Moved"]
+    assert moved == "group llama-worker-0 leaves its cordoned node: its successor serves"
     [retired] = [m for _, reason, m in harness.kube.events if reason == "Draining"]
     assert retired.startswith("group llama-worker-0 drains before removal (moved off a cordoned node)")
 

@@ -450,10 +450,17 @@ def reconcile(
             for victim in step.retire:
                 removed.append(victim)
                 remaining.remove(victim)
-                retire(
-                    victim,
-                    "moved off a cordoned node" if victim.name in moving else "rolled to the new template",
-                )
+                if victim.name in moving:
+                    retire(victim, "moved off a cordoned node")
+                    decision.events.append(
+                        Event(
+                            type="Normal",
+                            reason="Moved",
+                            message=f"group {victim.name} leaves its cordoned node: its successor serves",
+                        )
+                    )
+                else:
+                    retire(victim, "rolled to the new template")
             lacking = max(0, pool.replicas - len(remaining))
             budget = step.budget
             surge = max(0, min(budget, step.wanted) - min(lacking, budget))
