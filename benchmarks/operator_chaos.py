@@ -228,7 +228,8 @@ def roll(kubectl: Kubectl, replicas: list[Replica], *, name: str, pool: int, kil
             result["takeover_s"] = wait("a new leader", lambda: lease_holder(kubectl) not in ("", held))
             result["killed"] = leader.name
             result["killed_at_s"] = killed - started
-        result["converge_s"] = wait("the roll to converge", lambda: converged(kubectl, name, pool))
+        wait("the roll to converge", lambda: converged(kubectl, name, pool))
+        result["converge_s"] = time.monotonic() - started
         time.sleep(0.5)
     result["samples"] = samples
     restarts = kubectl.items("events", "--field-selector", "reason=GangRestart", namespace=NAMESPACE)
