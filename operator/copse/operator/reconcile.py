@@ -171,7 +171,9 @@ def _stuck_pods(
     for group in terminating:
         for pod in group.pods.values():
             node = pod.get("spec", {}).get("nodeName")
-            if not pod.get("metadata", {}).get("deletionTimestamp") or not node:
+            meta = pod.get("metadata", {})
+            # Grace 0 already: force-deleted (only finalizers, not a kubelet, hold it now).
+            if not meta.get("deletionTimestamp") or meta.get("deletionGracePeriodSeconds") == 0 or not node:
                 continue
             since = placer.not_ready_since(node)
             if since is None:
