@@ -29,16 +29,24 @@ from copse.workers.testing import free_port
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 OPERATOR_NAMESPACE = "copse-system"
+LEASE = "copse-operator"
+#: Short leader-election timings (s), so a killed leader's Lease expires quickly in tests:
+#: lease duration, renew deadline, retry period.
+LEASE_TIMINGS = (6.0, 4.0, 1.0)
 
 
 class Operator:
     """``copse operator run`` as its own process, the way a user starts it."""
 
-    def __init__(self, *, log: Path, kubeconfig: Path, namespaces: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, *, log: Path, kubeconfig: Path, namespaces: tuple[str, ...] = (), identity: str = "operator"
+    ) -> None:
         self.log = log
         self.kubeconfig = kubeconfig
         self.namespaces = namespaces
         """``--namespace`` of each (all namespaces when empty)."""
+        self.identity = identity
+        """Prefix of its ``holderIdentity`` in the leader Lease (what a pod's name is in a cluster)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.health_port = free_port()
         """Port of the liveness endpoint (the same across restarts)."""
@@ -58,12 +66,34 @@ class Operator:
                     "run",
                     "--metrics-port=0",
                     f"--health-port={self.health_port}",
+                    f"--lease-namespace={OPERATOR_NAMESPACE}",
+                    f"--lease-name={LEASE}",
+                    *(
+                        f"--{flag}={value:g}"
+                        for flag, value in zip(
+                            ("lease-duration", "renew-deadline", "retry-period"), LEASE_TIMINGS, strict=True
+                        )
+                    ),
                     *(f"--namespace={namespace}" for namespace in self.namespaces),
                 ],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": self.identity},
             )
+
+    def health(self) -> dict[str, Any] | None:
+        """The liveness endpoint's figures (``leader`` is 1 on the replica that reconciles);
+        None while it does not answer 200."""
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=5) as response:
+                answer: dict[str, Any] = json.load(response)["reconciler"]
+        except OSError:
+            return None
+        return answer
+
+    @property
+    def leading(self) -> bool:
+        return (self.health() or {}).get("leader") == 1
 
     def kill(self) -> None:
         """SIGKILL: no cleanup, as when a node dies under the operator."""
@@ -124,6 +154,14 @@ def seed(name: str, **spec: Any) -> dict[str, Any]:
     manifest["metadata"]["name"] = name
     manifest["spec"].update(copy.deepcopy(spec))
     return dict(manifest)
+
+
+def lease_holder(kubectl: Kubectl) -> str:
+    """Who holds the operators' leader Lease ("" when nobody or no Lease yet)."""
+    lease = kubectl.run("get", "lease", LEASE, f"--namespace={OPERATOR_NAMESPACE}", "-o", "json", check=False)
+    if lease.returncode != 0:
+        return ""
+    return str(json.loads(lease.stdout).get("spec", {}).get("holderIdentity") or "")
 
 
 def wait_until(what: str, check: Callable[[], bool], *, timeout: float = 90, operator: Operator) -> None:

@@ -114,8 +114,11 @@ def test_defaults_render_the_operator_alone() -> None:
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "Deployment",
         "Service",
+        "PodDisruptionBudget",
     }
     operator = rendered[("Deployment", "copse-copse-operator")]
     pod = operator["spec"]["template"]
@@ -141,12 +144,34 @@ def test_defaults_render_the_operator_alone() -> None:
         {"name": "health", "containerPort": 8080},
     ]
     assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert main["readinessProbe"]["httpGet"]["port"] == "metrics"
+    # Ready = leader or healthy standby: the same endpoint, which a standby answers too.
+    assert main["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {e["name"]: e.get("value") for e in main["env"]}["COPSE_LOG_FORMAT"] == "json"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-    assert operator["spec"]["replicas"] == 1
-    assert operator["spec"]["strategy"] == {"type": "Recreate"}
+    # High availability: two replicas electing a leader over a Lease in the release namespace.
+    assert operator["spec"]["replicas"] == 2
+    assert operator["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     assert matches(operator["spec"]["selector"], pod["metadata"]["labels"])
+    assert (params["leader_election"], params["lease_name"], params["lease_namespace"]) == (
+        True,
+        "copse-copse-operator",
+        NAMESPACE,
+    )
+    assert (params["lease_duration"], params["renew_deadline"], params["retry_period"]) == (15, 10, 2)
+    [anti] = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert matches(anti["podAffinityTerm"]["labelSelector"], pod["metadata"]["labels"])
+    budget = rendered[("PodDisruptionBudget", "copse-copse-operator")]
+    assert budget["spec"]["minAvailable"] == 1
+    assert matches(budget["spec"]["selector"], pod["metadata"]["labels"])
+    election = rendered[("Role", "copse-copse-operator-leader-election")]
+    assert rules_of(election) == {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
+    election_binding = rendered[("RoleBinding", "copse-copse-operator-leader-election")]
+    assert election_binding["roleRef"]["name"] == "copse-copse-operator-leader-election"
+    assert election_binding["subjects"] == binding["subjects"]
     service = rendered[("Service", "copse-copse-operator-metrics")]
     assert matches(service["spec"]["selector"], pod["metadata"]["labels"])
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics"}]

@@ -364,7 +364,8 @@ def _restarts(kubectl: Kubectl, namespace: str) -> list[str]:
 def test_a_cordon_keeps_the_group_and_a_not_ready_node_is_waited_out_for_the_grace(
     kubectl: Kubectl, namespace: str, operator: Operator
 ) -> None:
-    kubectl.apply(seed("upkeep", replicas=2, disruption={"notReadyGrace": "30s"}), namespace=namespace)
+    disruption = {"notReadyGrace": "30s", "onCordon": "Keep"}
+    kubectl.apply(seed("upkeep", replicas=2, disruption=disruption), namespace=namespace)
     wait_running(kubectl, "upkeep", namespace, operator)
     before = _pods_by_name(kubectl, "upkeep", namespace)
     node = before["upkeep-worker-0-0"][1]
@@ -566,7 +567,7 @@ def test_the_liveness_endpoint_reports_the_reconcile_loop(operator: Operator) ->
         return True
 
     wait_until("the liveness endpoint to answer 200", answered, operator=operator)
-    assert set(answers[-1]["reconciler"]) == {"queued", "oldest_due_s", "pass_running_s"}
+    assert set(answers[-1]["reconciler"]) == {"queued", "oldest_due_s", "pass_running_s", "leader"}
 
 
 class _Stream:
@@ -634,7 +635,7 @@ def test_a_scale_down_during_streams_drains_the_group_before_deleting_it(
             model={"name": "mock-model", "tensorParallelism": 4},
             placement={"affinityPolicy": "same-nvswitch-domain", "antiAffinityPolicy": "none"},
             engine={"backend": "mock", "args": ["--decode-speedup", "0.1"]},
-            router={"policy": "round_robin", "nodeSelector": selector},
+            router={"policy": "round_robin", "nodeSelector": selector, "replicas": 1},
             pod={"nodeSelector": selector},
             disruption={"drainTimeout": "120s"},
         )

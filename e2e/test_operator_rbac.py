@@ -99,6 +99,7 @@ def test_the_operator_owns_every_child_on_the_chart_rbac(
         ("role", "strict-router"),
         ("rolebinding", "strict-router"),
         ("deployment", "strict-router"),
+        ("poddisruptionbudget", "strict-router"),
         ("service", "strict-worker-0"),
         ("pod", "strict-worker-0-1"),
     ):
@@ -108,6 +109,13 @@ def test_the_operator_owns_every_child_on_the_chart_rbac(
             "strict",
             True,
         )
+    # What lives and dies with a group is owned by its Service (not blocking: no finalizers rights).
+    [owner] = kubectl.get("pdb", "strict-worker-0", namespace=namespace)["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner.get("blockOwnerDeletion")) == (
+        "Service",
+        "strict-worker-0",
+        None,
+    )
 
 
 def test_watch_namespaces_narrows_the_operator_to_roles_in_them(

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from copse.api import parse_deployment
+from copse.api import Role, parse_deployment
 from copse.operator import names
+from copse.operator.children import legacy_template_hash
 from copse.operator.controller import Controller
 from copse.operator.reconcile import ReconcileSettings, reconcile
 from copse.operator.state import GroupState, observe_groups
@@ -217,8 +218,38 @@ def placement_of(harness: Harness) -> dict[str, tuple[str, str]]:
     return {p["metadata"]["name"]: (p["metadata"]["uid"], node_of(p)) for p in harness.pods()}
 
 
-async def test_cordoned_node_keeps_its_gang_and_takes_no_new_one() -> None:
+async def test_a_cordon_moves_the_gang_whole_new_one_first() -> None:
     harness = Harness(racks=1, replicas=1)
+    await harness.settle()
+    node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
+    harness.kube.nodes[node]["spec"]["unschedulable"] = True
+    seen = []
+    for _ in range(12):
+        before = harness.snapshot()
+        harness.kube.sync(harness.controller)
+        await harness.controller.reconcile_once(KEY)
+        harness.kube.kubelet()
+        seen.append(
+            {
+                p["metadata"]["labels"][names.LABEL_GROUP]
+                for p in harness.pods()
+                if p["status"]["phase"] == "Running"
+            }
+        )
+        if harness.snapshot() == before:
+            break
+    assert all(seen), "a group serves at every pass"
+    assert seen[-1] == {"llama-worker-1"}, "the successor took over; the cordoned group is gone"
+    assert node not in {node_of(p) for p in harness.pods()}
+    assert "GangRestart" not in [reason for _, reason, _ in harness.kube.events]
+    [moved] = [m for _, reason, m in harness.kube.events if reason == "Moved"]
+    assert moved == "group llama-worker-0 leaves its cordoned node: its successor serves"
+    [retired] = [m for _, reason, m in harness.kube.events if reason == "Draining"]
+    assert retired.startswith("group llama-worker-0 drains before removal (moved off a cordoned node)")
+
+
+async def test_a_cordon_with_on_cordon_keep_keeps_its_gang_and_takes_no_new_one() -> None:
+    harness = Harness(racks=1, replicas=1, disruption={"onCordon": "Keep"})
     await harness.settle()
     before = placement_of(harness)
     node = node_of(harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-0")])
@@ -360,8 +391,13 @@ async def test_disaggregated_deployments_get_no_spec_replicas_and_scale_per_pool
     # What `kubectl patch idep/llama --type=merge -p '{"spec":{"decode":{"replicas":2}}}'` does.
     harness.update_spec(decode={"replicas": 2})
     await harness.settle()
-    assert harness.status["roles"]["decode"] == {"desired": 2, "placed": 2, "ready": 2}
-    assert harness.status["roles"]["prefill"] == {"desired": 1, "placed": 1, "ready": 1}
+    roll = {"old": 0}
+    assert harness.status["roles"]["decode"] == {
+        "desired": 2, "placed": 2, "ready": 2, "updated": 2, "updatedReady": 2, **roll
+    }  # fmt: skip
+    assert harness.status["roles"]["prefill"] == {
+        "desired": 1, "placed": 1, "ready": 1, "updated": 1, "updatedReady": 1, **roll
+    }  # fmt: skip
 
 
 async def test_replicas_are_defaulted_only_over_the_version_read() -> None:
@@ -382,7 +418,9 @@ async def test_infeasible_groups_are_reported_and_heal_when_nodes_arrive() -> No
     await harness.settle()
     status = harness.status
     assert status["phase"] == "Degraded"
-    assert status["roles"]["worker"] == {"desired": 12, "placed": 9, "ready": 9}
+    assert status["roles"]["worker"] == {
+        "desired": 12, "placed": 9, "ready": 9, "updated": 9, "updatedReady": 9, "old": 0
+    }  # fmt: skip
     assert len(status["unplaced"]) == 3
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["PlacementInfeasible"]["status"] == "True"
@@ -502,3 +540,75 @@ async def test_modelexpress_runs_its_server_and_points_new_groups_at_a_ready_one
     assert env["MX_METADATA_BACKEND"] == "k8s-service"
     assert env["MX_K8S_SERVICE_PATTERN"] == "llama-mx-source"
     assert env["COPSE_COLD_START_SOURCE"] == "llama-worker-0"
+
+
+async def test_pods_stuck_terminating_on_a_dead_node_are_force_deleted_after_the_grace() -> None:
+    harness = Harness(replicas=1, disruption={"notReadyGrace": "120s"})
+    await harness.settle()
+    pod = harness.kube.objects[("Pod", NAMESPACE, "llama-worker-0-1")]
+    node = node_of(pod)
+    # The node controller evicted the pod; its kubelet is gone, so nobody confirms the deletion.
+    pod["metadata"]["deletionTimestamp"] = datetime.now(UTC).isoformat()
+    set_ready(harness.kube.nodes[node], "False", since=datetime.now(UTC) - timedelta(seconds=30))
+    harness.kube.sync(harness.controller)
+    requeue = await harness.controller.reconcile_once(KEY)
+    assert ("Pod", NAMESPACE, "llama-worker-0-1") in harness.kube.objects, "within the grace: waits"
+    assert requeue == pytest.approx(90, abs=2)
+
+    set_ready(harness.kube.nodes[node], "False", since=datetime.now(UTC) - timedelta(seconds=121))
+    await harness.settle()
+    assert ("Pod", "llama-worker-0-1", 0) in harness.kube.deletions, "deleted with no grace"
+    [forced] = [m for _, reason, m in harness.kube.events if reason == "ForceDeleted"]
+    assert forced.startswith(f"pod llama-worker-0-1: stuck Terminating on node {node}, NotReady for 121s")
+    assert node not in {node_of(p) for p in harness.pods()}, "the gang restarted elsewhere"
+    assert harness.status["phase"] == "Running"
+
+
+async def test_a_replica_patch_or_a_new_default_rolls_nothing() -> None:
+    harness = Harness(replicas=2)
+    await harness.settle()
+    services = [s for s in harness.kube.of_kind("Service") if names.LABEL_GROUP in s["metadata"]["labels"]]
+    hashes = {s["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] for s in services}
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in harness.pods()}
+    harness.update_spec(replicas=3)
+    await harness.settle()
+    harness.update_spec(replicas=2)
+    await harness.settle()
+    # The user writes out a value that is the default anyway (as an upgraded CRD's defaulting would).
+    harness.update_spec(engine={"backend": "trtllm"})
+    await harness.settle()
+    assert "RollingUpdate" not in {reason for _, reason, _ in harness.kube.events}
+    after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in harness.pods()}
+    assert {name: after.get(name) for name in uids} == uids
+    assert len(hashes) == 1
+
+
+async def test_groups_recorded_with_the_old_hash_format_are_current() -> None:
+    harness = Harness(replicas=1)
+    await harness.settle()
+    body = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]
+    deployment = parse_deployment(body, source="test")
+    service = harness.kube.objects[("Service", NAMESPACE, "llama-worker-0")]
+    annotations = service["metadata"]["annotations"]
+    annotations[names.ANNOTATION_TEMPLATE_HASH] = legacy_template_hash(deployment, Role.WORKER)
+    del annotations[names.ANNOTATION_TEMPLATE]
+    await harness.settle()
+    assert "RollingUpdate" not in {reason for _, reason, _ in harness.kube.events}
+    harness.update_spec(engine={"image": "trtllm:next"})
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    [rolling] = [m for _, reason, m in harness.kube.events if reason == "RollingUpdate"]
+    assert rolling.endswith("(changed: a template made by an older operator)")
+
+
+async def test_a_roll_names_the_fields_that_changed() -> None:
+    harness = Harness(replicas=1)
+    await harness.settle()
+    harness.update_spec(engine={"image": "trtllm:next"}, pod={"labels": {"team": "a"}})
+    harness.kube.sync(harness.controller)
+    await harness.controller.reconcile_once(KEY)
+    [rolling] = [m for _, reason, m in harness.kube.events if reason == "RollingUpdate"]
+    assert rolling == (
+        "worker: 1 new group(s) surging, 0 group(s) retiring, 1 of an old template "
+        "(changed: engine.image, pod.labels)"
+    )

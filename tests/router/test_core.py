@@ -310,6 +310,28 @@ def test_disaggregated_prefill_then_decode_close_to_it() -> None:
     assert router.sequences.requests.sum() == 0
 
 
+def test_prefill_and_decode_pair_only_within_one_revision() -> None:
+    router = Router(perf=PERF, settings=SelectionSettings(block_size=BS), seed=3)
+    # Mid-rollout: the close decode worker runs the new revision, the old prefill worker the old.
+    router.add_worker(WorkerInfo(worker_id="p-old", role=Role.PREFILL, locality="A", revision="r1"), now=0.0)
+    router.add_worker(WorkerInfo(worker_id="d-new", role=Role.DECODE, locality="A", revision="r2"), now=0.0)
+    router.add_worker(WorkerInfo(worker_id="d-old", role=Role.DECODE, locality="B", revision="r1"), now=0.0)
+    pairs = set()
+    for i in range(6):
+        route = router.submit(_request(f"r{i}", PROMPT[: 3000 + i]), now=0.0)
+        assert route is not None
+        pairs.add((route.prefill_worker_id, route.worker_id))
+    assert ("p-old", "d-old") in pairs
+    assert pairs <= {("p-old", "d-old"), (None, "d-old"), (None, "d-new")}, "never p-old with d-new"
+    # A revision without a decode worker gets no prefill: its prefill workers are skipped.
+    router.add_worker(WorkerInfo(worker_id="p-new", role=Role.PREFILL, locality="A", revision="r3"), now=0.0)
+    router.remove_worker("d-old")
+    route = router.submit(_request("late", PROMPT), now=1.0)
+    assert route is not None
+    assert route.prefill_worker_id is None, "no prefill worker of d-new's revision: it serves whole"
+    assert route.worker_id == "d-new"
+
+
 def test_short_prompts_stay_on_the_decode_worker_when_transfer_costs_more() -> None:
     router = _disagg(disagg=DisaggSettings(overhead_ms=5.0))
     short = router.submit(_request("r", PROMPT[:256]), now=0.0)

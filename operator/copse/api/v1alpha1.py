@@ -411,8 +411,20 @@ class ScalingSpec(_SpecModel):
         return parse_duration(self.scale_down_delay)
 
 
+class CordonPolicy(str, schema.Enum):
+    MOVE = "Move"
+    KEEP = "Keep"
+
+
 class DisruptionSpec(_SpecModel):
     """How groups ride out node trouble, and leave without cutting the requests they serve."""
+
+    on_cordon: CordonPolicy = Field(
+        default=CordonPolicy.MOVE,
+        description="Move: a group on a cordoned node is replaced elsewhere first, then drained and "
+        "removed whole (what lets `kubectl drain` through the group's PodDisruptionBudget, which "
+        "evicts no pod of a gang); Keep: it keeps running there and a drain waits on it.",
+    )
 
     not_ready_grace: Duration = Field(
         default="300s",
@@ -435,6 +447,34 @@ class DisruptionSpec(_SpecModel):
     @property
     def drain_timeout_s(self) -> float:
         return parse_duration(self.drain_timeout)
+
+
+class RolloutSpec(_SpecModel):
+    """How groups of an outdated template (a changed image, engine arguments, pod settings) are
+    replaced, per pool and counted in TP groups. A replica change never rolls anything."""
+
+    max_surge: int = Field(
+        default=1,
+        ge=0,
+        description="Groups a pool may hold above its replicas while rolling (draining ones count: "
+        "they still hold their GPUs). 0 replaces in place, for a cluster with no spare GPUs.",
+    )
+    max_unavailable: int = Field(
+        default=0,
+        ge=0,
+        description="Ready groups a pool may lack below its replicas while rolling. 0 keeps full "
+        "capacity (new groups are ready before old ones drain).",
+    )
+    partition: int = Field(
+        default=0,
+        ge=0,
+        description="Groups per pool kept on the old template: a canary runs replicas - partition "
+        "new groups next to them; 0 rolls everything.",
+    )
+    paused: bool = Field(
+        default=False,
+        description="Start no new step of a roll (steps under way finish); a canary holds here.",
+    )
 
 
 #: Seconds from a scale-up decision to the new group serving, by how it gets its weights: ModelExpress's
@@ -754,7 +794,10 @@ class RouterSpec(_SpecModel):
     )
     policy: RoutingPolicy = Field(default=RoutingPolicy.KV, description="Worker selection policy by name.")
     replicas: int = Field(
-        default=1, ge=1, description="Router replicas; they share in-flight load over NATS."
+        default=2,
+        ge=1,
+        description="Router replicas; they share in-flight load over NATS. Two by default, with a "
+        "PodDisruptionBudget, so a node drain or a router crash leaves one serving.",
     )
     temperature: float = Field(
         default=0.0, ge=0, description="Softmax temperature over predicted latency; 0 always picks the best."
@@ -1007,6 +1050,11 @@ class InferenceDeploymentSpec(_SpecModel):
         json_schema_extra=_defaults_of(ColdStartSpec),
         description="How new replicas load.",
     )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        json_schema_extra=_defaults_of(RolloutSpec),
+        description="Surge, unavailability, canary partition and pause of template changes.",
+    )
     engine: EngineSpec = Field(
         default_factory=EngineSpec,
         json_schema_extra=_defaults_of(EngineSpec),
@@ -1150,6 +1198,9 @@ class RoleStatus(_Model):
     desired: int = 0
     placed: int = 0
     ready: int = 0
+    updated: int = Field(default=0, description="Groups of the current template (revision).")
+    updated_ready: int = Field(default=0, description="Ready groups of the current template.")
+    old: int = Field(default=0, description="Groups of an older template still serving or starting.")
 
 
 class GroupPodStatus(_Model):
@@ -1201,6 +1252,11 @@ class InferenceDeploymentStatus(_Model):
         "(scale subresource).",
     )
     score: Nullable[float] = Field(default=None, description="Placement score in [0, 1].")
+    revision: str = Field(
+        default="",
+        description="The current revision (what prefill and decode share); pods carry it as the "
+        "copse.dev/revision label.",
+    )
     groups: list[GroupStatus] = Field(default_factory=list)
     unplaced: list[UnplacedStatus] = Field(default_factory=list)
     cold_start: Nullable[ColdStartStatus] = None

@@ -145,8 +145,51 @@ def _metadata(
     }
 
 
+def _digest(inputs: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _revision_inputs(deployment: InferenceDeployment) -> dict[str, Any]:
+    """What every role's pods share (model, engine, pod settings) as the user's spec states it:
+    fields at their default are left out, so an operator upgrade that adds a field or a default
+    changes no hash and rolls nothing."""
+    spec = deployment.spec
+    shaped: dict[str, Any] = {
+        "model": spec.model.name,
+        "engine": spec.engine.model_dump(mode="json", exclude_defaults=True),
+        "pod": spec.pod.model_dump(mode="json", exclude_defaults=True),
+        "coldStart": spec.cold_start.model_dump(mode="json", include={"strategy"}, exclude_defaults=True),
+    }
+    if spec.model.cache:
+        shaped["cache"] = spec.model.cache.model_dump(mode="json", exclude_defaults=True)
+    return shaped
+
+
+def revision(deployment: InferenceDeployment) -> str:
+    """The deployment's revision: the hash of what prefill and decode pods share. Pods carry it as
+    a label; the router pairs a prefill group only with decode groups of its revision (KV caches
+    of two engine versions need not be compatible)."""
+    return _digest(_revision_inputs(deployment))
+
+
+def template_inputs(deployment: InferenceDeployment, role: Role) -> dict[str, Any]:
+    """What shapes a worker pod of ``role``: the revision's inputs plus the pool's parallelism."""
+    spec = deployment.spec
+    [pool] = [pool for pool in spec.pools() if pool.role is role]
+    shaped = {**_revision_inputs(deployment), "tp": pool.tensor_parallelism, "pp": pool.pipeline_parallelism}
+    if pool.moe is not None:  # only for MoE models: dense groups keep their hashes
+        shaped["moe"] = dataclasses.asdict(pool.moe)
+    return shaped
+
+
 def template_hash(deployment: InferenceDeployment, role: Role) -> str:
     """What shapes a worker pod of ``role``; groups with another hash get rolled."""
+    return _digest(template_inputs(deployment, role))
+
+
+def legacy_template_hash(deployment: InferenceDeployment, role: Role) -> str:
+    """The template hash as copse 0.1 computed it (over the rendered defaults): groups it recorded
+    count as current, so the upgrade to user-spec hashing rolls nothing."""
     spec = deployment.spec
     [pool] = [pool for pool in spec.pools() if pool.role is role]
     shaped = {
@@ -158,9 +201,21 @@ def template_hash(deployment: InferenceDeployment, role: Role) -> str:
         "pod": spec.pod.model_dump(mode="json"),
         "coldStart": spec.cold_start.strategy.value,
     }
-    if pool.moe is not None:  # only for MoE models: dense groups keep their hashes
+    if pool.moe is not None:
         shaped["moe"] = dataclasses.asdict(pool.moe)
-    return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:16]
+    return _digest(shaped)
+
+
+def changed_fields(before: Mapping[str, Any], after: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths whose values differ between two template inputs (for the roll's Event)."""
+    changed: list[str] = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changed += changed_fields(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}")
+    return changed
 
 
 def group_labels(deployment: InferenceDeployment, layout: GroupLayout) -> dict[str, str]:
@@ -170,6 +225,7 @@ def group_labels(deployment: InferenceDeployment, layout: GroupLayout) -> dict[s
         names.LABEL_ROLE: layout.role.value,
         names.LABEL_GROUP: names.group_name(name, layout.role, layout.replica),
         names.LABEL_REPLICA: str(layout.replica),
+        names.LABEL_REVISION: revision(deployment),
     }
 
 
@@ -181,6 +237,7 @@ def group_service(deployment: InferenceDeployment, layout: GroupLayout) -> dict[
         names.ANNOTATION_PLACEMENT: json.dumps([{"node": node, "gpus": gpus} for node, gpus in layout.pods]),
         names.ANNOTATION_COST: f"{layout.cost:.6f}",
         names.ANNOTATION_TEMPLATE_HASH: template_hash(deployment, layout.role),
+        names.ANNOTATION_TEMPLATE: json.dumps(template_inputs(deployment, layout.role), sort_keys=True),
     }
     if layout.domain is not None:
         annotations[names.ANNOTATION_DOMAIN] = layout.domain
@@ -200,6 +257,24 @@ def group_service(deployment: InferenceDeployment, layout: GroupLayout) -> dict[
                 {"name": "ssh", "port": multinode.SSH_PORT, "targetPort": multinode.SSH_PORT},
             ],
         },
+    }
+
+
+def group_disruption_budget(
+    deployment: InferenceDeployment, layout: GroupLayout, *, service: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The group's PodDisruptionBudget: every pod must stay, so an eviction (a drain) never takes
+    part of a gang; the operator moves the gang whole instead. Owned by the group's Service, so
+    it goes with the group."""
+    labels = group_labels(deployment, layout)
+    group = labels[names.LABEL_GROUP]
+    metadata = _metadata(deployment, name=group, labels=labels)
+    metadata["ownerReferences"] = [service_owner_reference(service)]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata,
+        "spec": {"minAvailable": len(layout.pods), "selector": {"matchLabels": {names.LABEL_GROUP: group}}},
     }
 
 
@@ -1132,9 +1207,16 @@ def router_objects(deployment: InferenceDeployment, *, images: Images = Images()
             else [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}],
         },
     }
+    budget = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(deployment, name=name, labels=labels),
+        # One router at a time: a drain never takes every replica (with one replica, it may).
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
+    }
     pool = [inference_pool(deployment)] if epp else []
     # Identity first: the ReplicaSet cannot create pods before their ServiceAccount exists.
-    return [*router_rbac(deployment), config_map, router_deployment, service, *pool]
+    return [*router_rbac(deployment), config_map, router_deployment, service, budget, *pool]
 
 
 def _router_ports(epp: bool) -> dict[str, Any]:

@@ -43,6 +43,37 @@ def operator() -> None:
     help="Liveness endpoint (/healthz: 500 when the reconcile loop is stuck or gone); 0 disables.",
 )
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address of both endpoints.")
+@click.option(
+    "--leader-election/--no-leader-election",
+    default=True,
+    show_default=True,
+    help="Reconcile only while holding the Lease (run several replicas); off: this process alone.",
+)
+@click.option(
+    "--lease-namespace",
+    envvar="POD_NAMESPACE",
+    default="default",
+    show_default=True,
+    help="Namespace of the leader Lease (in a pod: its own, from $POD_NAMESPACE).",
+)
+@click.option("--lease-name", default="copse-operator", show_default=True, help="Name of the leader Lease.")
+@click.option(
+    "--lease-duration",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Seconds a standby waits on an unrenewed Lease before taking over.",
+)
+@click.option(
+    "--renew-deadline",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds without a renewal after which the leader stops reconciling.",
+)
+@click.option(
+    "--retry-period", type=float, default=2.0, show_default=True, help="Seconds between Lease attempts."
+)
 @click.option("--verbose", "-v", is_flag=True, help="Also log kopf's own activity.")
 @click.option(
     "--image",
@@ -72,6 +103,12 @@ def run(
     metrics_port: int,
     health_port: int,
     metrics_host: str,
+    leader_election: bool,
+    lease_namespace: str,
+    lease_name: str,
+    lease_duration: float,
+    renew_deadline: float,
+    retry_period: float,
     verbose: bool,
     image: str,
     image_pull_policy: str | None,
@@ -88,6 +125,21 @@ def run(
     import kopf  # noqa: PLC0415
 
     from copse.operator import handlers  # noqa: PLC0415
+    from copse.operator.leader import LeaseSettings  # noqa: PLC0415
+
+    lease = None
+    if leader_election:
+        try:
+            lease = LeaseSettings(
+                namespace=lease_namespace,
+                name=lease_name,
+                lease_duration_s=lease_duration,
+                renew_deadline_s=renew_deadline,
+                retry_period_s=retry_period,
+            )
+        except ValueError as exc:
+            hint = "--retry-period/--renew-deadline/--lease-duration"
+            raise click.BadParameter(str(exc), param_hint=hint) from exc
 
     if not verbose:
         handlers.quiet_kopf()
@@ -99,6 +151,7 @@ def run(
         namespaces=list(namespaces),
         memo=kopf.Memo(
             namespaces=list(namespaces),
+            lease=lease,
             settings=reconcile_settings(
                 image=image, image_pull_policy=image_pull_policy, trtllm_image=trtllm_image
             ),

@@ -124,6 +124,9 @@ class Controller:
         self._pass_started: float | None = None
         self.compute_domains_served = False
         """Whether the cluster has NVIDIA's ComputeDomain CRD (listed at start, then watched)."""
+        self.leading = True
+        """Whether this replica reconciles (holds the leader Lease); a standby only keeps its
+        cache, so its queue waiting is no sign of a stuck loop."""
         self._created: set[tuple[str, str, str, str]] = set()
         """(kind, namespace, name, owner uid) of create-once children this process knows exist,
         so a pass does not ask again (a restarted operator asks once and gets 409)."""
@@ -133,7 +136,8 @@ class Controller:
         one has waited and how long the pass in progress has run (s). Raises :class:`Stalled` when
         either exceeds :attr:`stalled_after_s`."""
         now = time.monotonic()
-        waited = max((now - due for due in self._dirty.values() if due <= now), default=0.0)
+        due_since = self._dirty.values() if self.leading else ()
+        waited = max((now - due for due in due_since if due <= now), default=0.0)
         running = 0.0 if self._pass_started is None else now - self._pass_started
         if waited > self.stalled_after_s:
             raise Stalled(
@@ -156,6 +160,18 @@ class Controller:
         due = time.monotonic() + after_s
         self._dirty[key] = min(self._dirty.get(key, due), due)
         self._wakeup.set()
+
+    def take_over(self) -> None:
+        """This replica starts reconciling (it won the Lease): every deployment gets a pass, and
+        nothing another leader may have changed meanwhile is assumed (the cache was kept warm by
+        the watches while it stood by)."""
+        self.leading = True
+        self._created.clear()
+        self.mark_all()
+
+    def mark_all(self) -> None:
+        for key in self.cache.deployments:
+            self.mark(key)
 
     def on_deployment(self, body: Mapping[str, Any], *, deleted: bool) -> None:
         self.cache.put(self.cache.deployments, _key(body), body, deleted=deleted)
@@ -186,8 +202,7 @@ class Controller:
         before = self.cache.nodes.get(name)
         self.cache.put(self.cache.nodes, name, node, deleted=deleted)
         if deleted or before is None or _node_fingerprint(before) != _node_fingerprint(node):
-            for key in self.cache.deployments:
-                self.mark(key)
+            self.mark_all()
 
     def on_crd(self, crd: Mapping[str, Any], *, deleted: bool) -> None:
         """A CustomResourceDefinition changed: notice NVIDIA's ComputeDomain arriving or leaving."""
@@ -200,8 +215,7 @@ class Controller:
         if served != self.compute_domains_served:
             logger.info("ComputeDomain CRD %s", "served" if served else "gone")
             self.compute_domains_served = served
-            for key in self.cache.deployments:
-                self.mark(key)
+            self.mark_all()
 
     def _mark_unplaced(self) -> None:
         for key, body in self.cache.deployments.items():
@@ -388,6 +402,11 @@ class Controller:
             )
         await self._each(decision.restart, lambda item: self._restart(namespace, name, *item))
         await self._each(decision.drain, lambda item: self._drain(body, namespace, *item))
+        await self._each(decision.undrain, lambda item: self._undrain(namespace, name, *item))
+        await self._each(
+            decision.force_delete,
+            lambda item: self.kube.delete("Pod", namespace=namespace, name=item[0], grace_period_s=0),
+        )
         await self._each(decision.remove, lambda item: self._remove(namespace, name, *item))
         recorded = await self._each(decision.place, lambda layout: self._record(deployment, layout))
         lost = {
@@ -469,7 +488,7 @@ class Controller:
         nothing new), its Service records since when (the deadline survives a restart)."""
         name = body["metadata"]["name"]
         context = _context(namespace, name, role=group.role.value, group=group.name)
-        label = "/metadata/labels/" + names.LABEL_DRAINING.replace("~", "~0").replace("/", "~1")
+        label = "/metadata/labels/" + _pointer(names.LABEL_DRAINING)
         for pod in group.pods.values():
             patched = await self.kube.patch_pod(
                 namespace=namespace,
@@ -495,6 +514,38 @@ class Controller:
             reason="Draining",
             message=f"group {group.name} drains before removal ({reason}): the router sends it no new "
             "requests; it goes once those in flight end",
+        )
+
+    async def _undrain(self, namespace: str, name: str, group: ObservedGroup, reason: str) -> None:
+        """Take a draining group back: the label goes (the routers send it requests again), then
+        the drain record on its Service."""
+        label = "/metadata/labels/" + _pointer(names.LABEL_DRAINING)
+        for pod in group.pods.values():
+            if names.LABEL_DRAINING not in pod.get("metadata", {}).get("labels", {}):
+                continue
+            patched = await self.kube.patch_pod(
+                namespace=namespace,
+                name=pod["metadata"]["name"],
+                json_patch=[{"op": "remove", "path": label}],
+            )
+            self.cache.pods[_key(patched)] = patched
+        if group.service is not None:
+            present = group.service.get("metadata", {}).get("annotations", {})
+            patched = await self.kube.patch_service(
+                namespace=namespace,
+                name=group.name,
+                json_patch=[
+                    {"op": "remove", "path": "/metadata/annotations/" + _pointer(key)}
+                    for key in (names.ANNOTATION_DRAINING_SINCE, names.ANNOTATION_DRAINING_REASON)
+                    if key in present
+                ],
+            )
+            self.cache.services[(namespace, group.name)] = patched
+        logger.info(
+            "took back draining group %s (%s)",
+            group.name,
+            reason,
+            extra=_context(namespace, name, role=group.role.value, group=group.name),
         )
 
     async def _remove(self, namespace: str, name: str, group: ObservedGroup, reason: str) -> None:
@@ -558,6 +609,9 @@ class Controller:
             )
         channel = None
         service = self.cache.services.get((namespace, group))
+        if service is not None:
+            # Applied with the pods: a restarted gang may have another pod count.
+            await self.kube.apply(children.group_disruption_budget(deployment, layout, service=service))
         wanted = multinode.wants_compute_domain(deployment, pods=layout.pods, domain=layout.domain)
         if wanted and self.compute_domains_served and service is not None:
             restarts = int(service["metadata"].get("annotations", {}).get(names.ANNOTATION_RESTARTS, 0))
@@ -635,13 +689,18 @@ class Controller:
             self.cache.pods.pop(_key(pod), None)
 
 
+def _pointer(key: str) -> str:
+    """``key`` as one JSON-pointer segment (label and annotation keys hold slashes)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
 def _annotate(obj: Mapping[str, Any], annotations: Mapping[str, str]) -> list[dict[str, Any]]:
     existing = obj.get("metadata", {}).get("annotations")
     operations: list[dict[str, Any]] = []
     if existing is None:
         operations.append({"op": "add", "path": "/metadata/annotations", "value": {}})
     for key, value in annotations.items():
-        path = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+        path = "/metadata/annotations/" + _pointer(key)
         operations.append({"op": "add", "path": path, "value": value})
     return operations
 

@@ -16,7 +16,8 @@ from kubernetes.aio import client, config
 from copse.api import GROUP, PLURAL, VERSION
 from copse.operator import names
 from copse.operator.controller import Controller, Stalled, holds_gpus
-from copse.operator.kube import Kube
+from copse.operator.kube import Kube, KubeLease
+from copse.operator.leader import LeaderElector, LeaseSettings
 
 
 async def _api_client() -> client.ApiClient:
@@ -41,29 +42,69 @@ async def start(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> N
     await controller.prime()
     memo["api_client"] = api_client
     memo["controller"] = controller
+    memo["worker"] = None
+    lease: LeaseSettings | None = memo.get("lease")
+    if lease is None:
+        _start_worker(memo)
+        return
+
+    async def started() -> None:
+        _start_worker(memo)
+
+    async def stopped() -> None:
+        await _stop_worker(memo)
+
+    elector = LeaderElector(api=KubeLease(api_client), settings=lease, on_started=started, on_stopped=stopped)
+    memo["elector"] = elector
+    memo["election"] = asyncio.create_task(elector.run(), name="copse-leader-election")
+
+
+def _start_worker(memo: kopf.Memo) -> None:
+    """Start reconciling: every known deployment gets a pass (a new leader trusts nothing it did
+    not check; the cache was kept warm by the watches while it stood by)."""
+    controller: Controller = memo["controller"]
+    controller.take_over()
     memo["worker"] = asyncio.create_task(controller.run(), name="copse-reconciler")
+
+
+async def _stop_worker(memo: kopf.Memo) -> None:
+    """Stop reconciling at once: a pass cut short is safe, every pass is idempotent."""
+    memo["controller"].leading = False
+    worker: asyncio.Task[None] | None = memo.get("worker")
+    memo["worker"] = None
+    if worker is not None:
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
 
 
 @kopf.on.probe(id="reconciler")
 def reconciler_health(memo: kopf.Memo, **_: Any) -> dict[str, float]:
-    """The liveness endpoint's figures. A permanent error (kopf retries any other) makes the
-    endpoint answer 500 at once, and Kubernetes restarts the operator."""
-    worker: asyncio.Task[None] = memo["worker"]
-    if worker.done():
+    """The liveness and readiness endpoint's figures: a leader's reconcile loop, or a standby's
+    election loop; ``leader`` is 1 on the replica that reconciles. A permanent error (kopf
+    retries any other) makes the endpoint answer 500 at once, and Kubernetes restarts the pod."""
+    election: asyncio.Task[None] | None = memo.get("election")
+    if election is not None and election.done():
+        ended = "cancelled" if election.cancelled() else repr(election.exception())
+        raise kopf.PermanentError(f"the leader election loop ended: {ended}")
+    worker: asyncio.Task[None] | None = memo.get("worker")
+    if worker is not None and worker.done():
         ended = "cancelled" if worker.cancelled() else repr(worker.exception())
         raise kopf.PermanentError(f"the reconcile loop ended: {ended}")
     try:
         health: dict[str, float] = memo["controller"].health()
     except Stalled as exc:
         raise kopf.PermanentError(str(exc)) from exc
-    return health
+    return {**health, "leader": float(worker is not None)}
 
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    worker: asyncio.Task[None] = memo["worker"]
-    worker.cancel()
-    await asyncio.gather(worker, return_exceptions=True)
+    election: asyncio.Task[None] | None = memo.get("election")
+    if election is not None:
+        election.cancel()
+        await asyncio.gather(election, return_exceptions=True)
+        await memo["elector"].release()  # stops the worker, then hands the Lease over
+    await _stop_worker(memo)
     await memo["api_client"].close()
 
 

@@ -32,6 +32,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("AppsV1Api", "deployment"),
     "Role": ("RbacAuthorizationV1Api", "role"),
     "RoleBinding": ("RbacAuthorizationV1Api", "role_binding"),
+    "PodDisruptionBudget": ("PolicyV1Api", "pod_disruption_budget"),
 }
 #: kind -> (group, version, plural) of the custom resources the operator applies or creates
 _CUSTOM_KINDS: dict[str, tuple[str, str, str]] = {
@@ -273,3 +274,54 @@ class Kube:
                 namespace, label_selector=label_selector
             )
         return [self.to_dict(item) for item in listed.items]
+
+
+class KubeLease:
+    """:class:`copse.operator.leader.LeaseApi` on the API server: optimistic writes (a stale
+    ``resourceVersion`` is a 409, meaning another replica wrote first)."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._api_client = api_client
+        self.coordination = client.CoordinationV1Api(api_client)
+
+    async def read(self, *, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            lease = await self.coordination.read_namespaced_lease(name=name, namespace=namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        found: dict[str, Any] = self._api_client.sanitize_for_serialization(lease)
+        return found
+
+    async def create(self, *, namespace: str, name: str, spec: Mapping[str, Any]) -> bool:
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": dict(spec),
+        }
+        try:
+            await self.coordination.create_namespaced_lease(namespace=namespace, body=body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def replace(
+        self, *, namespace: str, name: str, spec: Mapping[str, Any], resource_version: str | None
+    ) -> bool:
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace, "resourceVersion": resource_version},
+            "spec": dict(spec),
+        }
+        try:
+            await self.coordination.replace_namespaced_lease(name=name, namespace=namespace, body=body)
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True

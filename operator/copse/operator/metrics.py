@@ -22,3 +22,7 @@ UNPLACED_GROUPS = Gauge(
     "TP groups of a deployment that no node set can hold now (its PlacementInfeasible condition).",
     ["namespace", "deployment"],
 )
+LEADER = Gauge("copse_operator_leader", "1 while this replica holds the leader Lease and reconciles.")
+LEADER_TRANSITIONS = Counter(
+    "copse_operator_leader_transitions_total", "Times this replica won the leader Lease."
+)

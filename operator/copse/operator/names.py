@@ -24,6 +24,11 @@ MANAGED_BY = "copse-operator"
 
 #: Hash of everything that shapes a worker pod; a mismatch means the group is outdated.
 ANNOTATION_TEMPLATE_HASH = f"{DOMAIN}/template-hash"
+#: The hashed inputs themselves, on the group's Service: a roll's Event names the fields that changed.
+ANNOTATION_TEMPLATE = f"{DOMAIN}/template"
+#: The deployment's revision (what prefill and decode share) on every worker pod: the router
+#: pairs prefill and decode groups of one revision only.
+LABEL_REVISION = f"{DOMAIN}/revision"
 #: The group's planned pods as JSON, written on its Service before any pod exists so a
 #: restarted operator can finish a half-created gang exactly as planned.
 ANNOTATION_PLACEMENT = f"{DOMAIN}/placement"

@@ -126,6 +126,12 @@ class Placer:
         found = unready_groups(self.topology, [_placement(layout) for layout in layouts])
         return {(Role(role), replica): where for (role, replica), where in found.items()}
 
+    def not_ready_since(self, node: str) -> float | None:
+        """Since when (s since the epoch) ``node`` has been NotReady or unreachable; None when it
+        is Ready or unknown."""
+        info = self.topology.nodes.get(node)
+        return None if info is None else info.not_ready_since
+
     def cordoned(self, layouts: Sequence[GroupLayout]) -> dict[GroupKey, str]:
         """Groups with a pod on a cordoned node, and that node: they keep running there."""
         found: dict[GroupKey, str] = {}

@@ -11,15 +11,26 @@ capacity never drops below the desired count while a roll has room to surge.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
+from copse.api.v1alpha1 import CordonPolicy, RolloutSpec
 from copse.operator import names
-from copse.operator.children import GroupLayout, Images, RoutingIssue, routing_issues, template_hash
+from copse.operator.children import (
+    GroupLayout,
+    Images,
+    RoutingIssue,
+    changed_fields,
+    legacy_template_hash,
+    revision,
+    routing_issues,
+    template_hash,
+    template_inputs,
+)
 from copse.operator.planning import Placer
-from copse.operator.state import GroupState, ObservedGroup
+from copse.operator.state import GroupState, ObservedGroup, pod_ready
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +62,11 @@ class Decision:
     """Broken gangs: delete all their pods now, count the restart, forget the placement."""
     drain: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
     """Serving groups to remove once idle: mark them draining (the router sends them nothing new)."""
+    undrain: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
+    """Draining groups taken back (a scale-up during their drain): unmark them, they serve again."""
+    force_delete: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(pod name, why) of pods stuck Terminating on a NotReady node past the grace: delete them
+    with no grace (their kubelet will never confirm), so the gang can restart elsewhere."""
     remove: list[tuple[ObservedGroup, str]] = dataclasses.field(default_factory=list)
     """Groups to delete with their Service (idle or drained; scale-down, finished roll)."""
     place: list[GroupLayout] = dataclasses.field(default_factory=list)
@@ -108,7 +124,7 @@ class _NodeTrouble:
     waiting: dict[str, str]
     """Group name -> the NotReady node it waits out, and until when."""
     cordoned: dict[str, str]
-    """Group name -> the cordoned node it keeps running on."""
+    """Group name -> the cordoned node under it, and what happens to it."""
     waits: list[float]
     """Seconds until each wait ends (the pass requeues itself for the first)."""
 
@@ -120,9 +136,12 @@ def _node_trouble(
     evicting taint breaks a gang now, a NotReady one after the grace, a cordon never."""
     name = deployment.metadata.name
     broken = placer.invalid(holding)
+    moves = deployment.spec.disruption.on_cordon is CordonPolicy.MOVE
     cordoned = {
-        names.group_name(name, *key): f"node {node} is cordoned: the group keeps running there, "
-        "no new pods land on it"
+        names.group_name(name, *key): f"node {node} is cordoned: the group moves whole (its successor "
+        "is placed elsewhere first, then it drains)"
+        if moves
+        else f"node {node} is cordoned: the group keeps running there, no new pods land on it"
         for key, node in placer.cordoned(holding).items()
     }
     waiting: dict[str, str] = {}
@@ -145,11 +164,98 @@ def _node_trouble(
     return _NodeTrouble(broken=broken, waiting=waiting, cordoned=cordoned, waits=waits)
 
 
+def _stuck_pods(
+    *, terminating: Sequence[ObservedGroup], placer: Placer, grace_s: float, now: datetime
+) -> tuple[list[tuple[str, str]], list[float]]:
+    """Pods of terminating groups that wait on a NotReady node: force-delete those whose node has
+    been down for the grace (a dead kubelet never confirms a deletion), and when the others are due."""
+    stuck: list[tuple[str, str]] = []
+    waits: list[float] = []
+    for group in terminating:
+        for pod in group.pods.values():
+            node = pod.get("spec", {}).get("nodeName")
+            meta = pod.get("metadata", {})
+            # Grace 0 already: force-deleted (only finalizers, not a kubelet, hold it now).
+            if not meta.get("deletionTimestamp") or meta.get("deletionGracePeriodSeconds") == 0 or not node:
+                continue
+            since = placer.not_ready_since(node)
+            if since is None:
+                continue
+            due = since + grace_s - now.timestamp()
+            if due > 0:
+                waits.append(due)
+                continue
+            stuck.append(
+                (
+                    pod["metadata"]["name"],
+                    f"stuck Terminating on node {node}, NotReady for {now.timestamp() - since:.0f}s "
+                    f"(grace {grace_s:g}s)",
+                )
+            )
+    return stuck, waits
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RollStep:
+    retire: list[ObservedGroup]
+    """Old groups to retire now (drained first when serving)."""
+    budget: int
+    """New groups the pool may place this pass (filling what it lacks first, then surging)."""
+    wanted: int
+    """New groups the roll still needs in all."""
+
+
+def _roll_step(
+    *,
+    rollout: RolloutSpec,
+    moving: set[str],
+    desired: int,
+    remaining: Sequence[ObservedGroup],
+    outdated: Callable[[ObservedGroup], bool],
+    draining: int,
+    keep_last_old: bool,
+) -> _RollStep:
+    """One step of a roll of a pool within ``spec.rollout``: retire old groups while the pool keeps
+    ``desired - maxUnavailable`` ready groups (idle old ones first: they serve nothing), and place
+    new ones while it holds at most ``desired + maxSurge`` groups (draining ones included: they
+    still hold their GPUs), never touching the ``partition`` groups a canary keeps old.
+    ``keep_last_old``: the last ready old group stays (the old revision's last P/D pair).
+    ``moving``: groups leaving a cordoned node; they count as old, but no partition keeps them.
+    Level-triggered: a revert or a second change mid-roll is another set of outdated groups under
+    the same bounds."""
+    old = [g for g in remaining if outdated(g) and g.state is not GroupState.BROKEN]
+    fresh = [g for g in remaining if not outdated(g)]
+    keep_old = min(rollout.partition, desired)
+    ready = sum(1 for g in remaining if g.state is GroupState.READY)
+    old_ready = sum(1 for g in old if g.state is GroupState.READY)
+    floor = desired - rollout.max_unavailable
+    retire: list[ObservedGroup] = []
+    stale = sum(1 for g in old if g.name not in moving)
+    for group in sorted(old, key=lambda g: (g.name not in moving, g.state is GroupState.READY)):
+        if group.name not in moving and stale <= keep_old:
+            continue
+        if group.state is GroupState.READY:
+            if ready - 1 < floor or (old_ready == 1 and keep_last_old):
+                break
+            ready -= 1
+            old_ready -= 1
+        if group.name not in moving:
+            stale -= 1
+        retire.append(group)
+    held = len(remaining) + draining
+    return _RollStep(
+        retire=retire,
+        budget=max(0, desired + rollout.max_surge - held),
+        wanted=max(0, desired - min(keep_old, sum(1 for g in old if g.name not in moving)) - len(fresh)),
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Drained:
     remove: list[tuple[ObservedGroup, str]]
     """Draining groups that are idle now, or out of time."""
     events: list[Event]
+    """One per removed group, in the same order."""
     messages: dict[str, str]
     """Group name -> how its drain stands (for its status entry)."""
     waits: list[float]
@@ -212,6 +318,7 @@ def reconcile(
     ``in_flight``: requests the routers still have on each draining group (None: unknown)."""
     decision = Decision()
     name = deployment.metadata.name
+    terminating = [group for group in groups if group.state is GroupState.TERMINATING]
     live = [group for group in groups if group.state is not GroupState.TERMINATING]
     # Draining groups are on their way out: not part of any pool, their GPUs still taken.
     draining = [group for group in live if group.state is GroupState.DRAINING]
@@ -226,6 +333,14 @@ def reconcile(
     trouble = _node_trouble(deployment=deployment, placer=placer, holding=holding, now=now)
     invalid = trouble.broken
     waits = list(trouble.waits)
+    decision.force_delete, stuck_waits = _stuck_pods(
+        terminating=terminating, placer=placer, grace_s=deployment.spec.disruption.not_ready_grace_s, now=now
+    )
+    waits += stuck_waits
+    decision.events += [
+        Event(type="Warning", reason="ForceDeleted", message=f"pod {pod}: {why}; deleted with no grace")
+        for pod, why in decision.force_delete
+    ]
     disruptions = {**trouble.cordoned, **trouble.waiting}
     """Group name -> why it is not serving normally (for its status entry)."""
     live = [
@@ -237,10 +352,9 @@ def reconcile(
     drained = _drained(
         deployment=deployment, draining=draining, in_flight=in_flight or {}, now=now, settings=settings
     )
-    decision.remove += drained.remove
-    decision.events += drained.events
     waits += drained.waits
-    disruptions.update(drained.messages)
+    taken_back: set[str] = set()
+    """Draining groups a scale-up takes back this pass."""
     drain_timeout = deployment.spec.disruption.drain_timeout_s
 
     def retire(group: ObservedGroup, reason: str) -> None:
@@ -252,9 +366,33 @@ def reconcile(
 
     to_place: list[tuple[Role, int]] = []
     staying: list[ObservedGroup] = []
+    moving = set(trouble.cordoned) if deployment.spec.disruption.on_cordon is CordonPolicy.MOVE else set()
+    """Groups on cordoned nodes that move whole: rolled like outdated ones, whatever the partition."""
+    accepted_by_role = {
+        pool.role: {template_hash(deployment, pool.role), legacy_template_hash(deployment, pool.role)}
+        for pool in deployment.spec.pools()
+    }
+    ready_by_role = {
+        role: [g for g in live if g.role is role and g.state is GroupState.READY and g.layout is not None]
+        for role in accepted_by_role
+    }
+    # P/D coherence: the last ready old group of a role stays while the old revision still serves
+    # with the other role, unless the new revision has a routable pair (or this is not P/D).
+    new_pair = all(
+        any(g.template_hash in accepted_by_role[role] for g in ready) for role, ready in ready_by_role.items()
+    )
+    old_ready_other = {
+        role: any(
+            g.template_hash not in accepted_by_role[other]
+            for other, ready in ready_by_role.items()
+            if other is not role
+            for g in ready
+        )
+        for role in accepted_by_role
+    }
 
     for pool in deployment.spec.pools():
-        current = template_hash(deployment, pool.role)
+        accepted = accepted_by_role[pool.role]
         slots = [group for group in live if group.role is pool.role]
         for group in slots:
             if group.state is GroupState.BROKEN:
@@ -267,11 +405,15 @@ def reconcile(
                     )
                 )
 
-        def outdated(group: ObservedGroup, current: str = current) -> bool:
-            return group.layout is not None and group.template_hash != current
+        def outdated(group: ObservedGroup, accepted: set[str] = accepted) -> bool:
+            return group.layout is not None and (group.template_hash not in accepted or group.name in moving)
 
-        rolling = any(outdated(group) for group in slots)
-        surplus = len(slots) - pool.replicas - (1 if rolling else 0)
+        rollout = deployment.spec.rollout
+        keep_old = min(rollout.partition, pool.replicas)
+        stale = sum(1 for group in slots if outdated(group) and group.name not in moving)
+        rolling = (not rollout.paused and stale > keep_old) or any(g.name in moving for g in slots)
+        # While rolling, up to max_surge groups above the replicas are the roll's, not surplus.
+        surplus = len(slots) - pool.replicas - (rollout.max_surge if rolling else 0)
         removable = sorted(
             slots,
             key=lambda group: (
@@ -297,32 +439,80 @@ def reconcile(
                 retire(group, "scale-down")
         remaining = [group for group in slots if group not in removed]
 
-        if rolling and surplus <= 0:
-            fresh_ready = sum(1 for g in remaining if not outdated(g) and g.state is GroupState.READY)
-            old = [g for g in remaining if outdated(g)]
-            if len(remaining) > pool.replicas and fresh_ready >= len(remaining) - len(old):
-                # The surge group is up: retire one outdated group.
-                victim = sorted(old, key=lambda g: g.state is GroupState.READY)[0]
+        surge = 0
+        budget: int | None = None
+        """New groups the roll lets this pool place this pass (None: not rolling, no bound)."""
+        if rolling:
+            step = _roll_step(
+                rollout=rollout,
+                moving=moving,
+                desired=pool.replicas,
+                remaining=remaining,
+                outdated=outdated,
+                draining=sum(1 for g in draining if g.role is pool.role),
+                keep_last_old=old_ready_other[pool.role] and not new_pair,
+            )
+            for victim in step.retire:
                 removed.append(victim)
                 remaining.remove(victim)
-                retire(victim, "rolled to the new template")
-            elif (
-                len(remaining) <= pool.replicas
-                and all(g.state is GroupState.READY for g in remaining)
-                and not any(g.role is pool.role for g in draining)
-            ):
-                # One group of surge at a time: the next comes once the last old one is gone.
-                [surge] = _free_indices({g.replica for g in groups if g.role is pool.role}, 1)
-                to_place.append((pool.role, surge))
+                if victim.name in moving:
+                    retire(victim, "moved off a cordoned node")
+                    decision.events.append(
+                        Event(
+                            type="Normal",
+                            reason="Moved",
+                            message=f"group {victim.name} leaves its cordoned node: its successor serves",
+                        )
+                    )
+                else:
+                    retire(victim, "rolled to the new template")
+            lacking = max(0, pool.replicas - len(remaining))
+            budget = step.budget
+            surge = max(0, min(budget, step.wanted) - min(lacking, budget))
+            if (surge or step.retire) and stale:
+                old = [g for g in slots if outdated(g) and g.name not in moving]
+                inputs = template_inputs(deployment, pool.role)
+                fields = changed_fields(old[0].template, inputs) if old[0].template is not None else []
+                because = ", ".join(fields) if fields else "a template made by an older operator"
                 decision.events.append(
                     Event(
                         type="Normal",
                         reason="RollingUpdate",
-                        message=f"{pool.role.value}: surging one group to replace {old[0].name}",
+                        message=f"{pool.role.value}: {surge} new group(s) surging, "
+                        f"{len(step.retire)} group(s) retiring, {len(old)} of an old template "
+                        f"(changed: {because})",
                     )
                 )
+        if surge:
+            taken = {g.replica for g in groups if g.role is pool.role}
+            to_place += [(pool.role, index) for index in _free_indices(taken, surge)]
 
         missing = pool.replicas - len(remaining)
+        if budget is not None:
+            missing = min(missing, budget)  # a roll without surge room waits for the drains
+        if missing > 0:
+            # A scale-up during a drain takes the draining groups back before placing new ones:
+            # they are warm, placed, and of the current template.
+            back = [
+                g
+                for g in draining
+                if g.role is pool.role
+                and g.template_hash in accepted
+                and g.pods
+                and all(pod_ready(pod) for pod in g.pods.values())
+            ][:missing]
+            for group in back:
+                taken_back.add(group.name)
+                decision.undrain.append((group, "scale-up"))
+                remaining.append(dataclasses.replace(group, state=GroupState.READY, reason=""))
+                decision.events.append(
+                    Event(
+                        type="Normal",
+                        reason="DrainCancelled",
+                        message=f"group {group.name} serves again: the pool grew back during its drain",
+                    )
+                )
+            missing -= len(back)
         for group in remaining:
             if group.state is GroupState.UNPLACED:
                 wait = (
@@ -340,6 +530,12 @@ def reconcile(
             to_place += [(pool.role, index) for index in _free_indices(taken, missing)]
         staying += [g for g in remaining if g.state not in {GroupState.UNPLACED, GroupState.BROKEN}]
 
+    for (group, why), event in zip(drained.remove, drained.events, strict=True):
+        if group.name not in taken_back:
+            decision.remove.append((group, why))
+            decision.events.append(event)
+    disruptions.update({g: why for g, why in drained.messages.items() if g not in taken_back})
+    draining = [g for g in draining if g.name not in taken_back]
     restarting = {group.name for group, _ in decision.restart}
     for group in staying:
         if group.name in restarting:
@@ -412,8 +608,17 @@ def reconcile(
         generation=generation,
         previous_conditions=previous.get("conditions", []),
         routing=issues,
+        accepted=accepted_by_role,
     )
-    acting = decision.restart or decision.drain or decision.remove or decision.place or decision.lift_gates
+    acting = (
+        decision.restart
+        or decision.drain
+        or decision.undrain
+        or decision.force_delete
+        or decision.remove
+        or decision.place
+        or decision.lift_gates
+    )
     if waits:
         decision.requeue_after_s = min(waits)
     elif acting:
@@ -460,7 +665,9 @@ def _status(
     generation: int | None,
     previous_conditions: Sequence[Mapping[str, Any]],
     routing: Sequence[RoutingIssue],
+    accepted: Mapping[Role, set[str]],
 ) -> dict[str, Any]:
+    """``accepted``: per role, the template hashes that count as current."""
     name = deployment.metadata.name
     layouts = [g.layout for g in groups if g.layout is not None] + list(placed)
     ready_names = {g.name for g in groups if g.state is GroupState.READY}
@@ -469,7 +676,20 @@ def _status(
     for pool in deployment.spec.pools():
         role_layouts = [layout for layout in layouts if layout.role is pool.role]
         ready = sum(1 for g in groups if g.role is pool.role and g.name in ready_names)
-        roles[pool.role.value] = {"desired": pool.replicas, "placed": len(role_layouts), "ready": ready}
+        updated = [
+            g
+            for g in groups
+            if g.role is pool.role and (g.layout is None or g.template_hash in accepted[pool.role])
+        ]
+        updated_count = len(updated) + sum(1 for layout in placed if layout.role is pool.role)
+        roles[pool.role.value] = {
+            "desired": pool.replicas,
+            "placed": len(role_layouts),
+            "ready": ready,
+            "updated": updated_count,
+            "updatedReady": sum(1 for g in updated if g.name in ready_names),
+            "old": sum(1 for g in groups if g.role is pool.role) - len(updated),
+        }
         desired_total += pool.replicas
         ready_total += min(ready, pool.replicas)
     placed_total = sum(min(r["placed"], r["desired"]) for r in roles.values())
@@ -550,6 +770,7 @@ def _status(
         "replicas": scaled,
         "selector": names.scale_selector_string(name),
         "score": round(evaluation.score, 4) if layouts else None,
+        "revision": revision(deployment),
         "groups": groups_status,
         "unplaced": unplaced,
         "coldStart": {"strategy": deployment.spec.cold_start.strategy.value, "source": cold_start_source},

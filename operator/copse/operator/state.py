@@ -41,6 +41,8 @@ class ObservedGroup:
     layout: GroupLayout | None
     """The recorded placement, if the group currently has one."""
     template_hash: str | None
+    template: Mapping[str, Any] | None
+    """The template inputs the group was made from (None for groups made before they were recorded)."""
     restarts: int
     last_restart: datetime | None
     state: GroupState
@@ -152,6 +154,9 @@ def observe_groups(
                 pods=group_pods,
                 layout=layout,
                 template_hash=annotations.get(names.ANNOTATION_TEMPLATE_HASH),
+                template=json.loads(annotations[names.ANNOTATION_TEMPLATE])
+                if names.ANNOTATION_TEMPLATE in annotations
+                else None,
                 restarts=int(annotations.get(names.ANNOTATION_RESTARTS, 0)),
                 last_restart=datetime.fromisoformat(last_restart) if last_restart else None,
                 state=state,

@@ -146,6 +146,9 @@ class WorkerInfo:
     """Workers with the same locality exchange KV cheaply (e.g. the NVLink domain)."""
     draining: bool = False
     """Being removed: it takes no new requests and finishes those it has."""
+    revision: str | None = None
+    """The deployment revision it runs: a prefill worker hands KV over only to a decode worker of
+    the same revision (two engine versions need not share a KV layout)."""
 
 
 class Route(NamedTuple):
@@ -549,6 +552,9 @@ class Router:
         if decode_free is not None:
             prefill_free = self._free(Role.PREFILL, exclude)
             if prefill_free is not None:
+                # Only prefill workers of a revision that has a free decode worker.
+                prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
+            if prefill_free is not None:
                 return self._route_disaggregated(request, prefill_free, decode_free, now=now)
             # No prefill worker available: decode workers serve whole requests.
             worker_free = (
@@ -617,12 +623,29 @@ class Router:
             )
         )
 
+    def _revisions(self, eligible: _Eligible) -> set[str | None]:
+        slots = np.flatnonzero(eligible.mask).tolist()
+        return {self.workers[self.slots.worker_id(slot)].revision for slot in slots}
+
+    def _of_revisions(self, eligible: _Eligible, revisions: set[str | None]) -> _Eligible | None:
+        """The workers of ``eligible`` running one of ``revisions`` (None when there is none)."""
+        mask = eligible.mask.copy()
+        for slot in np.flatnonzero(mask).tolist():
+            mask[slot] = self.workers[self.slots.worker_id(slot)].revision in revisions
+        if not mask.any():
+            return None
+        return eligible if np.array_equal(mask, eligible.mask) else _Eligible.of(mask)
+
     def _route_disaggregated(
         self, request: RouteRequest, prefill_free: _Eligible, decode_free: _Eligible, *, now: float
     ) -> Route:
         prefill = self._selection(request, prefill_free, now=now)
         p_slot = self.policy.choose(prefill)
-        p_locality = self.workers[self.slots.worker_id(p_slot)].locality
+        p_worker = self.workers[self.slots.worker_id(p_slot)]
+        p_locality = p_worker.locality
+        paired = self._of_revisions(decode_free, {p_worker.revision})
+        assert paired is not None, "the prefill candidates were those with a free decode worker"
+        decode_free = paired
 
         decode = dataclasses.replace(prefill, eligible=decode_free.mask, exclusion=decode_free.exclusion)
         near = np.zeros(len(decode_free.mask), dtype=bool)

@@ -42,6 +42,7 @@ INFERENCE_POOL_PLURAL = "inferencepools"
 ROLE_LABEL = "copse.dev/role"
 DOMAIN_LABEL = "copse.dev/domain"
 DRAINING_LABEL = "copse.dev/draining"
+REVISION_LABEL = "copse.dev/revision"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +59,8 @@ class Endpoint:
     locality: str | None = None
     draining: bool = False
     """Marked for removal: no new requests, in-flight ones finish."""
+    revision: str | None = None
+    """The deployment revision the engine runs: prefill and decode pair only within one."""
 
 
 OnChange = Callable[[Mapping[str, Endpoint]], None]
@@ -125,6 +128,7 @@ def endpoint_from_pod(pod: Mapping[str, Any], *, port: int) -> Endpoint | None:
         worker_id=name,
         locality=labels.get(DOMAIN_LABEL) or _get(pod, "spec", "nodeName"),
         draining=labels.get(DRAINING_LABEL) == "true",
+        revision=labels.get(REVISION_LABEL),
     )
 
 

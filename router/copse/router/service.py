@@ -403,6 +403,7 @@ class RoutingService:
                 role=endpoint.role,
                 locality=endpoint.locality,
                 draining=endpoint.draining,
+                revision=endpoint.revision,
             ),
             now=self.now(),
         )
