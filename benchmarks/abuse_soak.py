@@ -31,7 +31,7 @@ def _round(
 ) -> tuple[SoakReport, dict[str, int], float]:
     workdir = Path(tempfile.mkdtemp(prefix="abuse-soak-"))
     print(f"   (logs of the processes: {workdir})")
-    with serving(workdir=workdir, engine_args=("--speedup-ratio", "20"), nats_url=nats_url) as served:
+    with serving(workdir=workdir, engine_args=("--speedup", "20"), nats_url=nats_url) as served:
         started = time.monotonic()
         report = asyncio.run(
             soak(

@@ -36,7 +36,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         nats_server() as nats_url,
         serving(
             workdir=tmp_path_factory.mktemp("abuse"),
-            engine_args=("--speedup-ratio", "50"),
+            engine_args=("--speedup", "50"),
             router_settings={"clients": {"body_timeout_s": 2.0}},
             nats_url=nats_url,
         ) as running,

@@ -291,7 +291,7 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
             "--ttft-ms", "2000",
             "--itl-ms", "50",
             "--no-frontier",
-            "--json",
+            "-o", "json",
         ),
         env=env,
         capture=True,
