@@ -1,0 +1,166 @@
+"""Every command the README and the docs show is executed or, where it needs what a test cannot
+have (a GPU cluster, Docker, the large traces of ../shared, a server that runs until stopped),
+checked: shell syntax, every ``copse`` command's options as click parses them (a ``copse router
+run`` also builds its configuration), every manifest as ``copse api validate`` checks it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import uvloop
+import yaml
+
+from copse.api.manifest import ManifestError, parse_deployment
+from copse.cli import main
+
+from .snippets import ROOT, SHELL_LANGUAGES, Block, all_blocks, commands, copse_args
+
+BLOCKS = all_blocks()
+SHELL = [b for b in BLOCKS if b.language in SHELL_LANGUAGES]
+RUN = [b for b in SHELL if b.not_run is None]
+VENV_BIN = Path(sys.executable).parent
+COPIED = ("examples", "charts", "crds", "benchmarks")
+"""Repository folders the commands read, copied into each block's working directory (a command
+that writes next to its inputs must not change the checkout)."""
+
+
+def _ids(block: Block) -> str:
+    return block.where
+
+
+def workdir(tmp_path: Path, block: Block) -> Path:
+    """A working directory with the repository's inputs and the files the page defined before it."""
+    for name in COPIED:
+        shutil.copytree(ROOT / name, tmp_path / name)
+    for earlier in BLOCKS:
+        if earlier.path == block.path and earlier.line < block.line and earlier.file_name:
+            (tmp_path / earlier.file_name).write_text(earlier.text)
+    return tmp_path
+
+
+def resolve(args: list[str]) -> click.Context:
+    """Parse a ``copse`` command line down to its leaf command, as click would run it."""
+    ctx = main.make_context("copse", list(args))
+    command: click.Command = main
+    while isinstance(command, click.Group):
+        # What click's Group.invoke hands on (protected_args is deprecated for this in click 8.2).
+        rest = [*ctx._protected_args, *ctx.args]
+        name, sub, rest = command.resolve_command(ctx, rest)
+        assert sub is not None
+        assert name is not None
+        ctx = sub.make_context(name, rest, parent=ctx)
+        command = sub
+    return ctx
+
+
+def test_the_documents_have_blocks() -> None:
+    assert len(SHELL) > 20
+    assert RUN
+    paths = {b.path.name for b in BLOCKS}
+    assert {"README.md", "getting-started.md", "install.md"} <= paths
+
+
+@pytest.mark.parametrize("block", SHELL, ids=_ids)
+def test_shell_blocks_are_valid_bash(block: Block) -> None:
+    result = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"{block.where}: {result.stderr}"
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in SHELL if any(copse_args(c) is not None for c in commands(b.text))], ids=_ids
+)
+def test_copse_commands_parse(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option of every ``copse`` command shown exists and takes the value shown."""
+    monkeypatch.chdir(workdir(tmp_path, block))
+    for command in commands(block.text):
+        args = copse_args(command)
+        if args is None:
+            continue
+        try:
+            ctx = resolve(args)
+        except click.ClickException as exc:
+            pytest.fail(f"{block.where}: copse {' '.join(args)}: {exc.format_message()}")
+        if ctx.command_path == "copse router run" and not {"--help", "--config"} & set(args):
+            check_router_config(ctx, block, monkeypatch)
+
+
+def check_router_config(ctx: click.Context, block: Block, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``copse router run`` builds and validates its configuration from the options (what fails
+    at start-up, e.g. a missing ``engine``), then would serve: serving is replaced by a no-op."""
+    import copse.router.server  # noqa: PLC0415
+
+    built: list[Any] = []
+
+    async def idle() -> None:
+        return None
+
+    def serve(config: Any) -> Any:
+        built.append(config)
+        return idle()
+
+    def run(coroutine: Any) -> None:
+        coroutine.close()
+        built.append("served")
+
+    monkeypatch.setattr(copse.router.server, "serve", serve)
+    monkeypatch.setattr(uvloop, "run", run)
+    try:
+        ctx.command.invoke(ctx)
+    except SystemExit as exc:
+        pytest.fail(f"{block.where}: copse router run refuses its options: exit {exc.code}")
+    assert built[-1:] == ["served"], block.where
+
+
+@pytest.mark.parametrize("block", RUN, ids=_ids)
+def test_runnable_blocks_run(block: Block, tmp_path: Path) -> None:
+    """Blocks without a not-run mark run as shown, in a directory holding the repository's inputs."""
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "MPLBACKEND": "Agg"}
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block.text],
+        cwd=workdir(tmp_path, block),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, f"{block.where} exited {result.returncode}:\n{result.stderr[-3000:]}"
+
+
+def _manifests(block: Block) -> list[dict[str, Any]]:
+    return [
+        d
+        for d in yaml.safe_load_all(block.text)
+        if isinstance(d, dict) and d.get("kind") == "InferenceDeployment"
+    ]
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "yaml" and _manifests(b)], ids=_ids)
+def test_manifests_are_valid(block: Block) -> None:
+    """Every InferenceDeployment shown passes what the API server and the operator check."""
+    for document in _manifests(block):
+        try:
+            parse_deployment(document, source=block.where)
+        except ManifestError as exc:
+            pytest.fail(str(exc))
+
+
+def test_every_yaml_block_parses() -> None:
+    for block in (b for b in BLOCKS if b.language == "yaml"):
+        try:
+            list(yaml.safe_load_all(block.text))
+        except yaml.YAMLError as exc:
+            pytest.fail(f"{block.where}: {exc}")
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "python"], ids=_ids)
+def test_python_blocks_compile(block: Block) -> None:
+    ast.parse(block.text, filename=block.where)
