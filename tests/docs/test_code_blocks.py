@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -123,15 +124,23 @@ def check_router_config(ctx: click.Context, block: Block, monkeypatch: pytest.Mo
 def test_runnable_blocks_run(block: Block, tmp_path: Path) -> None:
     """Blocks without a not-run mark run as shown, in a directory holding the repository's inputs."""
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "MPLBACKEND": "Agg"}
-    result = subprocess.run(
+    # A session of its own: a block that starts a server and never ends is killed whole at the timeout.
+    process = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", block.text],
         cwd=workdir(tmp_path, block),
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
-        check=False,
+        start_new_session=True,
     )
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"{block.where} still ran after 300 s: mark it <!-- not-run: REASON -->")
+    result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
     assert result.returncode == 0, f"{block.where} exited {result.returncode}:\n{result.stderr[-3000:]}"
 
 
