@@ -17,7 +17,6 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -28,15 +27,13 @@ from typing import Any
 import httpx
 from matplotlib.figure import Figure
 from prometheus_client.parser import text_string_to_metric_families
+from tests.docs.fleet import local_fleet
 from tests.planner.promql_subset import Sample, evaluate_vector
-
-from copse.workers.testing import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "copse" / "dashboards" / "copse.json"
 RECORDING = ROOT / "tests" / "fixtures" / "dashboard-scrapes.json.gz"
 SCREENSHOT = ROOT / "docs" / "screenshots" / "dashboard.png"
-COPSE = str(Path(sys.executable).parent / "copse")
 NAMESPACE, DEPLOYMENT, MODEL = "serving", "llama-8b", "meta-llama/Llama-3.1-8B-Instruct"
 RATE_WINDOW_S = 15.0
 """What ``$__rate_interval`` stands for: rates are taken over this much of the recording."""
@@ -120,57 +117,23 @@ async def _scrape_loop(
     return scrapes
 
 
-def _wait_ready(url: str, processes: Sequence[subprocess.Popen[bytes]], *, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for process in processes:
-            if process.poll() is not None:
-                raise RuntimeError(f"{process.args!r} exited {process.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} was not ready after {timeout_s} s")
-
-
 def record(
     *, duration_s: float = 120.0, interval_s: float = 3.0, engines: int = 4, peak_rps: float = 6.0
 ) -> list[Scrape]:
     """Run a fleet on loopback under load and scrape it (see the module's docstring)."""
-    base, router_port = free_port_range(engines), free_port()
-    engine_urls = [f"http://127.0.0.1:{base + index}" for index in range(engines)]
-    router_url = f"http://127.0.0.1:{router_port}"
-    fleet = subprocess.Popen(
-        [COPSE, "worker", "mock", "--engines", str(engines), "--port-base", str(base), "--model", MODEL],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    router = subprocess.Popen(
-        [COPSE, "router", "run", "--engine", "mock", "--model", MODEL, "--port", str(router_port),
-         *(arg for url in engine_urls for arg in ("--worker", url))],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_ready(router_url, [fleet, router])
+    with local_fleet(model=MODEL, engines=engines) as fleet:
 
         async def run() -> list[Scrape]:
             traffic = asyncio.create_task(
-                _traffic(router_url, duration_s=duration_s, peak_rps=peak_rps, seed=0)
+                _traffic(fleet.router_url, duration_s=duration_s, peak_rps=peak_rps, seed=0)
             )
             scrapes = await _scrape_loop(
-                _targets(router_url, engine_urls), duration_s=duration_s, interval_s=interval_s
+                _targets(fleet.router_url, fleet.engine_urls), duration_s=duration_s, interval_s=interval_s
             )
             await traffic
             return scrapes
 
         return asyncio.run(run())
-    finally:
-        for process in (router, fleet):
-            process.terminate()
-            process.wait(timeout=30)
 
 
 def save(scrapes: Sequence[Scrape], path: Path = RECORDING) -> None:
