@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import jsonschema
 import pytest
 import uvloop
 import yaml
@@ -168,6 +169,47 @@ def test_manifests_are_valid_and_routable(block: Block) -> None:
         except ManifestError as exc:
             pytest.fail(str(exc))
         assert routing_issues(deployment) == [], block.where
+
+
+BASE_MANIFEST = {
+    "apiVersion": "copse.dev/v1alpha1",
+    "kind": "InferenceDeployment",
+    "metadata": {"name": "fragment"},
+    "spec": {"model": {"name": "m", "tensorParallelism": 8}, "replicas": 1, "engine": {"backend": "mock"}},
+}
+"""What a ``spec:`` fragment shown on its own is merged into before it is validated."""
+
+
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        both = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = _merged(base[key], value) if both else value
+    return merged
+
+
+FRAGMENTS = [b for b in BLOCKS if b.language == "yaml" and list(yaml.safe_load(b.text) or {}) == ["spec"]]
+
+
+@pytest.mark.parametrize("block", FRAGMENTS, ids=_ids)
+def test_spec_fragments_are_valid_in_a_manifest(block: Block) -> None:
+    try:
+        parse_deployment(_merged(BASE_MANIFEST, yaml.safe_load(block.text)), source=block.where)
+    except ManifestError as exc:
+        pytest.fail(str(exc))
+
+
+POOLS = [b for b in BLOCKS if b.language == "yaml" and "kind: InferencePool" in b.text]
+
+
+@pytest.mark.parametrize("block", POOLS, ids=_ids)
+def test_inference_pools_match_the_crd_the_chart_ships(block: Block) -> None:
+    """An InferencePool shown is valid under the Gateway API Inference Extension's own CRD schema."""
+    crd = yaml.safe_load((ROOT / "charts/copse/files/inferencepool-crd.yaml").read_text())
+    for document in yaml.safe_load_all(block.text):
+        version = document["apiVersion"].split("/")[1]
+        (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+        jsonschema.validate(document, served["schema"]["openAPIV3Schema"])
 
 
 def test_every_yaml_block_parses() -> None:
