@@ -3,7 +3,8 @@
 A block runs as it is unless the line before its fence is ``<!-- not-run: REASON -->`` (it needs a
 real cluster, GPUs, Docker, the large traces of ``../shared``, or it serves until stopped); such a
 block is still checked: its shell syntax, every ``copse`` command's options, its manifests. A line
-``<!-- file: NAME -->`` before a block says the block is the file NAME that later commands use.
+``<!-- file: NAME -->`` before a block says the block is the file NAME that later commands use;
+``<!-- output-of: COMMAND -->`` that the block is what COMMAND prints (``...`` elides list items).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
-_MARK = re.compile(r"^\s*<!--\s*(?P<kind>not-run|file):\s*(?P<value>.*?)\s*-->\s*$")
+_MARK = re.compile(r"^\s*<!--\s*(?P<kind>not-run|file|output-of):\s*(?P<value>.*?)\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Block:
     """Why the block is not run (None: it runs)."""
     file_name: str | None
     """The file this block is, for the commands after it."""
+    output_of: str | None = None
+    """The command whose output this block shows (the docs tests run it and compare)."""
 
     @property
     def where(self) -> str:
@@ -71,6 +74,7 @@ def blocks(path: Path) -> Iterator[Block]:
             text="\n".join(body) + "\n",
             not_run=marks.get("not-run"),
             file_name=marks.get("file"),
+            output_of=marks.get("output-of"),
         )
 
 

@@ -6,7 +6,10 @@ run`` also builds its configuration), every manifest as ``copse api validate`` c
 from __future__ import annotations
 
 import ast
+import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -210,6 +213,43 @@ def test_inference_pools_match_the_crd_the_chart_ships(block: Block) -> None:
         version = document["apiVersion"].split("/")[1]
         (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
         jsonschema.validate(document, served["schema"]["openAPIV3Schema"])
+
+
+OUTPUTS = [b for b in BLOCKS if b.output_of is not None]
+
+
+def _contained(shown: Any, actual: Any, where: str) -> None:
+    """Everything the docs show is in the actual output, equal (lists may elide their tail)."""
+    if isinstance(shown, dict):
+        assert isinstance(actual, dict), where
+        for key, value in shown.items():
+            assert key in actual, f"{where}: {key} is not in the output"
+            _contained(value, actual[key], f"{where}.{key}")
+    elif isinstance(shown, list):
+        assert isinstance(actual, list), where
+        assert len(shown) <= len(actual), where
+        for index, item in enumerate(shown):
+            _contained(item, actual[index], f"{where}[{index}]")
+    else:
+        assert shown == actual, f"{where}: the docs show {shown!r}, the command prints {actual!r}"
+
+
+@pytest.mark.parametrize("block", OUTPUTS, ids=_ids)
+def test_shown_output_is_what_the_command_prints(block: Block, tmp_path: Path) -> None:
+    assert block.output_of is not None
+    args = shlex.split(block.output_of)
+    assert copse_args(args) is not None, f"{block.where}: output-of must be a copse command"
+    result = subprocess.run(
+        [COPSE, *args[1:]],
+        cwd=workdir(tmp_path, block),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, f"{block.where}: {result.stderr[-3000:]}"
+    shown = json.loads(re.sub(r",\s*\.\.\.", "", block.text))
+    _contained(shown, json.loads(result.stdout), block.where)
 
 
 def test_every_yaml_block_parses() -> None:
