@@ -57,7 +57,7 @@ lint: venv
 	$(BIN)/ruff check operator planner router workers sim tests e2e benchmarks docs/hooks setup.py
 	$(BIN)/ruff format --check operator planner router workers sim tests e2e benchmarks docs/hooks setup.py
 	$(BIN)/mypy $(addprefix -p copse.,$(COPSE_PACKAGES))
-	$(BIN)/mypy tests e2e benchmarks
+	MYPYPATH=benchmarks $(BIN)/mypy tests e2e benchmarks
 	$(MAKE) docs
 	$(MAKE) asan
 

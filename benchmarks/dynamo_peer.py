@@ -45,11 +45,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import inputs
 from copse.sim.replay import EngineSetup, ReplaySettings, replay
 from copse.sim.trace import load_trace, offline_bound
 from copse.workers.mocker import EngineConfig
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+TRACE = inputs.CONVERSATION
 DYNAMO_VERSION = "1.6.1"
 DYNAMO_PACKAGES = (
     f"ai-dynamo=={DYNAMO_VERSION}",
@@ -181,6 +182,7 @@ def main() -> None:
     parser.add_argument("--dynamo-repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="Also write every row here.")
     args = parser.parse_args()
+    inputs.require(args.trace)
     if 512 % args.block_size:
         parser.error("--block-size must divide the trace's 512-token blocks")
 

@@ -20,10 +20,11 @@ import json
 import sys
 from pathlib import Path
 
+import inputs
 from copse.sim.replay import ReplayReport, ReplaySettings, load_engine_setup, replay
 from copse.sim.trace import load_trace, offline_bound
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+TRACE = inputs.CONVERSATION
 HOST_TIER = Path(__file__).resolve().parents[1] / "examples/engine-host-tier.yaml"
 SETUPS = {"GPU only": None, "host tier 4x": HOST_TIER}
 
@@ -39,6 +40,7 @@ def main() -> int:
     parser.add_argument("--policies", default="kv,dynamo,prefix_only,round_robin")
     parser.add_argument("--json", type=Path, default=None, help="Write every report here.")
     args = parser.parse_args()
+    inputs.require(args.trace)
     trace = load_trace(args.trace, fmt="mooncake")
     if args.limit:
         trace = trace[: args.limit]

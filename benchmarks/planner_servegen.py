@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+import inputs
 from copse.api import Role
 from copse.planner.capacity import CapacityModel
 from copse.planner.config import PlannerConfig
@@ -39,14 +40,13 @@ from copse.planner.recording import write_metrics_jsonl
 from copse.workers.perf import PolynomialPerfModel, save_profile
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO.parent / "shared" / "traces"
 INTERVAL_S = 600.0
 TTFT_MS, ITL_MS = 500.0, 50.0
 
 
 def request_shape() -> tuple[float, float, float]:
     """(mean ISL, p90 ISL, mean OSL) of the Azure 2023 conversation trace."""
-    with gzip.open(TRACES / "azure_llm_2023_conv.csv.gz", "rt") as handle:
+    with gzip.open(inputs.require(inputs.AZURE_CONVERSATION), "rt") as handle:
         rows = list(csv.DictReader(handle))
     isl = np.array([float(row["ContextTokens"]) for row in rows])
     osl = np.array([float(row["GeneratedTokens"]) for row in rows])
@@ -55,7 +55,9 @@ def request_shape() -> tuple[float, float, float]:
 
 def servegen(model: str, *, peak: float) -> list[Observation]:
     """The model's 14-day rate curve as observations, gaps filled, scaled to ``peak`` req/s."""
-    with (TRACES / f"servegen_language_{model}_aggregate_rate.csv").open() as handle:
+    name = f"servegen_language_{model}_aggregate_rate.csv"
+    shipped = inputs.SHIPPED / name  # m-large ships; the others are derived by ../shared/traces/stats.py
+    with inputs.require(shipped if shipped.is_file() else inputs.WHOLE / name).open() as handle:
         rows = list(csv.DictReader(handle))
     starts = np.array([float(row["window_start_s"]) for row in rows])
     rates = np.array([float(row["total_rate_req_per_s"]) for row in rows])
@@ -109,7 +111,7 @@ def forecast_error(result: DryRunResult) -> float:
 
 
 def cli_wall_time(observations: list[Observation]) -> float:
-    """Wall time of ``copse planner dry-run --predictor arima --json`` on the same 14 days."""
+    """Wall time of ``copse planner dry-run --predictor arima -o json`` on the same 14 days."""
     with tempfile.TemporaryDirectory() as scratch:
         metrics, profile = Path(scratch) / "metrics.jsonl", Path(scratch) / "mock.npz"
         with metrics.open("w") as handle:
@@ -117,8 +119,8 @@ def cli_wall_time(observations: list[Observation]) -> float:
         save_profile(PolynomialPerfModel(), profile)
         command = [
             sys.executable, "-m", "copse.cli", "planner", "dry-run", "--metrics", str(metrics),
-            "--profile", str(profile), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
-            "--max-replicas", "128", "--predictor", "arima", "--json",
+            "--perf-profile", str(profile), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
+            "--max-replicas", "128", "--predictor", "arima", "-o", "json",
         ]  # fmt: skip
         started = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+import inputs
 from copse.api import Role
 from copse.planner.config import PlannerConfig
 from copse.planner.observations import Observation
@@ -45,9 +46,8 @@ from copse.sim.replay import ReplaySettings
 from copse.sim.trace import TraceRequest, load_trace
 from copse.sim.twin import TwinReport, TwinSettings, run_twin
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-RATES = TRACES / "servegen_language_m-large_aggregate_rate.csv"
-SHAPES = TRACES / "mooncake_fast25_conversation_trace.jsonl.gz"
+RATES = inputs.M_LARGE_RATES
+SHAPES = inputs.CONVERSATION
 WINDOWS = (1392, 1416)
 MAX_ISL = 32768
 TTFT_MS, ITL_MS = 2000.0, 50.0
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--write-recording", type=Path, default=None, help="Write the unscaled load here.")
     args = parser.parse_args()
-    shapes = load_trace(SHAPES)
+    shapes = load_trace(inputs.require(SHAPES))
     observations = recording(shapes)
     if args.write_recording is not None:
         with args.write_recording.open("w") as handle:

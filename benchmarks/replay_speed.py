@@ -30,8 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import inputs
+
 REPO = Path(__file__).resolve().parents[1]
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
+TRACE = inputs.CONVERSATION
 ROOTS = ("operator", "planner", "router", "workers")
 #: Run in each tree's process for --shares: argv = trace, workers, policy, speedup, limit ("" = all).
 SHARES = """
@@ -100,6 +102,7 @@ def _env(tree: Tree) -> dict[str, str]:
 
 def _replay_args(args: argparse.Namespace) -> list[str]:
     command = ["bench", "replay", "--trace", str(args.trace), "--workers", str(args.workers)]
+    # --json, not -o json: the trees compared include ones from before -o (the new tree warns).
     command += ["--policy", args.policy, "--speedup", str(args.speedup), "--seed", "0", "--json"]
     if args.limit is not None:
         command += ["--limit", str(args.limit)]
@@ -185,6 +188,7 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true", help="also count instructions (valgrind)")
     parser.add_argument("--shares", action="store_true", help="also time the parts of one replay per tree")
     args = parser.parse_args()
+    inputs.require(args.trace)
     trees: list[Tree] = args.tree or [Tree(name="this tree", path=REPO)]
     for round_ in range(args.rounds):
         # alternate the order too, so that no tree always runs first in a round

@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
+import inputs
 from copse.router.core import Role, Router, WorkerInfo
 from copse.router.policies import RouteRequest, SelectionSettings
 from copse.sim.trace import load_trace
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import block_hashes, chain_hashes
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+TRACE = inputs.CONVERSATION
 WORKERS = 64
 BLOCKS_PER_WORKER = 16384
 IN_FLIGHT = 8 * WORKERS
@@ -141,6 +142,7 @@ def main() -> None:
         "--passes", type=int, default=3, help="passes of decisions (the machine's load varies)"
     )
     args = parser.parse_args()
+    inputs.require(args.trace)
     chains = _chains(args.trace)
     decisions = bench_decisions(chains, args.requests, args.passes)
     print(

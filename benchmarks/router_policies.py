@@ -31,11 +31,12 @@ import json
 import sys
 from pathlib import Path
 
+import inputs
 from copse.router.policies import POLICIES
 from copse.sim.replay import ReplayReport, ReplaySettings, RouterModel, replay
 from copse.sim.trace import load_trace, offline_bound
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+TRACE = inputs.CONVERSATION
 ORDER = ["kv", "dynamo", "prefix_only", "least_loaded", "round_robin", "random"]
 
 
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="Also write every report here.")
     args = parser.parse_args()
+    inputs.require(args.trace)
     policies = args.policies.split(",")
     scenarios = args.scenarios.split(",")
     for names, known, what in ((policies, POLICIES, "policies"), (scenarios, SCENARIOS, "scenarios")):

@@ -89,7 +89,7 @@ async def _processes(args: argparse.Namespace) -> AsyncIterator[tuple[list[str],
         [
             sys.executable, "-m", "copse.cli", "worker", "mock",
             "--engines", str(args.engines), "--port-base", str(base), "--model", MODEL,
-            "--decode-speedup-ratio", str(args.decode_speedup), "--max-num-seqs", "512",
+            "--decode-speedup", str(args.decode_speedup), "--max-num-seqs", "512",
         ],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip

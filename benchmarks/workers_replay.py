@@ -17,13 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+import inputs
 from copse.workers.mocker import Engine, EngineConfig, Simulator
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol.tokenizer import RESERVED_IDS, VOCAB_SIZE
 
-TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
-)
+TRACE = inputs.CONVERSATION
 TRACE_BLOCK = 512
 
 
@@ -87,6 +86,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     args = parser.parse_args()
+    inputs.require(args.trace)
     rows = load(args.trace, args.limit)
     results = {}
     for mode in MODES:

@@ -27,7 +27,7 @@ from copse.topology.fake import FAKE_NODE_ANNOTATION, FAKE_NODE_VALUE
 from copse.workers.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 OPERATOR_NAMESPACE = "copse-system"
 
 

@@ -16,9 +16,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from copse.api import InferenceDeployment, Role, parse_deployment
 from copse.cluster import Kubectl, binaries_for
+from copse.operator import children
 from copse.operator import cli as operator_cli
-from copse.operator.children import COPSE_IMAGE
+from copse.operator.children import COPSE_IMAGE, GroupLayout
 from copse.planner import cli as planner_cli
 
 pytestmark = pytest.mark.e2e
@@ -148,6 +150,82 @@ def test_defaults_render_the_operator_alone() -> None:
     service = rendered[("Service", "copse-copse-operator-metrics")]
     assert matches(service["spec"]["selector"], pod["metadata"]["labels"])
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics"}]
+
+
+def test_the_chart_image_reaches_every_pod_the_operator_creates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helm renders the operator with the chart's image settings in its environment; the operator's
+    own CLI reads them, and the pods it renders (router, KV relay, mocked worker) run that image."""
+    image = "registry.example.com/mirror/copse"
+    rendered = render(
+        f"--set=image.repository={image}",
+        "--set=image.tag=9.9.9",
+        "--set=image.pullPolicy=Always",
+        "--set=operator.trtllmImage=registry.example.com/mirror/trtllm:1.2.0",
+    )
+    main = container(rendered[("Deployment", "copse-copse-operator")])
+    assert main["image"] == f"{image}:9.9.9"
+    for variable in main["env"]:
+        if "value" in variable:
+            monkeypatch.setenv(variable["name"], variable["value"])
+    params = parsed(operator_cli.run, main["args"])
+    settings = operator_cli.reconcile_settings(
+        image=params["image"],
+        image_pull_policy=params["image_pull_policy"],
+        trtllm_image=params["trtllm_image"],
+    )
+    layout = GroupLayout(role=Role.WORKER, replica=0, pods=(("gpu-a", 8),), domain="d", rack="r", cost=0.0)
+
+    def deployment(**spec: Any) -> InferenceDeployment:
+        body = {
+            "apiVersion": "copse.dev/v1alpha1",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": "llama", "namespace": "serving", "uid": "u"},
+            "spec": {"model": {"name": "m", "tensorParallelism": 8}, **spec},
+        }
+        return parse_deployment(body, source="test")
+
+    trtllm = deployment(router={"natsUrl": "nats://nats:4222"})
+    [pod] = children.worker_pods(trtllm, layout, cold_start_source=None, images=settings.images)
+    [relay] = [c for c in pod["spec"]["initContainers"] if c["name"] == "kv-relay"]
+    [router] = [
+        o for o in children.router_objects(trtllm, images=settings.images) if o["kind"] == "Deployment"
+    ]
+    [mock_pod] = children.worker_pods(
+        deployment(engine={"backend": "mock"}), layout, cold_start_source=None, images=settings.images
+    )
+    copse_containers = [relay, container(router), *mock_pod["spec"]["containers"]]
+    assert [(c["image"], c["imagePullPolicy"]) for c in copse_containers] == [
+        (f"{image}:9.9.9", "Always")
+    ] * 3
+    assert [c["image"] for c in pod["spec"]["containers"]] == ["registry.example.com/mirror/trtllm:1.2.0"]
+
+
+def test_the_prometheus_rule_renders_every_alert_on_bucket_bounds() -> None:
+    rule = render("-f", str(ALL_OPTIONAL))[("PrometheusRule", "copse-copse")]
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert set(alerts) == {
+        "CopseSLOTTFTBudgetBurnFast",
+        "CopseSLOTTFTBudgetBurnSlow",
+        "CopseSLOITLBudgetBurnFast",
+        "CopseSLOITLBudgetBurnSlow",
+        "CopseRouterShedding",
+        "CopseRouterNoHealthyWorker",
+        "CopseKVEventGaps",
+        "CopseGangRestarts",
+        "CopsePlacementInfeasible",
+    }
+    # ci/all-optional-values.yaml: objective 0.995, TTFT 2.5 s, ITL 0.04 s.
+    fast = alerts["CopseSLOTTFTBudgetBurnFast"]["expr"]
+    assert 'copse_router_time_to_first_token_seconds_bucket{le="2.5"}[5m]' in fast
+    assert "[1h]" in fast
+    assert "(14.4 * (1 - 0.995))" in fast
+    assert (
+        'copse_router_inter_token_latency_seconds_bucket{le="0.04"}[6h]'
+        in alerts["CopseSLOITLBudgetBurnSlow"]["expr"]
+    )
+    assert "{{ $labels.deployment }}" in alerts["CopseRouterShedding"]["annotations"]["summary"]
+    assert not any(kind == "PrometheusRule" for kind, _ in render()), "off by default"
 
 
 def test_every_optional_part_renders() -> None:

@@ -633,7 +633,7 @@ def test_a_scale_down_during_streams_drains_the_group_before_deleting_it(
             replicas=2,
             model={"name": "mock-model", "tensorParallelism": 4},
             placement={"affinityPolicy": "same-nvswitch-domain", "antiAffinityPolicy": "none"},
-            engine={"backend": "mock", "args": ["--decode-speedup-ratio", "0.1"]},
+            engine={"backend": "mock", "args": ["--decode-speedup", "0.1"]},
             router={"policy": "round_robin", "nodeSelector": selector},
             pod={"nodeSelector": selector},
             disruption={"drainTimeout": "120s"},

@@ -52,7 +52,7 @@ def run_planner(kubeconfig: Path, name: str, namespace: str, *args: str) -> subp
             "run",
             name,
             f"--namespace={namespace}",
-            f"--profile={PROFILE}",
+            f"--perf-profile={PROFILE}",
             "--predictor=constant",
             "--metrics-port=0",
             *args,
@@ -129,7 +129,7 @@ def test_observe_only_posts_a_recommendation_and_patches_nothing(
     assert "observe-only, not patching" in result.stderr
 
 
-def test_a_missing_deployment_exits_2(kubeconfig: Path, namespace: str, tmp_path: Path) -> None:
+def test_a_missing_deployment_exits_1(kubeconfig: Path, namespace: str, tmp_path: Path) -> None:
     result = run_planner(kubeconfig, "absent", namespace, f"--metrics={recording(tmp_path / 'm.jsonl', 2)}")
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert f"InferenceDeployment {namespace}/absent not found" in result.stderr

@@ -13,7 +13,7 @@ from copse.cluster import Kubectl, KubectlError
 pytestmark = pytest.mark.e2e
 
 GPU = "nvidia.com/gpu"
-SEED = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = Path(__file__).resolve().parents[1] / "examples" / "seed-inferencedeployment.yaml"
 TOLERATE_FAKE = [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
 
 

@@ -16,11 +16,11 @@ MISSING = "/nonexistent/dir"
 @pytest.mark.parametrize(
     ("args", "option"),
     [
-        (["synth", "--trace", "t.jsonl", "--output", f"{MISSING}/x.jsonl"], "--output"),
+        (["synth", "--trace", "t.jsonl", "--out", f"{MISSING}/x.jsonl"], "--out"),
         (["bench", "moe-workload", "--out", f"{MISSING}/x.jsonl"], "--out"),
         (["planner", "record", "--trace", "t.jsonl", "--out", f"{MISSING}/x.jsonl"], "--out"),
         (["planner", "profile", "--engine", "mock", "--out", f"{MISSING}/p.npz"], "--out"),
-        (["planner", "dry-run", "--profile", "p.npz", "--plot", f"{MISSING}/x.png"], "--plot"),
+        (["planner", "dry-run", "--perf-profile", "p.npz", "--plot", f"{MISSING}/x.png"], "--plot"),
         (["worker", "save-profile", "--out", f"{MISSING}/p.npz"], "--out"),
     ],
 )

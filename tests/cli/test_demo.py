@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,29 @@ def test_an_out_that_cannot_be_a_directory_is_named(tmp_path: Path, monkeypatch:
     result = CliRunner().invoke(demo_module.demo, ["--out", str(taken / "demo")])
     assert result.exit_code == 2, result.output
     assert f"Invalid value for --out: cannot create directory {taken / 'demo'}: " in result.output
+
+
+def test_the_cluster_build_reports_its_progress_on_the_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold cache builds for 8-30 minutes: `copse cluster build` runs first with its stderr (the
+    per-component progress and heartbeat) left on the terminal; `cluster up`, read for its exports,
+    then finds everything cached."""
+    calls: list[tuple[list[str], dict[str, object]]] = []
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text("#!/bin/sh\n")
+    kubectl.chmod(0o755)
+
+    def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append((argv[3:], kwargs))
+        exports = f"export KUBECONFIG={tmp_path}/kubeconfig\nexport PATH={tmp_path}:$PATH\n"
+        return subprocess.CompletedProcess(argv, 0, stdout=exports if argv[3:] == ["cluster", "up"] else "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    env, found = demo_module._cluster_env()
+    assert [argv for argv, _ in calls] == [["cluster", "build"], ["cluster", "up"]]
+    build = calls[0][1]
+    assert "capture_output" not in build, "the progress reaches the terminal"
+    assert build.get("stderr") is None
+    assert build["stdout"] == subprocess.DEVNULL
+    assert (env["KUBECONFIG"], found) == (f"{tmp_path}/kubeconfig", str(kubectl))

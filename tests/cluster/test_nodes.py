@@ -31,7 +31,7 @@ def test_a_node_kwok_would_ignore_is_rejected_by_name() -> None:
         check_fake_nodes([{"kind": "Pod"}])
 
 
-def test_cluster_nodes_output_is_accepted_by_up_and_a_bad_file_exits_2(tmp_path: Path) -> None:
+def test_cluster_nodes_output_is_accepted_by_up_and_a_bad_file_exits_1(tmp_path: Path) -> None:
     runner = CliRunner()
     listed = runner.invoke(
         main, ["cluster", "nodes", "--racks", "1", "--trays-per-rack", "2", "--cpu-nodes", "1"]
@@ -44,6 +44,6 @@ def test_cluster_nodes_output_is_accepted_by_up_and_a_bad_file_exits_2(tmp_path:
         yaml.safe_dump({"kind": "NodeList", "items": [{"kind": "Node", "metadata": {"name": "n1"}}]})
     )
     result = runner.invoke(main, ["cluster", "up", "--dir", str(tmp_path / "c"), "--nodes", str(bad)])
-    assert result.exit_code == 2
-    assert f"{bad}: node n1 lacks the annotation" in result.output
+    assert result.exit_code == 1  # invalid input
+    assert f"--nodes: {bad}: node n1 lacks the annotation" in result.output
     assert not (tmp_path / "c").exists()

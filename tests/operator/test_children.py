@@ -89,7 +89,7 @@ def test_single_node_group_runs_trtllm_serve_with_its_role_config() -> None:
     assert prefill["kv_cache_config"]["tokens_per_block"] == 32
 
 
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 
 
 def test_seed_engine_yaml_has_metrics_and_deep_merges_extra_config() -> None:
@@ -626,3 +626,29 @@ def test_modelexpress_cold_start_runs_its_server_and_loads_through_it() -> None:
     assert "checkpoint_format" not in yaml.safe_load(children.engine_configmap(plain)["data"]["worker.yaml"])
     [plain_pod] = children.worker_pods(plain, ONE_NODE, cold_start_source=None)
     assert not any(item["name"].startswith("MX_") for item in plain_pod["spec"]["containers"][0]["env"])
+
+
+def test_the_operator_images_reach_routers_relays_and_mocked_workers() -> None:
+    images = children.Images(
+        copse="mirror.example/copse:9", trtllm="mirror.example/trtllm:1", pull_policy="Always"
+    )
+    mocked = make_deployment(replicas=1, engine={"backend": "mock"})
+    [mock_pod] = children.worker_pods(mocked, ONE_NODE, cold_start_source=None, images=images)
+    [engine] = mock_pod["spec"]["containers"]
+    assert (engine["image"], engine["imagePullPolicy"]) == ("mirror.example/copse:9", "Always")
+    trtllm = make_deployment(replicas=1, router={"natsUrl": "nats://nats:4222"})
+    [trtllm_pod] = children.worker_pods(trtllm, ONE_NODE, cold_start_source=None, images=images)
+    [engine] = trtllm_pod["spec"]["containers"]
+    assert engine["image"] == "mirror.example/trtllm:1"
+    assert "imagePullPolicy" not in engine, "the pull policy is the copse image's"
+    [relay] = [c for c in trtllm_pod["spec"]["initContainers"] if c["name"] == "kv-relay"]
+    assert (relay["image"], relay["imagePullPolicy"]) == ("mirror.example/copse:9", "Always")
+    [router] = [obj for obj in children.router_objects(trtllm, images=images) if obj["kind"] == "Deployment"]
+    [container] = router["spec"]["template"]["spec"]["containers"]
+    assert (container["image"], container["imagePullPolicy"]) == ("mirror.example/copse:9", "Always")
+    # The manifest's own image wins, and keeps Kubernetes' pull policy.
+    pinned = make_deployment(replicas=1, router={"image": "mine/router:1"})
+    [router] = [obj for obj in children.router_objects(pinned, images=images) if obj["kind"] == "Deployment"]
+    [container] = router["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "mine/router:1"
+    assert "imagePullPolicy" not in container

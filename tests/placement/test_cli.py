@@ -15,7 +15,7 @@ from copse.topology import fake
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 
 
 def run(*args: str | Path) -> Result:
@@ -104,7 +104,7 @@ def test_topology_config_changes_link_costs(tmp_path: Path) -> None:
     assert json.loads(slower.output)["groups"][0]["cost"] > default["groups"][0]["cost"]
     config.write_text("links:\n  spine: {}\n")
     bad = run("--nodes", nodes, "--deployment", SEED, "--topology-config", config)
-    assert bad.exit_code == 2
+    assert bad.exit_code == 1
     assert "topology.yaml: links: unknown tier 'spine'" in bad.output
 
 
@@ -118,7 +118,7 @@ def test_topology_config_changes_link_costs(tmp_path: Path) -> None:
         ("not-yaml", "nodes.yaml: not valid YAML/JSON"),
     ],
 )
-def test_invalid_input_exits_2_naming_file_and_field(tmp_path: Path, case: str, message: str) -> None:
+def test_invalid_input_exits_1_naming_file_and_field(tmp_path: Path, case: str, message: str) -> None:
     nodes = tmp_path / "nodes.yaml"
     manifest = deployment(tmp_path, replicas=1)
     if case == "bad-manifest":
@@ -133,5 +133,5 @@ def test_invalid_input_exits_2_naming_file_and_field(tmp_path: Path, case: str, 
     elif case == "not-yaml":
         nodes.write_text("items: [unclosed\n")
     result = run("--nodes", nodes, "--deployment", manifest)
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output
     assert message in result.output

@@ -9,7 +9,7 @@ from copse.placement import DECODE, PREFILL, WORKER
 from copse.placement.spec import request_from_spec
 from copse.topology import Toleration
 
-SEED = Path(__file__).resolve().parents[3] / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = Path(__file__).resolve().parents[2] / "examples" / "seed-inferencedeployment.yaml"
 
 
 def test_seed_manifest_asks_for_min_replicas_tp8_groups_in_one_domain_spread_over_racks() -> None:

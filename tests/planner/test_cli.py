@@ -56,7 +56,7 @@ def test_dry_run_json(tmp_path: Path, profile: Path) -> None:
     code, out, _ = dry_run(
         "--metrics",
         str(metrics),
-        "--profile",
+        "--perf-profile",
         str(profile),
         "--ttft-ms",
         "500",
@@ -64,7 +64,8 @@ def test_dry_run_json(tmp_path: Path, profile: Path) -> None:
         "40",
         "--predictor",
         "constant",
-        "--json",
+        "-o",
+        "json",
     )
     assert code == 0
     document = json.loads(out)
@@ -82,7 +83,7 @@ def test_dry_run_table_and_plot(tmp_path: Path, profile: Path) -> None:
     code, out, _ = dry_run(
         "--metrics",
         str(metrics),
-        "--profile",
+        "--perf-profile",
         str(profile),
         "--ttft-ms",
         "500",
@@ -113,11 +114,11 @@ def test_dry_run_on_a_trace_with_a_deployment(tmp_path: Path, profile: Path) -> 
             for second in range(0, 60, 2)
         )
     )
-    deployment = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+    deployment = REPO / "examples" / "seed-inferencedeployment.yaml"
     code, out, err = dry_run(
         "--trace",
         str(trace),
-        "--profile",
+        "--perf-profile",
         str(profile),
         "--deployment",
         str(deployment),
@@ -125,7 +126,8 @@ def test_dry_run_on_a_trace_with_a_deployment(tmp_path: Path, profile: Path) -> 
         "120",
         "--predictor",
         "moving_average",
-        "--json",
+        "-o",
+        "json",
     )
     assert code == 0, err
     rows = json.loads(out)["intervals"]
@@ -147,33 +149,33 @@ def test_dry_run_on_a_trace_with_a_deployment(tmp_path: Path, profile: Path) -> 
         ),
     ],
 )
-def test_bad_metrics_exit_2_naming_the_line(
+def test_bad_metrics_exit_1_naming_the_line(
     tmp_path: Path, profile: Path, content: str, message: str
 ) -> None:
     metrics = tmp_path / "m.jsonl"
     metrics.write_text(content)
     code, _, err = dry_run(
-        "--metrics", str(metrics), "--profile", str(profile), "--ttft-ms", "500", "--itl-ms", "40"
+        "--metrics", str(metrics), "--perf-profile", str(profile), "--ttft-ms", "500", "--itl-ms", "40"
     )
-    assert code == 2
+    assert code == 1
     assert err.startswith("error: ")
     assert re.search(message, err)
 
 
-def test_profile_without_an_array_exits_2(tmp_path: Path) -> None:
+def test_profile_without_an_array_exits_1(tmp_path: Path) -> None:
     bad = tmp_path / "bad.npz"
     np.savez(bad, prefill_isl=np.array([1.0, 2.0]), prefill_ttft_ms=np.array([1.0, 2.0]))
     metrics = metrics_file(tmp_path / "m.jsonl", [1.0, 1.0])
     code, _, err = dry_run(
-        "--metrics", str(metrics), "--profile", str(bad), "--ttft-ms", "500", "--itl-ms", "40"
+        "--metrics", str(metrics), "--perf-profile", str(bad), "--ttft-ms", "500", "--itl-ms", "40"
     )
-    assert code == 2
+    assert code == 1
     assert f"{bad}: missing array 'decode_active_kv_tokens'" in err
 
 
 def test_targets_are_required_without_a_deployment(tmp_path: Path, profile: Path) -> None:
     metrics = metrics_file(tmp_path / "m.jsonl", [1.0, 1.0])
-    code, _, err = dry_run("--metrics", str(metrics), "--profile", str(profile))
+    code, _, err = dry_run("--metrics", str(metrics), "--perf-profile", str(profile))
     assert code == 2
     assert "--ttft-ms and --itl-ms are required" in err
 
@@ -185,7 +187,7 @@ def test_metrics_or_trace_not_both(tmp_path: Path, profile: Path) -> None:
         str(metrics),
         "--trace",
         str(metrics),
-        "--profile",
+        "--perf-profile",
         str(profile),
         "--ttft-ms",
         "1",
@@ -196,12 +198,12 @@ def test_metrics_or_trace_not_both(tmp_path: Path, profile: Path) -> None:
     assert "exactly one of --metrics FILE or --trace FILE" in err
 
 
-def test_impossible_bounds_exit_2(tmp_path: Path, profile: Path) -> None:
+def test_impossible_bounds_exit_1(tmp_path: Path, profile: Path) -> None:
     metrics = metrics_file(tmp_path / "m.jsonl", [1.0, 1.0])
     code, _, err = dry_run(
         "--metrics",
         str(metrics),
-        "--profile",
+        "--perf-profile",
         str(profile),
         "--ttft-ms",
         "500",
@@ -212,7 +214,7 @@ def test_impossible_bounds_exit_2(tmp_path: Path, profile: Path) -> None:
         "--gpu-budget",
         "4",
     )
-    assert code == 2
+    assert code == 1
     assert "GPU budget (4) cannot hold min_replicas (3)" in err
 
 
@@ -221,7 +223,7 @@ def test_interval_must_be_a_multiple_of_the_recording(tmp_path: Path, profile: P
     code, _, err = dry_run(
         "--metrics",
         str(metrics),
-        "--profile",
+        "--perf-profile",
         str(profile),
         "--ttft-ms",
         "500",
@@ -230,7 +232,7 @@ def test_interval_must_be_a_multiple_of_the_recording(tmp_path: Path, profile: P
         "--interval",
         "90",
     )
-    assert code == 2
+    assert code == 1
     assert "--interval 90s is not a whole multiple of the recording's interval (60s)" in err
 
 
@@ -269,7 +271,7 @@ def test_record_exports_from_prometheus(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         main,
         [
-            "planner", "record", "--prometheus", "http://127.0.0.1:9090", "--name", "llama", "-n", "serving",
+            "planner", "record", "llama", "--prometheus", "http://127.0.0.1:9090", "-n", "serving",
             "--since", "3m", "--interval", "60", "--out", str(out),
         ],
     )  # fmt: skip
@@ -298,7 +300,7 @@ def test_record_refuses_a_config_it_would_not_read(tmp_path: Path) -> None:
     assert not (tmp_path / "m.jsonl").exists()
 
 
-def test_run_argument_errors_exit_2(tmp_path: Path) -> None:
+def test_run_argument_errors_exit_2_and_an_invalid_config_1(tmp_path: Path) -> None:
     metrics = metrics_file(tmp_path / "m.jsonl", [1.0, 1.0])
     both = CliRunner().invoke(main, ["planner", "run", "llama", "-n", "a", "-n", "b"])
     assert both.exit_code == 2
@@ -309,7 +311,7 @@ def test_run_argument_errors_exit_2(tmp_path: Path) -> None:
     config = tmp_path / "planner.yaml"
     config.write_text("predictor: prophet\n")
     bad = CliRunner().invoke(main, ["planner", "run", "llama", "--config", str(config)])
-    assert bad.exit_code == 2
+    assert bad.exit_code == 1
     assert (
         f"{config}: invalid planner config: predictor: Value error, unknown predictor 'prophet'" in bad.stderr
     )

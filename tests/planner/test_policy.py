@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from copse.api import Role, load_deployment, parse_deployment
 from copse.planner.policy import Limits, ScaleDownGate, clamp, fit_budget
 
-SEED = Path(__file__).resolve().parents[3] / "shared" / "examples" / "seed-inferencedeployment.yaml"
+SEED = Path(__file__).resolve().parents[2] / "examples" / "seed-inferencedeployment.yaml"
 P, D, W = Role.PREFILL, Role.DECODE, Role.WORKER
 
 

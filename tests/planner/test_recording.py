@@ -252,14 +252,18 @@ def test_trace_lines_out_of_order_are_bucketed_by_arrival(tmp_path: Path) -> Non
     assert [obs.kv_hit_rate for obs in observations] == [0.0, 1.0]
 
 
-def test_shipped_traces_read(tmp_path: Path) -> None:
-    traces = Path(__file__).resolve().parents[3] / "shared" / "traces"
-    conversation = read_trace(traces / "mooncake_fast25_conversation_trace.jsonl.gz", interval_s=300.0)
-    assert sum(obs.num_requests for obs in conversation) == 12031
+def test_the_shipped_slice_buckets() -> None:
+    trace = (
+        Path(__file__).resolve().parents[2]
+        / "examples"
+        / "traces"
+        / "mooncake-conversation-first-20min.jsonl.gz"
+    )
+    conversation = read_trace(trace, interval_s=300.0)
+    assert len(conversation) == 4  # 20 minutes in 5-minute buckets
+    assert sum(obs.num_requests for obs in conversation) == 3658
     hits = [obs.kv_hit_rate for obs in conversation if obs.kv_hit_rate is not None]
     assert 0.2 < sum(hits) / len(hits) < 0.6
-    azure = read_trace(traces / "azure_llm_2023_code.csv.gz", interval_s=300.0)
-    assert sum(obs.num_requests for obs in azure) == 8819
 
 
 def test_resample_merges_whole_multiples() -> None:

@@ -181,17 +181,17 @@ def test_config_errors_name_source_field_and_value(change: dict[str, Any], messa
         parse_config({**OPERATOR_CONFIG, **change}, source="router.yaml")
 
 
-def test_router_run_rejects_bad_config_with_exit_2(tmp_path: Path) -> None:
+def test_router_run_rejects_bad_config_with_exit_1(tmp_path: Path) -> None:
     path = tmp_path / "router.yaml"
     path.write_text("model: m\ndiscovery: {kind: static, workers: []}\n")
     result = CliRunner().invoke(router, ["run", "--config", str(path)])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "router.yaml: discovery.static.workers: List should have at least 1 item" in result.stderr
     missing = CliRunner().invoke(router, ["run", "--config", str(tmp_path / "nope.yaml")])
-    assert missing.exit_code == 2
+    assert missing.exit_code == 1
     assert "cannot read" in missing.stderr
     no_model = CliRunner().invoke(router, ["run", "--worker", "http://127.0.0.1:9"])
-    assert no_model.exit_code == 2
+    assert no_model.exit_code == 1
     assert "command line: model: Field required" in no_model.stderr
 
 

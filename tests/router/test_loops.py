@@ -16,7 +16,7 @@ import pytest
 from copse.router import loops
 
 REPO = Path(__file__).resolve().parents[2]
-MOONCAKE = REPO.parent / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+MOONCAKE = REPO / "examples/traces/mooncake-conversation-first-20min.jsonl.gz"
 
 _UNBUILT = "import sys; sys.modules['copse.router._native'] = None  # as if the extension were not built\n"
 
@@ -101,7 +101,7 @@ def test_the_build_names_the_source_it_was_compiled_from() -> None:
 def test_the_python_loops_route_as_the_compiled_ones(options: list[str]) -> None:
     """The router's loops in Python (``COPSE_ROUTER_NATIVE=0``) take the same decisions as the
     compiled ones: a replay through the whole router reports the same figures to the bit."""
-    args = ["bench", "replay", "--trace", str(MOONCAKE), "--workers", "8", "--limit", "300", "--json"]
+    args = ["bench", "replay", "--trace", str(MOONCAKE), "--workers", "8", "--limit", "300", "-o", "json"]
     args += options
     reports = {}
     for native in ("1", "0"):

@@ -185,3 +185,22 @@ def test_load_tokenizer_names_the_field(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"^tokenizer: .*no tokenizer\.json"):
         load_tokenizer(config)
+
+
+def test_a_hub_cache_folder_resolves_to_the_snapshot_its_main_ref_names(llama3: Path, tmp_path: Path) -> None:
+    """The examples point spec.router.tokenizer at ``hub/models--<org>--<name>`` on the model cache:
+    the router reads the revision from ``refs/main`` as huggingface_hub does."""
+    folder = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct"
+    snapshot = folder / "snapshots" / "0123abcd"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(llama3, target_is_directory=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0123abcd")
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "Hello there"})
+    via_cache = prompt_tokens(request, HfPromptTokenizer(folder))
+    assert via_cache == prompt_tokens(request, HfPromptTokenizer(llama3))
+    (folder / "refs" / "main").write_text("feedbeef")
+    with pytest.raises(
+        ValueError, match=r"refs/main names revision 'feedbeef', but there is no .*/snapshots/feedbeef"
+    ):
+        HfPromptTokenizer(folder)

@@ -115,8 +115,8 @@ def test_bench_replay_prints_the_moe_line_and_refuses_live_moe(trace: Path) -> N
     table = runner.invoke(bench, [*args, "--policy", "kv_expert", "--limit", "60"])
     assert table.exit_code == 0, table.output
     assert "MoE: all-to-all" in table.output
-    as_json = runner.invoke(bench, [*args, "--limit", "60", "--json"])
-    assert json.loads(as_json.output.splitlines()[-1])["moe"]["imbalance"] > 1
+    as_json = runner.invoke(bench, [*args, "--limit", "60", "-o", "json"])
+    assert json.loads(as_json.stdout)["moe"]["imbalance"] > 1
     live = runner.invoke(bench, [*args, "--live", "--limit", "5"])
     assert live.exit_code == 2
     assert "virtual clock only" in live.output

@@ -24,7 +24,7 @@ from copse.sim.trace import TokenSynth, TraceError, TraceRequest, load_trace
 from copse.workers.perf import PolynomialPerfModel, save_profile
 from copse.workers.protocol.kv_events import KvCleared, KvEvent
 
-MOONCAKE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
+MOONCAKE = Path(__file__).resolve().parents[2] / "examples/traces/mooncake-conversation-first-20min.jsonl.gz"
 
 
 def _write_trace(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -138,7 +138,7 @@ def test_engine_config_errors_name_the_file_and_key(tmp_path: Path) -> None:
 def test_bench_replay_cli_prints_json_and_a_table() -> None:
     runner = CliRunner()
     args = ["replay", "--trace", str(MOONCAKE), "--workers", "2", "--limit", "20", "--speedup", "50"]
-    result = runner.invoke(bench, [*args, "--json", "--policy", "least_loaded"])
+    result = runner.invoke(bench, [*args, "-o", "json", "--policy", "least_loaded"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["policy"] == "least_loaded"
@@ -151,10 +151,10 @@ def test_bench_replay_cli_prints_json_and_a_table() -> None:
     assert "cache hit rate" in table.stdout
 
 
-def test_bench_replay_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
+def test_bench_replay_cli_rejects_bad_input_with_exit_1_and_bad_options_with_2(tmp_path: Path) -> None:
     runner = CliRunner()
     missing = runner.invoke(bench, ["replay", "--trace", str(tmp_path / "none.jsonl")])
-    assert missing.exit_code == 2
+    assert missing.exit_code == 1
     assert "none.jsonl: no such trace file" in missing.stderr
     bad = runner.invoke(bench, ["replay", "--trace", str(MOONCAKE), "--speedup", "0"])
     assert bad.exit_code == 2
@@ -220,7 +220,7 @@ def test_bench_replay_cli_takes_the_router_model_lag_noise_and_decode_weight(tmp
     assert from_file.exit_code == 0, from_file.output
     assert "router model given" in from_file.stdout
     missing = runner.invoke(bench, [*args, "--router-profile", str(tmp_path / "none.npz")])
-    assert missing.exit_code == 2
+    assert missing.exit_code == 1
     assert "none.npz: no such profile file" in missing.stderr
     for flag, value in (
         ("--kv-event-lag-ms", "-1"),

@@ -102,7 +102,7 @@ def test_synth_cli_writes_mooncake_jsonl(tmp_path: Path) -> None:
     )
     out = tmp_path / "synth.jsonl"
     result = CliRunner().invoke(
-        synth, ["--trace", str(source), "--output", str(out), "--num-requests", "20", "--osl-multiplier", "2"]
+        synth, ["--trace", str(source), "--out", str(out), "--num-requests", "20", "--osl-multiplier", "2"]
     )
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -115,6 +115,6 @@ def test_synth_cli_writes_mooncake_jsonl(tmp_path: Path) -> None:
         "context_len",
         "unique_user_prompt_len",
     }
-    bad = CliRunner().invoke(synth, ["--trace", str(source), "--speedup-ratio", "-1"])
+    bad = CliRunner().invoke(synth, ["--trace", str(source), "--speedup", "-1"])
     assert bad.exit_code == 2
     assert "speedup_ratio must be a positive number" in bad.stderr

@@ -27,7 +27,7 @@ from copse.workers.perf import PolynomialPerfModel, load_profile
         (["mock", "--perf-profile", "/nonexistent/profile.npz"], "/nonexistent/profile.npz"),
         (["mock", "--namespace", "a b"], "--namespace"),
         (["mock", "--port-base", "65000", "--engines", "1000"], "65535"),
-        (["mock", "--speedup-ratio", "0"], "--speedup-ratio"),
+        (["mock", "--speedup", "0"], "--speedup"),
         (["mock", "--moe", "nosuch"], "not JSON"),
         (
             ["mock", "--moe", "[8]"],
@@ -104,7 +104,7 @@ def test_mock_on_sigterm_finishes_the_stream_in_flight_and_takes_nothing_new() -
     its streams end before it exits (the pod's termination grace bounds the wait)."""
     command = [sys.executable, "-c", "from copse.cli import main; main()", "worker", "mock"]
     process = subprocess.Popen(
-        [*command, "--port-base", "0", "--decode-speedup-ratio", "0.2", "--drain-timeout", "60"],
+        [*command, "--port-base", "0", "--decode-speedup", "0.2", "--drain-timeout", "60"],
         stdout=subprocess.PIPE,
         text=True,
     )

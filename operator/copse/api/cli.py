@@ -9,18 +9,31 @@ import click
 
 from copse.api import crd
 from copse.api.manifest import ManifestError, load_deployment
+from copse.workers.conventions import EXIT_FAILURE
 
 
 @click.group()
 def api() -> None:
-    """The InferenceDeployment contract: CRDs and manifest validation."""
+    """The InferenceDeployment contract: CRDs and manifest validation.
+
+    \b
+    Examples:
+      copse api validate examples/*.yaml
+      copse api crds --check
+    """
 
 
 @api.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("crds"), show_default=True)
 @click.option("--check", is_flag=True, help="Exit 1 and show a diff when the files differ; write nothing.")
 def crds(out: Path, check: bool) -> None:
-    """Write the CRD YAML generated from the pydantic models."""
+    """Write the CRD YAML generated from the pydantic models (--out DIR, one file per CRD).
+
+    \b
+    Examples:
+      copse api crds --out crds
+      copse api crds --check
+    """
     if not check:
         for path in crd.write(out):
             click.echo(f"wrote {path}")
@@ -41,7 +54,13 @@ def crds(out: Path, check: bool) -> None:
 @api.command()
 @click.argument("manifests", nargs=-1, required=True, type=click.Path(path_type=Path))
 def validate(manifests: tuple[Path, ...]) -> None:
-    """Check InferenceDeployment manifests the way the API server will."""
+    """Check InferenceDeployment manifests the way the API server will; exits 1 when one is invalid.
+
+    \b
+    Examples:
+      copse api validate examples/deployment-llama-3.1-8b-trtllm.yaml
+      copse api validate examples/*.yaml
+    """
     failed = False
     for path in manifests:
         try:
@@ -56,4 +75,4 @@ def validate(manifests: tuple[Path, ...]) -> None:
         )
         click.echo(f"{path}: ok ({deployment.metadata.name}: {pools})")
     if failed:
-        raise SystemExit(2)
+        raise SystemExit(EXIT_FAILURE)

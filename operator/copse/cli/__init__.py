@@ -45,6 +45,7 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="copse", prog_name="copse", message="%(prog)s %(version)s")
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
@@ -61,5 +62,16 @@ class _LazyGroup(click.Group):
     envvar="COPSE_LOG_LEVEL",
 )
 def main(log_format: str, log_level: str) -> None:
-    """copse: LLM inference on Kubernetes GPU clusters (placement, routing, planning)."""
+    """copse: LLM inference on Kubernetes GPU clusters (placement, routing, planning).
+
+    Exit codes: 0 success, 1 a failed run or invalid input, 2 a usage error
+    (docs/reference/conventions.md).
+
+    \b
+    Examples:
+      copse demo
+      copse api validate examples/deployment-llama-3.1-8b-trtllm.yaml
+      copse placement plan --nodes examples/nodes-2-racks.yaml \\
+        --deployment examples/seed-inferencedeployment.yaml
+    """
     logs.configure(fmt=log_format, level=log_level)

@@ -22,8 +22,8 @@ from copse.cluster.kubectl import Kubectl, KubectlError
 
 REPO = Path(__file__).resolve().parents[3]
 NAMESPACE = "copse-demo"
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_fast25_conversation_trace.jsonl.gz"
-SEED = REPO.parent / "shared" / "examples" / "seed-inferencedeployment.yaml"
+TRACE = REPO / "examples" / "traces" / "mooncake-conversation-first-20min.jsonl.gz"
+SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 DISAGGREGATED = REPO / "examples" / "deployment-disaggregated.yaml"
 PLANNER = REPO / "examples" / "planner"
 
@@ -40,8 +40,15 @@ def _step(title: str) -> None:
     click.secho(f"\n==> {title}", bold=True, err=True)
 
 
-def _run(argv: Sequence[str], *, env: dict[str, str], capture: bool = False) -> str:
-    completed = subprocess.run(argv, env=env, text=True, capture_output=capture, check=False)
+def _run(
+    argv: Sequence[str], *, env: dict[str, str], capture: bool = False, stdout: int | None = None
+) -> str:
+    """Run ``argv``; ``capture``: return its stdout (stderr kept for the error), else let both
+    through (``stdout``: where stdout goes instead, e.g. ``subprocess.DEVNULL``)."""
+    if capture:
+        completed = subprocess.run(argv, env=env, text=True, capture_output=True, check=False)
+    else:
+        completed = subprocess.run(argv, env=env, text=True, stdout=stdout, check=False)
     if completed.returncode != 0:
         detail = (completed.stderr or "").strip()[-2000:] if capture else "(see the output above)"
         raise DemoError(f"`{' '.join(argv)}` exited {completed.returncode}: {detail}")
@@ -49,8 +56,14 @@ def _run(argv: Sequence[str], *, env: dict[str, str], capture: bool = False) -> 
 
 
 def _cluster_env() -> tuple[dict[str, str], str]:
-    """Bring the local control plane up (building it once) and return its env and kubectl."""
+    """Bring the local control plane up (building it once) and return its env and kubectl.
+
+    The build runs first as its own step, its stderr on the terminal: a cold cache takes 8-30
+    minutes, and ``copse cluster build`` reports each component (cached, building, done in) and a
+    heartbeat while one compiles; ``copse cluster up``, whose output is read here, then finds it
+    all cached."""
     env = dict(os.environ)
+    _run(_copse("cluster", "build"), env=env, stdout=subprocess.DEVNULL)
     printed = _run(_copse("cluster", "up"), env=env, capture=True)
     for line in printed.splitlines():
         if line.startswith("export KUBECONFIG="):
@@ -73,7 +86,7 @@ def _compare(runs: dict[str, tuple[str, ...]], *, env: dict[str, str]) -> None:
     for label, options in runs.items():
         for policy in POLICIES:
             printed = _run(
-                _copse("bench", "replay", "--trace", str(TRACE), "--policy", policy, "--json", *options),
+                _copse("bench", "replay", "--trace", str(TRACE), "--policy", policy, "-o", "json", *options),
                 env=env,
                 capture=True,
             )
@@ -102,8 +115,7 @@ def _compare(runs: dict[str, tuple[str, ...]], *, env: dict[str, str]) -> None:
 
 
 def _missing_inputs() -> list[Path]:
-    """The files the demo reads that are not there (the trace and the seed manifest come from the
-    sibling ``shared/`` checkout)."""
+    """The files the demo reads that are not there (all ship in the repository's ``examples/``)."""
     wanted = (TRACE, SEED, DISAGGREGATED, PLANNER / "servegen-m-large-3d.jsonl", PLANNER / "mock-profile.npz")
     return [path for path in wanted if not path.is_file()]
 
@@ -138,13 +150,19 @@ def _missing_inputs() -> list[Path]:
     help="Where the operator log and the planner plot go.",
 )
 def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
-    """Local cluster with fake NVL72 racks, the operator, placement, KV-aware routing, the planner."""
+    """Local cluster with fake NVL72 racks, the operator, placement, KV-aware routing, the planner.
+
+    \b
+    Examples:
+      copse demo
+      copse demo --requests 300 --workers 4 --out out/demo
+    """
     missing = _missing_inputs()
     if missing:  # before anything starts: the cluster and the operator take a minute
         raise DemoError(
             "the demo reads files that are not there: "
             + ", ".join(str(path) for path in missing)
-            + f" (the trace and the seed manifest come from the shared/ checkout next to {REPO.name}/)"
+            + f" (they ship in {REPO / 'examples'}: is this a whole checkout of the repository?)"
         )
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +172,10 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
         ) from exc
     started = time.monotonic()
 
-    _step("local Kubernetes control plane with fake GB200 NVL72 racks (first run builds it from Go)")
+    _step(
+        "local Kubernetes control plane with fake GB200 NVL72 racks (the first run builds it from Go: "
+        "8-30 minutes, progress below)"
+    )
     env, kubectl = _cluster_env()
     _run([kubectl, "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds")], env=env)
     try:
@@ -229,12 +250,12 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
         _copse(
             "planner", "dry-run",
             "--metrics", str(PLANNER / "servegen-m-large-3d.jsonl"),
-            "--profile", str(PLANNER / "mock-profile.npz"),
+            "--perf-profile", str(PLANNER / "mock-profile.npz"),
             "--ttft-ms", "500",
             "--itl-ms", "50",
             "--max-replicas", "64",
             "--plot", str(plot),
-            "--json",
+            "-o", "json",
         ),
         env=env,
         capture=True,

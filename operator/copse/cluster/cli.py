@@ -23,6 +23,7 @@ from copse.cluster.local import (
 )
 from copse.cluster.state import is_alive, read_state
 from copse.topology.cli import nodes as fake_nodes
+from copse.workers.conventions import Failure
 
 _DIR_OPTION = click.option(
     "--dir",
@@ -45,12 +46,23 @@ def _env_lines(cluster: LocalCluster) -> str:
 
 @click.group()
 def cluster() -> None:
-    """A real local Kubernetes control plane with fake (kwok) GPU nodes."""
+    """A real local Kubernetes control plane with fake (kwok) GPU nodes.
+
+    \b
+    Examples:
+      eval "$(copse cluster up)" && kubectl get nodes
+      copse cluster down
+    """
 
 
 @cluster.command()
 def build() -> None:
-    """Build etcd, kube-apiserver, -controller-manager, -scheduler, kubectl, kwok and helm (cached)."""
+    """Build etcd, kube-apiserver, -controller-manager, -scheduler, kubectl, kwok and helm (cached).
+
+    \b
+    Examples:
+      copse cluster build
+    """
     try:
         binaries = ensure_binaries()
     except ClusterError as error:
@@ -92,7 +104,13 @@ def up(
     admission_plugins: tuple[str, ...],
     nodes_file: Path | None,
 ) -> None:
-    """Start the cluster (or reuse the one running there) and print shell exports for it."""
+    """Start the cluster (or reuse the one running there) and print shell exports for it.
+
+    \b
+    Examples:
+      eval "$(copse cluster up)"
+      copse cluster up --nodes examples/nodes-8-racks.yaml --dir /tmp/copse-8-racks
+    """
     settings = ClusterSettings(
         work_dir=work_dir or default_work_dir(),
         apiserver_port=port,
@@ -110,19 +128,24 @@ def up(
 
 
 def _read_nodes(path: Path) -> list[dict[str, Any]]:
-    """Nodes from a NodeList/List document or a stream of Node documents; exit 2 if invalid."""
+    """Nodes from a NodeList/List document or a stream of Node documents; exit 1 if invalid."""
     try:
         nodes = read_documents(path)
         check_fake_nodes(nodes, source=str(path))
     except ValueError as error:  # a ManifestError, or a node the fake cluster cannot use
-        raise click.BadParameter(str(error), param_hint="--nodes") from error
+        raise Failure(f"--nodes: {error}") from error
     return nodes
 
 
 @cluster.command()
 @_DIR_OPTION
 def down(work_dir: Path | None) -> None:
-    """Stop exactly the processes the cluster in --dir recorded."""
+    """Stop exactly the processes the cluster in --dir recorded.
+
+    \b
+    Examples:
+      copse cluster down
+    """
     stopped = stop_cluster(work_dir)
     click.echo(f"stopped {', '.join(stopped)}" if stopped else "no cluster was running")
 
@@ -130,7 +153,12 @@ def down(work_dir: Path | None) -> None:
 @cluster.command()
 @_DIR_OPTION
 def status(work_dir: Path | None) -> None:
-    """Show each component's PID and liveness; exit 1 unless the cluster is up and ready."""
+    """Show each component's PID and liveness; exit 1 unless the cluster is up and ready.
+
+    \b
+    Examples:
+      copse cluster status
+    """
     layout = Layout(work_dir or default_work_dir())
     state = read_state(layout.state)
     if state is None:
@@ -153,7 +181,12 @@ def status(work_dir: Path | None) -> None:
 @cluster.command()
 @_DIR_OPTION
 def env(work_dir: Path | None) -> None:
-    """Print exports (KUBECONFIG, PATH with kubectl/helm) for: eval "$(copse cluster env)"."""
+    """Print exports (KUBECONFIG, PATH with kubectl/helm) of the running cluster.
+
+    \b
+    Examples:
+      eval "$(copse cluster env)"
+    """
     directory = work_dir or default_work_dir()
     local = LocalCluster.attach(directory)
     if local is None:

@@ -32,10 +32,32 @@ from copse.operator import multinode, names, weights
 from copse.topology.kube import NODE_CONDITION_TAINTS
 from copse.topology.links import LinkTable, LinkTier
 
-#: Images used when the manifest names none. The TensorRT-LLM release image carries
-#: trtllm-serve, MPI and the copse KV relay is pip-installed on top (see README, Images).
+#: Images used when neither the manifest nor the operator's settings name one. The TensorRT-LLM
+#: release image carries trtllm-serve, MPI and the copse KV relay is pip-installed on top.
 TRTLLM_IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.2.0"
 COPSE_IMAGE = "ghcr.io/copse-dev/copse:0.1.0"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Images:
+    """The images of the pods the operator creates where the manifest names none (``spec.router.image``,
+    ``spec.engine.image`` win). The chart sets them from its own ``image`` values (``copse operator run
+    --image``), so that a mirror or a pinned tag reaches every pod, not only the operator's."""
+
+    copse: str = COPSE_IMAGE
+    """Routers, KV relays and mocked workers: the control plane's own image, whose tag matches the
+    operator's (the router's config and the relay's protocol are versioned with it)."""
+    trtllm: str = TRTLLM_IMAGE
+    """TensorRT-LLM workers."""
+    pull_policy: str | None = None
+    """``imagePullPolicy`` of the containers that run the copse image; ``None``: Kubernetes' default
+    (``Always`` for ``:latest``, else ``IfNotPresent``)."""
+
+    def container(self, image: str) -> dict[str, str]:
+        """A container's ``image``, with the pull policy when it is the copse image."""
+        policy = {"imagePullPolicy": self.pull_policy} if self.pull_policy and image == self.copse else {}
+        return {"image": image, **policy}
+
 
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
@@ -105,9 +127,9 @@ def service_owner_reference(service: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def worker_image(deployment: InferenceDeployment) -> str:
+def worker_image(deployment: InferenceDeployment, *, images: Images = Images()) -> str:
     engine = deployment.spec.engine
-    return engine.image or (COPSE_IMAGE if engine.backend is EngineBackend.MOCK else TRTLLM_IMAGE)
+    return engine.image or (images.copse if engine.backend is EngineBackend.MOCK else images.trtllm)
 
 
 def _metadata(
@@ -316,7 +338,7 @@ def _offload_memory(
 
 
 def _kv_relay(
-    deployment: InferenceDeployment, layout: GroupLayout, *, pod: str, rank: int
+    deployment: InferenceDeployment, layout: GroupLayout, *, pod: str, rank: int, images: Images
 ) -> list[dict[str, Any]]:
     """The sidecar that drains trtllm-serve's ``/kv_cache_events`` into copse KV events on NATS,
     on the rank that serves HTTP; the mocker publishes its own events.
@@ -343,7 +365,7 @@ def _kv_relay(
     return [
         {
             "name": "kv-relay",
-            "image": spec.router.image or COPSE_IMAGE,
+            **images.container(spec.router.image or images.copse),
             "command": command,
             "restartPolicy": "Always",
         }
@@ -598,6 +620,7 @@ def worker_pods(
     cold_start_source: str | None,
     cold_start_ranks: int | None = None,
     channel_template: str | None = None,
+    images: Images = Images(),
 ) -> list[dict[str, Any]]:
     """The pods of one TP group, gated and pinned to their planned nodes (with ModelExpress's client
     settings when it loads the weights; ``cold_start_ranks``: the source group's GPUs when it is one
@@ -610,7 +633,7 @@ def worker_pods(
     pod_names = [names.pod_name(group, rank) for rank in range(len(layout.pods))]
     hosts = [f"{pod}.{group}.{namespace}.svc" for pod in pod_names]
     digest = template_hash(deployment, layout.role)
-    image = worker_image(deployment)
+    image = worker_image(deployment, images=images)
     wiring = _wiring(deployment, layout, hosts=hosts, image=image, channel_template=channel_template)
     mpi = mpi_world(deployment, layout)
     pods = []
@@ -659,7 +682,7 @@ def worker_pods(
             )
         container: dict[str, Any] = {
             "name": "engine",
-            "image": image,
+            **images.container(image),
             "command": _engine_command(deployment, layout, rank=rank),
             "env": env_list + wiring.user_env,
             "resources": resources,
@@ -712,7 +735,8 @@ def worker_pods(
             "terminationGracePeriodSeconds": PRE_STOP_SLEEP_S + math.ceil(spec.disruption.drain_timeout_s),
         }
         # The weights step first (it may wait for the download), then the relay as a native sidecar.
-        init_containers = [*wiring.init_containers, *_kv_relay(deployment, layout, pod=pod, rank=rank)]
+        relay = _kv_relay(deployment, layout, pod=pod, rank=rank, images=images)
+        init_containers = [*wiring.init_containers, *relay]
         if init_containers:
             pod_spec["initContainers"] = init_containers
         if wiring.resource_claims:
@@ -1018,7 +1042,7 @@ def router_volumes(deployment: InferenceDeployment) -> tuple[list[dict[str, Any]
     return volumes, mounts
 
 
-def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
+def router_objects(deployment: InferenceDeployment, *, images: Images = Images()) -> list[dict[str, Any]]:
     """ConfigMap, Deployment and Service of the router in front of this deployment's workers."""
     spec = deployment.spec
     name = names.router_name(deployment.metadata.name)
@@ -1059,7 +1083,7 @@ def router_objects(deployment: InferenceDeployment) -> list[dict[str, Any]]:
                     "containers": [
                         {
                             "name": "router",
-                            "image": spec.router.image or COPSE_IMAGE,
+                            **images.container(spec.router.image or images.copse),
                             "command": [
                                 "copse",
                                 "router",

@@ -161,6 +161,11 @@ class Controller:
         self.cache.put(self.cache.deployments, _key(body), body, deleted=deleted)
         if not deleted:
             self.mark(_key(body))
+            return
+        # A deleted deployment's series go too (an alert on them would outlive it).
+        for gauge in (metrics.PLACEMENT_SCORE, metrics.UNPLACED_GROUPS):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*_key(body))
 
     def on_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
         self.cache.put(self.cache.pods, _key(pod), pod, deleted=deleted)
@@ -368,12 +373,14 @@ class Controller:
         )
         for obj in [
             children.engine_configmap(deployment),
-            *children.router_objects(deployment),
+            *children.router_objects(deployment, images=self.settings.images),
             *model_express,
         ]:
             await self.kube.apply(obj)
         job = weights.download_job(
-            deployment, image=children.worker_image(deployment), owner=children.owner_reference(deployment)
+            deployment,
+            image=children.worker_image(deployment, images=self.settings.images),
+            owner=children.owner_reference(deployment),
         )
         if job is not None:
             await self._create_once(
@@ -407,6 +414,9 @@ class Controller:
         status = decision.status
         if status.get("score") is not None:
             metrics.PLACEMENT_SCORE.labels(namespace=namespace, deployment=name).set(status["score"])
+        metrics.UNPLACED_GROUPS.labels(namespace=namespace, deployment=name).set(
+            len(status.get("unplaced", []))
+        )
         if _changed(body.get("status", {}), status):
             logger.info(
                 "%s, ready %s, score %s",
@@ -568,6 +578,7 @@ class Controller:
             cold_start_source=cold_start_source,
             cold_start_ranks=cold_start_ranks,
             channel_template=channel,
+            images=self.settings.images,
         )
         members: list[Mapping[str, Any]] = []
         for pod in pods:

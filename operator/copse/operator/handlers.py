@@ -37,7 +37,7 @@ async def start(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> N
         # Watched namespaces are exact names: no need to list Namespaces (RBAC the chart does not grant).
         settings.scanning.disabled = True
     api_client = await _api_client()
-    controller = Controller(kube=Kube(api_client), namespaces=namespaces)
+    controller = Controller(kube=Kube(api_client), namespaces=namespaces, settings=memo.get("settings"))
     await controller.prime()
     memo["api_client"] = api_client
     memo["controller"] = controller

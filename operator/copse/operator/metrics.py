@@ -17,3 +17,8 @@ PLACEMENT_SCORE = Gauge(
     "Placement score of a deployment in [0, 1]; 1 = every group ideally placed.",
     ["namespace", "deployment"],
 )
+UNPLACED_GROUPS = Gauge(
+    "copse_operator_unplaced_groups",
+    "TP groups of a deployment that no node set can hold now (its PlacementInfeasible condition).",
+    ["namespace", "deployment"],
+)

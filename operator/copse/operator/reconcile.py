@@ -17,7 +17,7 @@ from typing import Any
 
 from copse.api import ColdStartStrategy, InferenceDeployment, Phase, Role
 from copse.operator import names
-from copse.operator.children import GroupLayout, RoutingIssue, routing_issues, template_hash
+from copse.operator.children import GroupLayout, Images, RoutingIssue, routing_issues, template_hash
 from copse.operator.planning import Placer
 from copse.operator.state import GroupState, ObservedGroup
 
@@ -32,6 +32,8 @@ class ReconcileSettings:
     drain_poll_s: float = 1.0
     """How often a draining group's in-flight requests are counted (a GET per router pod): the
     delay between its last request ending and its removal."""
+    images: Images = dataclasses.field(default_factory=Images)
+    """Images of the pods the operator creates where the manifest names none (the chart's)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,6 @@ was placed and why the rest was not), 2 for invalid input (the message names fil
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,9 +20,10 @@ from copse.placement.scheduler import plan as place
 from copse.placement.spec import request_from_spec
 from copse.topology.config import TopologyConfig
 from copse.topology.graph import TopologyError, build_topology
+from copse.workers.conventions import EXIT_FAILURE, json_renamed, output_option, render
 
 EXIT_UNPLACED = 3
-EXIT_INVALID = 2
+EXIT_INVALID = EXIT_FAILURE
 
 
 def _objects(path: Path, kind: str) -> list[dict[str, Any]]:
@@ -88,7 +88,13 @@ def _fail(message: str) -> NoReturn:
 
 @click.group("placement")
 def placement() -> None:
-    """Gang placement of TP groups onto NVLink domains, without a cluster."""
+    """Gang placement of TP groups onto NVLink domains, without a cluster.
+
+    \b
+    Examples:
+      copse placement plan --nodes examples/nodes-2-racks.yaml \\
+        --deployment examples/seed-inferencedeployment.yaml
+    """
 
 
 @placement.command("plan")
@@ -97,17 +103,27 @@ def placement() -> None:
     "--deployment", "deployment_path", type=Path, required=True, help="InferenceDeployment manifest."
 )
 @click.option("--pods", "pods_path", type=Path, help="Pods already holding GPUs (PodList or documents).")
-@click.option("--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@output_option()
 @click.option(
     "--topology-config",
     "config_path",
     type=Path,
     help="YAML with label keys (labels:) and link tier costs (links:) overriding the defaults.",
 )
+@json_renamed
 def plan_command(
     nodes_path: Path, deployment_path: Path, pods_path: Path | None, output: str, config_path: Path | None
 ) -> None:
-    """Place DEPLOYMENT's TP groups on the nodes in NODES and print the plan."""
+    """Place the --deployment's TP groups on the --nodes and print the plan. Exits 3 when the
+    deployment cannot be placed whole (the plan says why).
+
+    \b
+    Examples:
+      copse placement plan --nodes examples/nodes-8-racks.yaml \\
+        --deployment examples/deployment-disaggregated.yaml
+      copse placement plan --nodes examples/nodes-8-racks.yaml --pods examples/pods-8-racks-busy.yaml \\
+        --deployment examples/deployment-tp64.yaml -o json
+    """
     try:
         nodes = _objects(nodes_path, "Node")
         pods: Sequence[dict[str, Any]] = _objects(pods_path, "Pod") if pods_path else []
@@ -122,9 +138,6 @@ def plan_command(
     result = place(topology, request_from_spec(deployment.spec))
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
-    if output == "json":
-        click.echo(json.dumps(result.to_json(), indent=2))
-    else:
-        click.echo(_table(result))
+    click.echo(render(result.to_json(), output=output, table=lambda: _table(result)))
     if not result.feasible:
         sys.exit(EXIT_UNPLACED)

@@ -6,9 +6,9 @@ The command object lives here; ``copse.cluster`` attaches it to its ``cluster`` 
 from __future__ import annotations
 
 import click
-import yaml
 
 from copse.topology import fake
+from copse.workers.conventions import output_option, render
 
 
 @click.command("nodes")
@@ -37,6 +37,7 @@ from copse.topology import fake
     show_default=True,
     help="NVLink partitions per rack (2 = an x72 rack run as 2 x36).",
 )
+@output_option(choices=("yaml", "json"))
 def nodes(
     *,
     racks: int,
@@ -46,8 +47,15 @@ def nodes(
     product: str,
     cpu_nodes: int,
     cliques_per_rack: int,
+    output: str,
 ) -> None:
-    """Print a NodeList (YAML) of GB200-style nodes with GPU Feature Discovery labels."""
+    """Print a NodeList (YAML) of GB200-style nodes with GPU Feature Discovery labels.
+
+    \b
+    Examples:
+      copse cluster nodes --racks 8 --cpu-nodes 3 > nodes.yaml
+      copse cluster nodes --racks 2 --cliques-per-rack 2 --cordoned 1
+    """
     try:
         items = fake.gpu_nodes(
             racks=racks,
@@ -60,4 +68,4 @@ def nodes(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     items += fake.cpu_nodes(cpu_nodes)
-    click.echo(yaml.safe_dump(fake.node_list(items), sort_keys=False), nl=False)
+    click.echo(render(fake.node_list(items), output=output, table=str))

@@ -17,6 +17,7 @@ from copse.planner.observations import Observation, resample
 from copse.planner.policy import AGGREGATED, DISAGGREGATED, Limits
 from copse.planner.predictors import PREDICTORS
 from copse.planner.recording import RecordingError, read_metrics, read_trace
+from copse.workers.conventions import Failure, json_renamed, output_option, renamed, render
 from copse.workers.files import OutputPath
 from copse.workers.perf import PerfModel, ProfileError, load_perf_model, load_profile, save_profile
 
@@ -26,7 +27,7 @@ DEFAULT_TRACE_INTERVAL_S = 60.0
 
 def config_from_options(path: Path | None, **overrides: object) -> PlannerConfig:
     """The planner config file (or the defaults) with the options given on the command line
-    (exits 2 naming the file and field when it is invalid)."""
+    (exits 1 naming the file and field when it is invalid)."""
     try:
         config = load_config(path)
     except ConfigError as exc:
@@ -35,9 +36,13 @@ def config_from_options(path: Path | None, **overrides: object) -> PlannerConfig
 
 
 def fail(message: str) -> NoReturn:
-    """Invalid input: say what and where, exit 2."""
-    click.echo(f"error: {message}", err=True)
-    raise SystemExit(2)
+    """Invalid input or a failed run: say what and where, exit 1."""
+    raise Failure(message)
+
+
+def usage(message: str) -> NoReturn:
+    """Options that do not go together: exit 2."""
+    raise click.UsageError(message)
 
 
 def capacity_for(perf: PerfModel, *, config: PlannerConfig, limits: Limits) -> CapacityModel:
@@ -48,12 +53,19 @@ def capacity_for(perf: PerfModel, *, config: PlannerConfig, limits: Limits) -> C
 
 @click.group()
 def planner() -> None:
-    """The SLA planner: size prefill/decode pools to hold TTFT and ITL targets."""
+    """The SLA planner: size prefill/decode pools to hold TTFT and ITL targets.
+
+    \b
+    Examples:
+      copse planner dry-run --metrics examples/planner/servegen-m-large-3d.jsonl \\
+        --perf-profile examples/planner/mock-profile.npz --ttft-ms 500 --itl-ms 50
+      copse planner run llama-70b-disagg -n serving --observe-only
+    """
 
 
 def _observations(metrics: Path | None, trace: Path | None, interval: float | None) -> list[Observation]:
     if (metrics is None) == (trace is None):
-        fail("give exactly one of --metrics FILE or --trace FILE")
+        usage("give exactly one of --metrics FILE or --trace FILE")
     try:
         if trace is not None:
             return read_trace(trace, interval_s=interval or DEFAULT_TRACE_INTERVAL_S)
@@ -101,7 +113,7 @@ def limits_from_options(
         }
     else:
         if ttft_ms is None or itl_ms is None:
-            fail("--ttft-ms and --itl-ms are required (or take them from --deployment FILE)")
+            usage("--ttft-ms and --itl-ms are required (or take them from --deployment FILE)")
         roles = AGGREGATED if aggregated else DISAGGREGATED
         overrides = {"roles": roles, "gpus_per_replica": dict.fromkeys(roles, gpus_per_replica)}
     for key, value in (
@@ -125,7 +137,9 @@ def limits_from_options(
     "--metrics", type=click.Path(path_type=Path), help="Recorded metrics: JSON Lines or a Prometheus export."
 )
 @click.option("--trace", type=click.Path(path_type=Path), help="A Mooncake JSONL or Azure CSV request trace.")
-@click.option("--profile", type=click.Path(path_type=Path), required=True, help="Perf profile (NPZ or JSON).")
+@click.option(
+    "--perf-profile", "profile", type=click.Path(path_type=Path), help="Perf profile (NPZ or JSON); required."
+)
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="p99 TTFT target, ms.")
 @click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="p99 ITL target, ms.")
 @click.option(
@@ -154,8 +168,10 @@ def limits_from_options(
 )
 @click.option("--scale-down-delay", type=click.FloatRange(min=0), help="Seconds the need must stay lower.")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bar).")
+@output_option()
 @click.option("--plot", type=OutputPath(), help="Write a PNG of load, replicas and latency.")
+@json_renamed
+@renamed("--profile", new="--perf-profile", dest="profile", type=click.Path(path_type=Path))
 def dry_run_command(
     *,
     metrics: Path | None,
@@ -174,7 +190,7 @@ def dry_run_command(
     startup_delay: float | None,
     scale_down_delay: float | None,
     config_path: Path | None,
-    as_json: bool,
+    output: str,
     plot: Path | None,
 ) -> None:
     """Replay recorded load through the planner: a fast analytic estimate of what it would have done.
@@ -184,11 +200,20 @@ def dry_run_command(
     TTFT/ITL (with queueing), so a burst the forecast missed is a miss. No request is simulated:
     the capacity model judges its own sizing. For measured figures, "copse bench planner" runs
     the planner against a simulated fleet, every request routed and served.
+
+    \b
+    Examples:
+      copse planner dry-run --metrics examples/planner/servegen-m-large-3d.jsonl \\
+        --perf-profile examples/planner/mock-profile.npz --ttft-ms 500 --itl-ms 50 --plot planner.png
+      copse planner dry-run --trace examples/traces/mooncake-conversation-first-20min.jsonl.gz \\
+        --perf-profile examples/planner/mock-profile.npz --deployment examples/planner/deployment.yaml -o json
     """
     from copse.planner.dryrun import dry_run, write_json  # noqa: PLC0415
     from copse.planner.report import format_summary, format_table  # noqa: PLC0415
     from copse.planner.report import plot as write_plot  # noqa: PLC0415
 
+    if profile is None:
+        usage("Missing option '--perf-profile'")
     config = config_from_options(config_path, predictor=predictor, startup_delay_s=startup_delay)
     try:
         perf = load_profile(profile, gpus_per_engine=gpus_per_replica)
@@ -217,12 +242,15 @@ def dry_run_command(
         observations,
         planner=plan,
         startup_delay_s=plan.startup_delay_s,
-        progress=not as_json and sys.stderr.isatty(),
+        progress=output == "table" and sys.stderr.isatty(),
     )
     if plot is not None:
         write_plot(result, plot)
-    if as_json:
+    if output == "json":
         write_json(result, sys.stdout)
+        return
+    if output != "table":
+        click.echo(render(result.as_json(), output=output, table=str))
         return
     click.echo(format_table(result))
     click.echo()
@@ -253,7 +281,12 @@ def dry_run_command(
     "--points", type=click.IntRange(min=2), default=100, show_default=True, help="Grid points per axis."
 )
 def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> None:
-    """Write a perf profile from the shared perf model, so the planner runs without GPUs."""
+    """Write a perf profile from the shared perf model, so the planner runs without GPUs.
+
+    \b
+    Examples:
+      copse planner profile --engine mock --out mock-profile.npz
+    """
     del engine  # "mock" is the only engine that can be profiled without GPUs
     model = load_perf_model(None, gpus_per_engine=gpus_per_engine)
     save_profile(model, out, points=points)
@@ -281,14 +314,16 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
     help="Replay a recording for NAME instead of reading Prometheus: one decision per interval, at once.",
 )
 @click.option(
-    "--profile", type=click.Path(path_type=Path), help="Perf profile (default: the mocker's model)."
+    "--perf-profile",
+    "profile",
+    type=click.Path(path_type=Path),
+    help="Perf profile (default: the mocker's model).",
 )
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML.")
 @click.option("--interval", type=click.FloatRange(min=1), help="Seconds between decisions (default: config).")
 @click.option("--predictor", type=click.Choice(sorted(PREDICTORS)), help="Load predictor (default constant).")
 @click.option(
     "--observe-only",
-    "--dry-run",
     "observe_only",
     is_flag=True,
     help="Log the decisions and post them as Events; patch nothing.",
@@ -301,6 +336,8 @@ def profile(*, engine: str, out: Path, gpus_per_engine: int, points: int) -> Non
 @click.option("--context", help="Kubeconfig context.")
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), help="Port of /metrics (0: off).")
 @click.option("--max-intervals", type=click.IntRange(min=1), help="Stop after this many intervals.")
+@renamed("--profile", new="--perf-profile", dest="profile", type=click.Path(path_type=Path))
+@renamed("--dry-run", new="--observe-only", dest="observe_only", value=True, is_flag=True)
 def run(
     *,
     name: str | None,
@@ -318,7 +355,13 @@ def run(
     max_intervals: int | None,
 ) -> None:
     """Plan InferenceDeployment NAME, or every one in the namespaces: forecast, size and patch their
-    pools every interval."""
+    pools every interval.
+
+    \b
+    Examples:
+      copse planner run -n serving
+      copse planner run llama-70b-disagg -n serving --prometheus http://prometheus:9090 --observe-only
+    """
     import asyncio  # noqa: PLC0415
 
     config = config_from_options(
@@ -329,9 +372,9 @@ def run(
             update={"prometheus": config.prometheus.model_copy(update={"url": prometheus})}
         )
     if name is not None and len(namespaces) > 1:
-        fail("NAME takes one --namespace")
+        usage("NAME takes one --namespace")
     if metrics is not None and name is None:
-        fail("--metrics replays a recording for one deployment: give its NAME")
+        usage("--metrics replays a recording for one deployment: give its NAME")
     try:
         perf = load_perf_model(profile)
     except ProfileError as exc:
@@ -435,9 +478,9 @@ async def _run(
 
 @planner.command()
 @click.option("--trace", type=click.Path(path_type=Path), help="Bucket a Mooncake JSONL or Azure CSV trace.")
-@click.option("--prometheus", help="Export a deployment's series from this Prometheus (with --name).")
-@click.option("--name", help="InferenceDeployment whose series to export.")
-@click.option("--namespace", "-n", default="default", show_default=True)
+@click.argument("name", required=False)
+@click.option("--prometheus", help="Export the series of InferenceDeployment NAME from this Prometheus.")
+@click.option("-n", "--namespace", default="default", show_default=True, help="Namespace of NAME.")
 @click.option(
     "--since", default="24h", show_default=True, help="How far back the export starts (Go duration)."
 )
@@ -452,6 +495,7 @@ async def _run(
     "--config", "config_path", type=click.Path(path_type=Path), help="Planner config YAML (queries)."
 )
 @click.option("--out", type=OutputPath(), required=True, help="File to write.")
+@renamed("--name", new="the argument NAME", dest="name")
 def record(
     *,
     trace: Path | None,
@@ -463,17 +507,25 @@ def record(
     config_path: Path | None,
     out: Path,
 ) -> None:
-    """Write a recording the dry run reads: a trace bucketed into metrics JSON Lines, or a
-    deployment's series exported from Prometheus (query_range JSON)."""
+    """Write a recording the dry run reads: a trace bucketed into metrics JSON Lines, or the series
+    of InferenceDeployment NAME exported from Prometheus (query_range JSON).
+
+    \b
+    Examples:
+      copse planner record --trace examples/traces/mooncake-conversation-first-20min.jsonl.gz \\
+        --interval 60 --out metrics.jsonl
+      copse planner record llama-70b-disagg -n serving --prometheus http://prometheus:9090 \\
+        --since 24h --out recording.json
+    """
     import asyncio  # noqa: PLC0415
 
     from copse.api import parse_duration  # noqa: PLC0415
     from copse.planner.recording import write_metrics_jsonl  # noqa: PLC0415
 
     if (trace is None) == (prometheus is None):
-        fail("give exactly one of --trace FILE or --prometheus URL")
+        usage("give exactly one of --trace FILE or --prometheus URL")
     if trace is not None and config_path is not None:
-        fail("--config holds the Prometheus queries: it is read with --prometheus only, not with --trace")
+        usage("--config holds the Prometheus queries: it is read with --prometheus only, not with --trace")
     if trace is not None:
         observations = _observations(None, trace, interval)
         with out.open("w") as handle:
@@ -482,7 +534,7 @@ def record(
         return
     assert prometheus is not None
     if name is None:
-        fail("--prometheus needs --name (the InferenceDeployment whose series to export)")
+        usage("--prometheus needs NAME (the InferenceDeployment whose series to export)")
     try:
         config = load_config(config_path)
         span = parse_duration(since)

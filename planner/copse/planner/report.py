@@ -32,7 +32,7 @@ def format_table(result: DryRunResult) -> str:
         shown = [row for row in rows if row.decision.changed or not row.slo_ok]
         note = (
             f"({len(rows)} intervals; showing the {len(shown)} with a scaling event or a miss; "
-            "--json for all)\n"
+            "-o json for all)\n"
         )
     roles = result.limits.roles
     header = [

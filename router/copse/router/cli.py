@@ -9,16 +9,17 @@ import click
 import uvloop
 
 from copse.router.policies import POLICIES
-
-
-def _fail(message: str) -> SystemExit:
-    click.echo(f"error: {message}", err=True)
-    return SystemExit(2)
+from copse.workers.conventions import Failure, renamed
 
 
 @click.group()
 def router() -> None:
-    """The KV-aware router."""
+    """The KV-aware router.
+
+    \b
+    Examples:
+      copse router run --worker http://127.0.0.1:8000 --worker http://127.0.0.1:8001 --engine mock
+    """
 
 
 @router.command("run")
@@ -53,7 +54,7 @@ def router() -> None:
 @click.option("--port", type=int, default=None, help="Listen port (default 8080; 0 = any free port).")
 @click.option("--policy", type=click.Choice(sorted(POLICIES)), default=None)
 @click.option("--block-size", type=int, default=None, help="Engines' KV block size in tokens.")
-@click.option("--nats-url", default=None, help="NATS server for KV events and replica load sharing.")
+@click.option("--nats", "nats_url", default=None, help="NATS server for KV events and replica load sharing.")
 @click.option("--deployment", default=None, help="Deployment name (NATS subjects).")
 @click.option(
     "--epp",
@@ -79,6 +80,7 @@ def router() -> None:
     default=None,
     help="The router's log level (as `copse --log-level`, which it overrides).",
 )
+@renamed("--nats-url", new="--nats", dest="nats_url")
 def run_command(
     *,
     config_path: Path | None,
@@ -101,7 +103,14 @@ def run_command(
     pool_namespace: str | None,
     log_level: str | None,
 ) -> None:
-    """Serve the OpenAI API in front of the workers, or (--epp) pick endpoints for a gateway."""
+    """Serve the OpenAI API in front of the workers, or (--epp) pick endpoints for a gateway.
+
+    \b
+    Examples:
+      copse router run --worker http://127.0.0.1:8000 --worker http://127.0.0.1:8001 --engine mock
+      copse router run --config router.yaml --nats nats://127.0.0.1:4222 --port 8080
+      copse router run --epp --pool-name llama --pool-namespace serving --engine mock
+    """
     # Imported here: the HTTP stack (aiohttp, the Kubernetes client) costs ~1 s of start-up.
     from copse.router.config import ConfigError, parse_config, read_config  # noqa: PLC0415
     from copse.router.server import serve  # noqa: PLC0415
@@ -117,7 +126,7 @@ def run_command(
         try:
             raw, source = read_config(config_path), str(config_path)
         except ConfigError as exc:
-            raise _fail(str(exc)) from exc
+            raise Failure(str(exc)) from exc
     overrides = {
         "model": model,
         "engine": engine,
@@ -133,7 +142,7 @@ def run_command(
     }
     raw.update({key: value for key, value in overrides.items() if value is not None})
     if workers and pool_name:
-        raise _fail("--worker and --pool-name are two discoveries: give one")
+        raise click.UsageError("--worker and --pool-name are two discoveries: give one")
     if workers:
         raw["discovery"] = {"kind": "static", "workers": [{"url": url.rstrip("/")} for url in workers]}
     if pool_name:
@@ -151,10 +160,10 @@ def run_command(
     try:
         config = parse_config(raw, source=source)
     except ConfigError as exc:
-        raise _fail(str(exc)) from exc
+        raise Failure(str(exc)) from exc
     try:
         uvloop.run(serve(config))
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise Failure(str(exc)) from exc
     except KeyboardInterrupt:
         pass

@@ -184,11 +184,28 @@ def _read_json(path: Path) -> dict[str, Any]:
     return loaded
 
 
+def model_directory(directory: Path) -> Path:
+    """``directory``, or, when it is a Hugging Face hub cache folder of a model
+    (``<HF_HUB_CACHE>/models--<org>--<name>``, what ``snapshot_download`` and the operator's weights
+    Job fill), the snapshot its ``refs/main`` names: a manifest can point the router at the model
+    cache without knowing the revision that was downloaded."""
+    ref = directory / "refs" / "main"
+    if (directory / TOKENIZER_FILE).exists() or not ref.is_file():
+        return directory
+    revision = ref.read_text().strip()
+    snapshot = directory / "snapshots" / revision
+    if not revision or not snapshot.is_dir():
+        raise ValueError(f"{ref} names revision {revision!r}, but there is no {snapshot}")
+    return snapshot
+
+
 class HfPromptTokenizer:
     """A Hugging Face model directory's tokenizer and chat template, applied as ``trtllm-serve``
-    applies them (see the module documentation for what that is)."""
+    applies them (see the module documentation for what that is). ``directory`` may also be the
+    model's hub cache folder (:func:`model_directory`)."""
 
     def __init__(self, directory: Path) -> None:
+        directory = model_directory(directory)
         if directory.is_file():
             raise ValueError(
                 f"{directory} is a file; give the model directory holding {TOKENIZER_FILE} "

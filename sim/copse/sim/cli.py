@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from copse.sim.replay import (
     replay,
 )
 from copse.sim.trace import TRACE_FORMATS, TraceError, TraceFormat, load_trace
+from copse.workers.conventions import Failure, json_renamed, output_option, renamed, render
 from copse.workers.files import OutputPath
 from copse.workers.perf import PerfModel, ProfileError, load_profile
 
@@ -32,14 +32,18 @@ if TYPE_CHECKING:
     from copse.sim.twin import TwinReport
 
 
-def _fail(message: str) -> SystemExit:
-    click.echo(f"error: {message}", err=True)
-    return SystemExit(2)
-
-
 @click.group()
 def bench() -> None:
-    """Benchmarks of routing policies."""
+    """Simulations and benchmarks with no cluster: trace replays through the router (virtual clock
+    or live processes), the closed-loop planner twin, the fault suite, and synthetic MoE workloads.
+
+    \b
+    Examples:
+      copse bench replay --trace examples/traces/mooncake-conversation-first-20min.jsonl.gz --limit 300
+      copse bench planner --metrics examples/planner/servegen-m-large-burst.jsonl \\
+        --shapes examples/traces/mooncake-conversation-first-20min.jsonl.gz --ttft-ms 2000 --itl-ms 50
+      copse bench faults --scenario engine-kill
+    """
 
 
 def _table(report: ReplayReport) -> str:
@@ -76,7 +80,9 @@ def _table(report: ReplayReport) -> str:
 
 @bench.command("replay")
 @click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Trace file.")
-@click.option("--format", "fmt", type=click.Choice(TRACE_FORMATS), default="mooncake", show_default=True)
+@click.option(
+    "--trace-format", "fmt", type=click.Choice(TRACE_FORMATS), default="mooncake", show_default=True
+)
 @click.option(
     "--trace-block-size", type=int, default=512, show_default=True, help="Tokens per trace hash id."
 )
@@ -145,7 +151,9 @@ def _table(report: ReplayReport) -> str:
     is_flag=True,
     help="Real router HTTP server and mocked-engine processes, in wall time (use --limit).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@output_option()
+@json_renamed
+@renamed("--format", new="--trace-format", dest="fmt", type=click.Choice(TRACE_FORMATS))
 def replay_command(
     *,
     trace_path: Path,
@@ -167,19 +175,27 @@ def replay_command(
     queue_size: int,
     limit: int | None,
     live: bool,
-    as_json: bool,
+    output: str,
 ) -> None:
     """Replay a request trace through the router and mocked engines: a discrete-event simulation on
-    a virtual clock, or with --live the real HTTP router and engine processes in wall time."""
+    a virtual clock, or with --live the real HTTP router and engine processes in wall time.
+
+    \b
+    Examples:
+      copse bench replay --trace examples/traces/mooncake-conversation-first-20min.jsonl.gz \\
+        --workers 8 --limit 600 --policy round_robin
+      copse bench replay --trace examples/traces/mooncake-conversation-first-20min.jsonl.gz \\
+        --limit 300 --speedup 3 --live -o json
+    """
     for name, value in (
         ("--workers", workers),
         ("--trace-block-size", trace_block_size),
         ("--queue-size", queue_size),
     ):
         if value < 1:
-            raise _fail(f"{name} must be at least 1, got {value}")
+            raise click.UsageError(f"{name} must be at least 1, got {value}")
     if not (speedup > 0 and math.isfinite(speedup)):
-        raise _fail(f"--speedup must be a positive number, got {speedup}")
+        raise click.UsageError(f"--speedup must be a positive number, got {speedup}")
     for name, number in (
         ("--temperature", temperature),
         ("--decode-weight", decode_weight),
@@ -188,9 +204,11 @@ def replay_command(
         ("--kv-event-lag-ms", kv_event_lag_ms),
     ):
         if not (number >= 0 and math.isfinite(number)):
-            raise _fail(f"{name} must be a non-negative number, got {number}")
+            raise click.UsageError(f"{name} must be a non-negative number, got {number}")
     if not (router_prefill_scale > 0 and math.isfinite(router_prefill_scale)):
-        raise _fail(f"--router-prefill-scale must be a positive number, got {router_prefill_scale}")
+        raise click.UsageError(
+            f"--router-prefill-scale must be a positive number, got {router_prefill_scale}"
+        )
     try:
         trace = load_trace(trace_path, fmt=fmt, trace_block_size=trace_block_size)
         engines = load_engine_setup(engine_config)
@@ -202,9 +220,9 @@ def replay_command(
         else:  # the engines' cache size is the router's configuration, whatever the file says
             source = load_profile(router_profile, kv_capacity_tokens=engines.perf.kv_capacity_tokens)
     except (TraceError, EngineConfigError, ProfileError) as exc:
-        raise _fail(str(exc)) from exc
+        raise Failure(str(exc)) from exc
     if live and engines.config.moe is not None:
-        raise _fail(
+        raise click.UsageError(
             f"{engine_config}: MoE engines replay on the virtual clock only "
             "(mocked engines over HTTP report no expert counts to the router)"
         )
@@ -236,9 +254,9 @@ def replay_command(
             else:
                 report = replay(trace, settings, progress=bar.update)
         except ValueError as exc:
-            raise _fail(str(exc)) from exc
-    if as_json:
-        click.echo(json.dumps(report.as_json()))
+            raise Failure(str(exc)) from exc
+    if output != "table":
+        click.echo(render(report.as_json(), output=output, table=str))
         return
     if not live:
         click.echo(
@@ -262,13 +280,20 @@ _FAULTS = faults.FaultSettings()
 @click.option("--streams", type=int, default=_FAULTS.streams, show_default=True, help="Concurrent streams.")
 @click.option("--engines", type=int, default=_FAULTS.engines, show_default=True, help="Mocked engines.")
 @click.option("--max-tokens", type=int, default=_FAULTS.max_tokens, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@output_option()
+@json_renamed
 def faults_command(
-    *, scenarios: tuple[str, ...], streams: int, engines: int, max_tokens: int, as_json: bool
+    *, scenarios: tuple[str, ...], streams: int, engines: int, max_tokens: int, output: str
 ) -> None:
     """Fault suite on 127.0.0.1: streams through router processes to mocked-engine processes, one
     fault per scenario (engines killed or hung, NATS restarted, a router replica killed or
-    drained); prints what the clients saw."""
+    drained); prints what the clients saw. Exits 1 when any stream failed.
+
+    \b
+    Examples:
+      copse bench faults
+      copse bench faults --scenario engine-kill --scenario nats-restart -o json
+    """
     import asyncio  # noqa: PLC0415
 
     from copse.sim.fault_suite import run_suite  # noqa: PLC0415 (aiohttp and the router stack)
@@ -276,7 +301,7 @@ def faults_command(
     try:
         settings = faults.FaultSettings(streams=streams, engines=engines, max_tokens=max_tokens)
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise click.UsageError(str(exc)) from exc
     chosen = scenarios or tuple(name for name in faults.SCENARIOS if name != "none")
 
     def done(result: faults.ScenarioResult) -> None:
@@ -288,8 +313,13 @@ def faults_command(
     try:
         results = asyncio.run(run_suite(settings, chosen, progress=done))
     except RuntimeError as exc:
-        raise _fail(str(exc)) from exc
-    click.echo(json.dumps(faults.as_json(results), indent=2) if as_json else faults.table(results))
+        raise Failure(str(exc)) from exc
+    click.echo(render(faults.as_json(results), output=output, table=lambda: faults.table(results)))
+    failed = {r.scenario: r.failed for r in results if r.failed}
+    if failed:
+        raise Failure(
+            "streams failed: " + ", ".join(f"{count} in {scenario}" for scenario, count in failed.items())
+        )
 
 
 @bench.command("moe-workload")
@@ -334,7 +364,12 @@ def moe_workload(
     seed: int,
 ) -> None:
     """Write a synthetic Mixture-of-Experts workload: request classes with their own system prompts
-    (so, to the mocked model, their own expert preferences), Poisson arrivals, as Mooncake JSONL."""
+    (so, to the mocked model, their own expert preferences), Poisson arrivals, as Mooncake JSONL.
+
+    \b
+    Examples:
+      copse bench moe-workload --out moe.jsonl --requests 2000 --rate 40
+    """
     from copse.sim.moe import MoeWorkload, generate, write_jsonl  # noqa: PLC0415
 
     try:  # the other options are checked by their types: what is left to fail is the weights
@@ -348,7 +383,7 @@ def moe_workload(
             seed=seed,
         )
     except ValueError as exc:
-        raise _fail(f"--class-weights {class_weights!r}: {exc}") from exc
+        raise click.UsageError(f"--class-weights {class_weights!r}: {exc}") from exc
     with out.open("w") as handle:
         write_jsonl(generate(workload), handle)
     click.echo(f"wrote {requests} requests in {len(weights)} classes to {out}", err=True)
@@ -358,7 +393,7 @@ def moe_workload(
 @click.option(
     "--trace", "trace_path", required=True, type=click.Path(path_type=Path), help="Mooncake JSONL trace."
 )
-@click.option("--output", type=OutputPath(), default=None, help="Output JSONL (default: stdout).")
+@click.option("--out", type=OutputPath(), default=None, help="Output JSONL (default: stdout).")
 @click.option("--block-size", type=int, default=512, show_default=True, help="Tokens per hash id.")
 @click.option("--num-requests", type=int, default=1000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -366,11 +401,13 @@ def moe_workload(
 @click.option("--prefix-root-multiplier", type=int, default=1, show_default=True)
 @click.option("--prompt-len-multiplier", type=float, default=1.0, show_default=True)
 @click.option("--osl-multiplier", type=float, default=1.0, show_default=True)
-@click.option("--speedup-ratio", type=float, default=1.0, show_default=True)
+@click.option("--speedup", type=float, default=1.0, show_default=True, help="Divide arrival times by this.")
+@renamed("--output", new="--out", dest="out", type=OutputPath())
+@renamed("--speedup-ratio", new="--speedup", dest="speedup", type=float)
 def synth(
     *,
     trace_path: Path,
-    output: Path | None,
+    out: Path | None,
     block_size: int,
     num_requests: int,
     seed: int,
@@ -378,9 +415,15 @@ def synth(
     prefix_root_multiplier: int,
     prompt_len_multiplier: float,
     osl_multiplier: float,
-    speedup_ratio: float,
+    speedup: float,
 ) -> None:
-    """Learn a Mooncake trace's prefix tree and sample a new trace from it."""
+    """Learn a Mooncake trace's prefix tree and sample a new trace from it.
+
+    \b
+    Examples:
+      copse synth --trace examples/traces/mooncake-conversation-first-20min.jsonl.gz \\
+        --num-requests 2000 --prefix-len-multiplier 2 --out synthetic.jsonl
+    """
     # Imported here: networkx is only needed to learn the prefix tree.
     from copse.sim.synth import PrefixModel, SynthKnobs, write_jsonl  # noqa: PLC0415
 
@@ -392,18 +435,21 @@ def synth(
             prefix_root_multiplier=prefix_root_multiplier,
             prompt_len_multiplier=prompt_len_multiplier,
             osl_multiplier=osl_multiplier,
-            speedup_ratio=speedup_ratio,
+            speedup_ratio=speedup,
         )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
         trace = load_trace(trace_path, trace_block_size=block_size)
-    except (ValueError, TraceError) as exc:
-        raise _fail(str(exc)) from exc
+    except TraceError as exc:
+        raise Failure(str(exc)) from exc
     requests = PrefixModel.learn(trace, block_size=block_size).sample(knobs)
-    if output is None:
+    if out is None:
         write_jsonl(requests, sys.stdout)
     else:
-        with output.open("w") as handle:
+        with out.open("w") as handle:
             write_jsonl(requests, handle)
-        click.echo(f"wrote {len(requests)} requests to {output}", err=True)
+        click.echo(f"wrote {len(requests)} requests to {out}", err=True)
 
 
 def _twin_summary(report: TwinReport, *, ttft_ms: float, itl_ms: float) -> str:
@@ -437,7 +483,9 @@ def _interval_table(report: TwinReport) -> str:
 
 @bench.command("planner")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path), help="Serve this request trace.")
-@click.option("--format", "fmt", type=click.Choice(TRACE_FORMATS), default="mooncake", show_default=True)
+@click.option(
+    "--trace-format", "fmt", type=click.Choice(TRACE_FORMATS), default="mooncake", show_default=True
+)
 @click.option(
     "--speedup", type=float, default=1.0, show_default=True, help="Divide the trace's arrival times."
 )
@@ -498,7 +546,9 @@ def _interval_table(report: TwinReport) -> str:
 @click.option("--kv-event-lag-ms", type=float, default=DEFAULT_KV_EVENT_LAG_MS, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--intervals", "show_intervals", is_flag=True, help="Also print every interval.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@output_option()
+@json_renamed
+@renamed("--format", new="--trace-format", dest="fmt", type=click.Choice(TRACE_FORMATS))
 def planner_command(
     *,
     trace_path: Path | None,
@@ -528,12 +578,22 @@ def planner_command(
     kv_event_lag_ms: float,
     seed: int,
     show_intervals: bool,
-    as_json: bool,
+    output: str,
 ) -> None:
     """The planner in closed loop with a simulated fleet: every interval it sizes the fleet from the
     metrics it would read in a cluster; replicas start after the start-up delay and drain before
     they go; the router routes every request; TTFT and ITL are measured per request. With
-    --static N, a fixed fleet instead (what the planner is compared with)."""
+    --static N, a fixed fleet instead (what the planner is compared with).
+
+    \b
+    Examples:
+      copse bench planner --metrics examples/planner/servegen-m-large-burst.jsonl \\
+        --shapes examples/traces/mooncake-conversation-first-20min.jsonl.gz --max-isl 32768 \\
+        --peak-rate 40 --ttft-ms 2000 --itl-ms 50 --startup-delay 120
+      copse bench planner --metrics examples/planner/servegen-m-large-burst.jsonl \\
+        --shapes examples/traces/mooncake-conversation-first-20min.jsonl.gz --peak-rate 40 \\
+        --ttft-ms 2000 --itl-ms 50 --static 8 -o json
+    """
     from copse.planner.cli import config_from_options, limits_from_options  # noqa: PLC0415
     from copse.planner.predictors import PREDICTORS  # noqa: PLC0415
     from copse.planner.recording import RecordingError, read_metrics  # noqa: PLC0415
@@ -541,17 +601,17 @@ def planner_command(
     from copse.sim.twin import TwinSettings, run_twin  # noqa: PLC0415
 
     if (trace_path is None) == (metrics is None):
-        raise _fail("give exactly one of --trace FILE or --metrics FILE (with --shapes FILE)")
+        raise click.UsageError("give exactly one of --trace FILE or --metrics FILE (with --shapes FILE)")
     if predictor is not None and predictor not in PREDICTORS:
-        raise _fail(f"unknown predictor {predictor!r}; known: {', '.join(sorted(PREDICTORS))}")
+        raise click.UsageError(f"unknown predictor {predictor!r}; known: {', '.join(sorted(PREDICTORS))}")
     if metrics is not None and shapes is None:
-        raise _fail("--metrics needs --shapes FILE: the trace whose requests the arrivals get")
+        raise click.UsageError("--metrics needs --shapes FILE: the trace whose requests the arrivals get")
     for name, number in (("--engine-noise", engine_noise), ("--kv-event-lag-ms", kv_event_lag_ms)):
         if not (number >= 0 and math.isfinite(number)):
-            raise _fail(f"{name} must be a non-negative number, got {number}")
+            raise click.UsageError(f"{name} must be a non-negative number, got {number}")
     for name, positive in (("--speedup", speedup), ("--peak-rate", peak_rate)):
         if positive is not None and not (positive > 0 and math.isfinite(positive)):
-            raise _fail(f"{name} must be a positive number, got {positive}")
+            raise click.UsageError(f"{name} must be a positive number, got {positive}")
     config = config_from_options(config_path, predictor=predictor, startup_delay_s=startup_delay)
     limits = limits_from_options(
         deployment=deployment,
@@ -595,15 +655,15 @@ def planner_command(
             warmup_s=warmup,
         )
     except (TraceError, EngineConfigError, RecordingError, ValueError) as exc:
-        raise _fail(str(exc)) from exc
+        raise Failure(str(exc)) from exc
     total = end_s if end_s is not None else trace[-1].timestamp_ms / 1000.0 / speedup
     with tqdm(total=round(total), unit="s", file=sys.stderr, disable=None, desc="simulated") as bar:
         try:
             report = run_twin(trace, settings, end_s=end_s, progress=bar.update)
         except ValueError as exc:
-            raise _fail(str(exc)) from exc
-    if as_json:
-        click.echo(json.dumps(report.as_json()))
+            raise Failure(str(exc)) from exc
+    if output != "table":
+        click.echo(render(report.as_json(), output=output, table=str))
         return
     if show_intervals:
         click.echo(_interval_table(report))

@@ -95,7 +95,7 @@ class _Deployment:
                 "--engines", "1",
                 "--port-base", str(port),
                 "--model", MODEL,
-                "--decode-speedup-ratio", str(settings.decode_speedup),
+                "--decode-speedup", str(settings.decode_speedup),
                 "--nats", self.nats_url,
                 "--deployment", DEPLOYMENT,
             ]  # fmt: skip

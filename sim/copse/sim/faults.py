@@ -55,7 +55,7 @@ class FaultSettings:
     groups: int = 8
     """Prompt groups (distinct first tokens, so distinct outputs)."""
     decode_speedup: float = 0.25
-    """The engines' ``--decode-speedup-ratio``: below 1 stretches streams over a few seconds."""
+    """The engines' ``--decode-speedup``: below 1 stretches streams over a few seconds."""
     deadline_s: float = 120.0
     """Longest a scenario may run once its streams are open."""
 

@@ -301,7 +301,7 @@ class ReplayReport:
     leaving the engines' process (how far the host fell behind the engines it simulates)."""
 
     def as_json(self) -> dict[str, Any]:
-        """The report in the documented ``--json`` shape (``moe`` only for MoE engines, ``offload``
+        """The report in the documented ``-o json`` shape (``moe`` only for MoE engines, ``offload``
         only for engines with offload tiers, ``engine_lag_ms`` only for live replays)."""
         extra: dict[str, Any] = {} if self.moe is None else {"moe": self.moe.as_json()}
         if self.offload is not None:

@@ -14,6 +14,7 @@ import click
 import uvloop
 from prometheus_client import CollectorRegistry, start_http_server
 
+from copse.workers.conventions import renamed
 from copse.workers.files import OutputPath
 from copse.workers.mocker.config import ROLES, EngineConfig
 from copse.workers.mocker.server import MockFleetSettings, start_fleet
@@ -84,7 +85,13 @@ async def _until_signalled(stop: asyncio.Event) -> signal.Signals:
 
 @click.group()
 def worker() -> None:
-    """GPU-free engines, the KV event relay for trtllm-serve, and perf profiles."""
+    """GPU-free engines, the KV event relay for trtllm-serve, and perf profiles.
+
+    \b
+    Examples:
+      copse worker mock --engines 4 --port-base 8000
+      copse worker save-profile --out profile.npz
+    """
 
 
 _PERF_OPTIONS = [
@@ -123,9 +130,21 @@ _PERF_OPTIONS = [
 @click.option(
     "--max-waiting", type=click.IntRange(min=1), default=4096, show_default=True, help="Queue bound (503)."
 )
-@click.option("--speedup-ratio", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option(
-    "--decode-speedup-ratio", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True
+    "--speedup",
+    "speedup_ratio",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Engine steps take 1/this of the perf model's time.",
+)
+@click.option(
+    "--decode-speedup",
+    "decode_speedup_ratio",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Decode steps additionally take 1/this (below 1 stretches streams out).",
 )
 @click.option("--kv-bytes-per-token", type=click.IntRange(min=0), default=131072, show_default=True)
 @click.option(
@@ -174,7 +193,7 @@ _PERF_OPTIONS = [
     "--nats", "nats_url", default=None, help="Publish KV events to this NATS server (nats://host:port)."
 )
 @click.option(
-    "--namespace", default="default", show_default=True, help="Kubernetes namespace (NATS subject)."
+    "-n", "--namespace", default="default", show_default=True, help="Kubernetes namespace (NATS subject)."
 )
 @click.option("--deployment", default="mock", show_default=True, help="Deployment name (NATS subject).")
 @click.option(
@@ -187,6 +206,15 @@ _PERF_OPTIONS = [
 @_PERF_OPTIONS[0]
 @_PERF_OPTIONS[1]
 @_PERF_OPTIONS[2]
+@renamed(
+    "--speedup-ratio", new="--speedup", dest="speedup_ratio", type=click.FloatRange(min=0, min_open=True)
+)
+@renamed(
+    "--decode-speedup-ratio",
+    new="--decode-speedup",
+    dest="decode_speedup_ratio",
+    type=click.FloatRange(min=0, min_open=True),
+)
 def mock(
     *,
     engines: int,
@@ -221,7 +249,14 @@ def mock(
     gpus_per_engine: int | None,
     kv_capacity_tokens: int | None,
 ) -> None:
-    """Serve ENGINES mocked TensorRT-LLM engines on ports PORT_BASE.. (one process)."""
+    """Serve ENGINES mocked TensorRT-LLM engines on ports PORT_BASE.. (one process).
+
+    \b
+    Examples:
+      copse worker mock --engines 4 --port-base 8000
+      copse worker mock --engines 2 --port-base 8000 --nats nats://127.0.0.1:4222 -n serving \\
+        --deployment llama --decode-speedup 0.25
+    """
     if port_base and port_base + engines - 1 > 65535:
         raise click.BadParameter(
             f"{engines} engines from port {port_base} run past 65535", param_hint="--engines"
@@ -293,6 +328,7 @@ def mock(
 @click.option("--nats", "nats_url", required=True, help="NATS server (nats://host:port).")
 @click.option("--deployment", required=True, help="Deployment name (NATS subject).")
 @click.option(
+    "-n",
     "--namespace",
     default=lambda: os.environ.get("POD_NAMESPACE", "default"),
     show_default="$POD_NAMESPACE or default",
@@ -332,7 +368,13 @@ def kv_relay(
     metrics_port: int | None,
     metrics_host: str,
 ) -> None:
-    """Drain a trtllm-serve's /kv_cache_events and publish copse KV events on NATS."""
+    """Drain a trtllm-serve's /kv_cache_events and publish copse KV events on NATS.
+
+    \b
+    Examples:
+      copse worker kv-relay --engine http://127.0.0.1:8000 --nats nats://127.0.0.1:4222 \\
+        -n serving --deployment llama --worker-id llama-worker-0-0
+    """
     _check_token(namespace, "--namespace")
     _check_token(deployment, "--deployment")
     _check_token(worker_id, "--worker-id")
@@ -381,7 +423,13 @@ def save_profile_command(
     gpus_per_engine: int | None,
     kv_capacity_tokens: int | None,
 ) -> None:
-    """Write the perf model (default: the polynomial) as a profile file others can load."""
+    """Write the perf model (default: the polynomial) as a profile file others can load.
+
+    \b
+    Examples:
+      copse worker save-profile --out profile.npz
+      copse worker save-profile --out profile-tp8.json --gpus-per-engine 8 --kv-capacity-tokens 1000000
+    """
     perf = _perf(perf_profile, gpus_per_engine, kv_capacity_tokens)
     try:
         save_profile(perf, out, max_context_length=max_context_length, points=points)
