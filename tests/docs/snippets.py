@@ -1,10 +1,12 @@
 """The fenced code blocks of README.md and docs/, as the docs tests read them.
 
 A block runs as it is unless the line before its fence is ``<!-- not-run: REASON -->`` (it needs a
-real cluster, GPUs, Docker, the large traces of ``../shared``, or it serves until stopped); such a
-block is still checked: its shell syntax, every ``copse`` command's options, its manifests. A line
-``<!-- file: NAME -->`` before a block says the block is the file NAME that later commands use;
-``<!-- output-of: COMMAND -->`` that the block is what COMMAND prints (``...`` elides list items).
+real cluster, GPUs, Docker, the whole public traces the benchmarks read, or it serves until
+stopped); such a block is still checked: its shell syntax, every ``copse`` command's options (none
+may be an old spelling), its manifests. A line ``<!-- file: NAME -->`` before a block says the
+block is the file NAME that later commands use; ``<!-- output-of: COMMAND -->`` that the block is
+what COMMAND prints (``...`` elides list items); ``<!-- excerpt-of: FILE -->`` that the block is
+part of the repository file FILE (a manifest's fields, as the file has them).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
-_MARK = re.compile(r"^\s*<!--\s*(?P<kind>not-run|file|output-of):\s*(?P<value>.*?)\s*-->\s*$")
+_MARK = re.compile(r"^\s*<!--\s*(?P<kind>not-run|file|output-of|excerpt-of):\s*(?P<value>.*?)\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class Block:
     """The file this block is, for the commands after it."""
     output_of: str | None = None
     """The command whose output this block shows (the docs tests run it and compare)."""
+    excerpt_of: str | None = None
+    """The repository file (relative to the root) this block is part of."""
 
     @property
     def where(self) -> str:
@@ -75,6 +79,7 @@ def blocks(path: Path) -> Iterator[Block]:
             not_run=marks.get("not-run"),
             file_name=marks.get("file"),
             output_of=marks.get("output-of"),
+            excerpt_of=marks.get("excerpt-of"),
         )
 
 
