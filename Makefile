@@ -15,7 +15,7 @@ PYTEST := $(BIN)/pytest
 # Every subpackage of the copse namespace (mypy -p copse would only see the first source root).
 COPSE_PACKAGES := $(notdir $(patsubst %/__init__.py,%,$(wildcard $(addsuffix /copse/*/__init__.py,operator planner router workers sim))))
 
-.PHONY: venv test unit e2e lint asan lint-chart crds cluster-up cluster-down demo bench-dynamo clean
+.PHONY: venv test unit e2e lint docs docs-screenshot asan lint-chart crds cluster-up cluster-down demo bench-dynamo clean
 
 venv: $(STAMP)
 
@@ -54,11 +54,25 @@ cluster-down: venv
 	$(BIN)/copse cluster down
 
 lint: venv
-	$(BIN)/ruff check operator planner router workers sim tests e2e benchmarks setup.py
-	$(BIN)/ruff format --check operator planner router workers sim tests e2e benchmarks setup.py
+	$(BIN)/ruff check operator planner router workers sim tests e2e benchmarks docs/hooks setup.py
+	$(BIN)/ruff format --check operator planner router workers sim tests e2e benchmarks docs/hooks setup.py
 	$(BIN)/mypy $(addprefix -p copse.,$(COPSE_PACKAGES))
 	MYPYPATH=benchmarks $(BIN)/mypy tests e2e benchmarks
+	$(MAKE) docs
 	$(MAKE) asan
+
+# The documentation site into site/, with --strict: a broken link or anchor, a page missing from the
+# nav or a stale generated page fails. The reference pages are generated from the code during the
+# build (docs/hooks/copse_docs.py).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+# The dashboard picture of the docs (docs/screenshots/dashboard.png): a live fleet of mocked engines
+# behind the router, scraped for two minutes into tests/fixtures/dashboard-scrapes.json.gz, then the
+# dashboard's queries evaluated over that recording and drawn (no Grafana involved).
+docs-screenshot: venv
+	$(BIN)/python -m tests.docs.dashboard record
+	$(BIN)/python -m tests.docs.dashboard render
 
 # The router's C loops built with AddressSanitizer (into .asan/, the venv's build untouched) and
 # the tests that drive them run against that build (copse.router.loops loads the file that

@@ -1,16 +1,18 @@
-"""Evaluation of the PromQL the planner's default queries use, over scraped samples:
-vector selectors (a metric name and/or ``{label op "value", ...}`` with ``=``, ``!=``, ``=~``,
-``!~``, regexes fully anchored as in Prometheus), ``sum(...)``, ``count(...)``, ``sum by (labels) (...)``,
-``vector(N)``, numbers, ``or``, ``+``, ``*`` and ``/`` (one-element operands), with parentheses;
+"""Evaluation of the PromQL the planner's default queries and the Grafana dashboard use, over
+scraped samples: vector selectors (a metric name and/or ``{label op "value", ...}`` with ``=``,
+``!=``, ``=~``, ``!~``, regexes fully anchored as in Prometheus), ``sum(...)``, ``count(...)``,
+``sum|max|min|count by (labels) (...)``, ``vector(N)``, numbers, ``or``, ``+``, ``*`` and ``/``
+(one-element operands, or series matched on all their labels), with parentheses;
 ``increase(v[d])`` and ``rate(v[d])`` over two scrapes (``earlier``, then ``samples``, ``d`` apart:
 the difference per series, no extrapolation), and ``histogram_quantile(q, v)`` with Prometheus'
-interpolation. Enough to check that a query finds the series an exporter writes and computes
-with them; anything else is a :class:`ValueError`, never a silent guess."""
+interpolation, per histogram (the labels other than ``le``). Enough to check that a query finds
+the series an exporter writes and computes with them; anything else is a :class:`ValueError`,
+never a silent guess."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 Sample = tuple[str, Mapping[str, str], float]
@@ -57,15 +59,7 @@ class _Parser:
         while (token := self.peek()) is not None and token in (("op", "*"), ("op", "/")):
             self.pos += 1
             right = self.term()
-            if len(left) > 1 or len(right) > 1:
-                raise ValueError("* and / of vectors of several series are not supported")
-            if not left or not right:
-                left = []
-            elif token == ("op", "*"):
-                left = [(left[0][0] or right[0][0], left[0][1] * right[0][1])]
-            else:
-                quotient = left[0][1] / right[0][1] if right[0][1] else float("nan")
-                left = [(left[0][0] or right[0][0], quotient)]
+            left = _binary(left, right, divide=token == ("op", "/"))
         return left
 
     def term(self) -> Vector:
@@ -96,8 +90,15 @@ class _Parser:
             self.take("op", ",")
             buckets = self.expression()
             self.take("op", ")")
-            return _histogram_quantile(q, buckets)
-        if token == ("name", "sum") and self.tokens[self.pos + 1] == ("name", "by"):
+            histograms: dict[tuple[tuple[str, str], ...], Vector] = {}
+            for labels, value in buckets:
+                key = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
+                histograms.setdefault(key, []).append((labels, value))
+            return [
+                (dict(key), _histogram_quantile(q, histogram)[0][1]) for key, histogram in histograms.items()
+            ]
+        if token is not None and token[1] in _AGGREGATIONS and self.tokens[self.pos + 1] == ("name", "by"):
+            aggregate = _AGGREGATIONS[token[1]]
             self.pos += 2
             self.take("op", "(")
             by: list[str] = []
@@ -109,11 +110,10 @@ class _Parser:
             self.take("op", "(")
             inner = self.expression()
             self.take("op", ")")
-            groups: dict[tuple[str, ...], float] = {}
+            groups: dict[tuple[str, ...], list[float]] = {}
             for labels, value in inner:
-                key = tuple(labels.get(label, "") for label in by)
-                groups[key] = groups.get(key, 0.0) + value
-            return [(dict(zip(by, key, strict=True)), value) for key, value in groups.items()]
+                groups.setdefault(tuple(labels.get(label, "") for label in by), []).append(value)
+            return [(dict(zip(by, key, strict=True)), aggregate(values)) for key, values in groups.items()]
         if token == ("op", "("):
             self.take("op", "(")
             inner = self.expression()
@@ -155,17 +155,18 @@ class _Parser:
         matchers: list[tuple[str, str, str]] = []
         if (token := self.peek()) is not None and token[0] == "name":
             matchers.append(("__name__", "=", self.take("name")))
-        self.take("op", "{")
-        while self.peek() != ("op", "}"):
-            label = self.take("name")
-            op = self.take("op")
-            if op not in {"=", "!=", "=~", "!~"}:
-                raise ValueError(f"unsupported matcher {op!r}")
-            value = self.take("string")[1:-1].encode().decode("unicode_escape")
-            matchers.append((label, op, value))
-            if self.peek() == ("op", ","):
-                self.take("op", ",")
-        self.take("op", "}")
+        if self.peek() == ("op", "{"):
+            self.take("op", "{")
+            while self.peek() != ("op", "}"):
+                label = self.take("name")
+                op = self.take("op")
+                if op not in {"=", "!=", "=~", "!~"}:
+                    raise ValueError(f"unsupported matcher {op!r}")
+                value = self.take("string")[1:-1].encode().decode("unicode_escape")
+                matchers.append((label, op, value))
+                if self.peek() == ("op", ","):
+                    self.take("op", ",")
+            self.take("op", "}")
         return [
             (dict(labels), value)
             for name, labels, value in self.samples
@@ -174,6 +175,35 @@ class _Parser:
                 for label, op, want in matchers
             )
         ]
+
+
+_AGGREGATIONS: dict[str, Callable[[list[float]], float]] = {
+    "sum": sum,
+    "max": max,
+    "min": min,
+    "count": lambda values: float(len(values)),
+}
+
+
+def _binary(left: Vector, right: Vector, *, divide: bool) -> Vector:
+    """``left * right`` or ``left / right``: one-element operands combine whatever their labels
+    (after ``sum`` they have none); otherwise series with equal label sets are paired."""
+
+    def apply(a: float, b: float) -> float:
+        if not divide:
+            return a * b
+        return a / b if b else float("nan")
+
+    if not left or not right:
+        return []
+    if len(left) == 1 and len(right) == 1:
+        return [(left[0][0] or right[0][0], apply(left[0][1], right[0][1]))]
+    others = {tuple(sorted(labels.items())): value for labels, value in right}
+    return [
+        (labels, apply(value, others[key]))
+        for labels, value in left
+        if (key := tuple(sorted(labels.items()))) in others
+    ]
 
 
 def _matches(value: str, op: str, want: str) -> bool:
@@ -205,11 +235,11 @@ def _histogram_quantile(q: float, buckets: Vector) -> Vector:
     return [({}, start + (bounds[index] - start) * (rank - below) / inside)]
 
 
-def evaluate(
+def evaluate_vector(
     query: str, samples: Sequence[Sample], *, earlier: Sequence[Sample] | None = None
-) -> float | None:
-    """The query's single value over ``samples`` (and ``earlier``, the scrape one range before, for
-    ``increase``/``rate``); ``None`` when it selects nothing."""
+) -> Vector:
+    """Every series the query gives over ``samples`` (and ``earlier``, the scrape one range before,
+    for ``increase``/``rate``)."""
     tokens: list[tuple[str, str]] = []
     pos = 0
     while pos < len(query.rstrip()):
@@ -224,6 +254,15 @@ def evaluate(
     result = parser.expression()
     if parser.peek() is not None:
         raise ValueError(f"unread tokens from {parser.pos}: {tokens[parser.pos :]}")
+    return result
+
+
+def evaluate(
+    query: str, samples: Sequence[Sample], *, earlier: Sequence[Sample] | None = None
+) -> float | None:
+    """The query's single value over ``samples`` (and ``earlier``, the scrape one range before, for
+    ``increase``/``rate``); ``None`` when it selects nothing."""
+    result = evaluate_vector(query, samples, earlier=earlier)
     if len(result) > 1:
         raise ValueError(f"{query!r} gives {len(result)} series, not one")
     return result[0][1] if result else None
