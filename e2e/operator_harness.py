@@ -308,3 +308,43 @@ class LocalKubelet:
             if process.process.poll() is None:
                 process.process.kill()
                 process.process.wait()
+
+
+@contextlib.contextmanager
+def model_cache(kubectl: Kubectl, namespace: str) -> Iterator[None]:
+    """The ReadWriteMany PVC ``model-cache`` the examples mount, bound to a PV of its own (no
+    storage class: the controller-manager's binder pairs them), as a cluster's storage would."""
+    volume = f"{namespace}-model-cache"
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "2Ti"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": f"/tmp/{volume}"},
+                "claimRef": {"namespace": namespace, "name": "model-cache"},
+            },
+        }
+    )
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "model-cache"},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": volume,
+                "resources": {"requests": {"storage": "2Ti"}},
+            },
+        },
+        namespace=namespace,
+    )
+    try:
+        yield
+    finally:
+        kubectl.run("delete", "persistentvolume", volume, "--wait=false", check=False)

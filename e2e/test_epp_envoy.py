@@ -115,7 +115,7 @@ async def test_openai_client_streams_through_envoy_and_the_picker(nats_url: str,
             http.post(f"{url}/v1/completions", data=b"{not json") as response,
         ):
             assert response.status == 400
-            error = await response.json()
+            error = (await response.json())["error"]
             assert error["type"] == "BadRequestError"
             assert error["code"] == 400
 

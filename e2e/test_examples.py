@@ -9,16 +9,14 @@ and the operator says so in the KVRouting condition; the test holds them to exac
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from e2e.operator_harness import Operator, status, wait_until
+from e2e.operator_harness import Operator, model_cache, status, wait_until
 
 from copse.api import load_deployment
 from copse.cluster import Kubectl
@@ -81,46 +79,6 @@ def test_copse_api_validate_accepts_every_example() -> None:
     assert result.stdout.count(": ok (") == len(DEPLOYMENTS)
 
 
-@contextlib.contextmanager
-def _model_cache(kubectl: Kubectl, namespace: str) -> Iterator[None]:
-    """The ReadWriteMany PVC ``model-cache`` the examples mount, bound to a PV of its own (no
-    storage class: the controller-manager's binder pairs them), as a cluster's storage would."""
-    volume = f"{namespace}-model-cache"
-    kubectl.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": volume},
-            "spec": {
-                "capacity": {"storage": "2Ti"},
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "persistentVolumeReclaimPolicy": "Retain",
-                "hostPath": {"path": f"/tmp/{volume}"},
-                "claimRef": {"namespace": namespace, "name": "model-cache"},
-            },
-        }
-    )
-    kubectl.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "model-cache"},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "volumeName": volume,
-                "resources": {"requests": {"storage": "2Ti"}},
-            },
-        },
-        namespace=namespace,
-    )
-    try:
-        yield
-    finally:
-        kubectl.run("delete", "persistentvolume", volume, "--wait=false", check=False)
-
-
 def _condition(kubectl: Kubectl, name: str, namespace: str, kind: str) -> dict[str, Any]:
     conditions = status(kubectl, name, namespace).get("conditions", [])
     return next((c for c in conditions if c["type"] == kind), {})
@@ -138,7 +96,7 @@ def test_a_deployable_example_is_placed_and_its_router_config_loads(
 ) -> None:
     deployment = load_deployment(path)
     name = deployment.metadata.name
-    with _model_cache(kubectl, namespace):
+    with model_cache(kubectl, namespace):
         kubectl.apply(path, namespace=namespace)
         wait_until(
             f"{name}'s groups placed",

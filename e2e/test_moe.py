@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import yaml
-from e2e.operator_harness import REPO, Operator, status, wait_running, worker_pods
+from e2e.operator_harness import REPO, Operator, model_cache, status, wait_running, worker_pods
 
 from copse.api import Role
 from copse.cluster import Kubectl
@@ -22,8 +22,9 @@ DEEPSEEK = REPO / "examples" / "deployment-deepseek-v3-wide-ep.yaml"
 def test_deepseek_wide_ep_groups_stay_inside_nvlink_domains(
     kubectl: Kubectl, namespace: str, operator: Operator
 ) -> None:
-    kubectl.run("apply", "-f", str(DEEPSEEK), f"--namespace={namespace}")
-    wait_running(kubectl, "deepseek-v3", namespace, operator, timeout=180)
+    with model_cache(kubectl, namespace):  # the example mounts the model cache's PVC
+        kubectl.run("apply", "-f", str(DEEPSEEK), f"--namespace={namespace}")
+        wait_running(kubectl, "deepseek-v3", namespace, operator, timeout=180)
     current = status(kubectl, "deepseek-v3", namespace)
     assert current["ready"] == "prefill 2/2, decode 2/2"
     groups = current["groups"]

@@ -13,6 +13,9 @@ import pytest
 from aiohttp import web
 
 from copse.router.config import RouterConfig, parse_config
+from copse.router.frontend import _ClientStream
+from copse.router.migration import StreamProgress
+from copse.router.policies import RouteRequest
 from copse.router.server import RunningRouter, start_router
 from copse.router.tokens import PromptTokenizer
 from copse.workers.mocker import EngineConfig
@@ -575,3 +578,18 @@ async def test_tenants_over_their_token_rate_get_429_and_requests_are_counted_by
             assert 'copse_router_requests_total{status="429"} 1.0' in metrics
         finally:
             await running.close()
+
+
+async def test_a_client_that_leaves_after_done_ends_its_stream_without_blaming_the_worker() -> None:
+    class LeftAfterDone(web.StreamResponse):
+        async def write_eof(self, data: bytes = b"") -> None:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+    stream = _ClientStream(
+        progress=StreamProgress(prompt=[1, 2, 3], requested=4),
+        arrived=0.0,
+        request=RouteRequest(request_id="r", hashes=[], prompt_tokens=3, max_tokens=4),
+        write_timeout_s=1.0,
+        client=LeftAfterDone(),
+    )
+    await stream.end()  # the chunked terminator's failed write is not an error the worker caused

@@ -192,6 +192,15 @@ class _ClientStream:
             raise _ClientGone(repr(exc)) from exc
         self.open_event = lines[-1].strip() != b""
 
+    async def end(self) -> None:
+        """Finish the chunked answer. A client that closed its connection once it read ``[DONE]``
+        has everything: the terminator's failed write is not an error (and never the worker's)."""
+        assert self.client is not None
+        try:
+            await self.client.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+            log.debug("client left before the stream's terminator: %r", exc)
+
     async def seal(self) -> None:
         """End an event a broken stream left open, so that the next one stays separate."""
         if self.open_event:
@@ -554,7 +563,7 @@ class RouterService(RoutingService):
 
     async def _close_stream(self, stream: _ClientStream) -> web.StreamResponse:
         assert stream.client is not None
-        await stream.client.write_eof()
+        await stream.end()
         self.metrics.requests.labels(status=str(stream.client.status)).inc()
         self.metrics.duration.observe(self.now() - stream.arrived)
         return stream.client
@@ -788,7 +797,7 @@ class RouterService(RoutingService):
         if stream.events > 1:
             self.metrics.inter_token(stream.request, (stream.last_at - stream.first_at) / (stream.events - 1))
         assert stream.client is not None
-        await stream.client.write_eof()
+        await stream.end()
         return stream.client
 
     @staticmethod
