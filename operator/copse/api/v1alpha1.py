@@ -1258,10 +1258,28 @@ class InferenceDeploymentStatus(_Model):
         "copse.dev/revision label.",
     )
     groups: list[GroupStatus] = Field(default_factory=list)
-    unplaced: list[UnplacedStatus] = Field(default_factory=list)
+    unplaced: list[UnplacedStatus] = Field(
+        default_factory=list,
+        description="The first unplaced groups and why (a few: the status must stay small).",
+    )
+    unplaced_total: int = Field(default=0, ge=0, description="Groups left unplaced, all of them.")
     cold_start: Nullable[ColdStartStatus] = None
     # kopf keeps handler progress here when told to; never let the API server prune it.
     kopf: FreeForm = Field(default_factory=dict)
+
+
+#: Longest deployment name. The name is the value of the ``copse.dev/deployment`` label on every
+#: child (label values stop at 63 characters), so a longer one cannot be served; children's own
+#: names are ``<deployment>-<suffix>``, cut to 63 with a hash where needed (``names._fit``).
+NAME_MAX_LENGTH = 63
+#: A DNS-1035 label, what a Service name must be: children's names start with the deployment's,
+#: so a name with a dot or a leading digit (a valid custom resource name) would make invalid Services.
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MESSAGE = (
+    f"metadata.name must be a DNS-1035 label of at most {NAME_MAX_LENGTH} characters "
+    "(lower-case letters, digits and '-', starting with a letter): it names the deployment's "
+    "Services and labels its pods"
+)
 
 
 # kube-custom-resource builds its metaclass from type(BaseModel) at run time, which mypy cannot follow.
@@ -1289,3 +1307,25 @@ class InferenceDeployment(  # type: ignore[metaclass,call-arg]
 
     spec: InferenceDeploymentSpec
     status: InferenceDeploymentStatus = Field(default_factory=InferenceDeploymentStatus)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        # The API server refuses the name itself (CEL at the root may read metadata.name).
+        json_schema: JsonSchemaValue = super().__get_pydantic_json_schema__(core_schema, handler)
+        json_schema["x-kubernetes-validations"] = [
+            {
+                "rule": f"self.metadata.name.size() <= {NAME_MAX_LENGTH} "
+                f"&& self.metadata.name.matches('{NAME_PATTERN}')",
+                "message": NAME_MESSAGE,
+            }
+        ]
+        return json_schema
+
+    @model_validator(mode="after")
+    def _check_name(self) -> InferenceDeployment:
+        name = self.metadata.name
+        if len(name) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, name):
+            raise ValueError(f"{NAME_MESSAGE}; got {name!r} ({len(name)} characters)")
+        return self

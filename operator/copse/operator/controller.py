@@ -178,6 +178,10 @@ class Controller:
         if not deleted:
             self.mark(_key(body))
             return
+        # What this process remembers creating for it goes too: churning deployments must not
+        # grow the operator's memory.
+        uid = body.get("metadata", {}).get("uid")
+        self._created = {key for key in self._created if key[3] != uid}
         # A deleted deployment's series go too (an alert on them would outlive it).
         for gauge in (metrics.PLACEMENT_SCORE, metrics.UNPLACED_GROUPS):
             with contextlib.suppress(KeyError):
@@ -286,7 +290,18 @@ class Controller:
             deployment = parse_deployment(body, source=f"{KIND} {namespace}/{name}")
         except (ManifestError, pydantic.ValidationError) as exc:
             logger.error("%s", exc, extra=_context(namespace, name))
-            await self.kube.patch_status(namespace=namespace, name=name, status={"phase": "Failed"})
+            invalid = condition(
+                "InvalidSpec",
+                True,
+                reason="ValidationFailed",
+                message=str(exc),
+                generation=body.get("metadata", {}).get("generation"),
+                now=datetime.now(UTC),
+                previous=body.get("status", {}).get("conditions", []),
+            )
+            await self.kube.patch_status(
+                namespace=namespace, name=name, status={"phase": "Failed", "conditions": [invalid]}
+            )
             await self.kube.post_event(owner=body, type="Warning", reason="InvalidSpec", message=str(exc))
             return None
         await self._default_replicas(body, deployment)
@@ -434,7 +449,7 @@ class Controller:
         if status.get("score") is not None:
             metrics.PLACEMENT_SCORE.labels(namespace=namespace, deployment=name).set(status["score"])
         metrics.UNPLACED_GROUPS.labels(namespace=namespace, deployment=name).set(
-            len(status.get("unplaced", []))
+            status.get("unplacedTotal", 0)
         )
         if _changed(body.get("status", {}), status):
             logger.info(

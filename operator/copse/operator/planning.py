@@ -44,6 +44,30 @@ def _placement(layout: GroupLayout) -> GroupPlacement:
     )
 
 
+def _pinned(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``pod`` as bound to its planned node when it is a copse group's pod not yet bound.
+
+    The operator pins each group pod to one node (required affinity on the node's name), so it
+    holds that node's GPUs from its creation: without this, deployments reconciled one after
+    another before the scheduler binds count the same GPUs free, over-commit the node and then
+    restart each other's gangs (seen with 100 deployments placed at once)."""
+    spec = pod.get("spec", {})
+    if spec.get("nodeName") or names.LABEL_GROUP not in pod.get("metadata", {}).get("labels", {}):
+        return pod
+    affinity = spec.get("affinity", {}).get("nodeAffinity", {})
+    terms = affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+    planned = {
+        value
+        for term in terms
+        for field in term.get("matchFields", [])
+        if field.get("key") == "metadata.name" and field.get("operator") == "In"
+        for value in field.get("values", [])
+    }
+    if len(planned) != 1:
+        return pod
+    return {**pod, "spec": {**spec, "nodeName": planned.pop()}}
+
+
 class Placer:
     def __init__(
         self,
@@ -65,7 +89,7 @@ class Placer:
                 and pod.get("metadata", {}).get("labels", {}).get(names.LABEL_GROUP) in keep
             )
         ]
-        self.topology: Topology = build_topology(list(nodes), pods=foreign)
+        self.topology: Topology = build_topology(list(nodes), pods=[_pinned(pod) for pod in foreign])
 
     def _request(self, keys: Iterable[GroupKey]) -> PlacementRequest:
         replicas: dict[Role, set[int]] = {}

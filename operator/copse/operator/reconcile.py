@@ -32,6 +32,18 @@ from copse.operator.children import (
 from copse.operator.planning import Placer
 from copse.operator.state import GroupState, ObservedGroup, pod_ready
 
+#: Unplaced groups named one by one in ``status.unplaced``, the PlacementInfeasible condition and
+#: its Event; the rest are counted (``status.unplacedTotal``). Thousands of replicas beyond the
+#: cluster's capacity would otherwise write a status of megabytes (etcd refuses objects over
+#: 1.5 MB, so every status patch would fail) and an Event as large.
+UNPLACED_LISTED = 5
+
+
+def _unplaced_summary(unplaced: Sequence[Mapping[str, Any]]) -> str:
+    listed = "; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced[:UNPLACED_LISTED])
+    rest = len(unplaced) - UNPLACED_LISTED
+    return f"{listed}; and {rest} more group(s) unplaced" if rest > 0 else listed
+
 
 @dataclasses.dataclass(frozen=True)
 class ReconcileSettings:
@@ -567,13 +579,12 @@ def reconcile(
         for role, replica, reason in outcome.unplaced
     ]
     previous = previous_status or {}
-    if unplaced and unplaced != list(previous.get("unplaced", [])):
+    if unplaced and (unplaced[:UNPLACED_LISTED], len(unplaced)) != (
+        list(previous.get("unplaced", [])),
+        previous.get("unplacedTotal", len(previous.get("unplaced", []))),
+    ):
         decision.events.append(
-            Event(
-                type="Warning",
-                reason="PlacementInfeasible",
-                message="; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced),
-            )
+            Event(type="Warning", reason="PlacementInfeasible", message=_unplaced_summary(unplaced))
         )
     before = {g.get("name"): g.get("disruption") for g in previous.get("groups", [])}
     for group_name, message in sorted(trouble.waiting.items()):
@@ -740,7 +751,7 @@ def _status(
         groups_status.append(entry)
     groups_status.sort(key=lambda entry: (entry["role"], entry["replica"]))
     all_placed, all_ready = placed_total >= desired_total, ready_total >= desired_total
-    infeasible = "; ".join(f"{u['role']} {u['replica']}: {u['reason']}" for u in unplaced)
+    infeasible = _unplaced_summary(unplaced)
     checks = (
         ("Placed", all_placed, "AllGroupsPlaced" if all_placed else "GroupsUnplaced",
          f"{placed_total}/{desired_total} groups placed"),
@@ -772,6 +783,7 @@ def _status(
         "score": round(evaluation.score, 4) if layouts else None,
         "revision": revision(deployment),
         "groups": groups_status,
-        "unplaced": unplaced,
+        "unplaced": unplaced[:UNPLACED_LISTED],
+        "unplacedTotal": len(unplaced),
         "coldStart": {"strategy": deployment.spec.cold_start.strategy.value, "source": cold_start_source},
     }
