@@ -174,6 +174,21 @@ def wait_until(what: str, check: Callable[[], bool], *, timeout: float = 90, ope
     raise AssertionError(f"timed out waiting for {what}\n--- operator log ---\n{operator.tail()}")
 
 
+def wait_gpus_released(kubectl: Kubectl, *, operator: Operator, timeout: float = 180) -> None:
+    """Wait until no pod is terminating: an earlier test's namespace is deleted without waiting,
+    and its pods hold their GPUs until they are gone (a large example needs most of the cluster)."""
+    wait_until(
+        "earlier tests' terminating pods to release their GPUs",
+        lambda: (
+            not any(
+                pod["metadata"].get("deletionTimestamp") for pod in kubectl.items("pods", "--all-namespaces")
+            )
+        ),
+        operator=operator,
+        timeout=timeout,
+    )
+
+
 def status(kubectl: Kubectl, name: str, namespace: str) -> dict[str, Any]:
     result: dict[str, Any] = kubectl.get("idep", name, namespace=namespace).get("status", {})
     return result

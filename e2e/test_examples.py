@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e.operator_harness import Operator, model_cache, status, wait_until
+from e2e.operator_harness import Operator, model_cache, status, wait_gpus_released, wait_until
 
 from copse.api import load_deployment
 from copse.cluster import Kubectl
@@ -96,6 +96,7 @@ def test_a_deployable_example_is_placed_and_its_router_config_loads(
 ) -> None:
     deployment = load_deployment(path)
     name = deployment.metadata.name
+    wait_gpus_released(kubectl, operator=operator)
     with model_cache(kubectl, namespace):
         kubectl.apply(path, namespace=namespace)
         wait_until(

@@ -8,7 +8,15 @@ from collections import Counter
 
 import pytest
 import yaml
-from e2e.operator_harness import REPO, Operator, model_cache, status, wait_running, worker_pods
+from e2e.operator_harness import (
+    REPO,
+    Operator,
+    model_cache,
+    status,
+    wait_gpus_released,
+    wait_running,
+    worker_pods,
+)
 
 from copse.api import Role
 from copse.cluster import Kubectl
@@ -22,6 +30,7 @@ DEEPSEEK = REPO / "examples" / "deployment-deepseek-v3-wide-ep.yaml"
 def test_deepseek_wide_ep_groups_stay_inside_nvlink_domains(
     kubectl: Kubectl, namespace: str, operator: Operator
 ) -> None:
+    wait_gpus_released(kubectl, operator=operator)
     with model_cache(kubectl, namespace):  # the example mounts the model cache's PVC
         kubectl.run("apply", "-f", str(DEEPSEEK), f"--namespace={namespace}")
         wait_running(kubectl, "deepseek-v3", namespace, operator, timeout=180)
