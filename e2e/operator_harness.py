@@ -174,14 +174,15 @@ def wait_until(what: str, check: Callable[[], bool], *, timeout: float = 90, ope
     raise AssertionError(f"timed out waiting for {what}\n--- operator log ---\n{operator.tail()}")
 
 
-def wait_gpus_released(kubectl: Kubectl, *, operator: Operator, timeout: float = 180) -> None:
-    """Wait until no pod is terminating: an earlier test's namespace is deleted without waiting,
-    and its pods hold their GPUs until they are gone (a large example needs most of the cluster)."""
+def wait_gpus_released(kubectl: Kubectl, *, operator: Operator, timeout: float = 300) -> None:
+    """Wait until no namespace is terminating: an earlier test's namespace is deleted without
+    waiting, and its pods hold their GPUs until it is gone (a large example needs most of the
+    cluster). A namespace is Terminating from the moment its deletion is asked, unlike its pods."""
     wait_until(
-        "earlier tests' terminating pods to release their GPUs",
+        "earlier tests' namespaces to be deleted (their pods hold GPUs)",
         lambda: (
             not any(
-                pod["metadata"].get("deletionTimestamp") for pod in kubectl.items("pods", "--all-namespaces")
+                item.get("status", {}).get("phase") == "Terminating" for item in kubectl.items("namespaces")
             )
         ),
         operator=operator,
