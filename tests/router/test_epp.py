@@ -561,3 +561,95 @@ async def test_the_picker_reports_draining_workers_over_http() -> None:
             assert (report["draining"], report["in_flight"]) == (True, 2)
         finally:
             await running.close()
+
+
+class _Gateway:
+    """One ext_proc stream whose messages the test sends one at a time (a gateway mid-request)."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self._inbox: asyncio.Queue[ext_proc.ProcessingRequest | None] = asyncio.Queue()
+        self.answers: list[ext_proc.ProcessingResponse] = []
+        self.task = asyncio.create_task(self._run(picker))
+
+    async def _feed(self) -> AsyncIterator[ext_proc.ProcessingRequest]:
+        while (message := await self._inbox.get()) is not None:
+            yield message
+
+    async def _run(self, picker: EndpointPicker) -> None:
+        async for answer in picker.process(self._feed()):
+            self.answers.append(answer)
+
+    def send(self, *messages: ext_proc.ProcessingRequest) -> None:
+        for message in messages:
+            self._inbox.put_nowait(message)
+
+    async def close(self) -> None:
+        self._inbox.put_nowait(None)
+        await self.task
+
+
+async def test_client_bounds_hold_in_epp_mode() -> None:
+    """The HTTP frontend's ``clients.*`` bounds apply to what the gateway streams to the picker: per
+    client (API key or fairness id) requests and streams, the body bytes held, the body's time."""
+    bounds = {"max_requests": 2, "max_streams": 1, "max_body_bytes_held": 4096}
+    async with mock_fleet(engines=1) as fleet:
+        running = await _picker(fleet.urls, settings={"clients": bounds})
+        picker = _service(running)
+        gate = picker.clients
+        # Each body announces its size (as Envoy forwards Content-Length), else the picker reserves
+        # max_body_bytes for it, past this max_body_bytes_held.
+        team = {"x-gateway-inference-fairness-id": "team-a", "content-length": "100"}
+        try:
+            # Two requests of team-a whose bodies are still coming: a third one is refused at its
+            # headers, another tenant's is not.
+            first, second = _Gateway(picker), _Gateway(picker)
+            first.send(request_headers(extra=team))
+            second.send(request_headers(extra=team))
+            await eventually(lambda: gate.clients() == 1 and gate.body_bytes > 0)
+            refused = await _exchange(picker, [request_headers(extra=team), *request_body(completion("x"))])
+            status, kind, message = _rejection(refused)
+            assert (status, kind) == (429, "RateLimitError")
+            assert "clients.max_requests 2" in message
+            reply = refused[0].immediate_response
+            retry_after = {h.header.key: h.header.raw_value for h in reply.headers.set_headers}["retry-after"]
+            assert retry_after == b"1"
+            other = {"x-gateway-inference-fairness-id": "team-b", "content-length": "100"}
+            got = await _exchange(picker, [request_headers(extra=other), *request_body(completion("y"))])
+            assert got[0].WhichOneof("response") == "request_headers"
+            # One stream of team-a is open (routed, its response not ended): a second is refused.
+            first.send(*request_body(completion("stream one", stream=True)))
+            await eventually(lambda: len(first.answers) == 2)
+            assert first.answers[0].WhichOneof("response") == "request_headers"
+            second.send(*request_body(completion("stream two", stream=True)))
+            await second.task
+            status, _, message = _rejection(second.answers)
+            assert status == 429
+            assert "clients.max_streams 1" in message
+            # The routed request's body went back to the gateway: the picker holds none of it.
+            assert gate.body_bytes == 0
+            assert gate.clients() == 1
+            await first.close()
+            assert gate.clients() == 0
+            # Bodies announced past what all clients may hold together: 429, unread.
+            big = {**team, "content-length": "5000"}
+            got = await _exchange(picker, [request_headers(extra=big)])
+            status, _, message = _rejection(got)
+            assert status == 429
+            assert "clients.max_body_bytes_held" in message
+        finally:
+            await running.close()
+        # A body that does not arrive within clients.body_timeout_s: 408, and nothing stays held.
+        running = await _picker(fleet.urls, settings={"clients": {"body_timeout_s": 0.3}})
+        picker = _service(running)
+        gate = picker.clients
+        try:
+            stalled = _Gateway(picker)
+            part = ext_proc.HttpBody(body=b'{"model":', end_of_stream=False)
+            stalled.send(request_headers(extra=team), ext_proc.ProcessingRequest(request_body=part))
+            await stalled.task
+            status, kind, message = _rejection(stalled.answers)
+            assert (status, kind) == (408, "RequestTimeoutError")
+            assert "clients.body_timeout_s" in message
+            assert (gate.clients(), gate.body_bytes) == (0, 0)
+        finally:
+            await running.close()

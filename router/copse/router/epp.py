@@ -39,6 +39,7 @@ does for a short prompt).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -57,6 +58,7 @@ from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from copse.router.clients import Refused, client_key
 from copse.router.config import EppSettings, RouterConfig
 from copse.router.core import NoWorkers, Role, Route
 from copse.router.discovery import Source
@@ -74,6 +76,7 @@ from copse.router.service import (
 from copse.router.tokens import PromptTokenizer
 from copse.workers.perf import PerfModel
 from copse.workers.protocol.errors import error_body
+from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +269,20 @@ class EndpointPicker(RoutingService):
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
         """Answer one ext_proc stream (one HTTP request through the gateway)."""
         exchange = Exchange(self)
+        incoming = aiter(messages)
         try:
-            async for message in messages:
+            while True:
+                wait_s = exchange.body_wait_s()
+                try:
+                    if wait_s is None:
+                        message = await anext(incoming)
+                    else:
+                        message = await asyncio.wait_for(anext(incoming), wait_s)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    yield exchange.body_timed_out()
+                    return
                 for answer in await exchange.on(message):
                     yield answer
                 if exchange.closed:
@@ -306,6 +321,28 @@ class Exchange:
         self._response_body = bytearray()
         """A non-streamed response (to read its usage at the end)."""
         self._finished = False
+        self.client = ""
+        """The client key (:func:`copse.router.clients.client_key`) while the request is inside the
+        client gate (a request with a body, from its headers to the exchange's end); "" when not."""
+        self._held = 0
+        """Body bytes reserved in the gate (the body's announced or largest size, then its own,
+        then 0 once the body went back to the gateway)."""
+        self._body_deadline: float | None = None
+        """When the body must have arrived (``clients.body_timeout_s`` after the headers)."""
+        self._streaming = False
+        """A stream counted against the client's ``clients.max_streams``."""
+
+    def body_wait_s(self) -> float | None:
+        """How long the picker waits for the gateway's next message: the rest of
+        ``clients.body_timeout_s`` while the body is still coming, else ``None`` (no limit)."""
+        if self._body_deadline is None:
+            return None
+        return max(0.0, self._body_deadline - self.picker.now())
+
+    def body_timed_out(self) -> ext_proc.ProcessingResponse:
+        """The 408 for a body that did not arrive within ``clients.body_timeout_s``."""
+        limit = self.picker.config.clients.body_timeout_s
+        return self._reject(408, f"request body not received within {limit:g} s (clients.body_timeout_s)")[0]
 
     async def on(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         kind = message.WhichOneof("request")
@@ -342,34 +379,82 @@ class Exchange:
         self.headers = _headers_of(message.request_headers)
         self.subset = subset_of(message)
         if not message.request_headers.end_of_stream:
-            return []  # the body decides
+            return self._enter()  # the body decides
         address = self.picker.least_loaded(self.subset)
         if address is None:
             return self._reject(503, "no worker is ready for this request")
         return [_destination([address], body_bytes=None)]
 
+    def _enter(self) -> list[ext_proc.ProcessingResponse]:
+        """Admit a request with a body under its client's bounds, as the HTTP frontend does: the
+        client is its API key or fairness id (every client without one shares the key of the
+        gateway, the picker's one peer); its body is reserved at its announced size (refused
+        unread past ``max_body_bytes``) or at ``max_body_bytes``, and must arrive within
+        ``clients.body_timeout_s``."""
+        picker = self.picker
+        limit = picker.config.max_body_bytes
+        announced = self.headers.get("content-length", "").strip()
+        size = int(announced) if announced.isdigit() else None
+        if size is not None and size > limit:
+            return self._reject(413, f"request body exceeds {limit} bytes (max_body_bytes)")
+        key = client_key(self.headers, peer="gateway")
+        held = limit if size is None else size
+        try:
+            picker.clients.enter(key, body_bytes=held)
+        except Refused as exc:
+            return self._reject(429, str(exc), retry_after="1")
+        self.client, self._held = key, held
+        self._body_deadline = self.arrived + picker.config.clients.body_timeout_s
+        return []
+
+    def _release_body(self) -> None:
+        """The body went back to the gateway (or the exchange ended): the picker holds none of it."""
+        self.body = bytearray()
+        if self.client:
+            self.picker.clients.resize(reserved=self._held, actual=0)
+            self._held = 0
+
     async def _decide(self, *, trailers: bool) -> list[ext_proc.ProcessingResponse]:
+        self._body_deadline = None
         path = self.headers.get(":path", "").split("?", 1)[0]
         model = GENERATE_PATHS.get(path)
         body = bytes(self.body)
-        answers: list[ext_proc.ProcessingResponse]
+        if self.client:
+            self.picker.clients.resize(reserved=self._held, actual=len(body))
+            self._held = len(body)
+        try:
+            return await self._answer(model, body, trailers=trailers)
+        finally:
+            self._release_body()
+
+    async def _answer(
+        self,
+        model: type[CompletionRequest] | type[ChatCompletionRequest] | None,
+        body: bytes,
+        *,
+        trailers: bool,
+    ) -> list[ext_proc.ProcessingResponse]:
         if model is None:
             address = self.picker.least_loaded(self.subset)
             if address is None:
                 return self._reject(503, "no worker is ready for this request")
-            answers = [_destination([address], body_bytes=len(body)), *self._body(body, trailers)]
-        else:
+            return [_destination([address], body_bytes=len(body)), *self._body(body, trailers)]
+        try:
+            prepared = await self.picker.prepare(model, body, self.headers)
+        except Rejected as exc:
+            return self._reject(exc.status, exc.message, param=exc.param)
+        if prepared.request.stream and self.client:
             try:
-                prepared = await self.picker.prepare(model, body, self.headers)
-            except Rejected as exc:
-                return self._reject(exc.status, exc.message, param=exc.param)
-            try:
-                answers = await self._route(prepared, body, trailers)
-            except Overloaded as exc:
-                return self._reject(429, str(exc), retry_after=exc.retry_after)
-            except Unavailable as exc:
-                return self._reject(503, str(exc))
-        return answers
+                self.picker.clients.open_stream(self.client)
+            except Refused as exc:
+                return self._reject(429, str(exc), retry_after="1")
+            self._streaming = True
+        try:
+            return await self._route(prepared, body, trailers)
+        except Overloaded as exc:
+            return self._reject(429, str(exc), retry_after=exc.retry_after)
+        except Unavailable as exc:
+            return self._reject(503, str(exc))
 
     def _body(self, body: bytes, trailers: bool) -> list[ext_proc.ProcessingResponse]:
         answers = body_chunks(body, response=False, end_of_stream=not trailers)
@@ -501,6 +586,14 @@ class Exchange:
         if self.routed is not None and not self._finished:
             self.status = "499"  # the client closed the request (nginx's code)
             self._finish()
+        self._body_deadline = None
+        if self.client:
+            self._release_body()
+            if self._streaming:
+                self.picker.clients.close_stream(self.client)
+                self._streaming = False
+            self.picker.clients.leave(self.client, body_bytes=0)
+            self.client = ""
 
 
 class _ExtProcServicer(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]

@@ -45,7 +45,7 @@ from aiohttp.typedefs import Handler
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from copse.router.auth import ApiKeys
-from copse.router.clients import ClientGate, Refused, bearer_token, client_key
+from copse.router.clients import Refused, bearer_token, client_key
 from copse.router.config import RouterConfig
 from copse.router.core import Role, Route
 from copse.router.discovery import Source
@@ -265,8 +265,6 @@ class RouterService(RoutingService):
         self.app.on_cleanup.append(self._on_cleanup)
         self.api_keys = None if config.api_keys_file is None else ApiKeys(config.api_keys_file)
         """The keys ``/v1/`` requests must carry (:mod:`copse.router.auth`); ``None``: no auth."""
-        self.clients = ClientGate(config.clients)
-        """Per-client bounds (:mod:`copse.router.clients`)."""
         self._attempts: set[_Attempt] = set()
         """Requests in flight on workers (what dropping a worker or the silence watchdog abandons)."""
         self.on_worker_removed.append(self._abandon_worker)

@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import generate_latest
 
+from copse.router.clients import ClientGate
 from copse.router.config import RouterConfig
 from copse.router.core import NoWorkers, Role, Route, Router, Shed, WorkerInfo
 from copse.router.discovery import Endpoint, Source
@@ -210,6 +211,8 @@ class RoutingService:
         self.source = source
         self.tokenizer = tokenizer
         self.classes = config.classes()
+        self.clients = ClientGate(config.clients)
+        """Per-client bounds (:mod:`copse.router.clients`), over HTTP and as an endpoint picker."""
         """Objectives (config, and Kubernetes' InferenceObjectives) and tenant weights."""
         self.router = Router(
             perf=perf,
