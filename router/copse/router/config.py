@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from copse.router.clients import ClientLimits
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.limits import TenantLimits
+from copse.router.objective_source import DEFAULT_API_VERSION
 from copse.router.objectives import Classes, Objective
 from copse.router.policies import POLICIES, RoutingObjective, SelectionSettings
 from copse.workers.files import read_yaml_mapping
@@ -120,6 +121,21 @@ class ObjectiveSettings(_Model):
 
     def objective(self, name: str) -> Objective:
         return Objective(name=name, priority=self.priority, ttft_ms=self.ttft_ms)
+
+
+class InferenceObjectiveSettings(_Model):
+    """Reading ``InferenceObjective`` objects from Kubernetes (:mod:`copse.router.objective_source`)."""
+
+    pool: str | None = Field(default=None, min_length=1)
+    """Only the objects whose ``spec.poolRef.name`` is this InferencePool (the operator sets the
+    deployment's name); none: every object of the namespace."""
+    namespace: str | None = Field(default=None, min_length=1)
+    """Namespace of the objects; the router's ``namespace`` (its discovery's) when absent."""
+    api_version: str = Field(default=DEFAULT_API_VERSION, pattern=r"^[a-z0-9.-]+/v[a-z0-9]+$")
+    """Group/version of the objects: the Inference Extension's (up to v1.5.0), or ``llm-d.ai/v1alpha2``
+    where llm-d's router defines them."""
+    interval_s: float = Field(default=10.0, gt=0)
+    """How often the objects are listed: a changed priority applies to requests from then on."""
 
 
 class TenantSettings(_Model):
@@ -251,7 +267,10 @@ class RouterConfig(_Model):
     """Seed of tie-breaking (reproducible runs); random when absent."""
     objectives: dict[str, ObjectiveSettings] = Field(default_factory=dict)
     """Objectives by name, as requests name them in ``x-gateway-inference-objective`` (the names
-    of the InferenceObjectives a gateway's clients use; the router does not read those objects)."""
+    of the InferenceObjectives a gateway's clients use), with their TTFT targets."""
+    inference_objectives: InferenceObjectiveSettings | None = None
+    """Read the priorities of the InferenceObjective objects in Kubernetes too (an object's priority
+    wins over ``objectives`` for the same name); none: the config's objectives only."""
     default_objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
     """The objective of requests naming none or one the router does not know."""
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)

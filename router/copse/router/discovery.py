@@ -27,11 +27,14 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
+import aiohttp
 from kubernetes.aio import client, config, watch
 from kubernetes.aio.client.exceptions import ApiException
 
 from copse.router.config import StaticWorker
 from copse.router.core import Role
+from copse.router.objective_source import PLURAL as OBJECTIVE_PLURAL
+from copse.router.objective_source import ObjectiveListError
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +388,19 @@ class KubeAioPodApi:
                     yield str(event["type"]), event["raw_object"]
         except ApiException as exc:
             raise KubeApiError(str(exc.reason), status=exc.status) from exc
+
+    async def list_objectives(self, *, namespace: str, api_version: str) -> list[dict[str, Any]]:
+        """:meth:`copse.router.objective_source.ObjectiveApi.list_objectives`."""
+        group, _, version = api_version.partition("/")
+        try:
+            result = await self._custom.list_namespaced_custom_object(
+                group, version, namespace, OBJECTIVE_PLURAL
+            )
+        except ApiException as exc:
+            raise ObjectiveListError(f"{exc.status} {exc.reason}") from exc
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise ObjectiveListError(f"{type(exc).__name__}: {exc}") from exc
+        return list(result.get("items") or [])
 
     async def close(self) -> None:
         await self._client.close()

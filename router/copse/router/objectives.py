@@ -3,9 +3,12 @@
 - The objective is named in the ``x-gateway-inference-objective`` header: the name of an
   ``InferenceObjective`` (Gateway API Inference Extension, ``inference.networking.x-k8s.io``),
   whose ``spec.priority`` orders the router's queue (higher first). copse reads objectives from
-  the router config (``objectives:``; not yet from InferenceObjective objects in Kubernetes). A
-  request naming no objective, or one the router does not know, gets the default objective
-  (priority 0 unless configured), as the endpoint picker does.
+  the router config (``objectives:``, with their TTFT targets) and, with ``inference_objectives:``,
+  from the InferenceObjective objects of its pool in Kubernetes (:mod:`copse.router.objective_source`):
+  an object's priority wins over the config's for the same name, and its TTFT target is the
+  config's entry of that name, else the default objective's. A request naming no objective, or
+  one the router does not know, gets the default objective (priority 0 unless configured), as the
+  endpoint picker does.
 - The tenant is the client's API key (``Authorization: Bearer ...``, never shown: a hash of it),
   else the ``x-gateway-inference-fairness-id`` header, else the one default tenant (empty name).
 """
@@ -45,11 +48,22 @@ class Classes:
         weights: Mapping[str, float] | None = None,
         default_weight: float = 1.0,
     ) -> None:
-        self._objectives = dict(objectives or {})
+        self._configured = dict(objectives or {})
+        self._objectives = dict(self._configured)
         self.default = default or Objective(name="")
         """What a request naming no objective, or an unknown one, gets."""
         self._weights = dict(weights or {})
         self._default_weight = default_weight
+
+    def set_priorities(self, priorities: Mapping[str, int]) -> None:
+        """The InferenceObjectives read from Kubernetes now (name -> ``spec.priority``), replacing
+        those read before; configured objectives they do not name stay as configured."""
+        objectives = dict(self._configured)
+        for name, priority in priorities.items():
+            configured = self._configured.get(name)
+            ttft_ms = configured.ttft_ms if configured is not None else self.default.ttft_ms
+            objectives[name] = Objective(name=name, priority=priority, ttft_ms=ttft_ms)
+        self._objectives = objectives
 
     def objective(self, name: str | None) -> Objective:
         """The objective called ``name`` (the default when unknown or ``None``)."""

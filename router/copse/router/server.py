@@ -26,6 +26,7 @@ from copse.router.epp import EndpointPicker, PickerServer, start_picker
 from copse.router.frontend import RouterService
 from copse.router.kv_sync import KvEventSync
 from copse.router.nats_link import NatsLink
+from copse.router.objective_source import ObjectiveApi, ObjectiveFollower
 from copse.router.replica_sync import ReplicaSync
 from copse.router.service import RoutingService
 from copse.router.tokens import load_tokenizer
@@ -95,10 +96,14 @@ def default_router_id() -> str:
 
 
 async def start_router(
-    config: RouterConfig, *, router_id: str | None = None, pod_api: PoolApi | None = None
+    config: RouterConfig,
+    *,
+    router_id: str | None = None,
+    pod_api: PoolApi | None = None,
+    objective_api: ObjectiveApi | None = None,
 ) -> RunningRouter:
-    """Start a router for ``config``; ``pod_api`` replaces the Kubernetes client (tests).
-    Raises ``ValueError`` for unusable settings (perf profile, tokenizer, ports)."""
+    """Start a router for ``config``; ``pod_api`` and ``objective_api`` replace the Kubernetes
+    client (tests). Raises ``ValueError`` for unusable settings (perf profile, tokenizer, ports)."""
     perf = load_perf_model(config.perf_profile, kv_capacity_tokens=config.kv_capacity_tokens)
     if config.engine == "trtllm" and config.perf_profile is None:
         log.warning(
@@ -140,6 +145,25 @@ async def start_router(
     else:
         service = RouterService(
             config, source=source, perf=perf, tokenizer=tokenizer, use_kv_events=synced, share_load=synced
+        )
+    objectives = config.inference_objectives
+    if objectives is not None:
+        if objective_api is None:
+            if owned_api is None:
+                owned_api = await KubeAioPodApi.from_environment()
+            objective_api = owned_api
+        follower = ObjectiveFollower(
+            objective_api,
+            namespace=objectives.namespace or config.namespace,
+            pool=objectives.pool,
+            api_version=objectives.api_version,
+            interval_s=objectives.interval_s,
+            on_change=service.classes.set_priorities,
+        )
+        service.add_task(asyncio.create_task(follower.run(), name="inference-objectives"))
+        # A starting router reads the objectives before it takes traffic (until recovery_timeout_s).
+        service.readiness_checks.append(
+            lambda: None if follower.current is not None else "a first list of InferenceObjectives"
         )
     kv_sync = replica_sync = None
     if link is not None:
