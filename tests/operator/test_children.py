@@ -455,7 +455,50 @@ def test_epp_mode_makes_an_inference_pool_with_the_router_as_its_endpoint_picker
     } in rules
     http = {obj["kind"]: obj for obj in children.router_objects(make_deployment(replicas=1))}
     assert "InferencePool" not in http
-    assert len(http["Role"]["rules"]) == 1
+    assert [rule["resources"] for rule in http["Role"]["rules"]] == [["pods"], ["inferenceobjectives"]]
+
+
+def test_objectives_and_tenants_reach_the_router_config() -> None:
+    """spec.router's objectives, tenants and rate limits become the router's settings; the router
+    reads the InferenceObjectives naming the deployment's pool, with a Role that lets it list them."""
+    router = {
+        "tokenizer": {"configMap": "t"},
+        "kvCapacityTokens": 100_000,
+        "objectives": {"premium": {"priority": 100, "ttftMs": 2000}, "batch": {}},
+        "defaultObjective": {"ttftMs": 30000},
+        "tenants": {"team-a": {"weight": 2, "tokensPerMinute": 200000}},
+        "defaultTenant": {"tokensPerMinute": 50000},
+    }
+    deployment = make_deployment(replicas=1, router=router)
+    objects = {obj["kind"]: obj for obj in children.router_objects(deployment)}
+    config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
+    classes = config.classes()
+    assert (classes.objective("premium").priority, classes.objective("premium").ttft_ms) == (100, 2000)
+    assert (classes.objective("batch").priority, classes.objective("batch").ttft_ms) == (0, None)
+    assert classes.objective("unknown").ttft_ms == 30000
+    assert (classes.weight("team-a"), classes.weight("other")) == (2, 1)
+    limits = config.rate_limits()
+    assert limits is not None
+    assert (limits.limit("team-a"), limits.limit("other")) == (200000, 50000)
+    assert config.inference_objectives is not None
+    assert (config.inference_objectives.pool, config.inference_objectives.api_version) == (
+        "llama",
+        "inference.networking.x-k8s.io/v1alpha2",
+    )
+    assert {
+        "apiGroups": ["inference.networking.x-k8s.io"],
+        "resources": ["inferenceobjectives"],
+        "verbs": ["list"],
+    } in objects["Role"]["rules"]
+    llm_d = make_deployment(replicas=1, router={"inferenceObjectives": "llm-d.ai/v1alpha2"})
+    objects = {obj["kind"]: obj for obj in children.router_objects(llm_d)}
+    assert objects["Role"]["rules"][-1]["apiGroups"] == ["llm-d.ai"]
+    trtllm = {"tokenizer": {"configMap": "t"}, "kvCapacityTokens": 1}
+    off = make_deployment(replicas=1, router={**trtllm, "inferenceObjectives": None})
+    objects = {obj["kind"]: obj for obj in children.router_objects(off)}
+    config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
+    assert config.inference_objectives is None
+    assert [rule["resources"] for rule in objects["Role"]["rules"]] == [["pods"]]
 
 
 DEEPSEEK = REPO / "examples" / "deployment-deepseek-v3-wide-ep.yaml"

@@ -786,6 +786,44 @@ class PerfProfileSource(_SpecModel):
     )
 
 
+class RouterObjective(_SpecModel):
+    """A serving objective requests name in ``x-gateway-inference-objective``."""
+
+    priority: int = Field(
+        default=0,
+        description="Higher is served first while requests wait and shed last; an InferenceObjective "
+        "of the same name in the namespace (spec.poolRef.name: this deployment) overrides it.",
+    )
+    ttft_ms: Nullable[float] = Field(
+        default=None,
+        gt=0,
+        description="Time-to-first-token target: while the fleet is saturated, a request predicted to "
+        "miss it is answered 429 with Retry-After instead of queued; unset: queued while there is room.",
+    )
+
+
+class RouterTenant(_SpecModel):
+    """A tenant: an x-gateway-inference-fairness-id, or key- and the first 16 hex digits of the
+    SHA-256 of an API key."""
+
+    weight: float = Field(
+        default=1.0, gt=0, description="Its share of the fleet against other tenants of the same priority."
+    )
+    tokens_per_minute: Nullable[float] = Field(
+        default=None,
+        gt=0,
+        description="Prompt plus max_tokens tokens it may send per minute per router replica (429 with "
+        "Retry-After beyond); unset: unlimited.",
+    )
+
+
+class InferenceObjectiveApi(str, schema.Enum):
+    """Where InferenceObjective objects are defined."""
+
+    INFERENCE_EXTENSION = "inference.networking.x-k8s.io/v1alpha2"
+    LLM_D = "llm-d.ai/v1alpha2"
+
+
 class RouterSpec(_SpecModel):
     mode: RouterMode = Field(
         default=RouterMode.HTTP,
@@ -833,6 +871,27 @@ class RouterSpec(_SpecModel):
         default=None,
         description="API keys the OpenAI paths require (Authorization: Bearer <key>; 401 without) in "
         "http mode; unset: no authentication. In epp mode the gateway authenticates.",
+    )
+    objectives: dict[str, RouterObjective] = Field(
+        default_factory=dict,
+        description="Objectives by the name requests give in x-gateway-inference-objective: priority "
+        "and TTFT target.",
+    )
+    default_objective: RouterObjective = Field(
+        default_factory=RouterObjective,
+        description="The objective of requests naming none, or one the router does not know.",
+    )
+    inference_objectives: Nullable[InferenceObjectiveApi] = Field(
+        default=InferenceObjectiveApi.INFERENCE_EXTENSION,
+        description="API version of the InferenceObjective objects the router reads (those of its "
+        "namespace whose spec.poolRef.name is this deployment; their spec.priority wins over "
+        "objectives); null: objectives only.",
+    )
+    tenants: dict[str, RouterTenant] = Field(
+        default_factory=dict, description="Tenants by name: fair-share weight and rate limit."
+    )
+    default_tenant: RouterTenant = Field(
+        default_factory=RouterTenant, description="Weight and rate limit of every tenant not listed."
     )
 
 

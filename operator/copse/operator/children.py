@@ -26,6 +26,8 @@ from copse.api import (
     MoeLayout,
     Role,
     RouterMode,
+    RouterObjective,
+    RouterTenant,
     parse_quantity,
 )
 from copse.operator import multinode, names, weights
@@ -1016,6 +1018,31 @@ def engine_configmap(deployment: InferenceDeployment) -> dict[str, Any]:
     }
 
 
+def _router_classes(deployment: InferenceDeployment) -> dict[str, Any]:
+    """Objectives, the InferenceObjectives to read and tenants, in the router's config format
+    (unset fields left to the router's defaults)."""
+    router = deployment.spec.router
+
+    def objective(spec: RouterObjective) -> dict[str, Any]:
+        return {"priority": spec.priority, "ttft_ms": spec.ttft_ms}
+
+    def tenant(spec: RouterTenant) -> dict[str, Any]:
+        return {"weight": spec.weight, "tokens_per_minute": spec.tokens_per_minute}
+
+    config: dict[str, Any] = {
+        "objectives": {name: objective(spec) for name, spec in router.objectives.items()},
+        "default_objective": objective(router.default_objective),
+        "tenants": {name: tenant(spec) for name, spec in router.tenants.items()},
+        "default_tenant": tenant(router.default_tenant),
+    }
+    if router.inference_objectives is not None:
+        config["inference_objectives"] = {
+            "pool": deployment.metadata.name,
+            "api_version": router.inference_objectives.value,
+        }
+    return config
+
+
 def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
     """The router's settings for this deployment, in the router's own config format: the engines
     it routes to (kind, block size, step token budget, KV capacity, perf profile) and where the
@@ -1045,6 +1072,7 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
     }
     if router.kv_capacity_tokens is not None:
         config["kv_capacity_tokens"] = router.kv_capacity_tokens
+    config.update(_router_classes(deployment))
     context = spec.engine.max_seq_len or spec.engine.extra_config.get("max_seq_len")
     if isinstance(context, int) and not isinstance(context, bool) and context > 1:
         config["max_context_tokens"] = context
@@ -1266,6 +1294,18 @@ def router_rbac(deployment: InferenceDeployment) -> list[dict[str, Any]]:
                         }
                     ]
                     if deployment.spec.router.mode is RouterMode.EPP
+                    else []
+                ),
+                # The priorities of the InferenceObjectives naming this deployment's pool.
+                *(
+                    [
+                        {
+                            "apiGroups": [api.value.split("/", maxsplit=1)[0]],
+                            "resources": ["inferenceobjectives"],
+                            "verbs": ["list"],
+                        }
+                    ]
+                    if (api := deployment.spec.router.inference_objectives) is not None
                     else []
                 ),
             ],
