@@ -187,6 +187,13 @@ def main() -> None:
         default=Thresholds().busy_prefill_tokens,
         help="Router busy threshold of the fairness runs (lower: the router's queue orders more).",
     )
+    parser.add_argument(
+        "--premium-itl-guard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Give the premium objective the ITL target (itl_ms): lower priorities stay off the "
+        "workers where premium decodes while they would lengthen its steps past it.",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     pool = shapes(args.max_prompt)
@@ -200,7 +207,12 @@ def main() -> None:
     if "priorities" not in skip:
         seconds = args.minutes * 60.0
         rate = args.load * cap
-        premium = RequestClass(objective="premium", priority=100, ttft_slo_ms=args.premium_ttft_ms)
+        premium = RequestClass(
+            objective="premium",
+            priority=100,
+            ttft_slo_ms=args.premium_ttft_ms,
+            itl_slo_ms=ITL_TARGET_MS if args.premium_itl_guard else None,
+        )
         batch = RequestClass(objective="batch", priority=0, ttft_slo_ms=args.batch_ttft_ms)
         trace = arrivals(pool, rate=rate, seconds=seconds, seed=seed)
         rng = np.random.default_rng(seed + 1)

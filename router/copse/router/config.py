@@ -118,9 +118,14 @@ class ObjectiveSettings(_Model):
     ttft_ms: float | None = Field(default=None, gt=0)
     """Time-to-first-token target: while the fleet is saturated, a request the router predicts
     would wait past it is answered 429 at once instead of queued; none: queued while there is room."""
+    itl_ms: float | None = Field(default=None, gt=0)
+    """Inter-token target: while requests of this objective decode on a worker, a request of lower
+    priority is sent there only if the latency model predicts the worker's steps (its decode batch
+    plus a chunk of the prefill it would then hold) stay within it; otherwise elsewhere, or it
+    waits, and is shed when that wait passes its own TTFT target. None: no such guard."""
 
     def objective(self, name: str) -> Objective:
-        return Objective(name=name, priority=self.priority, ttft_ms=self.ttft_ms)
+        return Objective(name=name, priority=self.priority, ttft_ms=self.ttft_ms, itl_ms=self.itl_ms)
 
 
 class InferenceObjectiveSettings(_Model):

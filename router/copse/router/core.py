@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
@@ -264,6 +264,11 @@ class Router:
             weight=tenant_weight or (lambda _tenant: 1.0)
         )
         self._routes: dict[str, Route] = {}
+        self._guards: dict[int, Counter[tuple[int, float]]] = {}
+        """Per worker slot, (priority, ITL target) of its in-flight requests with an ITL target:
+        what keeps lower priorities' prefill off the workers where those requests decode."""
+        self._guarded: dict[str, tuple[int, tuple[int, float]]] = {}
+        """Request id -> (slot, guard) of every entry of :attr:`_guards`."""
         self.limits = limits
         self._routed_tokens: deque[tuple[float, float]] = deque()
         """(time, tokens) of every request routed within the last ``rate_window_s``."""
@@ -309,6 +314,7 @@ class Router:
         lost = {key.removesuffix("\x00prefill") for key in self.sequences.drop_worker(slot)}
         for request_id in lost:
             self._routes.pop(request_id, None)
+            self._unguard(request_id)
         if self.experts is not None:
             self.experts.reset_worker(slot)
         if self.radix is not None:
@@ -452,6 +458,7 @@ class Router:
         route = self._routes.pop(request_id, None)
         if route is None:
             return []
+        self._unguard(request_id)
         if self.experts is not None:
             self.experts.remove(request_id)
         self.sequences.free(request_id, now=now)
@@ -562,8 +569,76 @@ class Router:
             )
         if worker_free is None:
             return None
-        selection = self._selection(request, worker_free, now=now)
-        return self._commit_aggregated(selection, self.policy.choose(selection), now=now)
+        guarded = self._within_guards(self._selection(request, worker_free, now=now))
+        if guarded is None:
+            return None
+        return self._commit_aggregated(guarded, self.policy.choose(guarded), now=now)
+
+    def steps_ms_with(self, request: RouteRequest, *, new_tokens: FloatArray) -> FloatArray:
+        """Predicted step time of each worker once it holds ``request`` too, whose prompt has
+        ``new_tokens`` uncached there (one figure per worker): its decode batch (one more sequence,
+        the prompt's KV more) plus the fixed step cost and the compute of one chunk (at most
+        ``max_num_batched_tokens``) of the prefill it then has outstanding (what the engine's
+        chunked prefill puts in each step while that prefill lasts), ms."""
+        seq = self.sequences
+        size = seq.size
+        decode = self.perf.itl_ms(seq.kv_tokens()[:size] + request.prompt_tokens, seq.requests[:size] + 1.0)
+        chunk = np.minimum(seq.prefill_tokens[:size] + new_tokens, self.settings.max_num_batched_tokens)
+        out: FloatArray = (
+            decode + self.perf.f0 + self.perf.compute_ms_array(new_tokens=chunk, total_tokens=chunk)
+        )
+        return out
+
+    def _within_guards(self, selection: Selection) -> Selection | None:
+        """Keep decode steps within the ITL targets of the objectives that have one:
+
+        - ``selection`` loses the workers where a request of higher priority with an ITL target
+          decodes and this request would make the predicted step longer than that target (``None``
+          when none is left: the request waits, and lower priorities wait first);
+        - a request with an ITL target goes, when there are such workers, only to those whose
+          steps with the prefill they already hold stay within its target (its own prefill's steps
+          are its own cost)."""
+        request = selection.request
+        eligible = selection.eligible
+        own = request.itl_slo_ms
+        if not self._guards and own is None:
+            return selection
+        steps = self.steps_ms_with(request, new_tokens=selection.uncached_tokens()[: len(eligible)])
+        mask = eligible.copy()
+        for slot, guards in self._guards.items():
+            target = min((itl for priority, itl in guards if priority > request.priority), default=None)
+            if target is not None and slot < len(mask) and steps[slot] > target:
+                mask[slot] = False
+        if own is not None:
+            calm = mask & (self.steps_ms_with(request, new_tokens=np.zeros(len(eligible))) <= own)
+            if calm.any():
+                mask = calm
+        if not mask.any():
+            return None
+        if np.array_equal(mask, eligible):
+            return selection
+        narrowed = _Eligible.of(mask)
+        return dataclasses.replace(selection, eligible=narrowed.mask, exclusion=narrowed.exclusion)
+
+    def _guard(self, request: RouteRequest, slot: int) -> None:
+        """``request`` decodes on ``slot``: its ITL target (if any) guards that worker."""
+        if request.itl_slo_ms is None:
+            return
+        guard = (request.priority, request.itl_slo_ms)
+        self._guards.setdefault(slot, Counter())[guard] += 1
+        self._guarded[request.request_id] = (slot, guard)
+
+    def _unguard(self, request_id: str) -> None:
+        entry = self._guarded.pop(request_id, None)
+        if entry is None:
+            return
+        slot, guard = entry
+        guards = self._guards[slot]
+        guards[guard] -= 1
+        if guards[guard] <= 0:
+            del guards[guard]
+        if not guards:
+            del self._guards[slot]
 
     def fallbacks(
         self, request: RouteRequest, *, primary: str, exclude: frozenset[str], count: int, now: float
@@ -611,6 +686,7 @@ class Router:
             key=request.request_id,
             now=now,
         )
+        self._guard(request, slot)
         return self._commit(
             Route(
                 request_id=request.request_id,
@@ -699,6 +775,7 @@ class Router:
             key=request.request_id,
             now=now,
         )
+        self._guard(request, d_slot)
         return self._commit(
             Route(
                 request_id=request.request_id,

@@ -87,7 +87,7 @@ class PerfTable:
         curve = self.model.prefill_curve_ms
         return curve(float(cached_tokens + new_tokens)) - curve(float(cached_tokens))
 
-    def compute_ms_array(self, *, new_tokens: FloatArray, total_tokens: float) -> FloatArray:
+    def compute_ms_array(self, *, new_tokens: FloatArray, total_tokens: float | FloatArray) -> FloatArray:
         """:meth:`compute_ms` of prefilling the last ``new_tokens`` (one figure per worker) of a
         ``total_tokens`` prompt, from the sampled curve, ms."""
         xs, ys = self._curve_x, self._curve_y

@@ -5,8 +5,8 @@
   whose ``spec.priority`` orders the router's queue (higher first). copse reads objectives from
   the router config (``objectives:``, with their TTFT targets) and, with ``inference_objectives:``,
   from the InferenceObjective objects of its pool in Kubernetes (:mod:`copse.router.objective_source`):
-  an object's priority wins over the config's for the same name, and its TTFT target is the
-  config's entry of that name, else the default objective's. A request naming no objective, or
+  an object's priority wins over the config's for the same name, and its TTFT and ITL targets are
+  the config's entry of that name, else the default objective's. A request naming no objective, or
   one the router does not know, gets the default objective (priority 0 unless configured), as the
   endpoint picker does.
 - The tenant is the client's API key (``Authorization: Bearer ...``, never shown: a hash of it),
@@ -35,6 +35,9 @@ class Objective:
     ttft_ms: float | None = None
     """Time-to-first-token target: a request predicted to wait past it is shed (429) instead of
     queued; ``None``: queued while the queue has room."""
+    itl_ms: float | None = None
+    """Inter-token target: while its requests decode on a worker, requests of lower priority go
+    elsewhere (or wait) when they would make that worker's steps longer than it; ``None``: none."""
 
 
 class Classes:
@@ -61,8 +64,10 @@ class Classes:
         objectives = dict(self._configured)
         for name, priority in priorities.items():
             configured = self._configured.get(name)
-            ttft_ms = configured.ttft_ms if configured is not None else self.default.ttft_ms
-            objectives[name] = Objective(name=name, priority=priority, ttft_ms=ttft_ms)
+            targets = configured if configured is not None else self.default
+            objectives[name] = Objective(
+                name=name, priority=priority, ttft_ms=targets.ttft_ms, itl_ms=targets.itl_ms
+            )
         self._objectives = objectives
 
     def objective(self, name: str | None) -> Objective:

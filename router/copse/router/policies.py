@@ -78,6 +78,10 @@ class RouteRequest:
     ttft_slo_ms: float | None = None
     """Its objective's time-to-first-token target: a request predicted to wait past it is not
     admitted while the fleet is saturated (``None``: admitted while the queue has room)."""
+    itl_slo_ms: float | None = None
+    """Its objective's inter-token target: while it decodes on a worker, a request of lower
+    priority goes there only if the worker's predicted step time stays within it (``None``: no
+    such guard)."""
 
 
 RoutingObjective = Literal["e2e", "ttft", "goodput"]
@@ -164,6 +168,12 @@ class Selection:
         if self._overlaps is None:
             self._overlaps = self.indexer.index.overlap_array(self.request.hashes, self.sequences.size)
         return self._overlaps
+
+    def uncached_tokens(self) -> FloatArray:
+        """Prompt tokens each worker would have to compute."""
+        self.ttft_ms()
+        assert self._uncached is not None
+        return self._uncached
 
     def cached_tokens(self, slot: int) -> int:
         """Prompt tokens worker ``slot`` would not have to compute."""

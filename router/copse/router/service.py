@@ -570,6 +570,7 @@ class RoutingService:
             priority=objective.priority,
             tenant=tenant,
             ttft_slo_ms=objective.ttft_ms,
+            itl_slo_ms=objective.itl_ms,
             objective=objective.name,
         )
 

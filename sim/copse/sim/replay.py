@@ -372,6 +372,7 @@ class RequestClass:
     priority: int = 0
     tenant: str = ""
     ttft_slo_ms: float | None = None
+    itl_slo_ms: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -583,6 +584,7 @@ class Fleet:
                 priority=kind.priority,
                 tenant=kind.tenant,
                 ttft_slo_ms=kind.ttft_slo_ms,
+                itl_slo_ms=kind.itl_slo_ms,
             )
         try:
             route = self.router.submit(route_request, now=self.now_ms / 1000.0)
