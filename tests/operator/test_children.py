@@ -464,7 +464,7 @@ def test_objectives_and_tenants_reach_the_router_config() -> None:
     router = {
         "tokenizer": {"configMap": "t"},
         "kvCapacityTokens": 100_000,
-        "objectives": {"premium": {"priority": 100, "ttftMs": 2000}, "batch": {}},
+        "objectives": {"premium": {"priority": 100, "ttftMs": 2000, "itlMs": 50}, "batch": {}},
         "defaultObjective": {"ttftMs": 30000},
         "tenants": {"team-a": {"weight": 2, "tokensPerMinute": 200000}},
         "defaultTenant": {"tokensPerMinute": 50000},
@@ -473,7 +473,8 @@ def test_objectives_and_tenants_reach_the_router_config() -> None:
     objects = {obj["kind"]: obj for obj in children.router_objects(deployment)}
     config = RouterConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["router.yaml"]))
     classes = config.classes()
-    assert (classes.objective("premium").priority, classes.objective("premium").ttft_ms) == (100, 2000)
+    premium = classes.objective("premium")
+    assert (premium.priority, premium.ttft_ms, premium.itl_ms) == (100, 2000, 50)
     assert (classes.objective("batch").priority, classes.objective("batch").ttft_ms) == (0, None)
     assert classes.objective("unknown").ttft_ms == 30000
     assert (classes.weight("team-a"), classes.weight("other")) == (2, 1)

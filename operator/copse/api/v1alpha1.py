@@ -800,6 +800,13 @@ class RouterObjective(_SpecModel):
         description="Time-to-first-token target: while the fleet is saturated, a request predicted to "
         "miss it is answered 429 with Retry-After instead of queued; unset: queued while there is room.",
     )
+    itl_ms: Nullable[float] = Field(
+        default=None,
+        gt=0,
+        description="Inter-token target: while its requests decode on a worker, requests of lower "
+        "priority go there only if the router predicts its steps stay within it (else elsewhere, or "
+        "they wait); unset: no such guard.",
+    )
 
 
 class RouterTenant(_SpecModel):

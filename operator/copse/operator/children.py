@@ -1024,7 +1024,7 @@ def _router_classes(deployment: InferenceDeployment) -> dict[str, Any]:
     router = deployment.spec.router
 
     def objective(spec: RouterObjective) -> dict[str, Any]:
-        return {"priority": spec.priority, "ttft_ms": spec.ttft_ms}
+        return {"priority": spec.priority, "ttft_ms": spec.ttft_ms, "itl_ms": spec.itl_ms}
 
     def tenant(spec: RouterTenant) -> dict[str, Any]:
         return {"weight": spec.weight, "tokens_per_minute": spec.tokens_per_minute}
