@@ -18,7 +18,9 @@ refused one count as misses.
    ``--fair-load`` x capacity for ``--fair-minutes``, every request of the default objective with
    the batch TTFT target: the light tenant's TTFT p99 against its solo run at its own rate, and
    Jain's index of the tenants' token throughput (prompt + output tokens completed per second).
-   With ``--fair-light-share`` >= 0.5 both tenants are backlogged.
+   With ``--fair-light-share`` >= 0.5 both tenants are backlogged. With ``--fair-replicas``, the
+   shared run again through two router replicas, 80 % of the light tenant's requests at the first
+   and 80 % of the heavy tenant's at the second.
 
 Usage: ``.venv/bin/python benchmarks/shared_fleets.py [--minutes 10] [--load 1.5] [--seed 0]``
 """
@@ -109,9 +111,10 @@ def run(
     seed: int,
     seconds: float,
     thresholds: Thresholds | None = None,
+    replica_of: Sequence[int] | None = None,
 ) -> Outcome:
     settings = ReplaySettings(workers=16, seed=seed, thresholds=thresholds or Thresholds())
-    fleet = Fleet(trace, settings, engines=16, classes=classes)
+    fleet = Fleet(trace, settings, engines=16, classes=classes, replica_of=replica_of)
     for index in range(len(trace)):
         fleet.run_until(float(fleet.arrival_ms[index]))
         fleet.arrive(index)
@@ -194,6 +197,11 @@ def main() -> None:
         help="Give the premium objective the ITL target (itl_ms): lower priorities stay off the "
         "workers where premium decodes while they would lengthen its steps past it.",
     )
+    parser.add_argument(
+        "--fair-replicas",
+        action="store_true",
+        help="Fairness also through two router replicas sharing load, each tenant's traffic split 80/20.",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     pool = shapes(args.max_prompt)
@@ -258,16 +266,28 @@ def main() -> None:
         light_figures = shared.of(is_light, ttft_target_ms=args.batch_ttft_ms)
         heavy_figures = shared.of(~is_light, ttft_target_ms=args.batch_ttft_ms)
         show("light alone", solo_figures)
-        show("light, shared", light_figures)
-        show("heavy, shared", heavy_figures)
-        print(
-            f" light TTFT p99 shared / solo: {light_figures['ttft_p99_ms'] / solo_figures['ttft_p99_ms']:.3f}"
-        )
-        throughputs = [light_figures["throughput_tok_s"], heavy_figures["throughput_tok_s"]]
-        print(
-            f" token throughput light {throughputs[0]:,.0f}, heavy {throughputs[1]:,.0f} tok/s; "
-            f"Jain's index {jain(throughputs):.3f} (meaningful when both are backlogged)"
-        )
+        runs = [("one router", light_figures, heavy_figures)]
+        if args.fair_replicas:
+            # Two router replicas: 80 % of the light tenant's requests reach the first, 80 % of the
+            # heavy tenant's the second (Dynamo #15187's uneven split).
+            rng = np.random.default_rng(seed + 3)
+            first = rng.random(len(trace)) < np.where(is_light, 0.8, 0.2)
+            replica_of = (~first).astype(int).tolist()
+            split = run(trace, kinds, seed=seed, seconds=seconds, thresholds=busy, replica_of=replica_of)
+            light_split = split.of(is_light, ttft_target_ms=args.batch_ttft_ms)
+            heavy_split = split.of(~is_light, ttft_target_ms=args.batch_ttft_ms)
+            runs.append(("two replicas 80/20", light_split, heavy_split))
+        for name, light_shared, heavy_shared in runs:
+            print(f" {name}:")
+            show("light, shared", light_shared)
+            show("heavy, shared", heavy_shared)
+            ratio = light_shared["ttft_p99_ms"] / solo_figures["ttft_p99_ms"]
+            print(f"  light TTFT p99 shared / solo: {ratio:.3f}")
+            throughputs = [light_shared["throughput_tok_s"], heavy_shared["throughput_tok_s"]]
+            print(
+                f"  token throughput light {throughputs[0]:,.0f}, heavy {throughputs[1]:,.0f} tok/s; "
+                f"Jain's index {jain(throughputs):.3f} (meaningful when both are backlogged)"
+            )
     sys.stdout.flush()
 
 

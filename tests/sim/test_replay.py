@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from copse.sim.cli import bench
 from copse.sim.replay import (
     EngineConfigError,
+    Fleet,
     KvEventChannel,
     ReplaySettings,
     RouterModel,
@@ -235,3 +236,24 @@ def test_bench_replay_cli_takes_the_router_model_lag_noise_and_decode_weight(tmp
         bad = runner.invoke(bench, [*args, flag, value])
         assert bad.exit_code == 2
         assert flag in bad.stderr
+
+
+def test_two_router_replicas_share_their_load_in_the_twin() -> None:
+    """Each replica routes the requests that reach it and sees the other's in flight (what NATS
+    carries between real replicas), until they end."""
+    trace = [
+        TraceRequest(
+            timestamp_ms=0.0, input_length=2000, output_length=50, hash_ids=tuple(range(4 * i, 4 * i + 4))
+        )
+        for i in range(8)
+    ]
+    fleet = Fleet(trace, ReplaySettings(workers=2, seed=1), engines=2, replica_of=[i % 2 for i in range(8)])
+    assert len(fleet.routers) == 2
+    for index in range(len(trace)):
+        fleet.arrive(index)
+    for router in fleet.routers:
+        assert float(router.sequences.requests.sum()) == 8  # its own four and its peer's four
+    fleet.run()
+    assert not np.isnan(fleet.finish_ms).any()
+    for router in fleet.routers:
+        assert float(router.sequences.requests.sum()) == 0

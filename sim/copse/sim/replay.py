@@ -415,11 +415,15 @@ class Fleet:
         *,
         engines: int | Mapping[Role, int],
         classes: Sequence[RequestClass] | None = None,
+        replica_of: Sequence[int] | None = None,
     ) -> None:
         """``engines`` serve from the start: a number of aggregated workers, or engines per role
         (prefill and decode for a disaggregated fleet); ``classes``: each request's objective and
-        tenant (all of the default class when not given). Raises ``ValueError`` for unusable
-        settings."""
+        tenant (all of the default class when not given); ``replica_of``: the router replica each
+        request arrives at (one router when not given). Replicas share their in-flight load and
+        the tokens they served each tenant as the real ones do over NATS (their
+        :class:`~copse.router.core.PeerChange` s), delivered at once; each learns the engines'
+        caches from the same KV events. Raises ``ValueError`` for unusable settings."""
         pools = {Role.WORKER: engines} if isinstance(engines, int) else dict(engines)
         if set(pools) not in ({Role.WORKER}, {Role.PREFILL, Role.DECODE}):
             raise ValueError(f"a fleet has workers, or prefill and decode engines; got {sorted(pools)}")
@@ -442,32 +446,17 @@ class Fleet:
         self.router_perf = settings.router_model.resolve(config=config, perf=self._perf)
         """The perf model the router predicts with (and a planner would size with)."""
         host_block_ms, disk_block_ms = config.offload.block_ms(block_bytes=config.block_bytes)
-        self.router = Router(
-            perf=self.router_perf,
-            settings=SelectionSettings(
-                block_size=block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                temperature=settings.temperature,
-                objective=settings.objective,
-                decode_weight=settings.decode_weight,
-                expert_weight=settings.expert_weight,
-                host_block_ms=host_block_ms,
-                disk_block_ms=disk_block_ms,
-            ),
-            policy=settings.policy,
-            thresholds=settings.thresholds,
-            seed=settings.seed,
-            moe=config.moe,
-            moe_perf=settings.router_model.balanced(config=config, perf=self._perf),
-            # the twin has no localities: every transfer runs at the engines' bandwidth
-            disagg=DisaggSettings(
-                kv_bytes_per_token=float(config.kv_bytes_per_token),
-                far_gbps=config.kv_transfer_bandwidth_gbps,
-            ),
-        )
-        radix = self.router.radix
-        assert radix is not None
-        self._radix = radix
+        self.replica_of = None if replica_of is None else list(replica_of)
+        replicas = 1 if not self.replica_of else max(self.replica_of) + 1
+        self.routers = [
+            self._make_router(settings, config, host_block_ms, disk_block_ms, share_load=replicas > 1)
+            for _ in range(replicas)
+        ]
+        """The router replicas (one unless ``replica_of`` names more)."""
+        self.router = self.routers[0]
+        """The first replica (the only one by default)."""
+        self._owner: dict[str, int] = {}
+        """Request id -> the replica that routes it."""
         self.simulator = Simulator([], on_step=self._on_step, fuse_until_submit=True)
         self.channel = KvEventChannel(lag_ms=settings.kv_event_lag_ms, apply=self._apply_events)
         self._synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
@@ -505,6 +494,41 @@ class Fleet:
             for _ in range(count):
                 self.add_engine(role)
 
+    def _make_router(
+        self,
+        settings: ReplaySettings,
+        config: EngineConfig,
+        host_block_ms: float,
+        disk_block_ms: float,
+        *,
+        share_load: bool,
+    ) -> Router:
+        block_size = config.block_size
+        return Router(
+            perf=self.router_perf,
+            settings=SelectionSettings(
+                block_size=block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                temperature=settings.temperature,
+                objective=settings.objective,
+                decode_weight=settings.decode_weight,
+                expert_weight=settings.expert_weight,
+                host_block_ms=host_block_ms,
+                disk_block_ms=disk_block_ms,
+            ),
+            policy=settings.policy,
+            thresholds=settings.thresholds,
+            seed=settings.seed,
+            moe=config.moe,
+            moe_perf=settings.router_model.balanced(config=config, perf=self._perf),
+            # the twin has no localities: every transfer runs at the engines' bandwidth
+            disagg=DisaggSettings(
+                kv_bytes_per_token=float(config.kv_bytes_per_token),
+                far_gbps=config.kv_transfer_bandwidth_gbps,
+            ),
+            share_load=share_load,
+        )
+
     @property
     def now_ms(self) -> float:
         return self.simulator.now_ms
@@ -530,13 +554,14 @@ class Fleet:
         self._index_of[engine.worker_id] = index
         self._placements.append(-1)
         self.roles.append(role)
-        routes = self.router.add_worker(
-            WorkerInfo(worker_id=engine.worker_id, role=role), now=self.now_ms / 1000.0
-        )
-        if engine.moe is not None:  # a new engine reports its expert placement at once
-            self._placements[index] = engine.moe.version
-            self.router.set_expert_placement(engine.worker_id, engine.moe.placement)
-        self._dispatch(routes)
+        for router in self.routers:
+            info = WorkerInfo(worker_id=engine.worker_id, role=role)
+            routes = router.add_worker(info, now=self.now_ms / 1000.0)
+            if engine.moe is not None:  # a new engine reports its expert placement at once
+                self._placements[index] = engine.moe.version
+                router.set_expert_placement(engine.worker_id, engine.moe.placement)
+            self._dispatch(routes)
+        self._sync()
         return index
 
     def drain(self, index: int) -> None:
@@ -545,12 +570,15 @@ class Fleet:
         requests it has, then retires and the router forgets it."""
         engine = self.simulator.engines[index]
         info = WorkerInfo(worker_id=engine.worker_id, role=self.roles[index], draining=True)
-        self._dispatch(self.router.add_worker(info, now=self.now_ms / 1000.0))
+        for router in self.routers:
+            self._dispatch(router.add_worker(info, now=self.now_ms / 1000.0))
+        self._sync()
         self.draining.add(index)
         self._retire_if_drained(index, self.now_ms)
 
     def _retire(self, index: int, at_ms: float) -> None:
-        self.router.remove_worker(self.simulator.engines[index].worker_id)
+        for router in self.routers:
+            router.remove_worker(self.simulator.engines[index].worker_id)
         self.retired_ms[index] = at_ms
 
     def run_until(self, t_ms: float) -> None:
@@ -586,9 +614,12 @@ class Fleet:
                 ttft_slo_ms=kind.ttft_slo_ms,
                 itl_slo_ms=kind.itl_slo_ms,
             )
+        replica = 0 if self.replica_of is None else self.replica_of[index]
+        self._owner[request_id] = replica
         try:
-            route = self.router.submit(route_request, now=self.now_ms / 1000.0)
+            route = self.routers[replica].submit(route_request, now=self.now_ms / 1000.0)
         except (Shed, NoWorkers) as exc:
+            self._sync()
             self._pending.pop(request_id)
             self.failed_ms[index] = self.now_ms
             if isinstance(exc, Shed):
@@ -596,11 +627,33 @@ class Fleet:
             return
         if route is not None:
             self._dispatch([route])
+        self._sync()
+
+    def _of(self, request_id: str) -> Router:
+        """The replica that routed ``request_id``."""
+        return self.routers[self._owner.get(request_id, 0)]
+
+    def _sync(self) -> None:
+        """Hand every replica's load changes to the others (and route what they let through)."""
+        if len(self.routers) == 1:
+            return
+        now = self.now_ms / 1000.0
+        while any(router.outbox for router in self.routers):
+            for source, router in enumerate(self.routers):
+                assert router.outbox is not None
+                changes = list(router.outbox)
+                router.outbox.clear()
+                for peer in self.routers:
+                    if peer is not router:
+                        for change in changes:
+                            self._dispatch(peer.apply_peer(change, peer=str(source), now=now))
 
     def _apply_events(self, index: int, events: list[KvEvent]) -> None:
         engine = self.simulator.engines[index]
         if engine.worker_id in self.router.workers:  # a retired engine's events find nobody listening
-            self._radix.apply_events(engine.worker_id, epoch=engine.epoch, events=events)
+            for router in self.routers:
+                assert router.radix is not None
+                router.radix.apply_events(engine.worker_id, epoch=engine.epoch, events=events)
 
     def _dispatch(self, routes: list[Route]) -> None:
         for route in routes:
@@ -617,7 +670,7 @@ class Fleet:
                 )
             except (RequestRejected, EngineOverloaded):
                 self.failed_ms[item.index] = now
-                self._dispatch(self.router.finish(route.request_id, now=now / 1000.0))
+                self._dispatch(self._of(route.request_id).finish(route.request_id, now=now / 1000.0))
                 continue
             self.routed_ms[item.index] = now
             self.predicted_cached[item.index] = route.cached_tokens
@@ -637,7 +690,7 @@ class Fleet:
         if item.max_tokens <= 1:  # the first token was the whole output
             self.first_ms[item.index] = self.finish_ms[item.index] = now
             self.outputs[item.index] = 1
-            router = self.router
+            router = self._of(request.request_id)
             released = router.prefill_done(request.request_id, now=now / 1000.0)
             self._dispatch(released + router.finish(request.request_id, now=now / 1000.0))
             self._retire_if_drained(decode, now)
@@ -653,7 +706,7 @@ class Fleet:
             )
         except (RequestRejected, EngineOverloaded):
             self.failed_ms[item.index] = now
-            self._dispatch(self.router.finish(request.request_id, now=now / 1000.0))
+            self._dispatch(self._of(request.request_id).finish(request.request_id, now=now / 1000.0))
             self._retire_if_drained(decode, now)
 
     def _retire_if_drained(self, index: int, at_ms: float) -> None:
@@ -667,12 +720,13 @@ class Fleet:
         events = engine.drain_kv_events()
         if events:  # the step's events, published as one batch when it ends
             self.channel.publish(at_ms=output.end_ms, source=index, events=events)
-        router = self.router
         moe = engine.moe
         # An MoE engine reports its expert placement when its load balancer moves experts.
-        if moe is not None and moe.version != self._placements[index] and engine.worker_id in router.workers:
+        known = engine.worker_id in self.router.workers
+        if moe is not None and moe.version != self._placements[index] and known:
             self._placements[index] = moe.version
-            router.set_expert_placement(engine.worker_id, moe.placement)
+            for router in self.routers:
+                router.set_expert_placement(engine.worker_id, moe.placement)
         now = output.end_ms / 1000.0
         released: list[Route] = []
         if self.roles[index] is Role.PREFILL:
@@ -685,21 +739,22 @@ class Fleet:
                     self.first_ms[i] = output.end_ms
                     if math.isnan(request.ready_ms):  # prefilled here, not received from a prefill engine
                         self.cached[i] = max(request.cached_tokens, 0)
-                    released += router.prefill_done(request.request_id, now=now)
+                    released += self._of(request.request_id).prefill_done(request.request_id, now=now)
             released += self._finished(index, output)
         if released:
             self.channel.deliver(output.end_ms)
             self._dispatch(released)
+        self._sync()
         self._retire_if_drained(index, output.end_ms)
 
     def _finished(self, index: int, output: StepOutput) -> list[Route]:
         """Record the requests that finished on engine ``index``; returns the routes they free."""
-        router = self.router
         moe = self.simulator.engines[index].moe
         now = output.end_ms / 1000.0
         released: list[Route] = []
         for request in output.finished:
             i = int(request.request_id)
+            router = self._of(request.request_id)
             self.finish_ms[i] = output.end_ms
             self.outputs[i] = request.num_output
             if moe is not None and self.settings.expert_reports:
