@@ -198,6 +198,13 @@ def main() -> None:
         "workers where premium decodes while they would lengthen its steps past it.",
     )
     parser.add_argument(
+        "--fair-busy-kv-fraction",
+        type=float,
+        default=Thresholds().busy_kv_fraction,
+        help="Router KV busy threshold of the fairness runs (lower: smaller decode batches, more "
+        "waiting in the router's fair queue).",
+    )
+    parser.add_argument(
         "--fair-replicas",
         action="store_true",
         help="Fairness also through two router replicas sharing load, each tenant's traffic split 80/20.",
@@ -256,8 +263,13 @@ def main() -> None:
             f"\nfairness: light {light_rate:.1f} req/s, heavy {heavy_rate:.1f} req/s "
             f"({(light_rate + heavy_rate) / cap:.2f}x capacity) for {seconds:.0f} s"
         )
-        busy = Thresholds(busy_prefill_tokens=args.fair_busy_prefill_tokens)
-        print(f" router busy threshold {busy.busy_prefill_tokens:,.0f} prefill tokens per engine")
+        busy = Thresholds(
+            busy_prefill_tokens=args.fair_busy_prefill_tokens, busy_kv_fraction=args.fair_busy_kv_fraction
+        )
+        print(
+            f" router busy thresholds {busy.busy_prefill_tokens:,.0f} prefill tokens per engine, "
+            f"{busy.busy_kv_fraction:g} of its KV"
+        )
         solo = run(light_trace, [light] * len(light_trace), seed=seed, seconds=seconds, thresholds=busy)
         trace, kinds = merge([(light_trace, light), (heavy_trace, heavy)])
         shared = run(trace, kinds, seed=seed, seconds=seconds, thresholds=busy)
