@@ -270,9 +270,11 @@ class Router:
         self._guarded: dict[str, tuple[int, tuple[int, float]]] = {}
         """Request id -> (slot, guard) of every entry of :attr:`_guards`."""
         self.limits = limits
-        self._routed_tokens: deque[tuple[float, float]] = deque()
-        """(time, tokens) of every request routed within the last ``rate_window_s``."""
+        self._routed_tokens: deque[tuple[float, float, int]] = deque()
+        """(time, tokens, priority) of every request routed within the last ``rate_window_s``."""
         self._routed_sum = 0.0
+        self._routed_by_priority: dict[int, float] = {}
+        """Of ``_routed_sum``, the tokens of each priority."""
         self.outbox: list[PeerChange] | None = [] if share_load else None
         """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
         self.prompt_tokens_routed = 0
@@ -375,24 +377,33 @@ class Router:
             limits.take(request.tenant, tokens, now=now)
         return route
 
-    def routed_tokens_per_s(self, *, now: float) -> float | None:
+    def routed_tokens_per_s(self, *, now: float, at_or_below: int | None = None) -> float | None:
         """Tokens (prompt plus expected output) per second this router routed over the last
-        ``rate_window_s``: how fast its queue drains while the fleet is saturated; ``None`` before
-        a window's worth of history."""
+        ``rate_window_s`` (of priority ``at_or_below`` or lower, when given): how fast its queue
+        drains while the fleet is saturated; ``None`` before a window's worth of history."""
         window = self.thresholds.rate_window_s
         recent = self._routed_tokens
+        by_priority = self._routed_by_priority
         while recent and recent[0][0] < now - window:
-            self._routed_sum -= recent.popleft()[1]
+            _, tokens, priority = recent.popleft()
+            self._routed_sum -= tokens
+            by_priority[priority] -= tokens
         if not recent or now - recent[0][0] < window / 2:
             return None
-        return self._routed_sum / window
+        if at_or_below is None:
+            return self._routed_sum / window
+        return sum(tokens for priority, tokens in by_priority.items() if priority <= at_or_below) / window
 
     def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
         """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queue
         serves before it is done (higher priorities, and of its own band its tenant's waiting tokens
         and the other tenants' fair share beside them: :meth:`FairQueue.tokens_ahead`), over the
-        rate the fleet takes tokens; ``None`` when that rate is not known yet."""
-        rate = self.routed_tokens_per_s(now=now)
+        rate the fleet took tokens of its priority and lower (what higher priorities leave it, and
+        what ITL guards let through), else of every priority when none of those were routed;
+        ``None`` when no rate is known yet."""
+        rate = self.routed_tokens_per_s(now=now, at_or_below=request.priority)
+        if not rate:
+            rate = self.routed_tokens_per_s(now=now)
         if rate is None or rate <= 0.0:
             return None
         tokens = float(request.prompt_tokens + request.max_tokens)
@@ -597,7 +608,8 @@ class Router:
           when none is left: the request waits, and lower priorities wait first);
         - a request with an ITL target goes, when there are such workers, only to those whose
           steps with the prefill they already hold stay within its target (its own prefill's steps
-          are its own cost)."""
+          are its own cost), and among them to those already guarded at its priority or above
+          when there are any: the guarded workers stay few, the others serve lower priorities."""
         request = selection.request
         eligible = selection.eligible
         own = request.itl_slo_ms
@@ -612,7 +624,13 @@ class Router:
         if own is not None:
             calm = mask & (self.steps_ms_with(request, new_tokens=np.zeros(len(eligible))) <= own)
             if calm.any():
-                mask = calm
+                # Pack: the calm workers already guarded at this priority or above first, so that the
+                # guarded workers stay few and the others serve lower priorities at full speed.
+                packed = calm.copy()
+                for slot in np.flatnonzero(calm).tolist():
+                    held = self._guards.get(slot, ())
+                    packed[slot] = any(priority >= request.priority for priority, _ in held)
+                mask = packed if packed.any() else calm
         if not mask.any():
             return None
         if np.array_equal(mask, eligible):
@@ -827,8 +845,10 @@ class Router:
         )
         if output:
             tokens = float(request.prompt_tokens + request.max_tokens)
-            self._routed_tokens.append((now, tokens))
+            self._routed_tokens.append((now, tokens, request.priority))
             self._routed_sum += tokens
+            by_priority = self._routed_by_priority
+            by_priority[request.priority] = by_priority.get(request.priority, 0.0) + tokens
         if output and self.experts is not None:
             self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
         self.costs.refresh()
