@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from copse.workers.mocker import EngineConfig
+from copse.workers.mocker import EngineConfig, server
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvDump
 from copse.workers.protocol.tokenizer import encode, render_chat
@@ -299,3 +301,26 @@ async def test_a_chunked_request_body_is_read_whole() -> None:
         assert "content-length" not in response.request.headers
         assert response.status_code == 200
         assert response.json()["usage"]["prompt_tokens"] == 100
+
+
+async def test_large_bodies_are_parsed_and_tokenized_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A multi-megabyte prompt must not stall the engine's loop (its steps and its /health: the
+    abuse soak saw a router drop a mocked engine whose loop parsed an 8 MiB prompt for seconds)."""
+    threads: list[str] = []
+    parse = server._completion_prompt
+
+    def recording(raw: bytes) -> tuple[Any, list[int]]:
+        threads.append(threading.current_thread().name)
+        return parse(raw)
+
+    monkeypatch.setattr(server, "_completion_prompt", recording)
+    async with mock_fleet() as fleet, httpx.AsyncClient(base_url=fleet.urls[0], timeout=60) as http:
+        for prompt in ("small", "x" * (2 * server.INLINE_BODY_BYTES)):
+            body = {"model": "mock-model", "prompt": prompt, "max_tokens": 2}
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+    main = threading.main_thread().name
+    assert threads[0] == main
+    assert threads[1] != main

@@ -36,9 +36,9 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -83,6 +83,35 @@ ITERATION_STATS_KEPT = 1000
 """Iteration stats kept between two ``GET /metrics`` (TensorRT-LLM keeps a bounded queue too)."""
 RETRY_AFTER_S = 1
 """``Retry-After`` of a 503: one second, about the time a full batch takes to turn over."""
+
+
+_Parsed = TypeVar("_Parsed", CompletionRequest, ChatCompletionRequest)
+
+INLINE_BODY_BYTES = 64 * 1024
+"""Request bodies up to this size are parsed and tokenized on the event loop; larger ones on a
+thread, so that a multi-megabyte prompt does not stall the engine's steps and its ``/health``
+(whose probes time out while the loop is stuck, and the router then drops the engine)."""
+
+
+def _completion_prompt(raw: bytes) -> tuple[CompletionRequest, list[int]]:
+    body = parse_request(CompletionRequest, raw)
+    return body, encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+
+
+def _chat_prompt(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+    body = parse_request(ChatCompletionRequest, raw)
+    if body.prompt_token_ids is not None:
+        return body, body.prompt_token_ids
+    return body, chat_tokens(body.turns(), add_generation_prompt=body.add_generation_prompt)
+
+
+async def _off_loop_if_large(
+    parse: Callable[[bytes], tuple[_Parsed, list[int]]], raw: bytes
+) -> tuple[_Parsed, list[int]]:
+    """``parse(raw)``, on a thread when ``raw`` is over :data:`INLINE_BODY_BYTES`."""
+    if len(raw) <= INLINE_BODY_BYTES:
+        return parse(raw)
+    return await asyncio.to_thread(parse, raw)
 
 
 def _error(
@@ -459,23 +488,18 @@ class EngineServer:
 
     async def _completions(self, http: web.Request) -> web.StreamResponse:
         try:
-            body = parse_request(CompletionRequest, await http.read())
+            body, tokens = await _off_loop_if_large(_completion_prompt, await http.read())
         except RequestError as exc:
             return _error(400, exc.message, param=exc.param)
-        tokens = encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not tokens:
             return _error(400, "prompt holds no tokens", param="prompt")
         return await self._serve(http, body, tokens)
 
     async def _chat(self, http: web.Request) -> web.StreamResponse:
         try:
-            body = parse_request(ChatCompletionRequest, await http.read())
+            body, tokens = await _off_loop_if_large(_chat_prompt, await http.read())
         except RequestError as exc:
             return _error(400, exc.message, param=exc.param)
-        if body.prompt_token_ids is not None:
-            tokens = body.prompt_token_ids
-        else:
-            tokens = chat_tokens(body.turns(), add_generation_prompt=body.add_generation_prompt)
         return await self._serve(http, body, tokens)
 
     # housekeeping -----------------------------------------------------------------------------
