@@ -596,8 +596,7 @@ async def test_client_bounds_hold_in_epp_mode() -> None:
         running = await _picker(fleet.urls, settings={"clients": bounds})
         picker = _service(running)
         gate = picker.clients
-        # Each body announces its size (as Envoy forwards Content-Length), else the picker reserves
-        # max_body_bytes for it, past this max_body_bytes_held.
+        # Each body announces its size (as Envoy forwards Content-Length): held from the headers.
         team = {"x-gateway-inference-fairness-id": "team-a", "content-length": "100"}
         try:
             # Two requests of team-a whose bodies are still coming: a third one is refused at its
@@ -636,6 +635,21 @@ async def test_client_bounds_hold_in_epp_mode() -> None:
             status, _, message = _rejection(got)
             assert status == 429
             assert "clients.max_body_bytes_held" in message
+            # A body of unknown size is counted as its chunks arrive: refused once past the bound.
+            unannounced = {"x-gateway-inference-fairness-id": "team-c"}
+            part = ext_proc.HttpBody(body=b"x" * 3000, end_of_stream=False)
+            got = await _exchange(
+                picker,
+                [
+                    request_headers(extra=unannounced),
+                    ext_proc.ProcessingRequest(request_body=part),
+                    ext_proc.ProcessingRequest(request_body=part),
+                ],
+            )
+            status, _, message = _rejection(got)
+            assert status == 429
+            assert "clients.max_body_bytes_held" in message
+            assert (gate.clients(), gate.body_bytes) == (0, 0)
         finally:
             await running.close()
         # A body that does not arrive within clients.body_timeout_s: 408, and nothing stays held.

@@ -128,6 +128,16 @@ class ClientGate:
         held.requests += 1
         self.body_bytes += body_bytes
 
+    def grow(self, extra: int) -> None:
+        """A body held so far takes ``extra`` more bytes (a body counted as it arrives); raises
+        :class:`Refused` past ``max_body_bytes_held``."""
+        if self.body_bytes + extra > self.limits.max_body_bytes_held:
+            raise Refused(
+                f"the router holds {self.body_bytes} bytes of request bodies; {extra} more would pass "
+                f"clients.max_body_bytes_held ({self.limits.max_body_bytes_held})"
+            )
+        self.body_bytes += extra
+
     def resize(self, *, reserved: int, actual: int) -> None:
         """A body reserved at ``reserved`` bytes (its announced or largest size) took ``actual``."""
         self.body_bytes += actual - reserved

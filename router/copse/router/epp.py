@@ -325,8 +325,8 @@ class Exchange:
         """The client key (:func:`copse.router.clients.client_key`) while the request is inside the
         client gate (a request with a body, from its headers to the exchange's end); "" when not."""
         self._held = 0
-        """Body bytes reserved in the gate (the body's announced or largest size, then its own,
-        then 0 once the body went back to the gateway)."""
+        """Body bytes counted in the gate (the body's announced size, or what arrived of it; then
+        its own size; then 0 once the body went back to the gateway)."""
         self._body_deadline: float | None = None
         """When the body must have arrived (``clients.body_timeout_s`` after the headers)."""
         self._streaming = False
@@ -354,6 +354,12 @@ class Exchange:
             if len(self.body) + len(chunk.body) > limit:
                 return self._reject(413, f"request body exceeds {limit} bytes (max_body_bytes)")
             self.body += chunk.body
+            if self.client and len(self.body) > self._held:  # past what was reserved: count it as it comes
+                try:
+                    self.picker.clients.grow(len(self.body) - self._held)
+                except Refused as exc:
+                    return self._reject(429, str(exc), retry_after="1")
+                self._held = len(self.body)
             return await self._decide(trailers=False) if chunk.end_of_stream else []
         if kind == "request_trailers":
             return await self._decide(trailers=True)
@@ -389,7 +395,7 @@ class Exchange:
         """Admit a request with a body under its client's bounds, as the HTTP frontend does: the
         client is its API key or fairness id (every client without one shares the key of the
         gateway, the picker's one peer); its body is reserved at its announced size (refused
-        unread past ``max_body_bytes``) or at ``max_body_bytes``, and must arrive within
+        unread past ``max_body_bytes``), else counted as its chunks arrive, and must arrive within
         ``clients.body_timeout_s``."""
         picker = self.picker
         limit = picker.config.max_body_bytes
@@ -398,7 +404,7 @@ class Exchange:
         if size is not None and size > limit:
             return self._reject(413, f"request body exceeds {limit} bytes (max_body_bytes)")
         key = client_key(self.headers, peer="gateway")
-        held = limit if size is None else size
+        held = 0 if size is None else size
         try:
             picker.clients.enter(key, body_bytes=held)
         except Refused as exc:
