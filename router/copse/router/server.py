@@ -13,11 +13,12 @@ import uuid
 
 from aiohttp import web
 
-from copse.router.config import InferencePoolDiscovery, KubernetesDiscovery, RouterConfig
+from copse.router.config import Discovery, KubernetesDiscovery, RouterConfig, StaticDiscovery
 from copse.router.discovery import (
     InferencePoolSource,
     KubeAioPodApi,
     KubernetesSource,
+    ModelSources,
     PoolApi,
     Source,
     StaticSource,
@@ -108,19 +109,25 @@ async def start_router(
         )
     tokenizer = load_tokenizer(config)
     owned_api: KubeAioPodApi | None = None
-    discovery = config.discovery
-    source: Source
-    if isinstance(discovery, KubernetesDiscovery | InferencePoolDiscovery):
+
+    async def source_of(discovery: Discovery) -> Source:
+        nonlocal pod_api, owned_api
+        if isinstance(discovery, StaticDiscovery):
+            return StaticSource(discovery.workers)
         if pod_api is None:
             pod_api = owned_api = await KubeAioPodApi.from_environment()
         if isinstance(discovery, KubernetesDiscovery):
-            source = KubernetesSource(
+            return KubernetesSource(
                 pod_api, namespace=discovery.namespace, selector=discovery.selector, port=discovery.port
             )
-        else:
-            source = InferencePoolSource(pod_api, namespace=discovery.namespace, name=discovery.name)
-    else:
-        source = StaticSource(discovery.workers)
+        return InferencePoolSource(pod_api, namespace=discovery.namespace, name=discovery.name)
+
+    source = await source_of(config.discovery)
+    if config.models:
+        sources = {config.model: source}
+        for served in config.models:
+            sources[served.name] = await source_of(served.discovery)
+        source = ModelSources(sources)
     router_id = router_id or default_router_id()
     link = None
     if config.nats_url:

@@ -123,6 +123,7 @@ async def mock_fleet(
     deployment: str = "mock",
     virtual_clock: bool = False,
     model_name: str = "mock-model",
+    loras: tuple[str, ...] = (),
 ) -> AsyncIterator[MockFleet]:
     """Mocked engines on free ports of 127.0.0.1, publishing KV events when ``nats_url`` is given."""
     connection = await connect(nats_url) if nats_url is not None else None
@@ -134,7 +135,7 @@ async def mock_fleet(
     try:
         fleet = await start_fleet(
             MockFleetSettings(
-                engines=engines, port_base=0, model_name=model_name, virtual_clock=virtual_clock
+                engines=engines, port_base=0, model_name=model_name, virtual_clock=virtual_clock, loras=loras
             ),
             config=config or EngineConfig(),
             perf=perf or PolynomialPerfModel(),
