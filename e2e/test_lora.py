@@ -85,7 +85,8 @@ def test_adapters_and_two_models_behind_one_router_process(tmp_path: Path) -> No
     mock = [COPSE, "worker", "mock", "--block-size", "32", "--speedup", "20"]
     llama_argv = [
         *mock, "--engines", "2", "--port-base", str(llama_port), "--model", "llama",
-        "--worker-prefix", "llama", "--lora", "sql", "--lora", "chat", "--lora", "legal", "--max-loras", "1", "--lora-load-ms", "200",
+        "--worker-prefix", "llama", "--lora", "sql", "--lora", "chat", "--lora", "legal",
+        "--max-loras", "1", "--lora-load-ms", "200",
     ]  # fmt: skip
     qwen_argv = [
         *mock,
