@@ -192,3 +192,10 @@ def test_adapters_and_two_models_behind_one_router_process(tmp_path: Path) -> No
         ttft = "copse_router_adapter_time_to_first_token_seconds_count"
         assert _sample(metrics, f'{ttft}{{adapter="chat",model="llama"}}') == 1.0
         assert _sample(metrics, "copse_router_adapter_loads_total") == 2.0  # sql, then chat
+
+        # The router's picture of which engine holds which adapter is the engines' own.
+        report = httpx.get(f"{router}/workers").json()["workers"]
+        believed = {entry["url"]: (entry["model"], entry["loras"]) for entry in report}
+        for url in llama:
+            assert believed[url] == ("llama", httpx.get(f"{url}/worker_info").json()["loras"])
+        assert believed[qwen[0]] == ("qwen", [])

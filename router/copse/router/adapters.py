@@ -94,10 +94,6 @@ class AdapterTracker:
         """Whether a registered worker serves ``model``."""
         return any(worker.model == model for worker in self._workers.values())
 
-    def models(self) -> set[str]:
-        """The models registered workers serve."""
-        return {worker.model for worker in self._workers.values()}
-
     def held(self, slot: int) -> list[str]:
         """Adapters the worker in ``slot`` is believed to hold, least recently used first."""
         worker = self._workers.get(slot)

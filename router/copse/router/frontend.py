@@ -7,7 +7,7 @@
 ``GET /health``                200 while at least one worker is usable, else 503
 ``GET /ready``                 200 once the router has a picture of caches and peers (readiness probe)
 ``GET /metrics``               Prometheus (:mod:`copse.router.metrics`)
-``GET /workers``               live workers: draining or not, this router's requests on each
+``GET /workers``               live workers: draining, requests here, model, adapters held
 =============================  ==============================================================
 
 Errors, every one in the OpenAI error shape: 400 with the workers' error body naming the field;

@@ -77,11 +77,6 @@ class ModelCatalog:
                     )
                 self._adapters[adapter.name] = adapter
 
-    @property
-    def adapters(self) -> tuple[Adapter, ...]:
-        """Every adapter, in configuration order."""
-        return tuple(self._adapters.values())
-
     def resolve(self, name: str) -> Resolved:
         """What ``name`` names; raises :class:`UnknownModel`."""
         adapter = self._adapters.get(name)

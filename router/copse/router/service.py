@@ -618,7 +618,8 @@ class RoutingService:
 
     def workers_report(self) -> list[dict[str, Any]]:
         """Every live worker, whether it drains and this router's requests in flight on it (what
-        the operator reads before it removes a draining group)."""
+        the operator reads before it removes a draining group), its model and the LoRA adapters
+        it is believed to hold (least recently used first)."""
         return [
             {
                 "key": key,
@@ -627,6 +628,8 @@ class RoutingService:
                 "role": live.endpoint.role.value,
                 "draining": self.router.workers[live.worker_id].draining,
                 "in_flight": self.router.in_flight(live.worker_id),
+                "model": self.router.workers[live.worker_id].model,
+                "loras": self.router.adapters.held(self.router.slots.slot(live.worker_id)),
             }
             for key, live in sorted(self._live.items())
         ]

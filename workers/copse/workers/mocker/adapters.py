@@ -47,8 +47,6 @@ class AdapterCache:
         """When the loader finishes the load in progress (loads run one at a time)."""
         self.loads_total = 0
         """Adapters loaded so far (first loads and reloads after an eviction)."""
-        self.evictions_total = 0
-        """Adapters evicted to make room."""
 
     def acquire(self, name: str, *, now_ms: float) -> float:
         """A request through adapter ``name`` arrived at ``now_ms``: mark the adapter most recently
@@ -60,7 +58,6 @@ class AdapterCache:
             return ready
         if len(self._ready) >= self.settings.max_loras:
             self._ready.popitem(last=False)
-            self.evictions_total += 1
         ready = max(now_ms, self._loader_free_ms) + self.settings.load_ms
         self._loader_free_ms = ready
         self._ready[name] = ready
