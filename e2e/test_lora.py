@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from copse.workers.testing import free_port, free_port_range
+from copse.workers.testing import free_port, free_port_range, stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -44,12 +44,7 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
         try:
             yield process
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process, timeout_s=30)
 
 
 def _sample(metrics: str, name: str) -> float:

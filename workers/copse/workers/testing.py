@@ -57,6 +57,16 @@ def free_port_range(count: int, *, attempts: int = 50) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
 
 
+def stop_process(process: subprocess.Popen[bytes], *, timeout_s: float) -> None:
+    """SIGTERM ``process``, and SIGKILL it when it has not exited within ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     return free_port_range(1)
@@ -103,12 +113,7 @@ def nats_server(*, port: int | None = None, timeout_s: float = 15.0) -> Iterator
             raise TimeoutError(f"nats-server not ready after {timeout_s} s: {b''.join(log).decode()}")
         yield f"nats://127.0.0.1:{listening}"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=10)
         process.stderr.close()
 
 
