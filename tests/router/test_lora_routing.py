@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -18,8 +19,12 @@ from copse.router.discovery import Endpoint, ModelSources, OnChange
 from copse.router.metrics import RouterMetrics
 from copse.router.models import Adapter, ModelCatalog, UnknownModel
 from copse.router.policies import RouteRequest, SelectionSettings
+from copse.router.server import start_router
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import block_hashes, lora_int_id
+from copse.workers.testing import mock_fleet
+
+from .conftest import eventually
 
 BS = 16
 PERF = PolynomialPerfModel()
@@ -227,6 +232,15 @@ def test_config_lists_adapters_and_models_and_refuses_a_name_used_twice() -> Non
             },
             source="router.yaml",
         )
+    with pytest.raises(ConfigError, match=r"models\[0\].deployment: required with nats_url"):
+        parse_config(
+            {
+                **BASE_CONFIG,
+                "nats_url": "nats://127.0.0.1:4222",
+                "models": [{"name": "qwen", "discovery": BASE_CONFIG["discovery"]}],
+            },
+            source="router.yaml",
+        )
     with pytest.raises(ConfigError, match="loras: name 'llama' is already used by model"):
         parse_config({**BASE_CONFIG, "loras": [{"name": "llama"}]}, source="router.yaml")
     with pytest.raises(ConfigError, match="one InferencePool"):
@@ -289,3 +303,58 @@ async def test_several_models_sources_tag_and_key_their_endpoints() -> None:
         "llama/a": ("llama", "http://a"),
         "qwen/a": ("qwen", "http://b"),
     }
+
+
+async def test_each_models_kv_events_reach_the_index_and_adapter_blocks_match_the_routers_hashes(
+    nats_url: str,
+) -> None:
+    """Two deployments publishing on their own subjects behind one router: both models' workers'
+    caches are known exactly, and a prompt through an adapter is indexed under the adapter's hashes."""
+    async with (
+        mock_fleet(
+            engines=1, nats_url=nats_url, deployment="llama-dep", model_name="llama", loras=("sql",)
+        ) as llama,
+        mock_fleet(engines=1, nats_url=nats_url, deployment="qwen-dep", model_name="qwen") as qwen,
+    ):
+        config = parse_config(
+            {
+                **BASE_CONFIG,
+                "port": 0,
+                "block_size": 32,
+                "health_interval_s": 0.05,
+                "nats_url": nats_url,
+                "deployment": "llama-dep",
+                "discovery": {"kind": "static", "workers": [{"url": llama.urls[0]}]},
+                "loras": [{"name": "sql"}],
+                "models": [
+                    {
+                        "name": "qwen",
+                        "deployment": "qwen-dep",
+                        "discovery": {"kind": "static", "workers": [{"url": qwen.urls[0]}]},
+                    }
+                ],
+            },
+            source="test",
+        )
+        running = await start_router(config, router_id="two-models")
+        try:
+            router = running.service.router
+            await eventually(lambda: len(router.workers) == 2)
+            prompt = list(range(3000, 3000 + 320))
+            async with aiohttp.ClientSession() as http:
+                for model in ("sql", "qwen"):
+                    body = {"model": model, "prompt": prompt, "max_tokens": 1}
+                    async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                        assert response.status == 200
+            sql = block_hashes(prompt, block_size=32, lora_id=lora_int_id("sql"))
+            base = block_hashes(prompt, block_size=32)
+            await eventually(
+                lambda: len(router.indexer.overlaps(sql)) == 1 and len(router.indexer.overlaps(base)) == 1
+            )
+            [(sql_slot, sql_depth)] = router.indexer.overlaps(sql).items()
+            [(base_slot, base_depth)] = router.indexer.overlaps(base).items()
+            assert router.workers[router.slots.worker_id(sql_slot)].model == "llama"
+            assert router.workers[router.slots.worker_id(base_slot)].model == "qwen"
+            assert sql_depth == base_depth == 10
+        finally:
+            await running.close()

@@ -119,6 +119,11 @@ class ServedModel(_Model):
     """Its LoRA adapters."""
     discovery: Discovery
     """Its workers (a static list, or the pods of its own deployment)."""
+    deployment: str | None = Field(default=None, min_length=1)
+    """Its deployment's name: the NATS subject its engines publish KV events on (required with
+    ``nats_url``, or its workers' caches stay unknown)."""
+    namespace: str | None = None
+    """Namespace of that subject; default: its discovery's, else the router's."""
 
 
 EngineKind = Literal["trtllm", "mock"]
@@ -341,6 +346,13 @@ class RouterConfig(_Model):
             if name in seen:
                 raise ValueError(f"{where}: name {name!r} is already used by {seen[name]}")
             seen[name] = where
+        if self.nats_url:
+            for index, served in enumerate(self.models):
+                if served.deployment is None:
+                    raise ValueError(
+                        f"models[{index}].deployment: required with nats_url: its engines publish KV "
+                        "events on their deployment's subject"
+                    )
         if self.models and self.epp is not None:
             raise ValueError(
                 "models: an endpoint picker serves one InferencePool; put one pool (and picker) per "

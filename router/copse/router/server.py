@@ -51,6 +51,8 @@ class RunningRouter:
     kv_sync: KvEventSync | None
     replica_sync: ReplicaSync | None
     pod_api: KubeAioPodApi | None
+    model_kv_syncs: list[KvEventSync] = dataclasses.field(default_factory=list)
+    """KV event syncs of the further models' deployments (``RouterConfig.models``)."""
 
     @property
     def grpc_target(self) -> str | None:
@@ -78,6 +80,8 @@ class RunningRouter:
     async def close(self) -> None:
         if self.kv_sync is not None:
             await self.kv_sync.stop()
+        for sync in self.model_kv_syncs:
+            await sync.stop()
         if self.replica_sync is not None:
             await self.replica_sync.stop()
         if self.runner is not None:
@@ -149,12 +153,31 @@ async def start_router(
             config, source=source, perf=perf, tokenizer=tokenizer, use_kv_events=synced, share_load=synced
         )
     kv_sync = replica_sync = None
+    model_kv_syncs: list[KvEventSync] = []
     if link is not None:
         link_url = config.nats_url
         link.on_state = service.set_nats_connected
         service.readiness_checks.append(lambda: None if link.connected else f"a NATS connection ({link_url})")
-        kv_sync = KvEventSync(service, link, namespace=config.namespace, deployment=config.deployment)
+        kv_sync = KvEventSync(
+            service,
+            link,
+            namespace=config.namespace,
+            deployment=config.deployment,
+            model=config.model if config.models else None,
+        )
         await kv_sync.start()
+        for served in config.models:
+            assert served.deployment is not None, "the config requires it with nats_url"
+            discovered = None if isinstance(served.discovery, StaticDiscovery) else served.discovery.namespace
+            sync = KvEventSync(
+                service,
+                link,
+                namespace=served.namespace or discovered or config.namespace,
+                deployment=served.deployment,
+                model=served.name,
+            )
+            await sync.start()
+            model_kv_syncs.append(sync)
         replica_sync = ReplicaSync(
             service,
             link,
@@ -189,6 +212,7 @@ async def start_router(
         picker=picker,
         link=link,
         kv_sync=kv_sync,
+        model_kv_syncs=model_kv_syncs,
         replica_sync=replica_sync,
         pod_api=owned_api,
     )
