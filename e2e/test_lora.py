@@ -1,6 +1,7 @@
 """LoRA adapters and two models behind one entry point, end to end: a real ``copse router run``
 process in front of two ``copse worker mock`` processes (one model with three adapters on two
-engines, another model on one engine), driven over HTTP."""
+engines, another model on one engine), driven over HTTP; and an adapter request through a real
+Envoy asking copse's endpoint picker."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 import yaml
+from e2e.envoy_gateway import envoy_gateway
+from e2e.local_router import MODEL, static_router
 
-from copse.workers.testing import free_port, free_port_range, stop_process
+from copse.workers.testing import free_port, free_port_range, mock_fleet, stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -194,3 +198,31 @@ def test_adapters_and_two_models_behind_one_router_process(tmp_path: Path) -> No
         for url in llama:
             assert believed[url] == ("llama", httpx.get(f"{url}/worker_info").json()["loras"])
         assert believed[qwen[0]] == ("qwen", [])
+
+
+async def test_an_adapter_request_through_envoy_and_the_endpoint_picker(tmp_path: Path) -> None:
+    """EPP mode: a real Envoy asks copse's picker, which resolves the adapter and sends the body
+    on with its ``lora_request``. The engines are not told the adapter's name (no ``--lora``), so
+    they can only have served it from the ``lora_request`` Envoy forwarded."""
+    async with (
+        mock_fleet(engines=2, model_name=MODEL) as fleet,
+        static_router(
+            fleet.urls, epp={}, loras=[{"name": "sql", "path": "/models/loras/sql"}], max_loras=1
+        ) as running,
+    ):
+        assert running.grpc_target is not None
+        with envoy_gateway(
+            picker=running.grpc_target, upstream="original_dst", engines=fleet.urls, scratch=tmp_path
+        ) as url:
+            async with aiohttp.ClientSession() as http:
+                for i in range(3):
+                    body = {"model": "sql", "prompt": list(range(700 + i, 900 + i)), "max_tokens": 2}
+                    async with http.post(f"{url}/v1/completions", json=body) as response:
+                        assert response.status == 200, await response.text()
+                unknown = {"model": "gpt-9", "prompt": [1, 2, 3], "max_tokens": 1}
+                async with http.post(f"{url}/v1/completions", json=unknown) as response:
+                    assert response.status == 404
+                    assert "gpt-9" in (await response.json())["error"]["message"]
+    held = sorted(server.engine.adapters.held() for server in fleet.servers)
+    assert held == [[], ["sql"]], "one engine loaded the adapter, once, and served all three requests"
+    assert sum(server.engine.adapters.loads_total for server in fleet.servers) == 1
