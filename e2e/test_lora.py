@@ -35,7 +35,7 @@ def _wait(what: str, condition: Callable[[], bool], *, processes: list[subproces
                 return
         for process in processes:
             assert process.poll() is None, (
-                f"{process.args} exited with {process.returncode} while waiting for {what}"
+                f"{process.args!r} exited with {process.returncode} while waiting for {what}"
             )
         assert time.monotonic() < deadline, f"no {what} within 60 s"
         time.sleep(0.1)

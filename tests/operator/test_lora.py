@@ -79,13 +79,10 @@ def test_adding_an_adapter_rolls_the_pods_and_downloads_again_but_no_adapters_ch
     assert "loras" not in children.template_inputs(plain, Role.WORKER)
     one = _with_loras()
     assert children.template_hash(one, Role.WORKER) != children.template_hash(plain, Role.WORKER)
-    assert (
-        weights.marker_path(plain, plain.spec.model.cache)
-        == "/models/.copse/models--meta-llama--Llama-3.1-8B.complete"
-    )
-    assert weights.marker_path(one, one.spec.model.cache) != weights.marker_path(
-        plain, plain.spec.model.cache
-    )
+    cache = plain.spec.model.cache
+    assert cache is not None
+    assert weights.marker_path(plain, cache) == "/models/.copse/models--meta-llama--Llama-3.1-8B.complete"
+    assert weights.marker_path(one, cache) != weights.marker_path(plain, cache)
 
 
 @pytest.mark.parametrize(

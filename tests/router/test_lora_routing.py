@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from copse.router.adapters import AdapterRouting, AdapterTracker
@@ -81,18 +82,23 @@ def _request(rid: str, *, adapter: str = "", model: str = "", tokens: list[int] 
     )
 
 
+def _listed(values: npt.NDArray[np.float64] | None) -> list[float]:
+    assert values is not None
+    return [float(v) for v in values]
+
+
 def test_the_tracker_mirrors_each_engines_lru_and_counts_loads() -> None:
     tracker = AdapterTracker(AdapterRouting(max_loras=2, load_ms=100.0))
     tracker.set_worker(0, model="llama", held=("a", "b", "c"))  # reported: the last two fit
     tracker.set_worker(1, model="llama")
     assert tracker.held(0) == ["b", "c"]
-    assert tracker.load_ms(_request("r", adapter="b"), 2).tolist() == [0.0, 100.0]
+    assert _listed(tracker.load_ms(_request("r", adapter="b"), 2)) == [0.0, 100.0]
     tracker.routed("r1", slots=(1,), adapter="b")
     tracker.routed("r2", slots=(1,), adapter="a")
     tracker.routed("r3", slots=(1,), adapter="c")  # evicts b
     assert tracker.held(1) == ["a", "c"]
     assert tracker.loads == 3
-    assert tracker.load_ms(_request("r", adapter="b"), 2).tolist() == [0.0, 100.0]
+    assert _listed(tracker.load_ms(_request("r", adapter="b"), 2)) == [0.0, 100.0]
     assert tracker.load_ms(_request("r"), 2) is None
     blind = AdapterTracker(AdapterRouting(aware=False))
     blind.set_worker(0, model="llama")
