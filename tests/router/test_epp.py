@@ -26,6 +26,7 @@ from copse.router.config import parse_config
 from copse.router.epp import BODY_CHUNK_BYTES, EndpointPicker, address_of
 from copse.router.policies import RouteRequest
 from copse.router.server import RunningRouter, start_router
+from copse.workers.protocol import lora_int_id
 from copse.workers.testing import mock_fleet
 
 from .conftest import eventually
@@ -665,5 +666,30 @@ async def test_client_bounds_hold_in_epp_mode() -> None:
             assert (status, kind) == (408, "RequestTimeoutError")
             assert "clients.body_timeout_s" in message
             assert (gate.clients(), gate.body_bytes) == (0, 0)
+        finally:
+            await running.close()
+
+
+async def test_a_request_through_an_adapter_reaches_the_engine_with_its_lora_request() -> None:
+    """The picker sends the engine the body with the adapter's ``lora_request`` (what
+    trtllm-serve reads; the gateway forwards the picker's body) and hashes with the adapter."""
+    async with mock_fleet(engines=1, loras=("sql",)) as fleet:
+        running = await _picker(
+            fleet.urls, settings={"loras": [{"name": "sql", "path": "/models/loras/sql"}]}
+        )
+        picker = _service(running)
+        try:
+            sent = json.dumps({"model": "sql", "prompt": list(range(300, 400)), "max_tokens": 1}).encode()
+            got = await _exchange(picker, [request_headers(), *request_body(sent)])
+            forwarded = json.loads(
+                b"".join(a.request_body.response.body_mutation.streamed_response.body for a in got[1:])
+            )
+            assert forwarded["lora_request"] == {
+                "lora_name": "sql",
+                "lora_int_id": lora_int_id("sql"),
+                "lora_path": "/models/loras/sql",
+            }
+            assert {k: v for k, v in forwarded.items() if k != "lora_request"} == json.loads(sent)
+            assert picker.router.adapters.loads == 1  # the picker charged the adapter's load
         finally:
             await running.close()

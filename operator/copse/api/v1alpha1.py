@@ -308,7 +308,53 @@ class ModelCacheSpec(_SpecModel):
         return parse_duration(self.download_timeout)
 
 
+LORA_SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[^\s]+|(s3|gs)://[a-z0-9][a-z0-9.-]*(/[^\s]*)?)$"
+"""Where a LoRA adapter comes from: ``hf://<org>/<repo>[@<revision>]`` (the hub), ``pvc://<path>``
+(a directory on the model-cache PVC) or ``s3://<bucket>/<prefix>``, ``gs://<bucket>/<prefix>``."""
+
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+"""What an adapter may be called (requests send it as ``model``; it names a folder in the cache)."""
+
+
+class LoraSpec(_SpecModel):
+    """A LoRA adapter of the model, served through the same engines: requests name it as ``model``."""
+
+    name: str = Field(
+        pattern=LORA_NAME_PATTERN,
+        max_length=63,
+        description="What requests send as model; unique in the deployment.",
+    )
+    source: str = Field(
+        pattern=LORA_SOURCE_PATTERN,
+        max_length=512,
+        description="hf://<org>/<repo>[@<revision>] (the hub), pvc://<path> (a directory on the model-cache "
+        "PVC) or s3://<bucket>/<prefix> / gs://<bucket>/<prefix> (an object store); hub and object-store "
+        "adapters are downloaded into the cache with the weights.",
+    )
+    rank: int = Field(
+        ge=1, le=1024, description="Its LoRA rank r; the engines' lora_config.max_lora_rank is the largest."
+    )
+
+    @property
+    def scheme(self) -> str:
+        """``hf``, ``pvc``, ``s3`` or ``gs``."""
+        return self.source.split("://", 1)[0]
+
+
 class ModelSpec(_SpecModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.loras) || !self.loras.exists(a, a.source.startsWith('pvc://')) "
+                    "|| (has(self.cache) && has(self.cache.persistentVolumeClaim))",
+                    "message": "model.loras: a pvc:// source needs model.cache.persistentVolumeClaim",
+                },
+            ]
+        },
+    )
+
     name: str = Field(min_length=1, description="Model id served by the engines (e.g. a Hugging Face name).")
     tensor_parallelism: Parallelism = Field(
         default=1, description="GPUs per pipeline stage; a TP group is placed whole or not at all."
@@ -329,6 +375,39 @@ class ModelSpec(_SpecModel):
         "engine.kvCacheOffload tiers in blocks for the KV relay, and what the router and mocked "
         "engines charge for moving KV; unset: 131072 for those, and no relay bound with offload tiers.",
     )
+    loras: list[LoraSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        # A list keyed by name: the API server itself refuses two adapters of one name.
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="LoRA adapters served by the same engines; requests name one as model, the router "
+        "keeps each adapter's KV apart and prefers workers that hold it.",
+    )
+    max_loras: PositiveInt = Field(
+        default=4,
+        le=64,
+        description="Adapters an engine holds on its GPUs at once (TensorRT-LLM lora_config.max_loras); "
+        "another one evicts the least recently used.",
+    )
+    max_cpu_loras: Nullable[PositiveInt] = Field(
+        default=None,
+        le=256,
+        description="Adapters an engine keeps in host memory (lora_config.max_cpu_loras); unset: all.",
+    )
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> ModelSpec:
+        names: set[str] = set()
+        for index, lora in enumerate(self.loras):
+            where = f"model.loras[{index}] ({lora.name})"
+            if lora.name in names:
+                raise ValueError(f"{where}: every adapter needs its own name")
+            if lora.name == self.name:
+                raise ValueError(f"{where}: an adapter must not have the model's name")
+            if lora.scheme == "pvc" and (self.cache is None or self.cache.persistent_volume_claim is None):
+                raise ValueError(f"{where}: a pvc:// source needs model.cache.persistentVolumeClaim")
+            names.add(lora.name)
+        return self
 
     @property
     def gpus_per_group(self) -> int:
@@ -985,6 +1064,14 @@ class GroupPool:
 
 
 _POOL_RULE = "!has(self.{pool}) || !has(self.scaling) || self.{pool}.replicas <= self.scaling.maxReplicas"
+_LORA_CACHE_RULE = (
+    "!has(self.model.loras) || size(self.model.loras) == 0 || has(self.model.cache) "
+    "|| (has(self.engine) && self.engine.backend == 'mock')"
+)
+_LORA_CACHE_MESSAGE = (
+    "model.loras needs model.cache: the engines read adapters from the weights cache, where hub and "
+    "object-store adapters are downloaded"
+)
 _MOCK_RULE = (
     "!has(self.engine) || self.engine.backend != 'mock' || !has(self.router) "
     "|| (!has(self.router.tokenizer) && !has(self.router.perfProfile))"
@@ -1081,6 +1168,7 @@ class InferenceDeploymentSpec(_SpecModel):
                     "message": "decode.replicas must not exceed scaling.maxReplicas",
                 },
                 *_moe_rules(),
+                {"rule": _LORA_CACHE_RULE, "message": _LORA_CACHE_MESSAGE},
                 {
                     "rule": _MOCK_RULE,
                     "message": _MOCK_MESSAGE,
@@ -1149,6 +1237,8 @@ class InferenceDeploymentSpec(_SpecModel):
             self.router.tokenizer is not None or self.router.perf_profile is not None
         ):
             raise ValueError(_MOCK_MESSAGE)
+        if self.model.loras and self.engine.backend is not EngineBackend.MOCK and self.model.cache is None:
+            raise ValueError(_LORA_CACHE_MESSAGE)
         for name, replicas in (
             ("spec.replicas", self.replicas),
             ("prefill.replicas", self.prefill.replicas if self.prefill else None),

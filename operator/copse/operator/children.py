@@ -164,6 +164,10 @@ def _revision_inputs(deployment: InferenceDeployment) -> dict[str, Any]:
     }
     if spec.model.cache:
         shaped["cache"] = spec.model.cache.model_dump(mode="json", exclude_defaults=True)
+    if spec.model.loras:  # only then: deployments without adapters keep their hashes
+        shaped["loras"] = spec.model.model_dump(
+            mode="json", include={"loras", "max_loras", "max_cpu_loras"}, exclude_defaults=True
+        )
     return shaped
 
 
@@ -308,6 +312,9 @@ def _engine_command(deployment: InferenceDeployment, layout: GroupLayout, *, ran
             else []
         )
         context = ["--max-model-len", str(engine.max_seq_len)] if engine.max_seq_len else []
+        loras = [arg for lora in spec.model.loras for arg in ("--lora", lora.name)]
+        if loras:
+            loras += ["--max-loras", str(spec.model.max_loras)]
         leader = names.pod_name(names.group_name(deployment.metadata.name, layout.role, layout.replica), 0)
         gpus = pool.tensor_parallelism * pool.pipeline_parallelism
         return [
@@ -331,6 +338,7 @@ def _engine_command(deployment: InferenceDeployment, layout: GroupLayout, *, ran
             *capacity,
             *kv_bytes,
             *context,
+            *loras,
             *engine.args,
         ]  # fmt: skip
     serve = [
@@ -915,6 +923,7 @@ def engine_configs(deployment: InferenceDeployment) -> dict[Role, dict[str, Any]
     base: dict[str, Any] = {
         **loader,
         **context,
+        **_lora_settings(deployment),
         "kv_cache_config": kv_cache,
         "enable_chunked_prefill": True,
         "return_perf_metrics": True,
@@ -931,6 +940,35 @@ def engine_configs(deployment: InferenceDeployment) -> dict[Role, dict[str, Any]
         role: deep_merge({**_moe_settings(deployment, role), **config}, engine.extra_config)
         for role, config in roles.items()
     }
+
+
+def lora_paths(deployment: InferenceDeployment) -> dict[str, str]:
+    """Adapter name -> where the engines read it (in the weights cache); empty without adapters
+    or without a cache (mocked engines read nothing)."""
+    cache = deployment.spec.model.cache
+    if cache is None:
+        return {}
+    return {lora.name: weights.lora_path(cache, lora) for lora in deployment.spec.model.loras}
+
+
+def _lora_settings(deployment: InferenceDeployment) -> dict[str, Any]:
+    """TensorRT-LLM's ``lora_config`` (``tensorrt_llm/lora_helper.py`` ``LoraConfig``, an LLM-API
+    field of ``llmapi/llm_args.py``) for ``spec.model.loras``: every adapter's directory in
+    ``lora_dir`` (read at start-up for the adapters' target modules), ``max_lora_rank`` the largest
+    rank, ``max_loras`` adapters on the GPUs at once and ``max_cpu_loras`` in host memory (all of
+    them unless ``spec.model.maxCpuLoras`` says). Requests choose an adapter with the
+    ``lora_request`` body field the router adds (``executor/request.py`` ``LoRARequest``)."""
+    model = deployment.spec.model
+    if not model.loras:
+        return {}
+    paths = lora_paths(deployment)
+    config: dict[str, Any] = {
+        "lora_dir": [paths[lora.name] for lora in model.loras if lora.name in paths],
+        "max_lora_rank": max(lora.rank for lora in model.loras),
+        "max_loras": model.max_loras,
+        "max_cpu_loras": model.max_cpu_loras or max(len(model.loras), model.max_loras),
+    }
+    return {"lora_config": config}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -1073,6 +1111,13 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
     if router.kv_capacity_tokens is not None:
         config["kv_capacity_tokens"] = router.kv_capacity_tokens
     config.update(_router_classes(deployment))
+    if spec.model.loras:
+        paths = lora_paths(deployment)
+        config["loras"] = [
+            {"name": lora.name, **({"path": paths[lora.name]} if lora.name in paths else {})}
+            for lora in spec.model.loras
+        ]
+        config["max_loras"] = spec.model.max_loras
     context = spec.engine.max_seq_len or spec.engine.extra_config.get("max_seq_len")
     if isinstance(context, int) and not isinstance(context, bool) and context > 1:
         config["max_context_tokens"] = context

@@ -14,6 +14,12 @@ never downloads. What fills the cache depends on where it lives:
   file locks keep two pods on one node from writing the same files.
 
 ModelExpress cold start (issue 17) reads and fills the same ``spec.model.cache``.
+
+LoRA adapters (``spec.model.loras``) live in the same cache: the download step fetches hub
+adapters (``huggingface_hub.snapshot_download``) and object-store adapters (``fsspec``, which needs
+``s3fs``/``gcsfs`` in the image) into ``<mountPath>/loras/<name>`` before it writes the marker;
+a ``pvc://<path>`` adapter is already at ``<mountPath>/<path>``. The marker's name carries a digest
+of the adapters, so adding one downloads again.
 """
 
 from __future__ import annotations
@@ -22,14 +28,14 @@ import hashlib
 import json
 from typing import Any
 
-from copse.api import InferenceDeployment, ModelCacheSpec
+from copse.api import InferenceDeployment, LoraSpec, ModelCacheSpec
 from copse.operator import names
 
 VOLUME = "model-cache"
 
 #: Downloads the model into HF_HUB_CACHE unless the marker says it is there, then writes the marker.
 _DOWNLOAD = """\
-import os, pathlib
+import json, os, pathlib
 from huggingface_hub import snapshot_download
 marker = pathlib.Path(os.environ["COPSE_WEIGHTS_MARKER"])
 if marker.exists():
@@ -40,6 +46,24 @@ else:
         cache_dir=os.environ["HF_HUB_CACHE"],
         token=os.environ.get("HF_TOKEN") or None,
     )
+    for lora in json.loads(os.environ.get("COPSE_LORAS") or "[]"):
+        scheme, rest = lora["source"].split("://", 1)
+        if scheme == "hf":
+            repo, _, revision = rest.partition("@")
+            snapshot_download(
+                repo_id=repo,
+                revision=revision or None,
+                local_dir=lora["path"],
+                token=os.environ.get("HF_TOKEN") or None,
+            )
+        else:
+            try:
+                import fsspec
+                fsspec.filesystem(scheme).get(rest.rstrip("/") + "/", lora["path"] + "/", recursive=True)
+            except ImportError as exc:
+                raise SystemExit(f"copse: adapter {lora['name']} ({lora['source']}) needs fsspec and "
+                                 f"{'s3fs' if scheme == 's3' else 'gcsfs'} in this image: {exc}")
+        print(f"copse: cached adapter {lora['name']} from {lora['source']} in {lora['path']}")
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(path + "\\n")
     print(f"copse: cached {os.environ['COPSE_MODEL']} in {path}")
@@ -60,14 +84,32 @@ echo "copse: $COPSE_MODEL is cached"
 """
 
 
+def _downloaded(deployment: InferenceDeployment) -> list[LoraSpec]:
+    """The adapters the download step fetches (hub and object store; a pvc:// one is in place)."""
+    return [lora for lora in deployment.spec.model.loras if lora.scheme != "pvc"]
+
+
 def _digest(deployment: InferenceDeployment, cache: ModelCacheSpec) -> str:
-    shaped = {"model": deployment.spec.model.name, "cache": cache.model_dump(mode="json")}
+    shaped: dict[str, Any] = {"model": deployment.spec.model.name, "cache": cache.model_dump(mode="json")}
+    downloaded = _downloaded(deployment)
+    if downloaded:  # only then: a deployment without adapters keeps its Job name
+        shaped["loras"] = [[lora.name, lora.source] for lora in downloaded]
     return hashlib.sha256(json.dumps(shaped, sort_keys=True).encode()).hexdigest()[:8]
 
 
+def lora_path(cache: ModelCacheSpec, lora: LoraSpec) -> str:
+    """Where the engines read adapter ``lora`` (``lora_request.lora_path``, ``lora_config.lora_dir``)."""
+    if lora.scheme == "pvc":
+        return f"{cache.mount_path}/{lora.source.removeprefix('pvc://').strip('/')}"
+    return f"{cache.mount_path}/loras/{lora.name}"
+
+
 def marker_path(deployment: InferenceDeployment, cache: ModelCacheSpec) -> str:
-    """Written once the model is complete in the cache; per model id (huggingface's own folder name)."""
+    """Written once the model (and its downloaded adapters) is complete in the cache; per model id
+    (huggingface's own folder name) and set of adapters."""
     folder = "models--" + deployment.spec.model.name.replace("/", "--")
+    if _downloaded(deployment):
+        folder += "." + _digest(deployment, cache)
     return f"{cache.mount_path}/.copse/{folder}.complete"
 
 
@@ -94,6 +136,10 @@ def _step_env(
         {"name": "COPSE_WEIGHTS_TIMEOUT_S", "value": str(int(cache.download_timeout_s))},
         {"name": "HF_HUB_CACHE", "value": f"{cache.mount_path}/hub"},
     ]
+    downloaded = _downloaded(deployment)
+    if download and downloaded:
+        loras = [{"name": x.name, "source": x.source, "path": lora_path(cache, x)} for x in downloaded]
+        env.append({"name": "COPSE_LORAS", "value": json.dumps(loras, separators=(",", ":"))})
     if download and cache.hf_token_secret is not None:
         ref = cache.hf_token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})

@@ -7,10 +7,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from copse.router.adapters import AdapterRouting
 from copse.router.clients import ClientLimits
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.limits import TenantLimits
 from copse.router.objective_source import DEFAULT_API_VERSION
+from copse.router.models import Adapter, ModelCatalog
 from copse.router.objectives import Classes, Objective
 from copse.router.policies import POLICIES, RoutingObjective, SelectionSettings
 from copse.workers.files import read_yaml_mapping
@@ -93,6 +95,36 @@ class EppSettings(_Model):
     gateway retries when the chosen one fails before answering. Only for gateways that follow the
     list (Envoy's override_host load balancing policy; an ORIGINAL_DST cluster takes a single
     address, so keep 0 there)."""
+
+
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+"""What a model or adapter name may look like (what requests send as ``model``)."""
+
+
+class LoraSettings(_Model):
+    """A LoRA adapter of a base model, which requests name as ``model``."""
+
+    name: str = Field(pattern=MODEL_NAME)
+    """The name requests use (unique among the router's models and adapters)."""
+    path: str = ""
+    """Where the engines read its weights, inside the worker pod (sent to ``trtllm-serve`` as
+    ``lora_request.lora_path``; the operator mounts the adapter there). Mocked engines ignore it."""
+
+
+class ServedModel(_Model):
+    """A further model behind this router: its adapters and where its workers are."""
+
+    name: str = Field(pattern=MODEL_NAME)
+    """The base model's name (what requests send as ``model``)."""
+    loras: list[LoraSettings] = Field(default_factory=list)
+    """Its LoRA adapters."""
+    discovery: Discovery
+    """Its workers (a static list, or the pods of its own deployment)."""
+    deployment: str | None = Field(default=None, min_length=1)
+    """Its deployment's name: the NATS subject its engines publish KV events on (required with
+    ``nats_url``, or its workers' caches stay unknown)."""
+    namespace: str | None = None
+    """Namespace of that subject; default: its discovery's, else the router's."""
 
 
 EngineKind = Literal["trtllm", "mock"]
@@ -292,6 +324,23 @@ class RouterConfig(_Model):
     number of series."""
     epp: EppSettings | None = None
     """Run as a gateway's endpoint picker (ext_proc over gRPC) instead of the OpenAI HTTP server."""
+    loras: list[LoraSettings] = Field(default_factory=list)
+    """LoRA adapters of ``model`` (``spec.model.loras``): requests name one as ``model``; its block
+    hashes differ from the base model's and the router prefers workers that hold it."""
+    models: list[ServedModel] = Field(default_factory=list)
+    """Further models behind this one entry point, each with its own workers (HTTP mode; a gateway
+    puts one InferencePool, with its own endpoint picker, per deployment)."""
+    max_loras: int = Field(default=AdapterRouting().max_loras, ge=1)
+    """LoRA adapters an engine holds at once when its ``/worker_info`` does not say
+    (``spec.model.maxLoras``, TensorRT-LLM's ``lora_config.max_loras``)."""
+    lora_load_ms: float = Field(default=AdapterRouting().load_ms, ge=0)
+    """Predicted time an engine takes to load an adapter it does not hold, ms (what a worker holding
+    the adapter saves a request)."""
+    adapter_aware: bool = True
+    """Prefer workers that hold the request's adapter (off: adapter-blind, for comparison)."""
+    metrics_adapters: int = Field(default=20, ge=0)
+    """Adapters with their own label in the per-adapter metrics (the first ones seen); the others
+    are counted as ``other``."""
 
     @field_validator("policy")
     @classmethod
@@ -309,6 +358,49 @@ class RouterConfig(_Model):
         ):
             self.namespace = discovery.namespace
         return self
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> RouterConfig:
+        seen: dict[str, str] = {self.model: "model"}
+        named = [("loras", lora.name) for lora in self.loras]
+        for index, served in enumerate(self.models):
+            named.append((f"models[{index}].name", served.name))
+            named.extend((f"models[{index}].loras", lora.name) for lora in served.loras)
+        for where, name in named:
+            if name in seen:
+                raise ValueError(f"{where}: name {name!r} is already used by {seen[name]}")
+            seen[name] = where
+        if self.nats_url:
+            for index, served in enumerate(self.models):
+                if served.deployment is None:
+                    raise ValueError(
+                        f"models[{index}].deployment: required with nats_url: its engines publish KV "
+                        "events on their deployment's subject"
+                    )
+        if self.models and self.epp is not None:
+            raise ValueError(
+                "models: an endpoint picker serves one InferencePool; put one pool (and picker) per "
+                "deployment behind the gateway instead"
+            )
+        return self
+
+    def catalog(self) -> ModelCatalog:
+        """The models and adapters requests may name."""
+        return ModelCatalog(
+            {
+                self.model: [Adapter(name=lora.name, base=self.model, path=lora.path) for lora in self.loras],
+                **{
+                    served.name: [
+                        Adapter(name=lora.name, base=served.name, path=lora.path) for lora in served.loras
+                    ]
+                    for served in self.models
+                },
+            }
+        )
+
+    def adapter_routing(self) -> AdapterRouting:
+        """How adapters weigh in worker choice."""
+        return AdapterRouting(max_loras=self.max_loras, load_ms=self.lora_load_ms, aware=self.adapter_aware)
 
     @model_validator(mode="after")
     def _engine_needs(self) -> RouterConfig:

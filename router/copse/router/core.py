@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from copse.router.adapters import AdapterRouting, AdapterTracker
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
@@ -149,6 +150,12 @@ class WorkerInfo:
     revision: str | None = None
     """The deployment revision it runs: a prefill worker hands KV over only to a decode worker of
     the same revision (two engine versions need not share a KV layout)."""
+    model: str = ""
+    """The base model it serves ("": the router's one model); requests for another go elsewhere."""
+    max_loras: int | None = None
+    """LoRA adapters its engine holds at once (``None``: the router's configured figure)."""
+    loras: tuple[str, ...] = ()
+    """LoRA adapters its engine said it holds when it registered, least recently used first."""
 
 
 class Route(NamedTuple):
@@ -219,10 +226,12 @@ class Router:
         moe_perf: PerfModel | None = None,
         tenant_weight: Callable[[str], float] | None = None,
         limits: TenantLimits | None = None,
+        adapters: AdapterRouting | None = None,
     ) -> None:
         """``tenant_weight(tenant)``: a tenant's share of the fleet while requests wait, against
         the others' of the same priority (1 for every tenant when not given); ``limits``: rate
-        limits per tenant (none when not given)."""
+        limits per tenant (none when not given); ``adapters``: how LoRA adapters weigh in worker
+        choice (defaults when not given)."""
         self.settings = settings
         self.thresholds = thresholds or Thresholds()
         self.disagg = disagg or DisaggSettings()
@@ -281,6 +290,8 @@ class Router:
         """Prompt tokens of every routed request (for the predicted hit rate)."""
         self.cached_tokens_routed = 0
         """Prompt tokens the chosen workers were predicted to hold."""
+        self.adapters = AdapterTracker(adapters)
+        """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -292,6 +303,7 @@ class Router:
         if previous is not None and not previous.draining:
             self._role_count[previous.role] -= 1
         self.workers[info.worker_id] = info
+        self.adapters.set_worker(slot, model=info.model, max_loras=info.max_loras, held=info.loras)
         if not info.draining:
             self._role_count[info.role] += 1
         for role, mask in self._roles.items():
@@ -313,6 +325,7 @@ class Router:
         for mask in self._roles.values():
             mask[slot] = False
         self._roles_version += 1
+        self.adapters.drop_worker(slot)
         lost = {key.removesuffix("\x00prefill") for key in self.sequences.drop_worker(slot)}
         for request_id in lost:
             self._routes.pop(request_id, None)
@@ -358,6 +371,8 @@ class Router:
         routed now or waits in the queue until it is (or is cancelled by :meth:`finish`)."""
         if not self._servable(exclude):
             raise NoWorkers("no worker is available for this request")
+        if request.model and not self.adapters.serves(request.model):
+            raise NoWorkers(f"no worker of model {request.model!r} is available")
         tokens = float(request.prompt_tokens + request.max_tokens)
         # A retry (workers excluded) is the router's doing: its tenant was charged the first time.
         limits = self.limits if not exclude else None
@@ -470,6 +485,7 @@ class Router:
         if route is None:
             return []
         self._unguard(request_id)
+        self.adapters.finished(request_id)
         if self.experts is not None:
             self.experts.remove(request_id)
         self.sequences.free(request_id, now=now)
@@ -547,6 +563,15 @@ class Router:
             self._free_cache[role] = (versions, found)
         return found
 
+    def _narrow(self, request: RouteRequest, eligible: _Eligible | None) -> _Eligible | None:
+        """Of ``eligible``, the workers of the request's model that can start its adapter now."""
+        if eligible is None or not (request.model or request.adapter):
+            return eligible
+        mask = self.adapters.narrow(request, eligible.mask)
+        if not mask.any():
+            return None
+        return eligible if np.array_equal(mask, eligible.mask) else _Eligible.of(mask)
+
     def _selection(self, request: RouteRequest, eligible: _Eligible, *, now: float) -> Selection:
         return Selection(
             request=request,
@@ -561,14 +586,15 @@ class Router:
             now=now,
             experts=self.experts,
             moe_perf=self.moe_perf,
+            adapter_ms=self.adapters.load_ms(request, self.sequences.size),
         )
 
     def _try_route(self, request: RouteRequest, *, now: float, exclude: frozenset[str]) -> Route | None:
         self.costs.refresh()
-        worker_free = self._free(Role.WORKER, exclude)
-        decode_free = self._free(Role.DECODE, exclude)
+        worker_free = self._narrow(request, self._free(Role.WORKER, exclude))
+        decode_free = self._narrow(request, self._free(Role.DECODE, exclude))
         if decode_free is not None:
-            prefill_free = self._free(Role.PREFILL, exclude)
+            prefill_free = self._narrow(request, self._free(Role.PREFILL, exclude))
             if prefill_free is not None:
                 # Only prefill workers of a revision that has a free decode worker.
                 prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
@@ -668,7 +694,10 @@ class Router:
         skip = set(exclude) | {primary}
         self.costs.refresh()
         while len(chosen) < count:
-            masks = [self._free(role, frozenset(skip)) for role in (Role.WORKER, Role.DECODE)]
+            masks = [
+                self._narrow(request, self._free(role, frozenset(skip)))
+                for role in (Role.WORKER, Role.DECODE)
+            ]
             found = [mask.mask for mask in masks if mask is not None]
             if not found:
                 break
@@ -714,7 +743,8 @@ class Router:
                 cached_tokens=cached,
                 predicted_ttft_ms=ttft,
                 onboard_ms=onboard_ms,
-            )
+            ),
+            request,
         )
 
     def _revisions(self, eligible: _Eligible) -> set[str | None]:
@@ -803,11 +833,20 @@ class Router:
                 cached_tokens=cached,
                 predicted_ttft_ms=remote_ttft,
                 onboard_ms=onboard_ms,
-            )
+            ),
+            request,
         )
 
-    def _commit(self, route: Route) -> Route:
+    def _commit(self, route: Route, request: RouteRequest) -> Route:
         self._routes[route.request_id] = route
+        if request.adapter:
+            workers = (
+                (route.worker_id,)
+                if route.prefill_worker_id is None
+                else (route.prefill_worker_id, route.worker_id)
+            )
+            slots = tuple(self.slots.slot(worker_id) for worker_id in workers)
+            self.adapters.routed(route.request_id, slots=slots, adapter=request.adapter)
         self.prompt_tokens_routed += route.prompt_tokens
         self.cached_tokens_routed += route.cached_tokens
         return route

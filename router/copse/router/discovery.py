@@ -64,6 +64,8 @@ class Endpoint:
     """Marked for removal: no new requests, in-flight ones finish."""
     revision: str | None = None
     """The deployment revision the engine runs: prefill and decode pair only within one."""
+    model: str | None = None
+    """The base model it serves, when the router fronts several (``None``: the router's own)."""
 
 
 OnChange = Callable[[Mapping[str, Endpoint]], None]
@@ -95,6 +97,31 @@ class StaticSource:
     async def run(self, on_change: OnChange) -> None:
         on_change(dict(self._endpoints))
         await asyncio.Event().wait()
+
+
+class ModelSources:
+    """Several models' sources as one: each model's endpoints, tagged with the model and keyed
+    ``<model>/<key>`` (two deployments' pods may share names only across namespaces, static URLs
+    not at all, but keys must not collide)."""
+
+    def __init__(self, sources: Mapping[str, Source]) -> None:
+        self._sources = dict(sources)
+        self._seen: dict[str, dict[str, Endpoint]] = {model: {} for model in self._sources}
+
+    async def run(self, on_change: OnChange) -> None:
+        def changed(model: str) -> OnChange:
+            def report(endpoints: Mapping[str, Endpoint]) -> None:
+                self._seen[model] = {
+                    f"{model}/{key}": dataclasses.replace(endpoint, key=f"{model}/{key}", model=model)
+                    for key, endpoint in endpoints.items()
+                }
+                on_change({key: e for seen in self._seen.values() for key, e in seen.items()})
+
+            return report
+
+        async with asyncio.TaskGroup() as group:
+            for model, source in self._sources.items():
+                group.create_task(source.run(changed(model)), name=f"discovery-{model}")
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str) -> Any:

@@ -11,7 +11,8 @@ through the gateway. The protocol (the Inference Extension's proposal 004, v1.0.
   or chat request (:meth:`RoutingService.prepare`), routed by the same :class:`Router` and policy
   as the HTTP frontend; the answer sets the header ``x-gateway-destination-endpoint: ip:port``
   (then ``fallback_endpoints`` more, comma-separated, best first) and the same value in the dynamic
-  metadata ``envoy.lb``, then streams the body back;
+  metadata ``envoy.lb``, then streams the body back (rewritten when it names a LoRA adapter: with
+  the adapter's ``lora_request``, which ``trtllm-serve`` reads);
 * ``x-gateway-destination-endpoint-subset`` in the filter metadata ``envoy.lb.subset_hint`` (a
   list, or one comma-separated string) restricts the choice to those endpoints;
 * errors are ``ImmediateResponse`` s with an OpenAI error body: 400 for a body that is not a
@@ -491,10 +492,14 @@ class Exchange:
         self.routed = _Routed(
             request=prepared.route, route=route, primary=endpoints[0], stream=prepared.request.stream
         )
-        if picker.router.workers[route.worker_id].role is Role.DECODE:
-            # A whole request on a decode worker: trtllm-serve's conditional disaggregation marks it so.
-            payload = json.loads(body)
-            payload["disaggregated_params"] = {"request_type": "context_and_generation"}
+        decode = picker.router.workers[route.worker_id].role is Role.DECODE
+        if decode or prepared.resolved.adapter is not None:
+            # The body as the engine needs it: through a LoRA adapter with its lora_request (what
+            # prepare added: trtllm-serve does not read model), and a whole request on a decode
+            # worker marked as trtllm-serve's conditional disaggregation marks it.
+            payload = dict(prepared.body)
+            if decode:
+                payload["disaggregated_params"] = {"request_type": "context_and_generation"}
             body = json.dumps(payload).encode()
         return [_destination(endpoints, body_bytes=len(body)), *self._body(body, trailers)]
 

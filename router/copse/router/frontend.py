@@ -3,11 +3,11 @@
 =============================  ==============================================================
 ``POST /v1/completions``       OpenAI completions (token-id or text prompt), SSE with ``stream``
 ``POST /v1/chat/completions``  OpenAI chat completions, SSE with ``stream``
-``GET /v1/models``             the served model
+``GET /v1/models``             the served models and their LoRA adapters
 ``GET /health``                200 while at least one worker is usable, else 503
 ``GET /ready``                 200 once the router has a picture of caches and peers (readiness probe)
 ``GET /metrics``               Prometheus (:mod:`copse.router.metrics`)
-``GET /workers``               live workers: draining or not, this router's requests on each
+``GET /workers``               live workers: draining, requests here, model, adapters held
 =============================  ==============================================================
 
 Errors, every one in the OpenAI error shape: 400 with the workers' error body naming the field;
@@ -525,7 +525,10 @@ class RouterService(RoutingService):
                 else:
                     payload = progress.continuation(relay.body, chat=False)
                 route_request = self.route_request(
-                    route_request.request_id, progress.prompt + progress.output, max_tokens=progress.remaining
+                    route_request.request_id,
+                    progress.prompt + progress.output,
+                    max_tokens=progress.remaining,
+                    resolved=prepared.resolved,
                 )
                 continue
             except BaseException:
@@ -818,12 +821,7 @@ class RouterService(RoutingService):
         return lines
 
     async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [{"id": self.config.model, "object": "model", "created": 0, "owned_by": "copse"}],
-            }
-        )
+        return web.json_response(self.catalog.listing())
 
     async def _health(self, _: web.Request) -> web.Response:
         status, body = self.health()

@@ -42,9 +42,12 @@ class KvEventSync(Subscriber):
         *,
         namespace: str,
         deployment: str,
+        model: str | None = None,
         dump_timeout_s: float = 5.0,
         retry_s: float = 1.0,
     ) -> None:
+        """``model``: the deployment's model when the router fronts several (its sync asks only
+        that model's workers for dumps); ``None``: every worker is the deployment's."""
         radix = service.router.radix
         if radix is None:
             raise ValueError("KV event sync needs a router built with use_kv_events=True")
@@ -53,6 +56,7 @@ class KvEventSync(Subscriber):
         self.service = service
         self.namespace = namespace
         self.deployment = deployment
+        self.model = model
         self._dump_timeout_s = dump_timeout_s
         self._retry_s = retry_s
         self._pending: dict[str, asyncio.Task[None]] = {}
@@ -60,7 +64,9 @@ class KvEventSync(Subscriber):
     async def start(self) -> None:
         """Subscribe (on every connection), and ask each newly usable worker for its cache."""
         self.service.on_worker_added.append(
-            lambda worker_id, _url: self.resync(worker_id, reason="discovered")
+            lambda worker_id, _url: (
+                self.resync(worker_id, reason="discovered") if self._ours(worker_id) else None
+            )
         )
         self.service.readiness_checks.append(self.waiting_for)
         await super().start()
@@ -69,7 +75,13 @@ class KvEventSync(Subscriber):
         """Subscribe, then ask every worker for its cache: events sent meanwhile were lost."""
         await super().on_connect(nc)
         for worker_id in list(self.service.router.workers):
-            self.resync(worker_id, reason="connected")
+            if self._ours(worker_id):
+                self.resync(worker_id, reason="connected")
+
+    def _ours(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` belongs to this sync's deployment."""
+        info = self.service.router.workers.get(worker_id)
+        return self.model is None or (info is not None and info.model == self.model)
 
     def waiting_for(self) -> str | None:
         """The dumps asked for and not loaded yet (``None``: none)."""

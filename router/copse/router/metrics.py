@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from copse.router.core import Router
@@ -82,6 +82,18 @@ CLASS_TTFT_SECONDS = f"{PREFIX}_class_time_to_first_token_seconds"
 """Histogram by ``objective``, ``tenant``: request arrival to its first streamed token."""
 CLASS_ITL_SECONDS = f"{PREFIX}_class_inter_token_latency_seconds"
 """Histogram by ``objective``, ``tenant``: mean gap between streamed tokens of a request."""
+ADAPTER_ADMITTED = f"{PREFIX}_adapter_admitted"
+"""Counter (``_total``) by ``model``, ``adapter``: requests admitted (routed now or queued);
+``adapter`` is ``base`` for the base model."""
+ADAPTER_TTFT_SECONDS = f"{PREFIX}_adapter_time_to_first_token_seconds"
+"""Histogram by ``model``, ``adapter``: request arrival to its first streamed token."""
+ADAPTER_ITL_SECONDS = f"{PREFIX}_adapter_inter_token_latency_seconds"
+"""Histogram by ``model``, ``adapter``: mean gap between streamed tokens of a request."""
+ADAPTER_LOADS = f"{PREFIX}_adapter_loads"
+"""Counter (``_total``): LoRA adapter loads the router's choices made engines do (predicted from the
+adapters it believes each worker holds)."""
+BASE_ADAPTER = "base"
+"""The ``adapter`` label of requests served by the base model."""
 OTHER_TENANTS = "other"
 """The ``tenant`` label of tenants beyond the labelled ones."""
 DEFAULT_LABEL = "default"
@@ -99,12 +111,21 @@ class RouterMetrics:
     """The router's metrics in their own registry (one per router instance)."""
 
     def __init__(
-        self, router: Callable[[], Router], *, tenants: Collection[str] = (), tenant_labels: int = 20
+        self,
+        router: Callable[[], Router],
+        *,
+        tenants: Collection[str] = (),
+        tenant_labels: int = 20,
+        adapter_labels: int = 20,
+        model: str = DEFAULT_LABEL,
     ) -> None:
         """``tenants`` get their own ``tenant`` label, and so do the first ``tenant_labels`` others
-        seen; the rest are ``other``."""
+        seen; the rest are ``other``. The first ``adapter_labels`` adapters seen get their own
+        ``adapter`` label; the rest are ``other``; ``model`` labels requests naming no model (one
+        model behind the router)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self.adapters = AdapterMetrics(r, adapter_labels=adapter_labels, model=model)
         self._labelled = set(tenants)
         self._unlisted = 0
         self._tenant_labels = tenant_labels
@@ -228,6 +249,7 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_WorkerLoad(router))
+        r.register(_AdapterLoads(router))
 
     def labels(self, request: RouteRequest) -> tuple[str, str]:
         """The ``objective`` and ``tenant`` labels of ``request`` (bounded: see the constructor)."""
@@ -244,6 +266,7 @@ class RouterMetrics:
         """``request`` was admitted: routed now, or queued."""
         labels = self.labels(request)
         self.class_admitted.labels(*labels).inc()
+        self.adapters.admitted.labels(*self.adapters.labels(request)).inc()
         if queued:
             self.class_queued.labels(*labels).inc()
 
@@ -259,11 +282,66 @@ class RouterMetrics:
         """``request``'s first token came ``seconds`` after it arrived."""
         self.ttft.observe(seconds)
         self.class_ttft.labels(*self.labels(request)).observe(seconds)
+        self.adapters.ttft.labels(*self.adapters.labels(request)).observe(seconds)
 
     def inter_token(self, request: RouteRequest, seconds: float) -> None:
         """``request``'s tokens came ``seconds`` apart on average."""
         self.itl.observe(seconds)
         self.class_itl.labels(*self.labels(request)).observe(seconds)
+        self.adapters.itl.labels(*self.adapters.labels(request)).observe(seconds)
+
+
+class AdapterMetrics:
+    """Per-adapter request metrics (labels bounded: the first ``adapter_labels`` adapters seen;
+    adapters are the router's configured ones, never a client's string)."""
+
+    def __init__(self, registry: CollectorRegistry, *, adapter_labels: int, model: str) -> None:
+        names = ["model", "adapter"]
+        self._model = model
+        self._labelled: set[str] = set()
+        self._limit = adapter_labels
+        self.admitted = Counter(
+            ADAPTER_ADMITTED,
+            "Requests admitted (routed now or queued), by model and adapter.",
+            names,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            ADAPTER_TTFT_SECONDS,
+            "Time from request arrival to its first streamed token, by model and adapter.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            ADAPTER_ITL_SECONDS,
+            "Mean gap between streamed tokens of a request, by model and adapter.",
+            names,
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+
+    def labels(self, request: RouteRequest) -> tuple[str, str]:
+        """The ``model`` and ``adapter`` labels of ``request``."""
+        adapter = request.adapter or BASE_ADAPTER
+        if request.adapter and adapter not in self._labelled:
+            if len(self._labelled) >= self._limit:
+                adapter = OTHER_TENANTS
+            else:
+                self._labelled.add(adapter)
+        return request.model or self._model, adapter
+
+
+class _AdapterLoads(Collector):
+    def __init__(self, router: Callable[[], Router]) -> None:
+        self._router = router
+
+    def collect(self) -> Iterable[Metric]:
+        loads = CounterMetricFamily(
+            ADAPTER_LOADS, "LoRA adapter loads the router's choices caused (predicted)."
+        )
+        loads.add_metric([], float(self._router().adapters.loads))
+        yield loads
 
 
 class _WorkerLoad(Collector):

@@ -82,6 +82,10 @@ class RouteRequest:
     """Its objective's inter-token target: while it decodes on a worker, a request of lower
     priority goes there only if the worker's predicted step time stays within it (``None``: no
     such guard)."""
+    model: str = ""
+    """The base model whose workers may serve it ("": any worker; one model behind the router)."""
+    adapter: str = ""
+    """The LoRA adapter it is served through ("": the base model); its hashes include it."""
 
 
 RoutingObjective = Literal["e2e", "ttft", "goodput"]
@@ -153,6 +157,9 @@ class Selection:
     """Seconds on the caller's clock (the backlog of a worker decays with it)."""
     experts: ExpertTracker | None = None
     """Expert placement and load per worker (Mixture-of-Experts deployments)."""
+    adapter_ms: FloatArray | None = None
+    """Time each worker would take to load the request's LoRA adapter first, ms (part of
+    :meth:`ttft_ms`; ``None``: none to load)."""
     moe_perf: PerfTable | None = None
     """The expert-parallel engines' balanced step (without their MoE terms), which ``kv_expert``
     stretches for the expert load it expects; ``None``: ``perf``'s step holds the MoE terms of an
@@ -206,7 +213,8 @@ class Selection:
         backlog and of this prompt's uncached tokens (all but the cached prefix, and at least one
         token), plus, for every step that takes (the step budget bounds the tokens per step), the
         fixed step cost and the worker's decode step while it has sequences decoding, plus the
-        onboarding of the cached prefix blocks it keeps below the GPU (host memory, disk).
+        onboarding of the cached prefix blocks it keeps below the GPU (host memory, disk), plus the
+        load of the request's LoRA adapter where the worker does not hold it (:attr:`adapter_ms`).
 
         The backlog is the predicted prefill time of the worker's requests not yet prefilled, less
         the time the oldest one has been running (capped at its prediction). One compiled pass
@@ -230,6 +238,8 @@ class Selection:
         )
         self._overlaps, self._ttft, self._uncached = out[0], out[3], out[4]
         self._lower = out[1:3]
+        if self.adapter_ms is not None:
+            self._ttft = self._ttft + self.adapter_ms
         return self._ttft
 
     def decode_ms(self) -> FloatArray:

@@ -13,11 +13,12 @@ import uuid
 
 from aiohttp import web
 
-from copse.router.config import InferencePoolDiscovery, KubernetesDiscovery, RouterConfig
+from copse.router.config import Discovery, KubernetesDiscovery, RouterConfig, StaticDiscovery
 from copse.router.discovery import (
     InferencePoolSource,
     KubeAioPodApi,
     KubernetesSource,
+    ModelSources,
     PoolApi,
     Source,
     StaticSource,
@@ -51,6 +52,8 @@ class RunningRouter:
     kv_sync: KvEventSync | None
     replica_sync: ReplicaSync | None
     pod_api: KubeAioPodApi | None
+    model_kv_syncs: list[KvEventSync] = dataclasses.field(default_factory=list)
+    """KV event syncs of the further models' deployments (``RouterConfig.models``)."""
 
     @property
     def grpc_target(self) -> str | None:
@@ -78,6 +81,8 @@ class RunningRouter:
     async def close(self) -> None:
         if self.kv_sync is not None:
             await self.kv_sync.stop()
+        for sync in self.model_kv_syncs:
+            await sync.stop()
         if self.replica_sync is not None:
             await self.replica_sync.stop()
         if self.runner is not None:
@@ -113,19 +118,25 @@ async def start_router(
         )
     tokenizer = load_tokenizer(config)
     owned_api: KubeAioPodApi | None = None
-    discovery = config.discovery
-    source: Source
-    if isinstance(discovery, KubernetesDiscovery | InferencePoolDiscovery):
+
+    async def source_of(discovery: Discovery) -> Source:
+        nonlocal pod_api, owned_api
+        if isinstance(discovery, StaticDiscovery):
+            return StaticSource(discovery.workers)
         if pod_api is None:
             pod_api = owned_api = await KubeAioPodApi.from_environment()
         if isinstance(discovery, KubernetesDiscovery):
-            source = KubernetesSource(
+            return KubernetesSource(
                 pod_api, namespace=discovery.namespace, selector=discovery.selector, port=discovery.port
             )
-        else:
-            source = InferencePoolSource(pod_api, namespace=discovery.namespace, name=discovery.name)
-    else:
-        source = StaticSource(discovery.workers)
+        return InferencePoolSource(pod_api, namespace=discovery.namespace, name=discovery.name)
+
+    source = await source_of(config.discovery)
+    if config.models:
+        sources = {config.model: source}
+        for served in config.models:
+            sources[served.name] = await source_of(served.discovery)
+        source = ModelSources(sources)
     router_id = router_id or default_router_id()
     link = None
     if config.nats_url:
@@ -166,12 +177,31 @@ async def start_router(
             lambda: None if follower.current is not None else "a first list of InferenceObjectives"
         )
     kv_sync = replica_sync = None
+    model_kv_syncs: list[KvEventSync] = []
     if link is not None:
         link_url = config.nats_url
         link.on_state = service.set_nats_connected
         service.readiness_checks.append(lambda: None if link.connected else f"a NATS connection ({link_url})")
-        kv_sync = KvEventSync(service, link, namespace=config.namespace, deployment=config.deployment)
+        kv_sync = KvEventSync(
+            service,
+            link,
+            namespace=config.namespace,
+            deployment=config.deployment,
+            model=config.model if config.models else None,
+        )
         await kv_sync.start()
+        for served in config.models:
+            assert served.deployment is not None, "the config requires it with nats_url"
+            discovered = None if isinstance(served.discovery, StaticDiscovery) else served.discovery.namespace
+            sync = KvEventSync(
+                service,
+                link,
+                namespace=served.namespace or discovered or config.namespace,
+                deployment=served.deployment,
+                model=served.name,
+            )
+            await sync.start()
+            model_kv_syncs.append(sync)
         replica_sync = ReplicaSync(
             service,
             link,
@@ -206,6 +236,7 @@ async def start_router(
         picker=picker,
         link=link,
         kv_sync=kv_sync,
+        model_kv_syncs=model_kv_syncs,
         replica_sync=replica_sync,
         pod_api=owned_api,
     )

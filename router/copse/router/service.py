@@ -41,6 +41,7 @@ from copse.router.config import RouterConfig
 from copse.router.core import NoWorkers, Role, Route, Router, Shed, WorkerInfo
 from copse.router.discovery import Endpoint, Source
 from copse.router.metrics import RouterMetrics
+from copse.router.models import Resolved, UnknownModel
 from copse.router.policies import RouteRequest
 from copse.router.tokens import PromptTokenizer, prompt_tokens
 from copse.workers.perf import PerfModel
@@ -100,6 +101,8 @@ class Prepared:
     tokens: list[int]
     """The prompt's token ids."""
     route: RouteRequest
+    resolved: Resolved
+    """The base model and the LoRA adapter its ``model`` names."""
 
 
 @dataclass(slots=True)
@@ -225,9 +228,17 @@ class RoutingService:
             seed=config.seed,
             tenant_weight=self.classes.weight,
             limits=config.rate_limits(),
+            adapters=config.adapter_routing(),
         )
+        self.catalog = config.catalog()
+        """The models and LoRA adapters requests may name (``GET /v1/models``)."""
+        self._several_models = len(self.catalog.models) > 1
         self.metrics = RouterMetrics(
-            lambda: self.router, tenants=config.tenants, tenant_labels=config.metrics_tenants
+            lambda: self.router,
+            tenants=config.tenants,
+            tenant_labels=config.metrics_tenants,
+            adapter_labels=config.metrics_adapters,
+            model=config.model,
         )
         self._endpoints: dict[str, Endpoint] = {}
         self._live: dict[str, _Live] = {}
@@ -400,6 +411,7 @@ class RoutingService:
         if isinstance(num_blocks, int) and num_blocks > 0:
             # The engine's own cache size, in blocks of the router's size (they are equal here).
             self.router.indexer.set_capacity(self.router.slots.slot(worker_id), num_blocks)
+        max_loras, loras = info.get("max_loras"), info.get("loras")
         released = self.router.add_worker(
             WorkerInfo(
                 worker_id=worker_id,
@@ -407,6 +419,11 @@ class RoutingService:
                 locality=endpoint.locality,
                 draining=endpoint.draining,
                 revision=endpoint.revision,
+                model=endpoint.model or self.config.model,
+                max_loras=max_loras if isinstance(max_loras, int) and max_loras > 0 else None,
+                loras=tuple(name for name in loras if isinstance(name, str))
+                if isinstance(loras, list)
+                else (),
             ),
             now=self.now(),
         )
@@ -533,10 +550,18 @@ class RoutingService:
             check_context(prompt_tokens=None, max_tokens=request.asked_tokens(), context=context)
         except RequestError as exc:
             raise Rejected(400, exc.message, param=exc.param) from exc
-        if request.model != self.config.model:
-            served = self.config.model
-            message = f"model {request.model!r} is not served here (GET /v1/models lists {served!r})"
-            raise Rejected(404, message, param="model")
+        try:
+            resolved = self.catalog.resolve(request.model)
+        except UnknownModel as exc:
+            raise Rejected(404, str(exc), param="model") from exc
+        if request.lora_request is not None:
+            # Only adapters of the catalog, at the paths it gives: a client must not make engines
+            # load weights from a path of its choosing.
+            raise Rejected(
+                400, "lora_request is set by the router: name the adapter as model", param="lora_request"
+            )
+        if resolved.adapter is not None:
+            body = {**body, "lora_request": resolved.adapter.lora_request()}
         try:
             if inline:
                 tokens = prompt_tokens(request, self.tokenizer)
@@ -553,18 +578,33 @@ class RoutingService:
         except RequestError as exc:
             raise Rejected(400, exc.message, param=exc.param) from exc
         expected = min(request.requested_tokens(), context - len(tokens))
-        route = self.route_request(uuid.uuid4().hex, tokens, max_tokens=expected, headers=headers or {})
-        return Prepared(request=request, body=body, tokens=tokens, route=route)
+        route = self.route_request(
+            uuid.uuid4().hex, tokens, max_tokens=expected, headers=headers or {}, resolved=resolved
+        )
+        return Prepared(request=request, body=body, tokens=tokens, route=route, resolved=resolved)
 
     def route_request(
-        self, request_id: str, tokens: list[int], *, max_tokens: int, headers: Mapping[str, str] | None = None
+        self,
+        request_id: str,
+        tokens: list[int],
+        *,
+        max_tokens: int,
+        headers: Mapping[str, str] | None = None,
+        resolved: Resolved | None = None,
     ) -> RouteRequest:
         """What the core needs to route a prompt of ``tokens``; ``headers`` (lower-case names) name
-        its objective and tenant (:meth:`copse.router.objectives.Classes.of`)."""
+        its objective and tenant (:meth:`copse.router.objectives.Classes.of`), ``resolved`` its
+        model and adapter (the router's own base model when not given)."""
         objective, tenant = self.classes.of(headers or {})
+        adapter = None if resolved is None else resolved.adapter
+        model = "" if resolved is None or not self._several_models else resolved.model
         return RouteRequest(
             request_id=request_id,
-            hashes=block_hashes(tokens, block_size=self.config.block_size),
+            hashes=block_hashes(
+                tokens,
+                block_size=self.config.block_size,
+                lora_id=None if adapter is None else adapter.lora_int_id,
+            ),
             prompt_tokens=len(tokens),
             max_tokens=max_tokens,
             priority=objective.priority,
@@ -572,6 +612,8 @@ class RoutingService:
             ttft_slo_ms=objective.ttft_ms,
             itl_slo_ms=objective.itl_ms,
             objective=objective.name,
+            model=model,
+            adapter="" if adapter is None else adapter.name,
         )
 
     def metrics_text(self) -> bytes:
@@ -580,7 +622,8 @@ class RoutingService:
 
     def workers_report(self) -> list[dict[str, Any]]:
         """Every live worker, whether it drains and this router's requests in flight on it (what
-        the operator reads before it removes a draining group)."""
+        the operator reads before it removes a draining group), its model and the LoRA adapters
+        it is believed to hold (least recently used first)."""
         return [
             {
                 "key": key,
@@ -589,6 +632,8 @@ class RoutingService:
                 "role": live.endpoint.role.value,
                 "draining": self.router.workers[live.worker_id].draining,
                 "in_flight": self.router.in_flight(live.worker_id),
+                "model": self.router.workers[live.worker_id].model,
+                "loras": self.router.adapters.held(self.router.slots.slot(live.worker_id)),
             }
             for key, live in sorted(self._live.items())
         ]

@@ -38,6 +38,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from copse.router.adapters import AdapterRouting
 from copse.router.core import (
     DisaggSettings,
     NoWorkers,
@@ -64,7 +65,7 @@ from copse.workers.mocker import (
 from copse.workers.mocker import Role as EngineRole
 from copse.workers.moe import MoeConfig
 from copse.workers.perf import PerfModel, load_perf_model
-from copse.workers.protocol.hashing import hash_blocks
+from copse.workers.protocol.hashing import hash_blocks, lora_int_id
 from copse.workers.protocol.kv_events import KvEvent
 
 
@@ -221,6 +222,9 @@ class ReplaySettings:
     """Delay from the end of an engine step to its KV events reaching the router's indexer."""
     router_model: RouterModel = dataclasses.field(default_factory=RouterModel)
     """What the router believes about the engines' speed."""
+    adapters: AdapterRouting = dataclasses.field(default_factory=AdapterRouting)
+    """How the router weighs LoRA adapters (requests name theirs in :attr:`RequestClass.adapter`;
+    the engines' adapter cache is the engine config's ``adapters``)."""
 
     def engine_config(self) -> EngineConfig:
         """The engines' config as replayed: the trace's block size unless set, this noise."""
@@ -373,6 +377,8 @@ class RequestClass:
     tenant: str = ""
     ttft_slo_ms: float | None = None
     itl_slo_ms: float | None = None
+    adapter: str = ""
+    """The LoRA adapter it is served through ("": the base model)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -382,6 +388,7 @@ class _Pending:
     hashes: list[int]
     local: list[int]
     max_tokens: int
+    adapter: str | None = None
 
 
 _ENGINE_ROLES: dict[Role, EngineRole] = {
@@ -516,6 +523,7 @@ class Fleet:
                 host_block_ms=host_block_ms,
                 disk_block_ms=disk_block_ms,
             ),
+            adapters=settings.adapters,
             policy=settings.policy,
             thresholds=settings.thresholds,
             seed=settings.seed,
@@ -593,10 +601,17 @@ class Fleet:
         """Request ``index`` of the trace arrives now."""
         request = self.trace[index]
         tokens = self._synth.tokens(request.hash_ids, request.input_length)
-        hashes, local = hash_blocks(tokens, block_size=self._config.block_size)
+        adapter = self.classes[index].adapter if self.classes is not None else ""
+        lora_id = lora_int_id(adapter) if adapter else None
+        hashes, local = hash_blocks(tokens, block_size=self._config.block_size, lora_id=lora_id)
         request_id = str(index)
         self._pending[request_id] = _Pending(
-            index=index, tokens=tokens, hashes=hashes, local=local, max_tokens=request.output_length
+            index=index,
+            tokens=tokens,
+            hashes=hashes,
+            local=local,
+            max_tokens=request.output_length,
+            adapter=adapter or None,
         )
         route_request = RouteRequest(
             request_id=request_id,
@@ -613,6 +628,7 @@ class Fleet:
                 tenant=kind.tenant,
                 ttft_slo_ms=kind.ttft_slo_ms,
                 itl_slo_ms=kind.itl_slo_ms,
+                adapter=kind.adapter,
             )
         replica = 0 if self.replica_of is None else self.replica_of[index]
         self._owner[request_id] = replica
@@ -667,6 +683,7 @@ class Fleet:
                     tokens=item.tokens,
                     max_tokens=item.max_tokens if remote is None else 1,
                     block_hashes=(item.hashes, item.local),
+                    adapter=item.adapter,
                 )
             except (RequestRejected, EngineOverloaded):
                 self.failed_ms[item.index] = now
@@ -703,6 +720,7 @@ class Fleet:
                 max_tokens=item.max_tokens,
                 block_hashes=(item.hashes, item.local),
                 transferred_first_token=int(request.output[0]),
+                adapter=item.adapter,
             )
         except (RequestRejected, EngineOverloaded):
             self.failed_ms[item.index] = now

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from copse.workers.conventions import renamed
 from copse.workers.files import OutputPath
+from copse.workers.mocker.adapters import AdapterSettings
 from copse.workers.mocker.config import ROLES, EngineConfig
 from copse.workers.mocker.server import MockFleetSettings, start_fleet
 from copse.workers.moe import MoeConfig
@@ -118,6 +119,26 @@ _PERF_OPTIONS = [
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--model", "model_name", default="mock-model", show_default=True, help="Served model name.")
 @click.option("--worker-prefix", default="mock", show_default=True, help="Worker ids are <prefix>-<port>.")
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    help="A LoRA adapter the engines serve and list (repeat); requests name it in `model` or lora_request.",
+)
+@click.option(
+    "--max-loras",
+    type=click.IntRange(min=1),
+    default=AdapterSettings().max_loras,
+    show_default=True,
+    help="LoRA adapters an engine holds at once (TensorRT-LLM's lora_config.max_loras); more evict the LRU.",
+)
+@click.option(
+    "--lora-load-ms",
+    type=click.FloatRange(min=0),
+    default=AdapterSettings().load_ms,
+    show_default=True,
+    help="Time to load an adapter an engine does not hold (requests behind the load wait).",
+)
 @click.option("--role", type=click.Choice(ROLES), default="aggregated", show_default=True)
 @click.option("--block-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
@@ -222,6 +243,9 @@ def mock(
     host: str,
     model_name: str,
     worker_prefix: str,
+    loras: tuple[str, ...],
+    max_loras: int,
+    lora_load_ms: float,
     role: str,
     block_size: int,
     num_blocks: int | None,
@@ -285,14 +309,18 @@ def mock(
             disk_cache_bytes=disk_cache_bytes,
             host_bandwidth_gbps=host_bandwidth_gbps,
             disk_bandwidth_gbps=disk_bandwidth_gbps,
+            adapters=AdapterSettings(max_loras=max_loras, load_ms=lora_load_ms),
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    if model_name in loras:
+        raise click.BadParameter(f"adapter {model_name!r} has the base model's name", param_hint="--lora")
     settings = MockFleetSettings(
         engines=engines,
         port_base=port_base,
         host=host,
         model_name=model_name,
+        loras=tuple(dict.fromkeys(loras)),
         worker_prefix=worker_prefix,
         virtual_clock=virtual_clock,
         drain_timeout_s=drain_timeout,

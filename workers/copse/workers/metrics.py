@@ -34,6 +34,12 @@ MOCK_STEP_LAG_SECONDS = "copse_mock_step_lag_seconds"
 """Histogram: how long after a step's end (on the engine's own timeline) the mocker's process
 delivered its output: the host's lag behind the engines it simulates (0 when it keeps up; tokens
 reach clients this much late, the engine itself is not slowed)."""
+MOCK_LORA_LOADED = "copse_mock_lora_loaded"
+"""Gauge by ``lora_name``: 1 for each LoRA adapter the mocked engine holds (bounded by its
+``max_loras``)."""
+MOCK_LORA_LOADS = "copse_mock_lora_loads"
+"""Counter (``_total``): LoRA adapters the mocked engine loaded (first loads and reloads after an
+eviction: what adapter-aware routing saves)."""
 
 # copse KV relay --------------------------------------------------------------------------------
 RELAY_EVENTS = "copse_kv_relay_events"

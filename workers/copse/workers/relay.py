@@ -59,7 +59,7 @@ from pydantic import ValidationError
 
 from copse.workers import metrics as names
 from copse.workers.nats_io import KvEventPublisher, close_connection, connect
-from copse.workers.protocol.hashing import chain_hash, tokens_hashes
+from copse.workers.protocol.hashing import adapter_seed, chain_hash, tokens_hashes
 from copse.workers.protocol.kv_events import (
     DumpBlock,
     KvCleared,
@@ -245,7 +245,8 @@ class KvRelay:
                     self.block_size,
                 )
                 break
-            (local,) = tokens_hashes([t.token_id for t in block.tokens], block_size=self.block_size)
+            ids = [t.token_id for t in block.tokens]
+            (local,) = tokens_hashes(ids, block_size=self.block_size, seed=adapter_seed(block.lora_id))
             block_hash = chain_hash(parent, local)
             if block.block_hash not in self._held:
                 self._unlink(block.block_hash, self._remembered.pop(block.block_hash, None))

@@ -57,6 +57,16 @@ def free_port_range(count: int, *, attempts: int = 50) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
 
 
+def stop_process(process: subprocess.Popen[bytes], *, timeout_s: float) -> None:
+    """SIGTERM ``process``, and SIGKILL it when it has not exited within ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     return free_port_range(1)
@@ -103,12 +113,7 @@ def nats_server(*, port: int | None = None, timeout_s: float = 15.0) -> Iterator
             raise TimeoutError(f"nats-server not ready after {timeout_s} s: {b''.join(log).decode()}")
         yield f"nats://127.0.0.1:{listening}"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=10)
         process.stderr.close()
 
 
@@ -123,6 +128,7 @@ async def mock_fleet(
     deployment: str = "mock",
     virtual_clock: bool = False,
     model_name: str = "mock-model",
+    loras: tuple[str, ...] = (),
 ) -> AsyncIterator[MockFleet]:
     """Mocked engines on free ports of 127.0.0.1, publishing KV events when ``nats_url`` is given."""
     connection = await connect(nats_url) if nats_url is not None else None
@@ -134,7 +140,7 @@ async def mock_fleet(
     try:
         fleet = await start_fleet(
             MockFleetSettings(
-                engines=engines, port_base=0, model_name=model_name, virtual_clock=virtual_clock
+                engines=engines, port_base=0, model_name=model_name, virtual_clock=virtual_clock, loras=loras
             ),
             config=config or EngineConfig(),
             perf=perf or PolynomialPerfModel(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from copse.workers.mocker.adapters import AdapterSettings
 from copse.workers.moe import MoeConfig
 from copse.workers.perf import KvOffload
 
@@ -60,6 +61,8 @@ class EngineConfig:
     """GB/s at which blocks come back from host memory (the onboarding time a prefix hit there costs)."""
     disk_bandwidth_gbps: float = KvOffload().disk_gbps
     """GB/s at which blocks come back from disk."""
+    adapters: AdapterSettings = dataclasses.field(default_factory=AdapterSettings)
+    """LoRA adapters held at once and the time to load one (requests naming an adapter wait for it)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):

@@ -39,12 +39,13 @@ from typing import Literal
 
 import numpy as np
 
+from copse.workers.mocker.adapters import AdapterCache
 from copse.workers.mocker.blocks import BlockHolder, BlockManager, trusted_model
 from copse.workers.mocker.config import EngineConfig
 from copse.workers.mocker.trtllm_events import TrtllmEventBuffer
 from copse.workers.moe import MoeStep
 from copse.workers.perf import PerfModel
-from copse.workers.protocol.hashing import hash_blocks
+from copse.workers.protocol.hashing import hash_blocks, lora_int_id
 from copse.workers.protocol.kv_events import DumpBlock, KvDump, KvEvent, KvEventData
 from copse.workers.protocol.tokenizer import RESERVED_IDS, VOCAB_SIZE
 
@@ -107,6 +108,7 @@ class Request(BlockHolder):
     """One request inside an engine. Times are in the caller's milliseconds."""
 
     __slots__ = (
+        "adapter",
         "arrival_ms",
         "awaiting_first",
         "cached_tokens",
@@ -116,6 +118,7 @@ class Request(BlockHolder):
         "first_token_ms",
         "hashes",
         "last_token_ms",
+        "lora_id",
         "max_tokens",
         "num_computed",
         "num_output",
@@ -126,6 +129,7 @@ class Request(BlockHolder):
         "ready_ms",
         "request_id",
         "sample_offset",
+        "start_ms",
         "state",
         "tokens",
         "tokens_hashes",
@@ -141,9 +145,18 @@ class Request(BlockHolder):
         arrival_ms: float,
         hashes: list[int],
         tokens_hashes: list[int],
+        adapter: str | None = None,
+        lora_id: int | None = None,
+        start_ms: float | None = None,
     ) -> None:
         super().__init__()
         self.request_id = request_id
+        self.adapter = adapter
+        """The LoRA adapter it is served through (``None``: the base model)."""
+        self.lora_id = lora_id
+        """The adapter's integer id, which seeds the request's block hashes."""
+        self.start_ms = arrival_ms if start_ms is None else max(arrival_ms, start_ms)
+        """When it may first be scheduled: its arrival, or when its adapter is loaded."""
         self.tokens = tokens
         """Prompt token ids."""
         self.output: list[int] = []
@@ -294,6 +307,11 @@ class Engine:
             disk_blocks=disk_blocks,
         )
         self._keep_tokens = trtllm_event_buffer > 0
+        self.adapters = AdapterCache(config.adapters)
+        """The LoRA adapters the engine holds."""
+        self._storing_lora: int | None = None
+        """Adapter id of the request whose blocks the block manager stores (TensorRT-LLM's events
+        name it per stored block)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -374,6 +392,8 @@ class Engine:
         now_ms: float,
         block_hashes: tuple[list[int], list[int]] | None = None,
         transferred_first_token: int | None = None,
+        adapter: str | None = None,
+        lora_id: int | None = None,
     ) -> Request:
         """Queue a request arriving at ``now_ms``.
 
@@ -381,6 +401,9 @@ class Engine:
         caller already computed them (saves hashing twice). ``transferred_first_token`` marks a
         generation-only request (decode role): its prompt's KV arrives from a prefill engine after
         ``prompt tokens * kv_bytes_per_token / bandwidth`` and it starts by emitting that token.
+        ``adapter`` names the LoRA adapter it is served through (its integer id ``lora_id``, by
+        default :func:`~copse.workers.protocol.hashing.lora_int_id` of the name, seeds its block
+        hashes); it is scheduled once the engine holds the adapter (:mod:`copse.workers.mocker.adapters`).
         Raises :class:`RequestRejected` or :class:`EngineOverloaded`.
         """
         if request_id in self.requests:
@@ -393,8 +416,10 @@ class Engine:
             array = np.asarray(tokens, dtype=np.uint32)
         except OverflowError as exc:
             raise RequestRejected(f"token ids must lie in [0, 2**32): {exc}", param="prompt") from exc
+        if adapter is not None and lora_id is None:
+            lora_id = lora_int_id(adapter)
         if block_hashes is None:
-            chained, local = hash_blocks(array[:prompt_len], block_size=self.block_size)
+            chained, local = hash_blocks(array[:prompt_len], block_size=self.block_size, lora_id=lora_id)
         else:
             chained, local = list(block_hashes[0]), list(block_hashes[1])
             if len(chained) != prompt_len // self.block_size or len(local) != len(chained):
@@ -410,6 +435,9 @@ class Engine:
             arrival_ms=now_ms,
             hashes=chained,
             tokens_hashes=local,
+            adapter=adapter,
+            lora_id=lora_id,
+            start_ms=None if adapter is None else self.adapters.acquire(adapter, now_ms=now_ms),
         )
         if self.moe is not None:
             # The mocked model routes by content: the first block sets the request's expert shares.
@@ -466,7 +494,7 @@ class Engine:
         start); ``None`` if nothing is pending."""
         wakes = [request.ready_ms for request in self._transfers]
         if self.waiting and not self.running:
-            wakes.append(self.waiting[0].arrival_ms)
+            wakes.append(self.waiting[0].start_ms)
         return min(wakes, default=None)
 
     def begin_step(self, now_ms: float, *, horizon_ms: float | None = None) -> float | None:
@@ -529,7 +557,7 @@ class Engine:
         if not preempted:
             max_seqs = self.config.max_num_seqs
             waiting = self.waiting
-            while waiting and budget > 0 and len(running) < max_seqs and waiting[0].arrival_ms <= now_ms:
+            while waiting and budget > 0 and len(running) < max_seqs and waiting[0].start_ms <= now_ms:
                 request = waiting[0]
                 if request.awaiting_first:
                     if not self._grow(request, request.prompt_len):
@@ -752,6 +780,7 @@ class Engine:
             request.token_slice(start * size, full_blocks * size),
             block_size=size,
             parent=hashes[-1] if hashes else None,
+            lora_id=request.lora_id,
         )
         hashes.extend(chained)
         request.tokens_hashes.extend(local)
@@ -763,6 +792,7 @@ class Engine:
             return True  # the common decode step: the last block still has room
         if len(request.hashes) < full:
             self._ensure_hashes(request, full)
+        self._storing_lora = request.lora_id
         return self.blocks.grow(
             request,
             num_tokens=num_tokens,
@@ -801,7 +831,7 @@ class Engine:
         event = trusted_model(KvEvent, {"event_id": self._last_event_id, "data": data}, _EVENT_FIELDS)
         self._pending_events.append(event)
         if self.trtllm_events is not None:
-            self.trtllm_events.add(data, block_tokens)
+            self.trtllm_events.add(data, block_tokens, lora_id=self._storing_lora)
 
     def drain_kv_events(self) -> list[KvEvent]:
         """KV events emitted since the last drain, oldest first."""

@@ -5,13 +5,13 @@ Per engine (one port each):
 =============================  ================================================================
 ``POST /v1/completions``       OpenAI completions; ``prompt`` as text or token ids; SSE with ``stream``
 ``POST /v1/chat/completions``  OpenAI chat completions (mock chat template and tokenizer, or token ids)
-``GET /v1/models``             the served model name
+``GET /v1/models``             the served model name and its LoRA adapters
 ``GET /health``                200 when the engine loop runs
 ``GET /prometheus/metrics``    Prometheus: TensorRT-LLM's names, types, labels and buckets
 ``GET /metrics``               JSON iteration stats since the last call (drained), as TensorRT-LLM
 ``POST /kv_cache_events``      drains TensorRT-LLM-format KV events (each returned once)
 ``GET /kv_dump``               copse :class:`~copse.workers.protocol.kv_events.KvDump` (resync)
-``GET /worker_info``           worker id, role, block size and limits (for static router lists)
+``GET /worker_info``           worker id, model, role, block size, limits and the LoRA adapters held
 ``POST /reset_prefix_cache``   drop the cache (emits ``cleared``); 409 while requests hold blocks
 =============================  ================================================================
 
@@ -19,6 +19,12 @@ Errors, in the one error shape (:mod:`copse.workers.protocol.errors`): 400 namin
 limit (:mod:`copse.workers.protocol.limits`); 413 for a body over 64 MiB;
 503 with ``Retry-After`` when the engine's queue is full. A client that disconnects (or stops
 reading a stream) has its request aborted and its blocks freed.
+
+LoRA adapters: a request is served through an adapter named in its ``lora_request`` (what
+``trtllm-serve`` reads), or through the adapter its ``model`` names when that is one of the
+engine's listed adapters (``--lora``); any other ``model`` is served by the base model, as
+``trtllm-serve`` does (it does not check ``model``). An adapter the engine does not hold is loaded
+first (:mod:`copse.workers.mocker.adapters`).
 
 Streamed chunks carry their output ``token_ids``, in completions as ``trtllm-serve`` does with
 ``detokenize: false`` (whose text is then empty) and, unlike ``trtllm-serve``, with text and in chat
@@ -145,9 +151,13 @@ class EngineServer:
         clock: Clock,
         publisher: KvEventPublisher | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        loras: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.loras = frozenset(loras)
+        """The LoRA adapters the engine lists and resolves from ``model``."""
+        self._lora_order = loras
         self.url = ""
         """Base URL once listening."""
         self.clock = clock
@@ -294,12 +304,16 @@ class EngineServer:
             first_token = params.first_gen_tokens[0]
         max_tokens = 1 if kind == "context_only" else body.requested_tokens()
         request_id = f"{self.engine.worker_id}-{next(self._ids)}"
+        lora = body.lora_request
+        adapter = lora.lora_name if lora is not None else body.model if body.model in self.loras else None
         return self.engine.add_request(
             request_id=request_id,
             tokens=tokens,
             max_tokens=max_tokens,
             now_ms=self.clock.now_ms(),
             transferred_first_token=first_token,
+            adapter=adapter,
+            lora_id=None if lora is None else lora.lora_int_id,
         )
 
     def _context_params(self, request: Request) -> DisaggregatedParams:
@@ -508,7 +522,13 @@ class EngineServer:
         return web.json_response(
             {
                 "object": "list",
-                "data": [{"id": self.model_name, "object": "model", "owned_by": "copse-mocker"}],
+                "data": [
+                    {"id": self.model_name, "object": "model", "owned_by": "copse-mocker"},
+                    *(
+                        {"id": name, "object": "model", "owned_by": "copse-mocker", "parent": self.model_name}
+                        for name in self._lora_order
+                    ),
+                ],
             }
         )
 
@@ -549,6 +569,8 @@ class EngineServer:
                 "max_num_batched_tokens": config.max_num_batched_tokens,
                 "max_model_len": config.max_model_len,
                 "gpus_per_engine": engine.perf.gpus_per_engine,
+                "max_loras": config.adapters.max_loras,
+                "loras": engine.adapters.held(),
             }
         )
 
@@ -571,6 +593,8 @@ class MockFleetSettings:
     """Address every engine binds."""
     model_name: str = "mock-model"
     """Model name the engines report and accept."""
+    loras: tuple[str, ...] = ()
+    """LoRA adapters the engines list in ``/v1/models`` and serve when ``model`` names one."""
     worker_prefix: str = "mock"
     """Worker ids are ``<prefix>-<port>``, unique per host."""
     virtual_clock: bool = False
@@ -642,7 +666,11 @@ async def start_fleet(
             )
             clock: Clock = VirtualClock() if settings.virtual_clock else RealClock()
             server = EngineServer(
-                engine=engine, model_name=settings.model_name, clock=clock, publisher=publisher
+                engine=engine,
+                model_name=settings.model_name,
+                clock=clock,
+                publisher=publisher,
+                loras=settings.loras,
             )
             server.url = f"http://{settings.host}:{port}"
             runner = web.AppRunner(

@@ -86,6 +86,7 @@ class Simulator:
         max_tokens: int,
         block_hashes: tuple[list[int], list[int]] | None = None,
         transferred_first_token: int | None = None,
+        adapter: str | None = None,
     ) -> Request:
         """Add a request to an engine at the current time (see :meth:`Engine.add_request`)."""
         engine = self.engines[engine_index]
@@ -96,6 +97,7 @@ class Simulator:
             now_ms=self.now_ms,
             block_hashes=block_hashes,
             transferred_first_token=transferred_first_token,
+            adapter=adapter,
         )
         end = engine.cut_steps(self.now_ms)
         entry = self._step_entry[engine_index]

@@ -55,6 +55,15 @@ class _EngineState(Collector):
         )
         success.add_metric([*self._labels, "length"], float(engine.requests_finished_total))
         yield success
+        loaded = GaugeMetricFamily(
+            names.MOCK_LORA_LOADED, "LoRA adapters held", labels=[*names.LABELS, "lora_name"]
+        )
+        for adapter in engine.adapters.held():
+            loaded.add_metric([*self._labels, adapter], 1.0)
+        yield loaded
+        loads = CounterMetricFamily(names.MOCK_LORA_LOADS, "LoRA adapters loaded", labels=names.LABELS)
+        loads.add_metric(self._labels, float(engine.adapters.loads_total))
+        yield loads
 
 
 class _WithoutCreated(Collector):

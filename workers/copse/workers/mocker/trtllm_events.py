@@ -35,6 +35,8 @@ class _Pending:
     """Leading events of this one dropped by the bound."""
     cleared: list[int] | None = None
     """For ``cleared``: the blocks cached before it (TensorRT-LLM announces a reset as their removal)."""
+    lora_id: int | None = None
+    """For ``stored``: the LoRA adapter the blocks were computed through (``None``: the base model)."""
 
 
 class TrtllmEventBuffer:
@@ -54,9 +56,12 @@ class TrtllmEventBuffer:
     def __len__(self) -> int:
         return self._size
 
-    def add(self, data: KvEventData, tokens: list[np.ndarray] | None) -> None:
-        """Keep a copse event (and its stored blocks' token ids) as the TensorRT-LLM events it becomes."""
+    def add(self, data: KvEventData, tokens: list[np.ndarray] | None, *, lora_id: int | None = None) -> None:
+        """Keep a copse event (and its stored blocks' token ids, and for ``stored`` the adapter they
+        were computed through) as the TensorRT-LLM events it becomes."""
         self._push(data, tokens, len(data.block_hashes) if data.type == "updated" else 1)
+        if data.type == "stored" and lora_id is not None and self._pending:
+            self._pending[-1].lora_id = lora_id
 
     def note_cleared(self, cached: list[int]) -> None:
         """The last event is a ``cleared`` that removed the blocks ``cached``."""
@@ -118,6 +123,7 @@ def _bodies(entry: _Pending) -> list[dict[str, Any]]:
                         ],
                         "cache_level": 0,
                         "priority": 35,
+                        "lora_id": entry.lora_id,
                     }
                     for block, ids in zip(data.blocks, tokens, strict=True)
                 ],

@@ -3,10 +3,12 @@ block hashing and the mocked engines' tokenizer. Everything a router needs to ta
 
 from copse.workers.protocol.hashing import (
     HASH_SEED,
+    adapter_seed,
     block_hashes,
     chain_hash,
     chain_hashes,
     hash_blocks,
+    lora_int_id,
     tokens_hashes,
 )
 from copse.workers.protocol.kv_events import (
@@ -56,12 +58,14 @@ __all__ = [
     "RequestError",
     "StoredBlock",
     "TrtllmKvCacheEvent",
+    "adapter_seed",
     "block_hashes",
     "chain_hash",
     "chain_hashes",
     "hash_blocks",
     "kv_dump_subject",
     "kv_events_subject",
+    "lora_int_id",
     "parse_request",
     "subject_token",
     "tokens_hashes",

@@ -115,6 +115,20 @@ class DisaggregatedParams(_Request):
         return None if value is None else _token_ids(value, field="token ids")
 
 
+class LoraRequest(_Request):
+    """The LoRA adapter a request is served through, as ``trtllm-serve`` takes it (its fields:
+    ``tensorrt_llm/executor/request.py`` ``LoRARequest``; sent in the request body by
+    ``examples/serve/openai_completion_client_for_lora.py``): ``trtllm-serve`` does not read
+    ``model`` to choose an adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int = Field(ge=0)
+    """Key of the adapter in the engine's caches (copse sends
+    :func:`~copse.workers.protocol.hashing.lora_int_id` of the name)."""
+    lora_path: str = ""
+    """Where the engine reads the adapter's weights (a path in the worker pod)."""
+
+
 class _GenerationRequest(_Request):
     """Fields common to completions and chat completions. Sampling fields are accepted as
     ``trtllm-serve`` accepts them; a mocked engine generates without sampling, so they have no
@@ -144,6 +158,9 @@ class _GenerationRequest(_Request):
     add_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     disaggregated_params: DisaggregatedParams | None = None
+    lora_request: LoraRequest | None = None
+    """The LoRA adapter to serve the request through (``None``: the base model, or the adapter
+    ``model`` names where the server resolves adapter names)."""
     best_of: int | None = None
     """Accepted as 1 (or null) only: copse streams one sequence per request."""
     use_beam_search: bool = False

@@ -52,6 +52,10 @@ class TrtllmStoredBlock(_Lenient):
     """0 = GPU memory, 1 = host (offloaded) memory."""
     priority: int = 35
     """Retention priority (TensorRT-LLM's default is 35)."""
+    lora_id: int | None = None
+    """The LoRA adapter the block was computed through (the request's ``lora_request.lora_int_id``;
+    ``None``: the base model). Its KV is not the base model's: the relay hashes it with the
+    adapter's seed (:func:`copse.workers.protocol.hashing.adapter_seed`)."""
 
 
 class TrtllmStored(_Lenient):
