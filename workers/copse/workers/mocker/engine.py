@@ -625,7 +625,9 @@ class Engine:
         if self._noise_array is not None:
             steps *= self._noise_array[(self._step_count + k) & _NOISE_MASK]
         ends = np.cumsum(np.concatenate(([end], steps)))
-        count = int(np.searchsorted(ends, horizon_ms, side="right"))  # ends at or before the horizon
+        # the steps ending at or before the horizon, and at least the planned one: a transfer that
+        # completes during it joins the step after it, as stepping one by one has it
+        count = max(1, int(np.searchsorted(ends, horizon_ms, side="right")))
         if count > 1:
             self._step_ends = ends[:count].tolist()
         return count, float(ends[count - 1])
