@@ -13,8 +13,7 @@ trees run in turn, round after round, so that a change in the machine's load hit
 ``--instructions`` also counts each tree's instructions once under ``valgrind --tool=cachegrind``
 (about 50x slower, but independent of the load). ``--shares`` also runs each tree's ``replay()``
 once in a process that times (``time.thread_time``) the router's calls (``Router.submit``,
-``prefill_done``, ``finish``, ``RadixIndexer.apply_events``), token synthesis, prompt hashing
-(one figure, under token synthesis, for trees that do both in ``PromptSynth.prompt``),
+``prefill_done``, ``finish``, ``RadixIndexer.apply_events``), token synthesis, prompt hashing,
 and the simulator's calls less the router calls made from them (= the mocked engines).
 
     .venv/bin/python benchmarks/replay_speed.py [--tree NAME=DIR ...] [--rounds 3] [--policy kv]
@@ -80,11 +79,7 @@ def timed(owner, name, key):
 for name in ("submit", "prefill_done", "finish"):
     timed(Router, name, "router")
 timed(RadixIndexer, "apply_events", "router")
-try:  # trees with PromptSynth synthesise and hash a prompt in one call
-    from copse.sim.trace import PromptSynth
-    timed(PromptSynth, "prompt", "token synthesis")
-except ImportError:
-    timed(TokenSynth, "tokens", "token synthesis")
+timed(TokenSynth, "tokens", "token synthesis")
 for name in ("hash_blocks", "tokens_hashes", "chain_hashes"):  # what the tree's replay module hashes with
     if hasattr(R, name):
         timed(R, name, "prompt hashing")

@@ -20,9 +20,8 @@ from copse.sim.replay import (
     load_engine_setup,
     replay,
 )
-from copse.sim.trace import PromptSynth, TokenSynth, TraceError, TraceRequest, load_trace
+from copse.sim.trace import TokenSynth, TraceError, TraceRequest, load_trace
 from copse.workers.perf import PolynomialPerfModel, save_profile
-from copse.workers.protocol.hashing import hash_blocks
 from copse.workers.protocol.kv_events import KvCleared, KvEvent
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "examples/traces/mooncake-conversation-first-20min.jsonl.gz"
@@ -91,24 +90,6 @@ def test_token_synth_shares_prefixes_exactly_where_hash_ids_do() -> None:
     assert not np.array_equal(TokenSynth(seed=8, trace_block_size=512).tokens([0], 512), a[:512])
     assert a.min() >= 256
     assert a.max() < 32000
-
-
-@pytest.mark.parametrize("block_size", [512, 64, 16])
-def test_prompt_synth_gives_the_tokens_and_hashes_of_synthesis_and_hashing(block_size: int) -> None:
-    rng = np.random.default_rng(3)
-    prompts = PromptSynth(TokenSynth(seed=5, trace_block_size=512), block_size=block_size, cached_blocks=8)
-    reference = TokenSynth(seed=5, trace_block_size=512)
-    for _ in range(60):  # ids from a small pool: repeats hit the table, which also evicts
-        ids = rng.integers(0, 20, rng.integers(0, 5)).tolist()
-        length = int(rng.integers(1, 2600))
-        tokens, hashes, local = prompts.prompt(ids, length)
-        want = reference.tokens(ids, length)
-        assert tokens.dtype == want.dtype
-        assert np.array_equal(tokens, want)
-        assert (hashes, local) == hash_blocks(want, block_size=block_size)
-    assert len(prompts._blocks) <= 8
-    with pytest.raises(ValueError, match="must divide the trace block size 512"):
-        PromptSynth(reference, block_size=48)
 
 
 def test_replay_is_deterministic_and_reuses_shared_prefixes() -> None:

@@ -50,7 +50,7 @@ from copse.router.core import (
 )
 from copse.router.policies import RouteRequest, RoutingObjective, SelectionSettings
 from copse.sim.profiler import ScaledPerfModel, measure_profile
-from copse.sim.trace import PromptSynth, TokenSynth, TraceRequest
+from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.files import read_yaml_mapping
 from copse.workers.mocker import (
     Engine,
@@ -64,6 +64,7 @@ from copse.workers.mocker import (
 from copse.workers.mocker import Role as EngineRole
 from copse.workers.moe import MoeConfig
 from copse.workers.perf import PerfModel, load_perf_model
+from copse.workers.protocol.hashing import hash_blocks
 from copse.workers.protocol.kv_events import KvEvent
 
 
@@ -468,9 +469,7 @@ class Fleet:
         self._radix = radix
         self.simulator = Simulator([], on_step=self._on_step, fuse_until_submit=True)
         self.channel = KvEventChannel(lag_ms=settings.kv_event_lag_ms, apply=self._apply_events)
-        self._prompts = PromptSynth(
-            TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size), block_size=block_size
-        )
+        self._synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
         self._index_of: dict[str, int] = {}
         n = len(trace)
         self.arrival_ms = np.array([r.timestamp_ms / settings.speedup for r in trace])
@@ -564,7 +563,8 @@ class Fleet:
     def arrive(self, index: int) -> None:
         """Request ``index`` of the trace arrives now."""
         request = self.trace[index]
-        tokens, hashes, local = self._prompts.prompt(request.hash_ids, request.input_length)
+        tokens = self._synth.tokens(request.hash_ids, request.input_length)
+        hashes, local = hash_blocks(tokens, block_size=self._config.block_size)
         request_id = str(index)
         self._pending[request_id] = _Pending(
             index=index, tokens=tokens, hashes=hashes, local=local, max_tokens=request.output_length

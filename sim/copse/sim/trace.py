@@ -11,26 +11,16 @@ tokens of its own.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from copse.workers.protocol.hashing import chain_hashes, tokens_hashes
 from copse.workers.protocol.tokenizer import RESERVED_IDS, VOCAB_SIZE
 from copse.workers.traces import TRACE_FORMATS, TraceError, TraceFormat, read_trace
 
-__all__ = [
-    "TRACE_FORMATS",
-    "PromptSynth",
-    "TokenSynth",
-    "TraceError",
-    "TraceFormat",
-    "TraceRequest",
-    "load_trace",
-]
+__all__ = ["TRACE_FORMATS", "TokenSynth", "TraceError", "TraceFormat", "TraceRequest", "load_trace"]
 
 #: Hash ids given to Azure requests start here, above any id a Mooncake trace uses.
 _AZURE_ID_BASE = 1 << 48
@@ -133,61 +123,3 @@ class TokenSynth:
         f += _TWO_52 + RESERVED_IDS  # the float 2**52 + token, whose low 32 bits are the token
         out: npt.NDArray[np.uint32] = f.view(np.uint64).astype(np.uint32)
         return out
-
-
-class PromptSynth:
-    """The prompts of trace requests as engines of ``block_size`` see them: token ids and the
-    ``(block hashes, tokens hashes)`` of their full blocks, exactly as :meth:`TokenSynth.tokens`
-    and :func:`~copse.workers.protocol.hashing.hash_blocks` give them.
-
-    A trace block's tokens depend on its hash id alone, so a bounded least-recently-used table keeps
-    the tokens and tokens hashes of recent trace blocks: prefixes that recur (a conversation's next
-    turn, a shared system prompt) are synthesised and hashed once. Only the chaining of the block
-    hashes, which depends on what precedes a block, is redone per prompt."""
-
-    def __init__(self, synth: TokenSynth, *, block_size: int, cached_blocks: int = 16384) -> None:
-        """``block_size`` must divide the synth's trace block size; ``cached_blocks`` bounds the table
-        (``trace_block_size x 4`` bytes of tokens per entry)."""
-        if block_size < 1 or synth.trace_block_size % block_size:
-            raise ValueError(
-                f"block_size {block_size} must divide the trace block size {synth.trace_block_size}"
-            )
-        self.synth = synth
-        self.block_size = block_size
-        self._limit = cached_blocks
-        self._blocks: OrderedDict[int, tuple[npt.NDArray[np.uint32], list[int]]] = OrderedDict()
-
-    def _block(self, hash_id: int) -> tuple[npt.NDArray[np.uint32], list[int]]:
-        blocks = self._blocks
-        entry = blocks.get(hash_id)
-        if entry is not None:
-            blocks.move_to_end(hash_id)
-            return entry
-        tokens = self.synth.tokens((hash_id,), self.synth.trace_block_size)
-        tokens.flags.writeable = False
-        entry = (tokens, tokens_hashes(tokens, block_size=self.block_size))
-        blocks[hash_id] = entry
-        if len(blocks) > self._limit:
-            blocks.popitem(last=False)
-        return entry
-
-    def prompt(
-        self, hash_ids: Sequence[int], length: int
-    ) -> tuple[npt.NDArray[np.uint32], list[int], list[int]]:
-        """``(tokens, block hashes, tokens hashes)`` of the prompt of ``length`` tokens made of the
-        blocks ``hash_ids``."""
-        size = self.synth.trace_block_size
-        whole = min(len(hash_ids), length // size)
-        parts: list[npt.NDArray[np.uint32]] = []
-        local: list[int] = []
-        for hash_id in hash_ids[:whole]:
-            tokens, hashes = self._block(hash_id)
-            parts.append(tokens)
-            local.extend(hashes)
-        if whole < len(hash_ids) and length > whole * size:  # a partial last block: not kept
-            tail = self.synth.tokens(hash_ids[whole : whole + 1], length - whole * size)
-            parts.append(tail)
-            local.extend(tokens_hashes(tail, block_size=self.block_size))
-        if not parts:
-            return self.synth.tokens(hash_ids, length), [], []
-        return np.concatenate(parts), chain_hashes(local), local
