@@ -436,6 +436,20 @@ def _noisy_run(*, cv: float, seed: int, fuse: bool) -> list[tuple[object, ...]]:
     return [dataclasses.astuple(o) for o in sorted(sim.outcomes, key=lambda o: o.request_id)]
 
 
+def test_fused_steps_take_the_noise_table_across_its_end_exactly() -> None:
+    """A run of fused steps past the noise table's last factor starts over at its first."""
+
+    def run(fuse: bool) -> list[tuple[object, ...]]:
+        config = EngineConfig(block_size=512, seed=3, step_time_cv=0.1)
+        engine = Engine(worker_id="w", config=config, perf=PERF)
+        sim = Simulator([engine], fuse_decode=fuse, fuse_until_submit=fuse)
+        sim.submit(0, request_id="r", tokens=_prompt(100), max_tokens=17000)
+        sim.run()
+        return [dataclasses.astuple(o) for o in sim.outcomes]
+
+    assert run(True) == run(False)
+
+
 def test_step_noise_is_seeded_and_fused_steps_keep_it_exact() -> None:
     exact = _noisy_run(cv=0.0, seed=1, fuse=True)
     noisy = _noisy_run(cv=0.1, seed=1, fuse=True)
