@@ -1,11 +1,14 @@
-"""On-CPU and wall time of ``copse bench replay`` over a whole trace, for one or more source trees
-run alternately, and whether their ``--json`` reports are byte-identical.
+"""On-CPU and wall time of ``copse bench replay`` over a whole trace (or, with ``--twin LOAD``, of
+``copse bench planner``'s closed-loop twin over a slice of a named load), for one or more source
+trees run alternately, and whether their JSON reports are byte-identical.
 
 Each tree is a checkout of this repository (``git archive <commit> | tar -x -C DIR`` for an old
 commit; a tree whose router needs its compiled module must have it built, as ``make venv`` does
-for the working tree) run with ``PYTHONPATH=<tree>/{operator,planner,router,workers}`` by this
-venv's Python. On-CPU = user + sys of the replay process (``RUSAGE_CHILDREN``), so time spent
-waiting for a core shared with other processes is left out; wall = ``time.perf_counter``. The
+for the working tree: ``.venv/bin/python setup.py build_ext --inplace`` in the tree) run with
+``PYTHONPATH=<tree>/{operator,planner,router,workers,sim}`` by this venv's Python (``sim`` when
+the tree has it: older trees kept the twin in ``router``). On-CPU = user + sys of the replay
+process (``RUSAGE_CHILDREN``), so time spent waiting for a core shared with other processes is
+left out; wall = ``time.perf_counter``. The
 trees run in turn, round after round, so that a change in the machine's load hits all of them.
 ``--instructions`` also counts each tree's instructions once under ``valgrind --tool=cachegrind``
 (about 50x slower, but independent of the load). ``--shares`` also runs each tree's ``replay()``
@@ -15,6 +18,12 @@ and the simulator's calls less the router calls made from them (= the mocked eng
 
     .venv/bin/python benchmarks/replay_speed.py [--tree NAME=DIR ...] [--rounds 3] [--policy kv]
         [--speedup 6] [--workers 16] [--limit N] [--trace PATH] [--instructions] [--shares]
+    .venv/bin/python benchmarks/replay_speed.py --twin burst-4h [--hours 1] [--static 6 | --delay 420]
+        [--tree NAME=DIR ...] [--rounds 3]
+
+With ``--twin`` the figure of merit is requests simulated per on-CPU second (every request of the
+slice, warm-up included): a static fleet (``--static N``) or the default planner (``--delay S``, its
+start-up delay), TTFT 2,000 ms, ITL 50 ms, seed 0, the named load's traces from ../shared/traces.
 """
 
 from __future__ import annotations
@@ -35,13 +44,20 @@ import inputs
 REPO = Path(__file__).resolve().parents[1]
 TRACE = inputs.CONVERSATION
 ROOTS = ("operator", "planner", "router", "workers")
+OPTIONAL_ROOTS = ("sim",)
 #: Run in each tree's process for --shares: argv = trace, workers, policy, speedup, limit ("" = all).
 SHARES = """
 import collections, sys, time
-from copse.router import replay as R
+try:
+    from copse.sim import replay as R
+except ImportError:  # trees from before the sim/ source root
+    from copse.router import replay as R
 from copse.router.core import Router
 from copse.router.indexer import RadixIndexer
-from copse.sim.trace import TokenSynth, load_trace
+try:
+    from copse.sim.trace import TokenSynth, load_trace
+except ImportError:
+    from copse.router.trace import TokenSynth, load_trace
 from copse.workers.mocker import Simulator
 clock, spent, depth = time.thread_time, collections.Counter(), collections.Counter()
 def timed(owner, name, key):
@@ -97,10 +113,21 @@ class Tree:
 
 
 def _env(tree: Tree) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(str(tree.path / root) for root in ROOTS)}
+    roots = [*ROOTS, *(root for root in OPTIONAL_ROOTS if (tree.path / root / "copse").is_dir())]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(str(tree.path / root) for root in roots)}
+
+
+def _twin_args(args: argparse.Namespace) -> list[str]:
+    command = ["bench", "planner", "--load", args.twin, "--traces", str(inputs.WHOLE), "--seed", "0"]
+    command += ["--hours", str(args.hours), "--ttft-ms", "2000", "--itl-ms", "50", "--max-replicas", "24"]
+    if args.static is not None:
+        return [*command, "--static", str(args.static), "-o", "json"]
+    return [*command, "--startup-delay", str(args.delay), "--no-frontier", "-o", "json"]
 
 
 def _replay_args(args: argparse.Namespace) -> list[str]:
+    if args.twin is not None:
+        return _twin_args(args)
     command = ["bench", "replay", "--trace", str(args.trace), "--workers", str(args.workers)]
     # --json, not -o json: the trees compared include ones from before -o (the new tree warns).
     command += ["--policy", args.policy, "--speedup", str(args.speedup), "--seed", "0", "--json"]
@@ -187,8 +214,21 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--instructions", action="store_true", help="also count instructions (valgrind)")
     parser.add_argument("--shares", action="store_true", help="also time the parts of one replay per tree")
+    parser.add_argument("--twin", metavar="LOAD", help="time the closed-loop twin on this named load instead")
+    parser.add_argument("--hours", type=float, default=1.0, help="--twin: the first hours of the load")
+    parser.add_argument("--static", type=int, help="--twin: a static fleet of this many replicas")
+    parser.add_argument("--delay", type=float, default=420.0, help="--twin: the planner's start-up delay, s")
     args = parser.parse_args()
-    inputs.require(args.trace)
+    requests = None
+    if args.twin is not None:
+        if args.shares:
+            parser.error("--shares times replays, not the twin")
+        from copse.sim.load import build_load  # noqa: PLC0415
+
+        requests = len(build_load(args.twin, seed=0, traces=inputs.WHOLE, hours=args.hours).requests)
+        print(f"{args.twin}, first {args.hours:g} h: {requests:,} requests")
+    else:
+        inputs.require(args.trace)
     trees: list[Tree] = args.tree or [Tree(name="this tree", path=REPO)]
     for round_ in range(args.rounds):
         # alternate the order too, so that no tree always runs first in a round
@@ -208,9 +248,10 @@ def main() -> None:
     print(f"\n{'tree':<24}{'on-CPU median':>15}{'min':>8}{'wall median':>13}{'min':>8}{'speed-up':>10}")
     for tree in trees:
         ratio = statistics.median(base.cpu_s) / statistics.median(tree.cpu_s)
+        rate = "" if requests is None else f"{requests / statistics.median(tree.cpu_s):>10,.0f} req/CPU-s"
         print(
             f"{tree.name:<24}{statistics.median(tree.cpu_s):>14.2f}s{min(tree.cpu_s):>7.2f}s"
-            f"{statistics.median(tree.wall_s):>12.2f}s{min(tree.wall_s):>7.2f}s{ratio:>9.2f}x"
+            f"{statistics.median(tree.wall_s):>12.2f}s{min(tree.wall_s):>7.2f}s{ratio:>9.2f}x{rate}"
         )
     if args.instructions:
         assert base.instructions is not None
@@ -229,7 +270,7 @@ def main() -> None:
             )
             print(f"{tree.name}: {total:.2f} s: {parts}")
     reports = {report for tree in trees for report in tree.reports}
-    print(f"identical --json reports across trees and rounds: {len(reports) == 1}")
+    print(f"identical JSON reports across trees and rounds: {len(reports) == 1}")
 
 
 if __name__ == "__main__":

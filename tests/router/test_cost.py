@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from copse.router import loops
+from copse.router import _pyloops, loops
 from copse.router.cost import PerfTable, WorkerCosts
 from copse.router.sequences import ActiveSequences
 from copse.workers.perf import InterpolatedPerfModel, PolynomialPerfModel
@@ -48,6 +48,37 @@ def test_grid_is_the_numpy_bilinear_to_the_bit(active: float, sequences: float) 
     assert isinstance(perf.itl, loops.Grid)
     want = float(perf.itl_ms(np.array([active]), np.array([sequences]))[0])
     assert perf.itl(active, sequences) == want
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@settings(max_examples=100, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.floats(-10.0, 2e6, allow_nan=False), st.floats(0.0, 600.0, allow_nan=False)),
+        max_size=40,
+    )
+)
+def test_grid_fill_is_the_numpy_bilinear_to_the_bit(
+    impl: ModuleType, pairs: list[tuple[float, float]]
+) -> None:
+    perf = PerfTable(_CONTEXT_MODEL)
+    active = np.array([a for a, _ in pairs], dtype=np.float64)
+    sequences = np.array([s for _, s in pairs], dtype=np.float64)
+    grid = impl.Grid(perf._active, perf._context, perf._itl)
+    out = np.full(len(pairs), np.nan)
+    grid.fill(active, sequences, out)
+    want = _pyloops.bilinear(perf._active, perf._context, perf._itl, active, sequences)
+    assert out.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_grid_fill_refuses_arrays_of_other_lengths(impl: ModuleType) -> None:
+    perf = PerfTable(_CONTEXT_MODEL)
+    grid = impl.Grid(perf._active, perf._context, perf._itl)
+    with pytest.raises(ValueError, match="same length"):
+        grid.fill(np.zeros(3), np.zeros(2), np.zeros(3))
+    with pytest.raises(TypeError, match="out must be a contiguous 1-d float64 array"):
+        grid.fill(np.zeros(3), np.zeros(3), np.zeros(3, dtype=np.float32))
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

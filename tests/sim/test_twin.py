@@ -287,9 +287,10 @@ def test_a_disaggregated_fleet_prefills_on_one_pool_and_decodes_on_the_other() -
 
 
 def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
-    # 1 req/s, then 12 req/s of 6000-token prompts: one prefill engine cannot keep up
+    # 1 req/s, then 12 req/s of 12000-token prompts: one prefill engine cannot keep up, nor can it
+    # with the decode engine serving whole requests while the prefill engine is busy
     times = list(np.arange(0.0, 600.0, 1.0)) + list(np.arange(600.0, 1200.0, 1 / 12))
-    trace = _requests([float(t) for t in times], isl=6000, osl=100)
+    trace = _requests([float(t) for t in times], isl=12000, osl=100)
     limits = Limits(
         roles=(Role.PREFILL, Role.DECODE),
         gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 2},

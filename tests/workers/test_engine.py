@@ -270,6 +270,40 @@ def test_decode_role_waits_for_the_kv_transfer_then_emits_the_given_token() -> N
     )
 
 
+def test_a_kv_transfer_completing_within_a_decode_step_joins_the_step_after_it() -> None:
+    """Fused decode steps stop at a transfer's completion; one completing within the first step
+    (whose end is past it) must end the fused run after that step, not run it with no step at
+    all for as long as the whole run would have taken (the decode engine then stalled, and the
+    request waited seconds for its first token)."""
+
+    step_ms = PERF.decode_itl_ms(active_kv_tokens=150, context_length=150)
+    # a 10-token prompt's KV takes one decode step to arrive: it is still on its way when the step
+    # in progress ends, and arrives during the next one
+    gbps = 10 * 1_000_000 / (step_ms / 1000.0) / 1e9
+
+    def run(fuse: bool) -> tuple[list[tuple[float, int, int]], list[tuple[object, ...]]]:
+        config = EngineConfig(role="decode", kv_bytes_per_token=1_000_000, kv_transfer_bandwidth_gbps=gbps)
+        engine = Engine(worker_id="d0", config=config, perf=PERF)
+        steps: list[tuple[float, int, int]] = []
+        sim = Simulator(
+            [engine],
+            fuse_decode=fuse,
+            fuse_until_submit=fuse,
+            on_step=lambda _, out: steps.append((out.end_ms, out.steps, len(out.advanced))),
+        )
+        sim.submit(0, request_id="a", tokens=_prompt(100), max_tokens=200, transferred_first_token=7)
+        sim.run_until(50.0)  # "a" decodes
+        sim.submit(0, request_id="b", tokens=_prompt(10, salt=1), max_tokens=5, transferred_first_token=8)
+        sim.run()
+        return steps, [dataclasses.astuple(o) for o in sorted(sim.outcomes, key=lambda o: o.request_id)]
+
+    stepwise, fused = run(False), run(True)
+    assert fused[1] == stepwise[1]
+    assert all(count >= 1 for _, count, _ in fused[0])
+    first_b = fused[1][1][2]
+    assert first_b - 50.0 < 3.5 * step_ms  # the step in progress, the one the KV arrives in, b's first
+
+
 def test_same_arrivals_give_the_same_tokens_and_times() -> None:
     def run() -> tuple[list[object], list[list[int]]]:
         engine = _engine(seed=7, block_size=16, num_blocks=64)
@@ -400,6 +434,20 @@ def _noisy_run(*, cv: float, seed: int, fuse: bool) -> list[tuple[object, ...]]:
         sim.submit(i % 2, request_id=f"r{i}", tokens=prompt, max_tokens=int(rng.integers(1, 100)))
     sim.run()
     return [dataclasses.astuple(o) for o in sorted(sim.outcomes, key=lambda o: o.request_id)]
+
+
+def test_fused_steps_take_the_noise_table_across_its_end_exactly() -> None:
+    """A run of fused steps past the noise table's last factor starts over at its first."""
+
+    def run(fuse: bool) -> list[tuple[object, ...]]:
+        config = EngineConfig(block_size=512, seed=3, step_time_cv=0.1)
+        engine = Engine(worker_id="w", config=config, perf=PERF)
+        sim = Simulator([engine], fuse_decode=fuse, fuse_until_submit=fuse)
+        sim.submit(0, request_id="r", tokens=_prompt(100), max_tokens=17000)
+        sim.run()
+        return [dataclasses.astuple(o) for o in sim.outcomes]
+
+    assert run(True) == run(False)
 
 
 def test_step_noise_is_seeded_and_fused_steps_keep_it_exact() -> None:

@@ -1033,6 +1033,51 @@ static PyObject *Grid_call(GridObject *self, PyObject *args, PyObject *kwds)
     return PyFloat_FromDouble(grid_at(self, active_kv, sequences));
 }
 
+/* grid.fill(active_kv, sequences, out): out[k] = grid(active_kv[k], sequences[k]) for every k (the
+ * router's per-worker decode steps in one call instead of a dozen small numpy operations). */
+static PyObject *Grid_fill(GridObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fill(active_kv, sequences, out) takes 3 arguments");
+        return NULL;
+    }
+    if (!grid_ready(self))
+        return NULL;
+    Py_buffer active, sequences, out;
+    if (get_vector(args[0], &active, "active_kv", 0) < 0)
+        return NULL;
+    if (get_vector(args[1], &sequences, "sequences", 0) < 0) {
+        PyBuffer_Release(&active);
+        return NULL;
+    }
+    if (get_vector(args[2], &out, "out", 1) < 0) {
+        PyBuffer_Release(&active);
+        PyBuffer_Release(&sequences);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = active.len / (Py_ssize_t)sizeof(double);
+    if (sequences.len != active.len || out.len != active.len) {
+        PyErr_SetString(PyExc_ValueError, "active_kv, sequences and out must have the same length");
+    } else {
+        const double *a = active.buf, *s = sequences.buf;
+        double *o = out.buf;
+        for (Py_ssize_t k = 0; k < n; k++)
+            o[k] = grid_at(self, a[k], s[k]);
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&active);
+    PyBuffer_Release(&sequences);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef Grid_methods[] = {
+    {"fill", (PyCFunction)(void (*)(void))Grid_fill, METH_FASTCALL,
+     "fill(active_kv, sequences, out): the grid at every pair, written to out."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject GridType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "copse.router._native.Grid",
     .tp_doc = PyDoc_STR("Grid(active, context, values): decode step time by (active KV tokens, mean context "
@@ -1043,6 +1088,7 @@ static PyTypeObject GridType = {
     .tp_init = (initproc)Grid_init,
     .tp_dealloc = (destructor)Grid_dealloc,
     .tp_call = (ternaryfunc)Grid_call,
+    .tp_methods = Grid_methods,
 };
 
 /* ---- LoadTable ------------------------------------------------------------------------------- */

@@ -362,6 +362,15 @@ class Grid:
         """The grid at every (active KV, sequences) pair."""
         return bilinear(self.active, self.context, self.values, active_kv, sequences)
 
+    def fill(self, active_kv: Floats, sequences: Floats, out: Floats, /) -> None:
+        """:meth:`at`, written to ``out``."""
+        a = _vector(active_kv, "active_kv", writable=False)
+        s = _vector(sequences, "sequences", writable=False)
+        o = _vector(out, "out", writable=True)
+        if not len(a) == len(s) == len(o):
+            raise ValueError("active_kv, sequences and out must have the same length")
+        o[:] = self.at(a, s)
+
 
 def _slot_key(slot: int, block: int) -> int:
     """(slot, block) as one key, mixed as the compiled table mixes it (a bijection per slot)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from copse.router import _pyloops, loops
+from copse.router import loops
 from copse.router.sequences import ActiveSequences
 from copse.workers.perf import PerfModel
 
@@ -100,7 +100,15 @@ class PerfTable:
         if self._itl_flat:
             flat: FloatArray = np.interp(active_kv_tokens, self._active, self._itl[:, 0])
             return flat
-        return _pyloops.bilinear(self._active, self._context, self._itl, active_kv_tokens, sequences)
+        grid = self.itl
+        assert isinstance(grid, loops.Grid)
+        out: FloatArray = np.empty(len(active_kv_tokens))
+        grid.fill(
+            np.ascontiguousarray(active_kv_tokens, dtype=np.float64),
+            np.ascontiguousarray(sequences, dtype=np.float64),
+            out,
+        )
+        return out
 
 
 class WorkerCosts:

@@ -645,15 +645,26 @@ class Engine:
             return 1, end
         # step k (k = 1, 2, ..., limit - 1) computes the KV of decode_kv + k * decodes tokens; all at
         # once in array math, each value as the step-by-step sum gives it (cumsum adds in order)
-        k = np.arange(1, limit, dtype=np.int64)
-        steps = self.perf.decode_itl_many_ms(decode_kv + k * decodes, sequences=decodes)
-        steps /= self._decode_speed
-        steps *= self._moe_factor
-        steps += self._moe_ms
-        if self._noise_array is not None:
-            steps *= self._noise_array[(self._step_count + k) & _NOISE_MASK]
+        kv = np.arange(decode_kv + decodes, decode_kv + limit * decodes, decodes, dtype=np.int64)
+        steps = self.perf.decode_itl_many_ms(kv, sequences=decodes)
+        # dividing by 1, multiplying by 1 and adding 0 change nothing: skipped (most engines)
+        if self._decode_speed != 1.0:
+            steps /= self._decode_speed
+        if self._moe_factor != 1.0:
+            steps *= self._moe_factor
+        if self._moe_ms:
+            steps += self._moe_ms
+        noise = self._noise_array
+        if noise is not None:
+            first = (self._step_count + 1) & _NOISE_MASK  # factors of steps count + 1, ..., + limit - 1
+            if first + limit - 1 <= _NOISE_TABLE:  # no wrap-around: one slice
+                steps *= noise[first : first + limit - 1]
+            else:
+                steps *= noise[(first + np.arange(limit - 1)) & _NOISE_MASK]
         ends = np.cumsum(np.concatenate(([end], steps)))
-        count = int(np.searchsorted(ends, horizon_ms, side="right"))  # ends at or before the horizon
+        # the steps ending at or before the horizon, and at least the planned one: a transfer that
+        # completes during it joins the step after it, as stepping one by one has it
+        count = max(1, int(np.searchsorted(ends, horizon_ms, side="right")))
         if count > 1:
             self._step_ends = ends[:count].tolist()
         return count, float(ends[count - 1])
