@@ -53,7 +53,7 @@ def test_a_disaggregated_roll_under_streams_survives_a_leader_kill_and_a_node_dr
     assert report.routes.get((report.new_revision, report.new_revision), 0) > 0, report.routes
     # Capacity never below desired - maxUnavailable (0), in the pods and in every router.
     capacity = report.capacity
-    assert capacity.router_samples > 100
+    assert capacity.router_samples > 20
     assert capacity.pod_samples > 10
     assert (capacity.router_below_floor, capacity.pods_below_floor) == (0, 0), capacity
     assert capacity.router_min == {"prefill": 2, "decode": 1}, capacity

@@ -17,14 +17,13 @@ and the router from outside, so it may import both (neither imports it)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import random
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -270,9 +269,10 @@ class _Views:
         self.routers = list(routers)
         self.capacity = Capacity()
         self.desired = {"prefill": settings.prefill, "decode": settings.decode}
+        self.http = httpx.Client(timeout=3)
 
     def router_workers(self, router: str) -> list[dict[str, Any]]:
-        answer = httpx.get(f"{router}/workers", timeout=3)
+        answer = self.http.get(f"{router}/workers")
         workers: list[dict[str, Any]] = answer.json()["workers"]
         return workers
 
@@ -473,10 +473,8 @@ def run(
     try:
         kubelet.adopt(_launcher(kubectl, namespace, logs))
         kubectl.apply(manifest(settings, pool=pool, image="copse:chaos-before"), namespace=namespace)
-        with _serving(kubectl, namespace=namespace, settings=settings) as routers:
-            return _roll_and_drain(
-                kubectl, routers, namespace=namespace, operators=operators, settings=settings
-            )
+        routers = _serving(kubectl, namespace=namespace, settings=settings)
+        return _roll_and_drain(kubectl, routers, namespace=namespace, operators=operators, settings=settings)
     finally:
         kubelet.stop()
         kubectl.run("delete", "idep", settings.name, f"--namespace={namespace}", "--wait=false", check=False)
@@ -485,8 +483,7 @@ def run(
         )
 
 
-@contextlib.contextmanager
-def _serving(kubectl: Kubectl, *, namespace: str, settings: ChaosSettings) -> Iterator[list[str]]:
+def _serving(kubectl: Kubectl, *, namespace: str, settings: ChaosSettings) -> list[str]:
     """The router URLs once both routers are ready and see every group."""
     selector = names.selector_string(
         {names.LABEL_DEPLOYMENT: settings.name, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
@@ -515,8 +512,11 @@ def _serving(kubectl: Kubectl, *, namespace: str, settings: ChaosSettings) -> It
         except (httpx.HTTPError, ValueError, KeyError):
             return False
 
-    wait_for("two routers serving every group", ready, timeout_s=settings.timeout_s)
-    yield views.routers
+    try:
+        wait_for("two routers serving every group", ready, timeout_s=settings.timeout_s)
+    finally:
+        views.http.close()
+    return views.routers
 
 
 def _roll_and_drain(
@@ -573,6 +573,7 @@ def _roll_and_drain(
                 report.drain = _drain(kubectl, namespace=namespace, settings=settings)
     finally:
         load.stop(timeout_s=settings.timeout_s)
+        views.http.close()
     report.routes = _routes(routers)
     restarts = kubectl.items("events", "--field-selector", "reason=GangRestart", namespace=namespace)
     report.gang_restarts = sum(1 for e in restarts if e["involvedObject"]["name"] == name)
