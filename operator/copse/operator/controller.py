@@ -314,10 +314,20 @@ class Controller:
             if deployment.spec.router.mode is RouterMode.EPP
             else children.ROUTER_PORT
         )
+        routers = self._routers(namespace, name, port=port)
         in_flight = await self.in_flight.count(
-            routers=self._routers(namespace, name, port=port),
+            routers=routers,
             workers=[names.pod_name(group.name, 0) for group in groups if group.state is GroupState.DRAINING],
         )
+        # While a pool holds more groups than its replicas (a roll's or a move's surge), an old
+        # group may go for a new ready one: only once every router uses the new one.
+        surging = any(
+            sum(1 for g in groups if g.role is pool.role and g.state is not GroupState.DRAINING)
+            > pool.replicas
+            for pool in deployment.spec.pools()
+        )
+        ready = {names.pod_name(g.name, 0): g.name for g in groups if g.state is GroupState.READY}
+        unlisted = await self.in_flight.unlisted(routers=routers, workers=list(ready)) if surging else set()
         decision = reconcile(
             deployment=deployment,
             groups=groups,
@@ -331,6 +341,7 @@ class Controller:
                 for group in groups
                 if group.state is GroupState.DRAINING
             },
+            unroutable={ready[pod] for pod in unlisted},
             settings=self.settings,
         )
         ok, reason, message = multinode.nvlink_check(
