@@ -166,7 +166,10 @@ class Load:
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
-        connector = aiohttp.TCPConnector(limit=0)
+        # Idle connections expire before the router's header_timeout_s (10 s) closes them, as the
+        # router's clients settings ask (httpx, under the openai client, keeps them 5 s); aiohttp's
+        # default of 15 s sends on connections the router is closing (ServerDisconnectedError).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=5)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
             await asyncio.gather(*(self._client(http, index) for index in range(self.settings.streams)))
 
@@ -350,14 +353,19 @@ def _status(kubectl: Kubectl, name: str, namespace: str) -> dict[str, Any]:
     return found
 
 
-def _rolled(kubectl: Kubectl, views: _Views, *, namespace: str) -> bool:
-    """Every group of the new revision ready, no old one left, and every router sees exactly that."""
+def _rolled(kubectl: Kubectl, views: _Views, *, namespace: str, old: str) -> bool:
+    """A revision other than ``old`` current, every group of it ready, no old one left, and every
+    router sees exactly that."""
     name = views.settings.name
     status = _status(kubectl, name, namespace)
     roles = status.get("roles", {})
-    if status.get("phase") != "Running" or any(
-        roles.get(role, {}).get("updatedReady") != views.desired[role] or roles[role].get("old") != 0
-        for role in ROLES
+    if (
+        status.get("revision") in (None, old)
+        or status.get("phase") != "Running"
+        or any(
+            roles.get(role, {}).get("updatedReady") != views.desired[role] or roles[role].get("old") != 0
+            for role in ROLES
+        )
     ):
         return False
     pods = kubectl.items(
@@ -564,7 +572,7 @@ def _roll_and_drain(
                 _kill_leader(kubectl, operators, report, started=started, timeout_s=settings.timeout_s)
             wait_for(
                 "the roll to converge",
-                lambda: _rolled(kubectl, views, namespace=namespace),
+                lambda: _rolled(kubectl, views, namespace=namespace, old=old),
                 timeout_s=settings.timeout_s,
             )
             report.converge_s = time.monotonic() - started
