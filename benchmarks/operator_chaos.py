@@ -50,6 +50,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per stream")
     parser.add_argument("--lease-duration", type=float, default=6.0)
     parser.add_argument("--seed", type=int, default=0, help="of the prompts")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep the processes' logs in this new directory"
+    )
     args = parser.parse_args()
     base = ChaosSettings(
         prefill=args.prefill,
@@ -65,7 +68,8 @@ def main() -> None:
         retry_period_s=max(0.5, args.lease_duration / 6),
     )
     with tempfile.TemporaryDirectory(prefix="copse-chaos-") as scratch:
-        work = Path(scratch)
+        work = Path(scratch) if args.keep is None else args.keep
+        work.mkdir(parents=True, exist_ok=args.keep is None)
         cluster, _ = start_cluster(ClusterSettings(work_dir=work / "cluster"), nodes=fake.cpu_nodes(1))
         kubectl = cluster.kubectl
         operators: list[OperatorProcess] = []
