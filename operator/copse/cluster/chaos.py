@@ -208,7 +208,8 @@ class Load:
             return f"{type(error).__name__} after {tokens} tokens: {error}"
         self.streams.tokens += tokens
         if last != "[DONE]" or tokens != self.settings.max_tokens:
-            return f"ended after {tokens} of {self.settings.max_tokens} tokens without [DONE]"
+            done = "with [DONE]" if last == "[DONE]" else "without [DONE]"
+            return f"ended after {tokens} of {self.settings.max_tokens} tokens, {done}"
         return None
 
 
