@@ -15,7 +15,7 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
-from e2e.operator_harness import Operator, operator_kubeconfig
+from e2e.operator_harness import LEASE, Operator, operator_kubeconfig
 
 from copse.cluster import Kubectl, KubeTarget, LocalCluster, resolve_target
 from copse.workers.testing import nats_server
@@ -90,7 +90,9 @@ def namespace(request: pytest.FixtureRequest, kubectl: Kubectl) -> Iterator[str]
 def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     """``copse operator run`` as its own process, with only the chart's operator RBAC."""
     directory = tmp_path_factory.mktemp("operator")
-    running = Operator(log=directory / "operator.log", kubeconfig=operator_kubeconfig(kubectl, directory))
+    running = Operator(
+        log=directory / "operator.log", kubeconfig=operator_kubeconfig(kubectl, directory), lease=LEASE
+    )
     running.start()
     yield running
     running.stop()

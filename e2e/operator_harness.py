@@ -1,19 +1,13 @@
-"""Running and watching the operator in e2e tests: its process, its RBAC identity, waits."""
+"""Running and watching the operator in e2e tests: its RBAC identity, waits, node faults (its
+process and the local kubelet are :mod:`copse.operator.testing`'s)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import json
-import os
-import random
-import signal
 import subprocess
-import sys
-import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,95 +17,19 @@ import yaml
 
 from copse.cluster import Kubectl, KubectlError, binaries_for
 from copse.operator import names
+from copse.operator.leader import LeaseSettings
+from copse.operator.testing import OperatorProcess
 from copse.topology.fake import FAKE_NODE_ANNOTATION, FAKE_NODE_VALUE
-from copse.workers.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "examples" / "seed-inferencedeployment.yaml"
 OPERATOR_NAMESPACE = "copse-system"
-LEASE = "copse-operator"
-#: Short leader-election timings (s), so a killed leader's Lease expires quickly in tests:
-#: lease duration, renew deadline, retry period.
-LEASE_TIMINGS = (6.0, 4.0, 1.0)
-
-
-class Operator:
-    """``copse operator run`` as its own process, the way a user starts it."""
-
-    def __init__(
-        self, *, log: Path, kubeconfig: Path, namespaces: tuple[str, ...] = (), identity: str = "operator"
-    ) -> None:
-        self.log = log
-        self.kubeconfig = kubeconfig
-        self.namespaces = namespaces
-        """``--namespace`` of each (all namespaces when empty)."""
-        self.identity = identity
-        """Prefix of its ``holderIdentity`` in the leader Lease (what a pod's name is in a cluster)."""
-        self.process: subprocess.Popen[bytes] | None = None
-        self.health_port = free_port()
-        """Port of the liveness endpoint (the same across restarts)."""
-
-    @property
-    def health_url(self) -> str:
-        return f"http://127.0.0.1:{self.health_port}/healthz"
-
-    def start(self) -> None:
-        with self.log.open("ab") as sink:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "copse.cli",
-                    "operator",
-                    "run",
-                    "--metrics-port=0",
-                    f"--health-port={self.health_port}",
-                    f"--lease-namespace={OPERATOR_NAMESPACE}",
-                    f"--lease-name={LEASE}",
-                    *(
-                        f"--{flag}={value:g}"
-                        for flag, value in zip(
-                            ("lease-duration", "renew-deadline", "retry-period"), LEASE_TIMINGS, strict=True
-                        )
-                    ),
-                    *(f"--namespace={namespace}" for namespace in self.namespaces),
-                ],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": self.identity},
-            )
-
-    def health(self) -> dict[str, Any] | None:
-        """The liveness endpoint's figures (``leader`` is 1 on the replica that reconciles);
-        None while it does not answer 200."""
-        try:
-            with urllib.request.urlopen(self.health_url, timeout=5) as response:
-                answer: dict[str, Any] = json.load(response)["reconciler"]
-        except OSError:
-            return None
-        return answer
-
-    @property
-    def leading(self) -> bool:
-        return (self.health() or {}).get("leader") == 1
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, as when a node dies under the operator."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+LEASE = LeaseSettings(
+    namespace=OPERATOR_NAMESPACE, lease_duration_s=6.0, renew_deadline_s=4.0, retry_period_s=1.0
+)
+"""The operators' leader Lease, with short timings so a killed leader's Lease expires quickly."""
+Operator = OperatorProcess
+"""``copse operator run`` as its own process (the tests' name for it)."""
 
 
 def operator_kubeconfig(
@@ -154,14 +72,6 @@ def seed(name: str, **spec: Any) -> dict[str, Any]:
     manifest["metadata"]["name"] = name
     manifest["spec"].update(copy.deepcopy(spec))
     return dict(manifest)
-
-
-def lease_holder(kubectl: Kubectl) -> str:
-    """Who holds the operators' leader Lease ("" when nobody or no Lease yet)."""
-    lease = kubectl.run("get", "lease", LEASE, f"--namespace={OPERATOR_NAMESPACE}", "-o", "json", check=False)
-    if lease.returncode != 0:
-        return ""
-    return str(json.loads(lease.stdout).get("spec", {}).get("holderIdentity") or "")
 
 
 def wait_until(what: str, check: Callable[[], bool], *, timeout: float = 90, operator: Operator) -> None:
@@ -246,84 +156,6 @@ def unresponsive(kubectl: Kubectl, node: str) -> Iterator[None]:
                 "--type=strategic", "--patch", json.dumps({"status": {"conditions": [
                     {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]}}),
             )  # fmt: skip
-
-
-def loopback_cidr() -> tuple[str, str]:
-    """Two random loopback /24s (``127.a.b.0/24``, ``127.a.b+1.0/24``) for nodes' ``spec.podCIDR``:
-    kwok hands a node's pods IPs from its podCIDR, so processes of this machine can serve them."""
-    a, b = random.randint(1, 254), random.randrange(0, 254, 2)
-    return f"127.{a}.{b}.0/24", f"127.{a}.{b + 1}.0/24"
-
-
-@dataclasses.dataclass
-class _Process:
-    pod: str
-    process: subprocess.Popen[bytes]
-    url: str
-    """Where the process serves (its metrics are read just before it is killed)."""
-
-
-class LocalKubelet:
-    """Runs chosen kwok pods' containers as processes of this machine, bound to the pods' IPs
-    (loopback addresses, see :func:`loopback_cidr`), and kills each one the moment its pod is
-    deleted, with SIGKILL and no grace: anything the pod still served is cut, so a removal that
-    did not wait shows. Just before the kill it reads the engine's ``/prometheus/metrics`` (its
-    ``/metrics`` is TensorRT-LLM's JSON iteration stats)."""
-
-    def __init__(self, kubectl: Kubectl, namespace: str, *, logs: Path) -> None:
-        self.kubectl = kubectl
-        self.namespace = namespace
-        self.logs = logs
-        self.processes: dict[str, _Process] = {}
-        self.killed: dict[str, str] = {}
-        """Pod name -> what its process's ``/prometheus/metrics`` said just before the kill."""
-        self._stop = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name="local-kubelet", daemon=True)
-
-    def run(self, pod: str, argv: list[str], *, url: str, env: dict[str, str] | None = None) -> None:
-        """Start ``argv`` for ``pod`` (``copse`` means this interpreter's ``copse.cli``)."""
-        if argv[0] == "copse":
-            argv = [sys.executable, "-m", "copse.cli", *argv[1:]]
-        with (self.logs / f"{pod}.log").open("ab") as sink:
-            process = subprocess.Popen(
-                argv, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-            )
-        self.processes[pod] = _Process(pod=pod, process=process, url=url)
-        if not self._watcher.is_alive():
-            self._watcher.start()
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            running = [p for p in self.processes.values() if p.pod not in self.killed]
-            if running:
-                pods = self.kubectl.items("pods", namespace=self.namespace)
-                alive = {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
-                for process in running:
-                    if process.pod not in alive:
-                        self._kill(process)
-            self._stop.wait(0.2)
-
-    def _kill(self, process: _Process) -> None:
-        try:
-            with urllib.request.urlopen(f"{process.url}/prometheus/metrics", timeout=5) as response:
-                metrics = response.read().decode()
-        except OSError as error:
-            metrics = f"unreadable: {error}"
-        process.process.kill()
-        process.process.wait()
-        self.killed[process.pod] = metrics
-
-    def tail(self, pod: str, lines: int = 30) -> str:
-        return "\n".join((self.logs / f"{pod}.log").read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._watcher.is_alive():
-            self._watcher.join(timeout=10)
-        for process in self.processes.values():
-            if process.process.poll() is None:
-                process.process.kill()
-                process.process.wait()
 
 
 @contextlib.contextmanager

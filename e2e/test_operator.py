@@ -15,9 +15,7 @@ import pytest
 import yaml
 from e2e.operator_harness import (
     REPO,
-    LocalKubelet,
     Operator,
-    loopback_cidr,
     seed,
     status,
     unresponsive,
@@ -30,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from copse.api import API_VERSION, KIND
 from copse.cluster import Kubectl
 from copse.operator import names
+from copse.operator.testing import LocalKubelet, loopback_cidrs
 from copse.topology.fake import gpu_nodes
 
 pytestmark = pytest.mark.e2e
@@ -622,7 +621,7 @@ def test_a_scale_down_during_streams_drains_the_group_before_deleting_it(
     once the router reports its stream over."""
     pool = f"drain-{namespace[-6:]}"
     nodes = gpu_nodes(racks=1, trays_per_rack=2, prefix=pool)
-    for node, cidr in zip(nodes, loopback_cidr(), strict=True):
+    for node, cidr in zip(nodes, loopback_cidrs(2), strict=True):
         node["metadata"]["labels"]["copse.dev/test-pool"] = pool
         node["spec"]["podCIDR"] = cidr
     kubectl.apply(nodes)

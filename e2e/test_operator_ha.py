@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 from e2e.operator_harness import (
-    LEASE_TIMINGS,
+    LEASE,
     Operator,
-    lease_holder,
     seed,
     status,
     unresponsive,
@@ -24,6 +23,7 @@ from e2e.operator_harness import (
 
 from copse.cluster import Kubectl
 from copse.operator import names
+from copse.operator.testing import lease_holder
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,9 @@ pytestmark = pytest.mark.e2e
 def test_killing_the_leader_mid_reconcile_hands_over_to_the_standby(
     kubectl: Kubectl, namespace: str, operator: Operator, tmp_path: Path
 ) -> None:
-    standby = Operator(log=tmp_path / "standby.log", kubeconfig=operator.kubeconfig, identity="standby")
+    standby = Operator(
+        log=tmp_path / "standby.log", kubeconfig=operator.kubeconfig, lease=LEASE, identity="standby"
+    )
     standby.start()
     replicas = {"session": operator, "standby": standby}
     try:
@@ -41,13 +43,13 @@ def test_killing_the_leader_mid_reconcile_hands_over_to_the_standby(
             lambda: (
                 all(replica.health() is not None for replica in replicas.values())
                 and [replica.leading for replica in replicas.values()].count(True) == 1
-                and lease_holder(kubectl) != ""
+                and lease_holder(kubectl, LEASE) != ""
             ),
             operator=standby,
         )
         [(leader_name, leader)] = [(name, r) for name, r in replicas.items() if r.leading]
         survivor = next(r for r in replicas.values() if r is not leader)
-        held_by = lease_holder(kubectl)
+        held_by = lease_holder(kubectl, LEASE)
         assert held_by.startswith(leader.identity), held_by
 
         kubectl.apply(seed("handover", replicas=4), namespace=namespace)
@@ -68,12 +70,12 @@ def test_killing_the_leader_mid_reconcile_hands_over_to_the_standby(
         # The standby waits out the Lease (it cannot know the leader is dead), then takes over.
         wait_until(
             "the standby to take the Lease over",
-            lambda: lease_holder(kubectl).startswith(survivor.identity),
+            lambda: lease_holder(kubectl, LEASE).startswith(survivor.identity),
             operator=survivor,
-            timeout=10 * LEASE_TIMINGS[0],
+            timeout=10 * LEASE.lease_duration_s,
         )
         takeover_s = time.monotonic() - killed_at
-        print(f"leader takeover after SIGKILL: {takeover_s:.1f}s (lease duration {LEASE_TIMINGS[0]:g}s)")
+        print(f"leader takeover after SIGKILL: {takeover_s:.1f}s (lease {LEASE.lease_duration_s:g}s)")
         # Its probe says so too (kopf caches probe answers for up to 10 s).
         wait_until("the standby to report itself the leader", lambda: survivor.leading, operator=survivor)
         wait_running(kubectl, "handover", namespace, survivor)
@@ -98,7 +100,8 @@ def test_killing_the_leader_mid_reconcile_hands_over_to_the_standby(
         wait_until("the restarted replica to answer as a standby", lambda: leader.health() is not None,
                    operator=leader)  # fmt: skip
         assert not leader.leading
-        assert lease_holder(kubectl).startswith(survivor.identity), f"{leader_name} took the Lease back"
+        held = lease_holder(kubectl, LEASE)
+        assert held.startswith(survivor.identity), f"{leader_name} took the Lease back"
     finally:
         if operator.process is None or operator.process.poll() is not None:
             operator.start()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e.operator_harness import OPERATOR_NAMESPACE, Operator, operator_kubeconfig, seed, wait_running
+from e2e.operator_harness import LEASE, OPERATOR_NAMESPACE, Operator, operator_kubeconfig, seed, wait_running
 
 from copse.cluster import Kubectl, KubeTarget
 from copse.cluster.kubectl import manifest_yaml
@@ -145,7 +145,9 @@ def test_watch_namespaces_narrows_the_operator_to_roles_in_them(
     assert can("list", "nodes", "default")
     # Only one operator may reconcile at a time: the session's cluster-wide one pauses meanwhile.
     operator.stop()
-    scoped = Operator(log=tmp_path / "scoped.log", kubeconfig=kubeconfig, namespaces=(namespace,))
+    scoped = Operator(
+        log=tmp_path / "scoped.log", kubeconfig=kubeconfig, lease=LEASE, namespaces=(namespace,)
+    )
     scoped.start()
     try:
         kubectl.apply(seed("scoped"), namespace=namespace)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,8 +37,8 @@ def _ready(kubectl: Kubectl, namespace: str) -> str:
     return str(status(kubectl, "roll", namespace).get("ready"))
 
 
-def _patch(kubectl: Kubectl, namespace: str, spec: dict[str, Any]) -> None:
-    kubectl.run("patch", "idep/roll", "--type=merge", "--patch", json.dumps({"spec": spec}),
+def _patch(kubectl: Kubectl, namespace: str, spec: dict[str, Any], name: str = "roll") -> None:
+    kubectl.run("patch", f"idep/{name}", "--type=merge", "--patch", json.dumps({"spec": spec}),
                 f"--namespace={namespace}")  # fmt: skip
 
 
@@ -132,3 +133,66 @@ def test_a_canary_then_the_rest_of_a_disaggregated_roll_keeps_pairs_and_capacity
         serving = {role: sum(1 for r, _ in seen if r == role) for role in pools}
         assert min(serving.values()) >= 2, f"capacity below desired - maxUnavailable: {seen}"
     assert max(max(c.values()) for c in counts) <= 2 + 1, "at most one group of surge per role"
+
+
+def _images(kubectl: Kubectl, name: str, namespace: str) -> dict[str, tuple[str, str]]:
+    """Worker pod name -> (uid, engine image)."""
+    return {
+        pod["metadata"]["name"]: (pod["metadata"]["uid"], pod["spec"]["containers"][0]["image"])
+        for pod in worker_pods(kubectl, name, namespace)
+    }
+
+
+def test_an_operator_upgrade_with_a_new_image_rolls_nothing_until_the_spec_changes(
+    kubectl: Kubectl, namespace: str, operator: Operator, tmp_path: Path
+) -> None:
+    manifest = seed(
+        "upgraded",
+        replicas=1,
+        model={"name": "mock-model", "tensorParallelism": 4},
+        engine={"backend": "mock"},
+        disruption={"drainTimeout": "0s"},
+    )
+    kubectl.apply(manifest, namespace=namespace)
+    wait_running(kubectl, "upgraded", namespace, operator)
+    before = _images(kubectl, "upgraded", namespace)
+    [(_, old_image)] = before.values()
+    # The chart's new release: the same operator, a new default image (``copse operator run --image``).
+    operator.stop()
+    upgraded = Operator(
+        log=tmp_path / "upgraded.log", kubeconfig=operator.kubeconfig, lease=operator.lease,
+        flags=("--image=copse:upgraded",),
+    )  # fmt: skip
+    upgraded.start()
+    try:
+        wait_until("the upgraded operator to lead", lambda: upgraded.leading, operator=upgraded)
+        # A scale-up places a group of the same revision: it runs its peers' image, not the new default.
+        kubectl.run("scale", "idep/upgraded", "--replicas=2", f"--namespace={namespace}")
+        wait_until(
+            "the second group", lambda: status(kubectl, "upgraded", namespace).get("ready") == "worker 2/2",
+            operator=upgraded,
+        )  # fmt: skip
+        now = _images(kubectl, "upgraded", namespace)
+        assert {pod: now[pod] for pod in before} == before, "no pod re-made"
+        assert {image for _, image in now.values()} == {old_image}, "one revision, one image"
+        assert kubectl.items("events", "--field-selector", "reason=RollingUpdate", namespace=namespace) == []
+        [kept] = kubectl.items("events", "--field-selector", "reason=RevisionImage", namespace=namespace)
+        assert f"run {old_image}, the image of revision" in kept["message"]
+        assert "not the operator's default copse:upgraded" in kept["message"]
+        # The next spec change is a new revision: it rolls, onto the new default.
+        _patch(
+            kubectl, namespace, {"engine": {"backend": "mock", "args": ["--decode-speedup", "2"]}}, "upgraded"
+        )
+        wait_until(
+            "the roll onto the new image",
+            lambda: (
+                {image for _, image in _images(kubectl, "upgraded", namespace).values()} == {"copse:upgraded"}
+                and status(kubectl, "upgraded", namespace).get("ready") == "worker 2/2"
+            ),
+            operator=upgraded,
+            timeout=180,
+        )
+    finally:
+        upgraded.stop()
+        operator.start()
+    wait_until("the session's operator to lead again", lambda: operator.leading, operator=operator)

@@ -706,6 +706,38 @@ def test_the_context_and_api_keys_reach_the_router_the_engines_and_the_mocker() 
     assert "api-keys" not in {volume["name"] for volume in pod["volumes"]}
 
 
+def test_a_new_default_image_reaches_new_groups_only_with_the_next_revision() -> None:
+    """An operator upgrade that changes the default engine image changes no revision: a group
+    placed at the same revision runs its peers' image; the next revision runs the new default."""
+    before, after = children.Images(trtllm="trtllm:1"), children.Images(trtllm="trtllm:2")
+    deployment = make_deployment(replicas=2)
+    [old_pod] = children.worker_pods(deployment, ONE_NODE, cold_start_source=None, images=before)
+    old_pod["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    assert children.revision_image(deployment, [old_pod], images=after) == "trtllm:1"
+    [new_pod] = children.worker_pods(
+        deployment,
+        ONE_NODE,
+        cold_start_source=None,
+        images=after,
+        image=children.revision_image(deployment, [old_pod], images=after),
+    )
+    assert new_pod["spec"]["containers"][0]["image"] == "trtllm:1"
+    labels = new_pod["metadata"]["labels"]
+    assert labels[names.LABEL_REVISION] == old_pod["metadata"]["labels"][names.LABEL_REVISION]
+    # No peer of this revision (none left, or another deployment's): the default.
+    assert children.revision_image(deployment, [], images=after) == "trtllm:2"
+    stranger = json.loads(json.dumps(old_pod))
+    stranger["metadata"]["labels"][names.LABEL_DEPLOYMENT] = "other"
+    assert children.revision_image(deployment, [stranger], images=after) == "trtllm:2"
+    # A spec change is a new revision: it takes the new default, and rolls.
+    changed = make_deployment(replicas=2, engine={"args": ["--log_level=debug"]})
+    assert children.revision(changed) != children.revision(deployment)
+    assert children.revision_image(changed, [old_pod], images=after) == "trtllm:2"
+    # The manifest's own image wins over both.
+    pinned = make_deployment(replicas=2, engine={"image": "mine/trtllm:3"})
+    assert children.revision_image(pinned, [old_pod], images=after) == "mine/trtllm:3"
+
+
 def test_the_operator_images_reach_routers_relays_and_mocked_workers() -> None:
     images = children.Images(
         copse="mirror.example/copse:9", trtllm="mirror.example/trtllm:1", pull_policy="Always"

@@ -13,7 +13,7 @@ import pytest
 from copse.api import Role
 from copse.operator import children, names
 from copse.operator.controller import Controller
-from copse.operator.inflight import tally
+from copse.operator.inflight import tally, unused
 from copse.operator.reconcile import ReconcileSettings
 
 from .conftest import make_deployment
@@ -28,10 +28,15 @@ class FakeInFlight:
     def __init__(self) -> None:
         self.counts: dict[str, int | None] = {}
         self.asked: list[tuple[list[str], list[str]]] = []
+        self.unused: set[str] = set()
+        """Rank-0 pods some router does not use yet."""
 
     async def count(self, *, routers: Sequence[str], workers: Sequence[str]) -> dict[str, int | None]:
         self.asked.append((list(routers), list(workers)))
         return {worker: self.counts.get(worker, 0) for worker in workers}
+
+    async def unlisted(self, *, routers: Sequence[str], workers: Sequence[str]) -> set[str]:
+        return {worker for worker in workers if worker in self.unused}
 
 
 def draining_harness(**spec: Any) -> tuple[Harness, FakeInFlight]:
@@ -61,6 +66,10 @@ def draining_harness(**spec: Any) -> tuple[Harness, FakeInFlight]:
 
 def group_pods(harness: Harness, group: str) -> list[dict[str, Any]]:
     return [p for p in harness.pods() if p["metadata"]["labels"].get(names.LABEL_GROUP) == group]
+
+
+def workers(harness: Harness) -> list[dict[str, Any]]:
+    return [p for p in harness.pods() if names.LABEL_GROUP in p["metadata"]["labels"]]
 
 
 def reasons(harness: Harness) -> Counter[str]:
@@ -244,3 +253,31 @@ async def test_a_draining_group_of_an_old_template_is_not_taken_back() -> None:
     assert all(
         p["metadata"]["labels"].get(names.LABEL_DRAINING) == "true" for p in group_pods(harness, victim)
     )
+
+
+def test_a_worker_is_unused_until_every_answering_router_lists_it_serving() -> None:
+    workers = ["a-0", "b-0", "c-0"]
+    one = [{"key": "a-0", "draining": False}, {"key": "b-0", "draining": False}]
+    two = [{"key": "a-0", "draining": False}, {"key": "b-0", "draining": True}]
+    assert unused([one, two], workers) == {"b-0", "c-0"}
+    assert unused([one, None], workers) == {"c-0"}, "a silent router says nothing"
+    assert unused([], workers) == set()
+
+
+async def test_a_roll_retires_no_old_group_before_the_routers_use_the_new_one() -> None:
+    """kubelet readiness is not routability: a router registers a worker after its own probe.
+    The old group stays until every router lists the new one, so what they route never shrinks."""
+    harness, in_flight = draining_harness(replicas=1)
+    await harness.settle()
+    [old] = {p["metadata"]["labels"][names.LABEL_GROUP] for p in workers(harness)}
+    in_flight.unused = {"llama-worker-1-0"}
+    harness.update_spec(engine={"image": "trtllm:next"})
+    await harness.settle()
+    groups = {p["metadata"]["labels"][names.LABEL_GROUP]: p for p in workers(harness)}
+    assert set(groups) == {old, "llama-worker-1"}, "the new group is up, the old one stays"
+    assert names.LABEL_DRAINING not in groups[old]["metadata"]["labels"]
+    assert harness.status["roles"]["worker"]["updatedReady"] == 1
+
+    in_flight.unused = set()
+    await harness.settle()
+    assert {p["metadata"]["labels"][names.LABEL_GROUP] for p in workers(harness)} == {"llama-worker-1"}

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from copse.router.config import RouterConfig, parse_config
 from copse.router.frontend import _ClientStream
+from copse.router.metrics import DISAGGREGATED_ROUTES
 from copse.router.migration import StreamProgress
 from copse.router.policies import RouteRequest
 from copse.router.server import RunningRouter, start_router
@@ -400,6 +401,12 @@ async def test_disaggregated_requests_prefill_on_one_worker_and_decode_on_anothe
                 assert prefill.servers[0].engine.prompt_tokens_total == 2048  # the context phase ran there
                 assert decode.servers[0].engine.prompt_tokens_total == 2048  # and the generation phase here
             assert running.service.router.sequences.requests.sum() == 0
+            # Counted by the revisions of the pair (static workers carry none).
+            routes = running.service.metrics.registry.get_sample_value(
+                f"{DISAGGREGATED_ROUTES}_total", {"prefill_revision": "", "decode_revision": ""}
+            )
+            assert routes == 1
+            assert [w["revision"] for w in running.service.workers_report()] == [None, None]
         finally:
             await running.close()
 

@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -133,6 +133,38 @@ def service_owner_reference(service: Mapping[str, Any]) -> dict[str, Any]:
 def worker_image(deployment: InferenceDeployment, *, images: Images = Images()) -> str:
     engine = deployment.spec.engine
     return engine.image or (images.copse if engine.backend is EngineBackend.MOCK else images.trtllm)
+
+
+def revision_image(
+    deployment: InferenceDeployment, pods: Iterable[Mapping[str, Any]], *, images: Images = Images()
+) -> str:
+    """The engine image of a new worker pod: the manifest's, else the one the pods of the
+    deployment's current revision already run (the oldest pod's), else the operator's default.
+    A copse upgrade that changes a default image (the chart's copse image for mocked workers,
+    ``operator.trtllmImage``) changes no revision and rolls nothing; a group placed afterwards at
+    the same revision (a scale-up, a restarted gang) runs its peers' image, so one revision never
+    serves two engine versions (the router pairs prefill and decode by revision). The new default
+    reaches the deployment with its next revision."""
+    if deployment.spec.engine.image:
+        return deployment.spec.engine.image
+    current = revision(deployment)
+    peers = [
+        pod
+        for pod in pods
+        if pod["metadata"].get("namespace") == deployment.metadata.namespace
+        and pod["metadata"].get("labels", {}).get(names.LABEL_REVISION) == current
+        and all(
+            pod["metadata"].get("labels", {}).get(k) == v
+            for k, v in names.worker_selector(deployment.metadata.name).items()
+        )
+    ]
+    for pod in sorted(
+        peers, key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"])
+    ):
+        for container in pod.get("spec", {}).get("containers", []):
+            if container.get("name") == "engine":
+                return str(container["image"])
+    return worker_image(deployment, images=images)
 
 
 def _metadata(
@@ -709,11 +741,13 @@ def worker_pods(
     cold_start_ranks: int | None = None,
     channel_template: str | None = None,
     images: Images = Images(),
+    image: str | None = None,
 ) -> list[dict[str, Any]]:
     """The pods of one TP group, gated and pinned to their planned nodes (with ModelExpress's client
     settings when it loads the weights; ``cold_start_ranks``: the source group's GPUs when it is one
     pod, see :func:`modelexpress_objects`); ``channel_template`` names the ResourceClaimTemplate of
-    the group's IMEX channel (its ComputeDomain's)."""
+    the group's IMEX channel (its ComputeDomain's); ``image``: the engine's (:func:`revision_image`;
+    None: the deployment's default)."""
     spec = deployment.spec
     namespace = deployment.metadata.namespace
     labels = group_labels(deployment, layout)
@@ -721,7 +755,7 @@ def worker_pods(
     pod_names = [names.pod_name(group, rank) for rank in range(len(layout.pods))]
     hosts = [f"{pod}.{group}.{namespace}.svc" for pod in pod_names]
     digest = template_hash(deployment, layout.role)
-    image = worker_image(deployment, images=images)
+    image = image or worker_image(deployment, images=images)
     wiring = _wiring(deployment, layout, hosts=hosts, image=image, channel_template=channel_template)
     mpi = mpi_world(deployment, layout)
     pods = []

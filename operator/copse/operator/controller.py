@@ -314,10 +314,20 @@ class Controller:
             if deployment.spec.router.mode is RouterMode.EPP
             else children.ROUTER_PORT
         )
+        routers = self._routers(namespace, name, port=port)
         in_flight = await self.in_flight.count(
-            routers=self._routers(namespace, name, port=port),
+            routers=routers,
             workers=[names.pod_name(group.name, 0) for group in groups if group.state is GroupState.DRAINING],
         )
+        # While a pool holds more groups than its replicas (a roll's or a move's surge), an old
+        # group may go for a new ready one: only once every router uses the new one.
+        surging = any(
+            sum(1 for g in groups if g.role is pool.role and g.state is not GroupState.DRAINING)
+            > pool.replicas
+            for pool in deployment.spec.pools()
+        )
+        ready = {names.pod_name(g.name, 0): g.name for g in groups if g.state is GroupState.READY}
+        unlisted = await self.in_flight.unlisted(routers=routers, workers=list(ready)) if surging else set()
         decision = reconcile(
             deployment=deployment,
             groups=groups,
@@ -331,6 +341,7 @@ class Controller:
                 for group in groups
                 if group.state is GroupState.DRAINING
             },
+            unroutable={ready[pod] for pod in unlisted},
             settings=self.settings,
         )
         ok, reason, message = multinode.nvlink_check(
@@ -429,10 +440,21 @@ class Controller:
             for layout, ok in zip(decision.place, recorded, strict=True)
             if not ok
         }
+        image = children.revision_image(deployment, self.cache.pods.values(), images=self.settings.images)
+        default = children.worker_image(deployment, images=self.settings.images)
+        if image != default and any(recorded):
+            await self.kube.post_event(
+                owner=body,
+                type="Normal",
+                reason="RevisionImage",
+                message=f"{sum(recorded)} new group(s) run {image}, the image of revision "
+                f"{children.revision(deployment)}'s other groups, not the operator's default {default}: "
+                "the default reaches this deployment with its next spec change (or set spec.engine.image)",
+            )
         await self._each(
             [layout for layout in decision.create_pods if (layout.role, layout.replica) not in lost],
             lambda layout: self._create_pods(
-                deployment, layout, decision.cold_start_source, decision.cold_start_ranks
+                deployment, layout, decision.cold_start_source, decision.cold_start_ranks, image=image
             ),
         )
         await self._each(
@@ -608,9 +630,11 @@ class Controller:
         layout: GroupLayout,
         cold_start_source: str | None,
         cold_start_ranks: int | None,
+        *,
+        image: str,
     ) -> None:
-        """Create the gang's missing pods, gated; once every one of them is known to exist
-        (created now, or already in the cache), release the gates in the same pass."""
+        """Create the gang's missing pods (engine ``image``), gated; once every one of them is known
+        to exist (created now, or already in the cache), release the gates in the same pass."""
         namespace, name = str(deployment.metadata.namespace), deployment.metadata.name
         uid = str(deployment.metadata.uid)
         group = names.group_name(name, layout.role, layout.replica)
@@ -648,6 +672,7 @@ class Controller:
             cold_start_ranks=cold_start_ranks,
             channel_template=channel,
             images=self.settings.images,
+            image=image,
         )
         members: list[Mapping[str, Any]] = []
         for pod in pods:

@@ -33,6 +33,23 @@ class InFlight(Protocol):
         ``None`` for a worker when some router could not say, or has not seen it draining yet."""
         ...
 
+    async def unlisted(self, *, routers: Sequence[str], workers: Sequence[str]) -> set[str]:
+        """Those of ``workers`` (rank-0 pod names) that some router does not use yet (it lists
+        them not, or as draining); a router that does not answer is left out."""
+        ...
+
+
+def unused(reports: Sequence[Sequence[Mapping[str, Any]] | None], workers: Sequence[str]) -> set[str]:
+    """The workers some answering router does not list as usable (``GET /workers`` lists the
+    workers a router has probed healthy; a draining one gets no new requests)."""
+    missing: set[str] = set()
+    for report in reports:
+        if report is None:
+            continue
+        usable = {str(entry.get("key")) for entry in report if not entry.get("draining")}
+        missing.update(worker for worker in workers if worker not in usable)
+    return missing
+
 
 def tally(
     reports: Sequence[Sequence[Mapping[str, Any]] | None], workers: Sequence[str]
@@ -60,10 +77,17 @@ class RouterInFlight:
     async def count(self, *, routers: Sequence[str], workers: Sequence[str]) -> dict[str, int | None]:
         if not workers:
             return {}
+        return tally(await self._reports(routers), workers)
+
+    async def unlisted(self, *, routers: Sequence[str], workers: Sequence[str]) -> set[str]:
+        if not workers or not routers:
+            return set()
+        return unused(await self._reports(routers), workers)
+
+    async def _reports(self, routers: Sequence[str]) -> list[list[dict[str, Any]] | None]:
         timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            reports = await asyncio.gather(*(self._report(session, router) for router in routers))
-        return tally(reports, workers)
+            return list(await asyncio.gather(*(self._report(session, router) for router in routers)))
 
     async def _report(self, session: aiohttp.ClientSession, router: str) -> list[dict[str, Any]] | None:
         try:

@@ -11,7 +11,7 @@ capacity never drops below the desired count while a roll has room to surge.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -226,6 +226,7 @@ def _roll_step(
     outdated: Callable[[ObservedGroup], bool],
     draining: int,
     keep_last_old: bool,
+    unroutable: Collection[str],
 ) -> _RollStep:
     """One step of a roll of a pool within ``spec.rollout``: retire old groups while the pool keeps
     ``desired - maxUnavailable`` ready groups (idle old ones first: they serve nothing), and place
@@ -233,20 +234,27 @@ def _roll_step(
     still hold their GPUs), never touching the ``partition`` groups a canary keeps old.
     ``keep_last_old``: the last ready old group stays (the old revision's last P/D pair).
     ``moving``: groups leaving a cordoned node; they count as old, but no partition keeps them.
+    ``unroutable``: ready groups some router does not use yet; new ones count as not ready, so no
+    old group goes for them before the routers can send them requests.
     Level-triggered: a revert or a second change mid-roll is another set of outdated groups under
     the same bounds."""
     old = [g for g in remaining if outdated(g) and g.state is not GroupState.BROKEN]
     fresh = [g for g in remaining if not outdated(g)]
     keep_old = min(rollout.partition, desired)
-    ready = sum(1 for g in remaining if g.state is GroupState.READY)
-    old_ready = sum(1 for g in old if g.state is GroupState.READY)
+
+    def serving(group: ObservedGroup) -> bool:
+        """Ready, and for a new group also used by every router (an old one counts as it is)."""
+        return group.state is GroupState.READY and (outdated(group) or group.name not in unroutable)
+
+    ready = sum(1 for g in remaining if serving(g))
+    old_ready = sum(1 for g in old if serving(g))
     floor = desired - rollout.max_unavailable
     retire: list[ObservedGroup] = []
     stale = sum(1 for g in old if g.name not in moving)
-    for group in sorted(old, key=lambda g: (g.name not in moving, g.state is GroupState.READY)):
+    for group in sorted(old, key=lambda g: (g.name not in moving, serving(g))):
         if group.name not in moving and stale <= keep_old:
             continue
-        if group.state is GroupState.READY:
+        if serving(group):
             if ready - 1 < floor or (old_ready == 1 and keep_last_old):
                 break
             ready -= 1
@@ -324,10 +332,12 @@ def reconcile(
     generation: int | None = None,
     previous_status: Mapping[str, Any] | None = None,
     in_flight: Mapping[str, int | None] | None = None,
+    unroutable: Collection[str] = frozenset(),
     settings: ReconcileSettings = ReconcileSettings(),
 ) -> Decision:
     """Decide the next steps for ``deployment``; ``pods`` are all pods that may hold GPUs;
-    ``in_flight``: requests the routers still have on each draining group (None: unknown)."""
+    ``in_flight``: requests the routers still have on each draining group (None: unknown);
+    ``unroutable``: ready groups some router does not use yet (a roll does not count them)."""
     decision = Decision()
     name = deployment.metadata.name
     terminating = [group for group in groups if group.state is GroupState.TERMINATING]
@@ -391,7 +401,8 @@ def reconcile(
     # P/D coherence: the last ready old group of a role stays while the old revision still serves
     # with the other role, unless the new revision has a routable pair (or this is not P/D).
     new_pair = all(
-        any(g.template_hash in accepted_by_role[role] for g in ready) for role, ready in ready_by_role.items()
+        any(g.template_hash in accepted_by_role[role] and g.name not in unroutable for g in ready)
+        for role, ready in ready_by_role.items()
     )
     old_ready_other = {
         role: any(
@@ -463,6 +474,7 @@ def reconcile(
                 outdated=outdated,
                 draining=sum(1 for g in draining if g.role is pool.role),
                 keep_last_old=old_ready_other[pool.role] and not new_pair,
+                unroutable=unroutable,
             )
             for victim in step.retire:
                 removed.append(victim)

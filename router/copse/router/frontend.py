@@ -635,6 +635,12 @@ class RouterService(RoutingService):
         sent: bytes | None = None
         try:
             if route.prefill_worker_id is not None:
+                pair = (self._revision(route.prefill_worker_id), self._revision(route.worker_id))
+                self.metrics.disaggregated_routes.labels(*pair).inc()
+                log.debug(
+                    "request %s: prefill on %s (revision %s), decode on %s (revision %s)",
+                    route.request_id, route.prefill_worker_id, pair[0], route.worker_id, pair[1],
+                )  # fmt: skip
                 params = await self._prefill_remotely(route, payload, path, attempt)
                 payload = {**payload, "disaggregated_params": params}
             elif self._role(route.worker_id) is Role.DECODE:

@@ -40,6 +40,9 @@ RETRIES = f"{PREFIX}_retries"
 """Counter (``_total``): requests sent again before their first token."""
 MIGRATIONS = f"{PREFIX}_migrations"
 """Counter (``_total``) by ``reason``: streams continued on another worker."""
+DISAGGREGATED_ROUTES = f"{PREFIX}_disaggregated_routes"
+"""Counter (``_total``) by ``prefill_revision``, ``decode_revision``: requests sent to a prefill and
+a decode worker, by the deployment revision each runs (a mixed pair would show as unequal labels)."""
 FAILED_STREAMS = f"{PREFIX}_failed_streams"
 """Counter (``_total``) by ``reason``: streams ended with an error after their first token."""
 KV_RESYNCS = f"{PREFIX}_kv_resyncs"
@@ -211,6 +214,12 @@ class RouterMetrics:
             "Streams continued on another worker after their worker failed mid-stream, by what failed:"
             " disconnected, ended_early, worker_error, worker_lost (dropped by health probes), timeout.",
             ["reason"],
+            registry=r,
+        )
+        self.disaggregated_routes = Counter(
+            DISAGGREGATED_ROUTES,
+            "Requests sent to a prefill and a decode worker, by the deployment revision of each.",
+            ["prefill_revision", "decode_revision"],
             registry=r,
         )
         self.failed_streams = Counter(

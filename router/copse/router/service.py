@@ -314,6 +314,11 @@ class RoutingService:
         info = self.router.workers.get(worker_id)
         return None if info is None else info.role
 
+    def _revision(self, worker_id: str) -> str:
+        """The deployment revision a worker runs ("" when its pod carries none)."""
+        info = self.router.workers.get(worker_id)
+        return "" if info is None or info.revision is None else info.revision
+
     def worker_url(self, worker_id: str) -> str | None:
         """Base URL of a usable worker."""
         return self._urls.get(worker_id)
@@ -630,6 +635,7 @@ class RoutingService:
                 "worker_id": live.worker_id,
                 "url": live.endpoint.url,
                 "role": live.endpoint.role.value,
+                "revision": live.endpoint.revision,
                 "draining": self.router.workers[live.worker_id].draining,
                 "in_flight": self.router.in_flight(live.worker_id),
                 "model": self.router.workers[live.worker_id].model,
