@@ -21,6 +21,8 @@ from pydantic.alias_generators import to_camel
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from copse.workers.protocol.hashing import lora_int_id
+
 GROUP = "copse.dev"
 VERSION = "v1alpha1"
 KIND = "InferenceDeployment"
@@ -335,10 +337,24 @@ class LoraSpec(_SpecModel):
         ge=1, le=1024, description="Its LoRA rank r; the engines' lora_config.max_lora_rank is the largest."
     )
 
+    @model_validator(mode="after")
+    def _check_pvc_path(self) -> LoraSpec:
+        if self.scheme == "pvc" and ".." in self.pvc_path.split("/"):
+            raise ValueError(
+                f"model.loras ({self.name}): source {self.source!r} must stay inside the model cache "
+                "(no '..' in a pvc:// path)"
+            )
+        return self
+
     @property
     def scheme(self) -> str:
         """``hf``, ``pvc``, ``s3`` or ``gs``."""
         return self.source.split("://", 1)[0]
+
+    @property
+    def pvc_path(self) -> str:
+        """A ``pvc://`` source's directory, relative to the model cache's mount."""
+        return self.source.removeprefix("pvc://").strip("/")
 
 
 class ModelSpec(_SpecModel):
@@ -398,6 +414,7 @@ class ModelSpec(_SpecModel):
     @model_validator(mode="after")
     def _check_loras(self) -> ModelSpec:
         names: set[str] = set()
+        ids: dict[int, str] = {}
         for index, lora in enumerate(self.loras):
             where = f"model.loras[{index}] ({lora.name})"
             if lora.name in names:
@@ -406,6 +423,12 @@ class ModelSpec(_SpecModel):
                 raise ValueError(f"{where}: an adapter must not have the model's name")
             if lora.scheme == "pvc" and (self.cache is None or self.cache.persistent_volume_claim is None):
                 raise ValueError(f"{where}: a pvc:// source needs model.cache.persistentVolumeClaim")
+            clash = ids.setdefault(lora_int_id(lora.name), lora.name)
+            if clash != lora.name:
+                raise ValueError(
+                    f"{where}: its lora_int_id (a hash of its name) is that of adapter {clash!r}: the "
+                    "engines would take one for the other; rename one of them"
+                )
             names.add(lora.name)
         return self
 

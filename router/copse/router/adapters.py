@@ -85,6 +85,8 @@ class AdapterTracker:
             worker = self._workers[slot] = _Worker(model=model, max_loras=capacity)
             worker.held.update(dict.fromkeys(held[-capacity:]))
         worker.max_loras = capacity
+        while len(worker.held) > capacity:  # its engine now holds fewer: it evicted the least recent
+            worker.held.popitem(last=False)
 
     def drop_worker(self, slot: int) -> None:
         """Forget the worker in ``slot`` (it left)."""
@@ -133,6 +135,8 @@ class AdapterTracker:
     def routed(self, request_id: str, *, slots: tuple[int, ...], adapter: str) -> None:
         """``request_id`` through ``adapter`` went to ``slots`` (its prefill and decode workers):
         each holds the adapter now, most recently used, evicting its least recently used one."""
+        if request_id in self._flights:  # routed again (a retry): its previous attempt ended
+            self.finished(request_id)
         if not adapter:
             return
         for slot in slots:
