@@ -94,9 +94,9 @@ def test_adding_an_adapter_rolls_the_pods_and_downloads_again_but_no_adapters_ch
         ([{"name": "a", "source": "https://example.com/x", "rank": 8}], "source"),
         (
             [{"name": "a", "source": "pvc://adapters/../../etc", "rank": 8}],
-            "must stay inside the model cache",
+            "source",
         ),
-        ([{"name": "a", "source": "pvc://..", "rank": 8}], "must stay inside the model cache"),
+        ([{"name": "a", "source": "pvc://..", "rank": 8}], "source"),
         (
             [
                 {"name": "a81104", "source": "hf://o/r", "rank": 8},

@@ -109,7 +109,8 @@ class LoraSettings(_Model):
     """The name requests use (unique among the router's models and adapters)."""
     path: str = ""
     """Where the engines read its weights, inside the worker pod (sent to ``trtllm-serve`` as
-    ``lora_request.lora_path``; the operator mounts the adapter there). Mocked engines ignore it."""
+    ``lora_request.lora_path``; the operator mounts the adapter there): required with
+    ``engine: trtllm``. Mocked engines ignore it."""
 
 
 class ServedModel(_Model):
