@@ -6,7 +6,8 @@ late). Requests are the shipped 20-minute Mooncake conversation slice's, the fir
 arrivals sped up ``--speedup`` times. Every conversation (the requests sharing their first two
 prefix blocks) goes through one of 8 adapters, drawn with Zipf(``--zipf``) popularity, seeded. Each engine
 holds ``--max-loras`` adapters at once and takes ``--lora-load-ms`` to load one it does not hold
-(the request waits, and so do those queued behind it); the router is told the same two figures.
+(the request waits, and so do those queued behind it); the router is told the same load time and
+learns ``max_loras`` from each engine as it registers.
 
 Both runs use ``kv`` with its defaults on the same arrivals; they differ only in
 ``AdapterRouting.aware``:
@@ -76,7 +77,7 @@ def run(
         workers=16,
         seed=seed,
         engines=engines,
-        adapters=AdapterRouting(max_loras=max_loras, load_ms=load_ms, aware=aware),
+        adapters=AdapterRouting(load_ms=load_ms, aware=aware),  # max_loras: each engine reports it
     )
     started = time.perf_counter()
     fleet = Fleet(trace, settings, engines=16, classes=classes)

@@ -84,9 +84,8 @@ def test_adapters_and_two_models_behind_one_router_process(tmp_path: Path) -> No
     mock = [COPSE, "worker", "mock", "--block-size", "32", "--speedup", "20"]
     llama_argv = [
         *mock, "--engines", "2", "--port-base", str(llama_port), "--model", "llama",
-        "--worker-prefix", "llama", "--lora", "sql", "--lora", "chat", "--lora", "legal",
-        "--max-loras", "1", "--lora-load-ms", "200",
-    ]  # fmt: skip
+        "--worker-prefix", "llama", "--max-loras", "1", "--lora-load-ms", "200",
+    ]  # fmt: skip  # no --lora: the engines serve the adapters from the lora_request the router adds
     qwen_argv = [
         *mock,
         "--engines",

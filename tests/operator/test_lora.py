@@ -92,6 +92,18 @@ def test_adding_an_adapter_rolls_the_pods_and_downloads_again_but_no_adapters_ch
         ([{"name": "a", "source": "hf://o/r", "rank": 0}], "rank"),
         ([{"name": "a b", "source": "hf://o/r", "rank": 8}], "name"),
         ([{"name": "a", "source": "https://example.com/x", "rank": 8}], "source"),
+        (
+            [{"name": "a", "source": "pvc://adapters/../../etc", "rank": 8}],
+            "source",
+        ),
+        ([{"name": "a", "source": "pvc://..", "rank": 8}], "source"),
+        (
+            [
+                {"name": "a81104", "source": "hf://o/r", "rank": 8},
+                {"name": "a134232", "source": "hf://o/s", "rank": 8},
+            ],
+            "its lora_int_id .* adapter 'a81104'",
+        ),
     ],
 )
 def test_invalid_adapters_are_named(loras: list[dict[str, Any]], message: str) -> None:

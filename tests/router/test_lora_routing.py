@@ -120,6 +120,49 @@ def test_a_worker_running_max_loras_other_adapters_is_left_out_while_another_can
     assert tracker.narrow(_request("x", adapter="b"), everyone).tolist() == [True, False]
 
 
+def test_a_request_routed_again_frees_its_adapter_where_it_ran_before() -> None:
+    tracker = AdapterTracker(AdapterRouting(max_loras=1))
+    for slot in range(2):
+        tracker.set_worker(slot, model="llama")
+    tracker.routed("r1", slots=(0,), adapter="a")
+    tracker.routed("r1", slots=(1,), adapter="a")  # its first worker failed: retried on the other
+    tracker.finished("r1")
+    everyone = np.ones(2, dtype=bool)
+    assert tracker.narrow(_request("x", adapter="b"), everyone).tolist() == [True, True]
+
+
+def test_a_worker_reporting_fewer_max_loras_keeps_only_its_most_recent_adapters() -> None:
+    tracker = AdapterTracker(AdapterRouting(max_loras=4))
+    tracker.set_worker(0, model="llama", max_loras=3, held=("a", "b", "c"))
+    tracker.set_worker(0, model="llama", max_loras=1)
+    assert tracker.held(0) == ["c"]
+
+
+def test_a_removed_workers_requests_free_their_adapter_on_the_workers_that_remain() -> None:
+    router = Router(
+        perf=PERF,
+        settings=SelectionSettings(block_size=BS),
+        policy="kv",
+        seed=1,
+        adapters=AdapterRouting(max_loras=1),
+    )
+    router.add_worker(WorkerInfo(worker_id="p0", role=Role.PREFILL), now=0.0)
+    for name in ("d0", "d1"):
+        router.add_worker(WorkerInfo(worker_id=name, role=Role.DECODE), now=0.0)
+    long_prompt = list(range(1000, 1000 + 4096))  # long enough to be prefilled apart
+    route = router.submit(_request("x", adapter="a", tokens=long_prompt), now=0.0)
+    assert route is not None
+    assert route.prefill_worker_id == "p0"
+    assert router.remove_worker(route.worker_id) == ["x"]
+    router.finish("x", now=1.0)
+    survivor = "d1" if route.worker_id == "d0" else "d0"
+    mask = np.zeros(router.sequences.size, dtype=bool)
+    slots = [router.slots.slot(name) for name in ("p0", survivor)]
+    mask[slots] = True
+    # p0 no longer runs adapter a for the lost request: it can start another adapter.
+    assert router.adapters.narrow(_request("y", adapter="b"), mask)[slots].tolist() == [True, True]
+
+
 def _router(
     *, aware: bool = True, models: Mapping[str, int] | None = None, events: bool = True, **routing: Any
 ) -> Router:
@@ -227,7 +270,9 @@ def test_config_lists_adapters_and_models_and_refuses_a_name_used_twice() -> Non
     )
     assert config.catalog().resolve("qwen-math").model == "qwen"
     assert config.adapter_routing() == AdapterRouting(max_loras=8, load_ms=50.0, aware=True)
-    with pytest.raises(ConfigError, match=r"models\[0\].loras: name 'sql' is already used by loras"):
+    with pytest.raises(
+        ConfigError, match=r"models\[0\].loras\[0\]: name 'sql' is already used by loras\[0\]"
+    ):
         parse_config(
             {
                 **BASE_CONFIG,
@@ -247,7 +292,24 @@ def test_config_lists_adapters_and_models_and_refuses_a_name_used_twice() -> Non
             },
             source="router.yaml",
         )
-    with pytest.raises(ConfigError, match="loras: name 'llama' is already used by model"):
+    # Two names whose lora_int_id (a 31-bit hash) collide: the engines would take one for the other.
+    assert lora_int_id("a81104") == lora_int_id("a134232")
+    with pytest.raises(ConfigError, match=r"loras\[1\]: its lora_int_id .* adapter 'a81104'"):
+        parse_config(
+            {**BASE_CONFIG, "loras": [{"name": "a81104"}, {"name": "a134232"}]}, source="router.yaml"
+        )
+    with pytest.raises(ConfigError, match=r"loras\[0\].path: required with engine: trtllm"):
+        parse_config(
+            {
+                **BASE_CONFIG,
+                "engine": "trtllm",
+                "tokenizer": "/models/llama",
+                "kv_capacity_tokens": 100_000,
+                "loras": [{"name": "sql"}],
+            },
+            source="router.yaml",
+        )
+    with pytest.raises(ConfigError, match=r"loras\[0\]: name 'llama' is already used by model"):
         parse_config({**BASE_CONFIG, "loras": [{"name": "llama"}]}, source="router.yaml")
     with pytest.raises(ConfigError, match="one InferencePool"):
         parse_config(
@@ -362,5 +424,45 @@ async def test_each_models_kv_events_reach_the_index_and_adapter_blocks_match_th
             assert router.workers[router.slots.worker_id(sql_slot)].model == "llama"
             assert router.workers[router.slots.worker_id(base_slot)].model == "qwen"
             assert sql_depth == base_depth == 10
+        finally:
+            await running.close()
+
+
+async def test_an_adapter_request_reaches_an_engine_that_was_not_told_the_adapter_with_its_lora_request() -> (
+    None
+):
+    """The engine is started without the adapter's name, so it can only serve the request through
+    the adapter from the ``lora_request`` the router added: the router must not forward the
+    client's own bytes (which name the adapter only as ``model``)."""
+    async with mock_fleet(engines=1) as fleet:
+        config = parse_config(
+            {
+                **BASE_CONFIG,
+                "engine": "mock",
+                "port": 0,
+                "block_size": 32,
+                "health_interval_s": 0.05,
+                "discovery": {"kind": "static", "workers": [{"url": fleet.urls[0]}]},
+                "loras": [{"name": "sql", "path": "/adapters/sql"}, {"name": "chat"}],
+            },
+            source="test",
+        )
+        running = await start_router(config, router_id="raw-lora")
+        try:
+            await eventually(lambda: len(running.service.router.workers) == 1)
+            async with aiohttp.ClientSession() as http:
+                for model, stream in (("sql", False), ("chat", True)):
+                    body = {
+                        "model": model,
+                        "prompt": list(range(100, 200)),
+                        "max_tokens": 2,
+                        "stream": stream,
+                    }
+                    async with http.post(f"{running.url}/v1/completions", json=body) as response:
+                        await response.read()
+                        assert response.status == 200
+                async with http.get(f"{fleet.urls[0]}/worker_info") as response:
+                    info = await response.json()
+            assert sorted(info["loras"]) == ["chat", "sql"]
         finally:
             await running.close()

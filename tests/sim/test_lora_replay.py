@@ -27,7 +27,8 @@ def _run(*, aware: bool, shared_prefix: bool) -> Fleet:
         workers=4,
         seed=3,
         engines=EngineSetup(config=config),
-        adapters=AdapterRouting(max_loras=1, load_ms=300.0, aware=aware),
+        # max_loras is not repeated here: the router learns it from each engine as it registers
+        adapters=AdapterRouting(load_ms=300.0, aware=aware),
     )
     classes = [RequestClass(adapter=f"a{i % 4}") for i in range(len(trace))]
     fleet = Fleet(trace, settings, engines=4, classes=classes)
@@ -48,6 +49,10 @@ def test_adapter_aware_routing_keeps_each_adapter_where_it_is_loaded() -> None:
     assert _loads(aware) == 4, "each adapter stays on one engine of its own"
     assert _loads(blind) > _loads(aware)
     assert aware.router.adapters.loads == _loads(aware), "the router's mirror of the engines' caches is exact"
+    for fleet in (aware, blind):  # the router holds each engine to the max_loras it reported
+        router = fleet.router
+        believed = [router.adapters.held(router.slots.slot(e.worker_id)) for e in fleet.engines]
+        assert believed == [e.adapters.held() for e in fleet.engines]
 
 
 def test_no_prefix_hit_crosses_adapters() -> None:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from copse.workers.mocker import EngineConfig
 from copse.workers.mocker.adapters import AdapterCache, AdapterSettings
 from copse.workers.mocker.engine import Engine
+from copse.workers.mocker.simulation import Simulator
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import (
     KvStored,
@@ -100,6 +101,25 @@ def test_a_request_through_an_unloaded_adapter_waits_for_its_load_and_its_blocks
     engine.add_request(request_id="chat", tokens=PROMPT, max_tokens=2, now_ms=6000.0, adapter="chat")
     assert engine.adapters.held() == ["chat"]
     assert engine.adapters.loads_total == 2
+
+
+@pytest.mark.parametrize("until_submit", [False, True])
+def test_fused_decode_steps_end_when_a_waiting_requests_adapter_is_loaded(until_submit: bool) -> None:
+    """A long decode runs while a request waits for its adapter's load: fused steps stop where the
+    load ends, so the request starts when it would stepping one by one."""
+
+    def first_tokens(*, fuse: bool) -> dict[str, float]:
+        config = EngineConfig(adapters=AdapterSettings(max_loras=2, load_ms=300.0))
+        engine = Engine(worker_id="e", config=config, perf=PERF)
+        sim = Simulator([engine], fuse_decode=fuse, fuse_until_submit=fuse and until_submit)
+        sim.submit(0, request_id="long", tokens=list(range(100, 200)), max_tokens=2000)
+        sim.run_until(50.0)
+        sim.submit(0, request_id="sql", tokens=list(range(300, 400)), max_tokens=5, adapter="sql")
+        sim.run()
+        return {outcome.request_id: outcome.first_token_ms for outcome in sim.outcomes}
+
+    stepwise = first_tokens(fuse=False)
+    assert first_tokens(fuse=True) == pytest.approx(stepwise)
 
 
 def _body(model: str, **extra: Any) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from pydantic.alias_generators import to_camel
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from copse.workers.protocol.hashing import lora_int_id
+
 GROUP = "copse.dev"
 VERSION = "v1alpha1"
 KIND = "InferenceDeployment"
@@ -308,9 +310,16 @@ class ModelCacheSpec(_SpecModel):
         return parse_duration(self.download_timeout)
 
 
-LORA_SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[^\s]+|(s3|gs)://[a-z0-9][a-z0-9.-]*(/[^\s]*)?)$"
+_PVC_SEGMENT = r"(\.?[^/\s.][^/\s]*|\.\.[^/\s]+|\.)"
+"""A path segment other than ``..`` (RE2 has no lookahead: the API server checks this pattern too)."""
+LORA_SOURCE_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    rf"|pvc:///*{_PVC_SEGMENT}(/+{_PVC_SEGMENT})*/*"
+    r"|(s3|gs)://[a-z0-9][a-z0-9.-]*(/[^\s]*)?)$"
+)
 """Where a LoRA adapter comes from: ``hf://<org>/<repo>[@<revision>]`` (the hub), ``pvc://<path>``
-(a directory on the model-cache PVC) or ``s3://<bucket>/<prefix>``, ``gs://<bucket>/<prefix>``."""
+(a directory on the model-cache PVC, which no ``..`` segment may leave) or ``s3://<bucket>/<prefix>``,
+``gs://<bucket>/<prefix>``."""
 
 LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 """What an adapter may be called (requests send it as ``model``; it names a folder in the cache)."""
@@ -328,8 +337,8 @@ class LoraSpec(_SpecModel):
         pattern=LORA_SOURCE_PATTERN,
         max_length=512,
         description="hf://<org>/<repo>[@<revision>] (the hub), pvc://<path> (a directory on the model-cache "
-        "PVC) or s3://<bucket>/<prefix> / gs://<bucket>/<prefix> (an object store); hub and object-store "
-        "adapters are downloaded into the cache with the weights.",
+        "PVC, no '..' segments) or s3://<bucket>/<prefix> / gs://<bucket>/<prefix> (an object store); hub "
+        "and object-store adapters are downloaded into the cache with the weights.",
     )
     rank: int = Field(
         ge=1, le=1024, description="Its LoRA rank r; the engines' lora_config.max_lora_rank is the largest."
@@ -339,6 +348,11 @@ class LoraSpec(_SpecModel):
     def scheme(self) -> str:
         """``hf``, ``pvc``, ``s3`` or ``gs``."""
         return self.source.split("://", 1)[0]
+
+    @property
+    def pvc_path(self) -> str:
+        """A ``pvc://`` source's directory, relative to the model cache's mount."""
+        return self.source.removeprefix("pvc://").strip("/")
 
 
 class ModelSpec(_SpecModel):
@@ -398,6 +412,7 @@ class ModelSpec(_SpecModel):
     @model_validator(mode="after")
     def _check_loras(self) -> ModelSpec:
         names: set[str] = set()
+        ids: dict[int, str] = {}
         for index, lora in enumerate(self.loras):
             where = f"model.loras[{index}] ({lora.name})"
             if lora.name in names:
@@ -406,6 +421,12 @@ class ModelSpec(_SpecModel):
                 raise ValueError(f"{where}: an adapter must not have the model's name")
             if lora.scheme == "pvc" and (self.cache is None or self.cache.persistent_volume_claim is None):
                 raise ValueError(f"{where}: a pvc:// source needs model.cache.persistentVolumeClaim")
+            clash = ids.setdefault(lora_int_id(lora.name), lora.name)
+            if clash != lora.name:
+                raise ValueError(
+                    f"{where}: its lora_int_id (a hash of its name) is that of adapter {clash!r}: the "
+                    "engines would take one for the other; rename one of them"
+                )
             names.add(lora.name)
         return self
 

@@ -100,7 +100,7 @@ def _digest(deployment: InferenceDeployment, cache: ModelCacheSpec) -> str:
 def lora_path(cache: ModelCacheSpec, lora: LoraSpec) -> str:
     """Where the engines read adapter ``lora`` (``lora_request.lora_path``, ``lora_config.lora_dir``)."""
     if lora.scheme == "pvc":
-        return f"{cache.mount_path}/{lora.source.removeprefix('pvc://').strip('/')}"
+        return f"{cache.mount_path}/{lora.pvc_path}"
     return f"{cache.mount_path}/loras/{lora.name}"
 
 

@@ -26,30 +26,23 @@ import numpy as np
 import numpy.typing as npt
 
 from copse.router.policies import RouteRequest
+from copse.workers.mocker.adapters import AdapterSettings
 
 BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.float64]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AdapterRouting:
-    """How the router weighs adapters."""
+class AdapterRouting(AdapterSettings):
+    """How the router weighs adapters: what it assumes of the engines (the engine's own settings,
+    with their defaults and checks: ``max_loras`` where an engine's ``/worker_info`` does not say
+    it, the operator renders the same figure into ``lora_config.max_loras``; ``load_ms`` added to
+    the predicted time to first token of a worker that does not hold the adapter) and whether it
+    prefers workers that hold it."""
 
-    max_loras: int = 4
-    """Adapters an engine holds at once when the engine does not say (its ``/worker_info``); the
-    operator renders the same figure into the engine's ``lora_config.max_loras``."""
-    load_ms: float = 200.0
-    """Predicted time an engine takes to load an adapter it does not hold, ms (added to the
-    predicted time to first token of such a worker)."""
     aware: bool = True
     """Prefer workers that hold the request's adapter; off (adapter-blind), only the block hashes
     (which include the adapter) and the adapters-at-once limit see adapters."""
-
-    def __post_init__(self) -> None:
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras={self.max_loras} must be at least 1")
-        if self.load_ms < 0:
-            raise ValueError(f"load_ms={self.load_ms} must not be negative")
 
 
 @dataclasses.dataclass(slots=True)
@@ -85,6 +78,8 @@ class AdapterTracker:
             worker = self._workers[slot] = _Worker(model=model, max_loras=capacity)
             worker.held.update(dict.fromkeys(held[-capacity:]))
         worker.max_loras = capacity
+        while len(worker.held) > capacity:  # its engine now holds fewer: it evicted the least recent
+            worker.held.popitem(last=False)
 
     def drop_worker(self, slot: int) -> None:
         """Forget the worker in ``slot`` (it left)."""
@@ -133,6 +128,8 @@ class AdapterTracker:
     def routed(self, request_id: str, *, slots: tuple[int, ...], adapter: str) -> None:
         """``request_id`` through ``adapter`` went to ``slots`` (its prefill and decode workers):
         each holds the adapter now, most recently used, evicting its least recently used one."""
+        if request_id in self._flights:  # routed again (a retry): its previous attempt ended
+            self.finished(request_id)
         if not adapter:
             return
         for slot in slots:

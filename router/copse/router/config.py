@@ -11,12 +11,13 @@ from copse.router.adapters import AdapterRouting
 from copse.router.clients import ClientLimits
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.limits import TenantLimits
-from copse.router.objective_source import DEFAULT_API_VERSION
 from copse.router.models import Adapter, ModelCatalog
+from copse.router.objective_source import DEFAULT_API_VERSION
 from copse.router.objectives import Classes, Objective
 from copse.router.policies import POLICIES, RoutingObjective, SelectionSettings
 from copse.workers.files import read_yaml_mapping
 from copse.workers.perf import KvOffload
+from copse.workers.protocol.hashing import lora_int_id
 from copse.workers.protocol.limits import DEFAULT_CONTEXT_TOKENS, RequestLimits
 from copse.workers.serving import DEFAULT_MAX_BODY_BYTES
 
@@ -108,7 +109,8 @@ class LoraSettings(_Model):
     """The name requests use (unique among the router's models and adapters)."""
     path: str = ""
     """Where the engines read its weights, inside the worker pod (sent to ``trtllm-serve`` as
-    ``lora_request.lora_path``; the operator mounts the adapter there). Mocked engines ignore it."""
+    ``lora_request.lora_path``; the operator mounts the adapter there): required with
+    ``engine: trtllm``. Mocked engines ignore it."""
 
 
 class ServedModel(_Model):
@@ -359,17 +361,38 @@ class RouterConfig(_Model):
             self.namespace = discovery.namespace
         return self
 
+    def _served_loras(self) -> list[tuple[str, str, list[LoraSettings]]]:
+        """Each base model's field path, name and adapters."""
+        return [
+            ("", self.model, self.loras),
+            *((f"models[{index}].", served.name, served.loras) for index, served in enumerate(self.models)),
+        ]
+
     @model_validator(mode="after")
     def _unique_models(self) -> RouterConfig:
-        seen: dict[str, str] = {self.model: "model"}
-        named = [("loras", lora.name) for lora in self.loras]
-        for index, served in enumerate(self.models):
-            named.append((f"models[{index}].name", served.name))
-            named.extend((f"models[{index}].loras", lora.name) for lora in served.loras)
-        for where, name in named:
-            if name in seen:
-                raise ValueError(f"{where}: name {name!r} is already used by {seen[name]}")
-            seen[name] = where
+        seen: dict[str, str] = {}
+        for prefix, model, loras in self._served_loras():
+            where = f"{prefix}name" if prefix else "model"
+            if model in seen:
+                raise ValueError(f"{where}: name {model!r} is already used by {seen[model]}")
+            seen[model] = where
+            ids: dict[int, str] = {}
+            for index, lora in enumerate(loras):
+                where = f"{prefix}loras[{index}]"
+                if lora.name in seen:
+                    raise ValueError(f"{where}: name {lora.name!r} is already used by {seen[lora.name]}")
+                seen[lora.name] = where
+                clash = ids.setdefault(lora_int_id(lora.name), lora.name)
+                if clash != lora.name:
+                    raise ValueError(
+                        f"{where}: its lora_int_id (a hash of its name) is that of adapter {clash!r}: "
+                        "the engines would take one for the other; rename one of them"
+                    )
+                if self.engine == "trtllm" and not lora.path:
+                    raise ValueError(
+                        f"{where}.path: required with engine: trtllm (trtllm-serve reads adapter "
+                        f"{lora.name!r} from lora_request.lora_path)"
+                    )
         if self.nats_url:
             for index, served in enumerate(self.models):
                 if served.deployment is None:
@@ -388,13 +411,8 @@ class RouterConfig(_Model):
         """The models and adapters requests may name."""
         return ModelCatalog(
             {
-                self.model: [Adapter(name=lora.name, base=self.model, path=lora.path) for lora in self.loras],
-                **{
-                    served.name: [
-                        Adapter(name=lora.name, base=served.name, path=lora.path) for lora in served.loras
-                    ]
-                    for served in self.models
-                },
+                model: [Adapter(name=lora.name, base=model, path=lora.path) for lora in loras]
+                for _, model, loras in self._served_loras()
             }
         )
 

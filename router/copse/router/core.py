@@ -329,6 +329,7 @@ class Router:
         lost = {key.removesuffix("\x00prefill") for key in self.sequences.drop_worker(slot)}
         for request_id in lost:
             self._routes.pop(request_id, None)
+            self.adapters.finished(request_id)
             self._unguard(request_id)
         if self.experts is not None:
             self.experts.reset_worker(slot)

@@ -493,7 +493,7 @@ class Exchange:
             request=prepared.route, route=route, primary=endpoints[0], stream=prepared.request.stream
         )
         decode = picker.router.workers[route.worker_id].role is Role.DECODE
-        if decode or prepared.resolved.adapter is not None:
+        if decode or prepared.rewritten:
             # The body as the engine needs it: through a LoRA adapter with its lora_request (what
             # prepare added: trtllm-serve does not read model), and a whole request on a decode
             # worker marked as trtllm-serve's conditional disaggregation marks it.

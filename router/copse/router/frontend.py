@@ -459,7 +459,7 @@ class RouterService(RoutingService):
                     payload,
                     path=engine_path,
                     stream=stream,
-                    raw=raw if payload is original else None,
+                    raw=raw if payload is original and not prepared.rewritten else None,
                 )
             except _ClientGone as exc:
                 self._finish(route.request_id)

@@ -97,8 +97,9 @@ ADAPTER_LOADS = f"{PREFIX}_adapter_loads"
 adapters it believes each worker holds)."""
 BASE_ADAPTER = "base"
 """The ``adapter`` label of requests served by the base model."""
-OTHER_TENANTS = "other"
-"""The ``tenant`` label of tenants beyond the labelled ones."""
+OTHER_LABEL = "other"
+"""The ``tenant`` label of tenants, and the ``adapter`` label of adapters, beyond the labelled ones
+(bounded label sets)."""
 DEFAULT_LABEL = "default"
 """The ``objective``/``tenant`` label of the default objective and of requests naming no tenant."""
 
@@ -265,7 +266,7 @@ class RouterMetrics:
         tenant = request.tenant or DEFAULT_LABEL
         if tenant not in self._labelled:
             if self._unlisted >= self._tenant_labels:
-                tenant = OTHER_TENANTS
+                tenant = OTHER_LABEL
             else:
                 self._labelled.add(tenant)
                 self._unlisted += 1
@@ -335,7 +336,7 @@ class AdapterMetrics:
         adapter = request.adapter or BASE_ADAPTER
         if request.adapter and adapter not in self._labelled:
             if len(self._labelled) >= self._limit:
-                adapter = OTHER_TENANTS
+                adapter = OTHER_LABEL
             else:
                 self._labelled.add(adapter)
         return request.model or self._model, adapter

@@ -97,12 +97,16 @@ class Prepared:
 
     request: CompletionRequest | ChatCompletionRequest
     body: dict[str, Any]
-    """The request's JSON object as the client sent it (what is forwarded)."""
+    """The request's JSON object as it is forwarded: as the client sent it, plus what the router
+    adds (an adapter's ``lora_request``)."""
     tokens: list[int]
     """The prompt's token ids."""
     route: RouteRequest
     resolved: Resolved
     """The base model and the LoRA adapter its ``model`` names."""
+    rewritten: bool = False
+    """Whether :attr:`body` differs from the client's bytes, which then cannot be forwarded as
+    they are."""
 
 
 @dataclass(slots=True)
@@ -565,6 +569,7 @@ class RoutingService:
             raise Rejected(
                 400, "lora_request is set by the router: name the adapter as model", param="lora_request"
             )
+        rewritten = resolved.adapter is not None
         if resolved.adapter is not None:
             body = {**body, "lora_request": resolved.adapter.lora_request()}
         try:
@@ -586,7 +591,9 @@ class RoutingService:
         route = self.route_request(
             uuid.uuid4().hex, tokens, max_tokens=expected, headers=headers or {}, resolved=resolved
         )
-        return Prepared(request=request, body=body, tokens=tokens, route=route, resolved=resolved)
+        return Prepared(
+            request=request, body=body, tokens=tokens, route=route, resolved=resolved, rewritten=rewritten
+        )
 
     def route_request(
         self,

@@ -562,8 +562,8 @@ class Fleet:
         self._index_of[engine.worker_id] = index
         self._placements.append(-1)
         self.roles.append(role)
+        info = self._info(index)
         for router in self.routers:
-            info = WorkerInfo(worker_id=engine.worker_id, role=role)
             routes = router.add_worker(info, now=self.now_ms / 1000.0)
             if engine.moe is not None:  # a new engine reports its expert placement at once
                 self._placements[index] = engine.moe.version
@@ -572,12 +572,22 @@ class Fleet:
         self._sync()
         return index
 
+    def _info(self, index: int, *, draining: bool = False) -> WorkerInfo:
+        """What engine ``index`` tells the routers when it registers (as ``/worker_info`` does):
+        its role and the adapters it holds at once."""
+        engine = self.simulator.engines[index]
+        return WorkerInfo(
+            worker_id=engine.worker_id,
+            role=self.roles[index],
+            draining=draining,
+            max_loras=engine.adapters.settings.max_loras,
+        )
+
     def drain(self, index: int) -> None:
         """Take engine ``index`` out of routing (as the router does for a pod labelled
         ``copse.dev/draining``: no new requests, its load and cache still known); it finishes the
         requests it has, then retires and the router forgets it."""
-        engine = self.simulator.engines[index]
-        info = WorkerInfo(worker_id=engine.worker_id, role=self.roles[index], draining=True)
+        info = self._info(index, draining=True)
         for router in self.routers:
             self._dispatch(router.add_worker(info, now=self.now_ms / 1000.0))
         self._sync()

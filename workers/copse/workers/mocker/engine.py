@@ -619,7 +619,12 @@ class Engine:
         self._step_ends = []
         if horizon_ms is not None and decodes == len(scheduled) and not preempted and end < horizon_ms:
             steps, end = self._fuse_decodes(
-                end, horizon_ms=horizon_ms, decode_kv=decode_kv, decodes=decodes, limit=fuse_limit
+                end,
+                now_ms=now_ms,
+                horizon_ms=horizon_ms,
+                decode_kv=decode_kv,
+                decodes=decodes,
+                limit=fuse_limit,
             )
         if moe is not None:
             # Fused steps share the batch, so their MoE terms: each is base x factor + all-to-all
@@ -635,12 +640,15 @@ class Engine:
         return end
 
     def _fuse_decodes(
-        self, end: float, *, horizon_ms: float, decode_kv: int, decodes: int, limit: int
+        self, end: float, *, now_ms: float, horizon_ms: float, decode_kv: int, decodes: int, limit: int
     ) -> tuple[int, float]:
-        """How many identical decode steps, ``limit`` at most, can follow the planned one, and when
-        the last ends."""
+        """How many identical decode steps, ``limit`` at most, can follow the planned one (starting
+        at ``now_ms``), and when the last ends."""
         if self._transfers:
             horizon_ms = min(horizon_ms, *(r.ready_ms for r in self._transfers))
+        if self.waiting and self.waiting[0].start_ms > now_ms:
+            # a request waiting for its adapter's load joins the first step after the load ends
+            horizon_ms = min(horizon_ms, self.waiting[0].start_ms)
         if limit <= 1:
             return 1, end
         # step k (k = 1, 2, ..., limit - 1) computes the KV of decode_kv + k * decodes tokens; all at
