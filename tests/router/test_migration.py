@@ -117,7 +117,8 @@ class Flaky:
     engine: str
     mode: str = "pass"
     """pass | break (close the connection) | hang (send nothing more) | error (an error event) |
-    reject (answer every request with a 400)."""
+    reject (answer every request with a 400) | truncate (the whole stream, then close the
+    connection before the end of the chunked body)."""
     after: int = 3
     tokens: int | None = None
     """With ``break``: close the connection once this many output tokens passed (the chunk that
@@ -187,6 +188,9 @@ async def flaky(engine_url: str, *, name: str) -> AsyncIterator[Flaky]:
                             )
                             return response
                 await response.write(line)
+            if state.mode == "truncate":
+                assert request.transport is not None
+                request.transport.close()  # the chunked body never gets its terminator
             return response
 
     app = web.Application()
@@ -513,3 +517,20 @@ async def test_a_disaggregated_continuation_delivers_exactly_max_tokens(left: in
         assert _text(events) == _text(reference)
         chunks = [e for e in events if isinstance(e, dict)]
         assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+async def test_a_stream_whose_worker_breaks_after_its_done_ends_once() -> None:
+    """A worker connection that breaks after ``[DONE]`` (before the chunked body's end) lost
+    nothing: the client gets one ``[DONE]``, and the worker is not blamed."""
+    path, body = _body(chat=False, max_tokens=8)
+    async with mock_fleet(engines=1) as fleet, flaky(fleet.urls[0], name="truncates") as bad:
+        bad.mode = "truncate"
+        running = await _started(_config([{"url": bad.url}]), 1)
+        try:
+            events = await _stream(running.url, path, body)
+        finally:
+            await running.close()
+    assert events.count("[DONE]") == 1
+    assert events[-1] == "[DONE]"
+    assert len(_text(events)[1]) == 8
+    assert not running.service.metrics.migrations._metrics
