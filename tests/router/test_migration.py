@@ -19,6 +19,7 @@ from copse.router.migration import StreamProgress
 from copse.router.server import RunningRouter, start_router
 from copse.router.service import StreamMeter
 from copse.workers.mocker import EngineConfig
+from copse.workers.protocol.tokenizer import token_text
 from copse.workers.testing import mock_fleet
 
 from .conftest import eventually
@@ -116,8 +117,13 @@ class Flaky:
     engine: str
     mode: str = "pass"
     """pass | break (close the connection) | hang (send nothing more) | error (an error event) |
-    reject (answer every request with a 400)."""
+    reject (answer every request with a 400) | truncate (the whole stream, then close the
+    connection before the end of the chunked body)."""
     after: int = 3
+    tokens: int | None = None
+    """With ``break``: close the connection once this many output tokens passed (the chunk that
+    reaches it is cut to fit), instead of after ``after`` chunks (an engine's chunk may carry
+    several tokens)."""
     healthy: bool = True
     requests: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -148,10 +154,28 @@ async def flaky(engine_url: str, *, name: str) -> AsyncIterator[Flaky]:
             )
             await response.prepare(request)
             outputs = 0
+            passed = 0
             async for line in upstream.content:
+                if state.tokens is not None and state.mode == "break" and line.startswith(b"data: {"):
+                    event = json.loads(line[5:])
+                    choice = event["choices"][0] if event.get("choices") else {}
+                    ids = choice.get("token_ids") or []
+                    if ids and passed + len(ids) >= state.tokens:
+                        kept = ids[: state.tokens - passed]
+                        text = "".join(token_text(t) for t in kept)
+                        choice.update(token_ids=kept, finish_reason=None)
+                        if "delta" in choice:
+                            choice["delta"]["content"] = text
+                        else:
+                            choice["text"] = text
+                        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+                        assert request.transport is not None
+                        request.transport.close()
+                        return response
+                    passed += len(ids)
                 if line.startswith(b"data: {") and b"token_ids" in line:
                     outputs += 1
-                    if outputs > state.after and state.mode != "pass":
+                    if outputs > state.after and state.mode != "pass" and state.tokens is None:
                         if state.mode == "break":
                             assert request.transport is not None
                             request.transport.close()
@@ -164,6 +188,9 @@ async def flaky(engine_url: str, *, name: str) -> AsyncIterator[Flaky]:
                             )
                             return response
                 await response.write(line)
+            if state.mode == "truncate":
+                assert request.transport is not None
+                request.transport.close()  # the chunked body never gets its terminator
             return response
 
     app = web.Application()
@@ -427,3 +454,83 @@ async def test_a_continuation_refused_as_a_bad_request_ends_the_stream_with_the_
     assert "refused the continuation" in events[-1]["error"]["message"]
     assert "prompt too long" in events[-1]["error"]["message"]
     assert running.service.metrics.failed_streams.labels(reason="refused")._value.get() == 1
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("left", [1, 5], ids=["last-token-left", "five-left"])
+async def test_an_aggregated_continuation_delivers_exactly_max_tokens(chat: bool, left: int) -> None:
+    """A stream that breaks with ``left`` tokens to go gets exactly them from the next worker."""
+    path, body = _body(chat, max_tokens=12)
+    async with mock_fleet(engines=2) as fleet, flaky(fleet.urls[0], name="flaky") as bad:
+        reference = await _stream(fleet.urls[1], path, body)
+        bad.mode, bad.tokens = "break", 12 - left
+        config = _config([{"url": bad.url}, {"url": fleet.urls[1]}], policy="round_robin")
+        running = await _started(config, 2)
+        try:
+            both = [await _stream(running.url, path, body) for _ in range(2)]
+        finally:
+            await running.close()
+    assert bad.requests == 1
+    assert running.service.metrics.migrations.labels(reason="disconnected")._value.get() == 1
+    for events in both:
+        assert events[-1] == "[DONE]"
+        assert _text(events) == _text(reference)
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("left", [1, 5], ids=["last-token-left", "five-left"])
+async def test_a_disaggregated_continuation_delivers_exactly_max_tokens(left: int) -> None:
+    """The continuation of a stream whose decode worker broke is prefilled again: the prefill
+    engine computes its first token, the decode engine emits it and the rest. With one token left
+    the decode engine must emit that token only (it used to decode one more: 13 of 12)."""
+    path, body = _body(chat=False, max_tokens=12)
+    prompts = [[7000 + i, *range(8000, 8000 + 2047)] for i in range(4)]
+    async with (
+        mock_fleet(engines=1) as reference_engine,
+        mock_fleet(engines=1, config=EngineConfig(role="prefill")) as prefill,
+        mock_fleet(engines=2, config=EngineConfig(role="decode")) as decode,
+        flaky(decode.urls[0], name="flaky-decode") as bad,
+    ):
+        references = [await _stream(reference_engine.urls[0], path, {**body, "prompt": p}) for p in prompts]
+        bad.mode, bad.tokens = "break", 12 - left
+        workers = [
+            {"url": prefill.urls[0], "role": "prefill"},
+            {"url": bad.url, "role": "decode"},
+            {"url": decode.urls[1], "role": "decode"},
+        ]
+        running = await _started(_config([], discovery={"kind": "static", "workers": workers}), 3)
+        try:
+            results = await asyncio.gather(
+                *(_stream(running.url, path, {**body, "prompt": p}) for p in prompts)
+            )
+        finally:
+            await running.close()
+    assert bad.requests >= 1
+    assert running.service.metrics.migrations.labels(reason="disconnected")._value.get() == bad.requests
+    # every continuation went through prefill again, carrying exactly the tokens the client had
+    carried = prefill.servers[0].engine.prompt_tokens_total - 4 * 2048 - bad.requests * 2048
+    assert carried == (12 - left) * bad.requests
+    for events, reference in zip(results, references, strict=True):
+        assert events[-1] == "[DONE]"
+        assert len(_text(events)[1]) == 12
+        assert _text(events) == _text(reference)
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+async def test_a_stream_whose_worker_breaks_after_its_done_ends_once() -> None:
+    """A worker connection that breaks after ``[DONE]`` (before the chunked body's end) lost
+    nothing: the client gets one ``[DONE]``, and the worker is not blamed."""
+    path, body = _body(chat=False, max_tokens=8)
+    async with mock_fleet(engines=1) as fleet, flaky(fleet.urls[0], name="truncates") as bad:
+        bad.mode = "truncate"
+        running = await _started(_config([{"url": bad.url}]), 1)
+        try:
+            events = await _stream(running.url, path, body)
+        finally:
+            await running.close()
+    assert events.count("[DONE]") == 1
+    assert events[-1] == "[DONE]"
+    assert len(_text(events)[1]) == 8
+    assert not running.service.metrics.migrations._metrics

@@ -304,6 +304,24 @@ def test_a_kv_transfer_completing_within_a_decode_step_joins_the_step_after_it()
     assert first_b - 50.0 < 3.5 * step_ms  # the step in progress, the one the KV arrives in, b's first
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_generation_only_request_emits_max_tokens_including_the_given_token(max_tokens: int) -> None:
+    """The context engine's token counts: with max_tokens 1 (a migrated stream's continuation with
+    one token left) the decode engine emits that token and finishes, decoding nothing more."""
+    engine = Engine(worker_id="d0", config=EngineConfig(role="decode"), perf=PERF)
+    sim = Simulator([engine])
+    request = sim.submit(
+        0, request_id="r", tokens=_prompt(300), max_tokens=max_tokens, transferred_first_token=7
+    )
+    sim.run()
+    (outcome,) = sim.outcomes
+    assert outcome.output_tokens == max_tokens
+    assert request.output[0] == 7
+    assert len(request.output) == max_tokens
+    assert engine.blocks.used_blocks == 0
+    assert not engine.has_work()
+
+
 def test_same_arrivals_give_the_same_tokens_and_times() -> None:
     def run() -> tuple[list[object], list[list[int]]]:
         engine = _engine(seed=7, block_size=16, num_blocks=64)

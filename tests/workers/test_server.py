@@ -13,7 +13,9 @@ import httpx
 import openai
 import pytest
 
-from copse.workers.mocker import EngineConfig, server
+from copse.workers.mocker import Engine, EngineConfig, server
+from copse.workers.mocker.clock import VirtualClock
+from copse.workers.mocker.server import EngineServer, _Stream
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvDump
 from copse.workers.protocol.tokenizer import encode, render_chat
@@ -324,3 +326,30 @@ async def test_large_bodies_are_parsed_and_tokenized_off_the_event_loop(
     main = threading.main_thread().name
     assert threads[0] == main
     assert threads[1] != main
+
+
+async def test_tokens_that_come_while_a_chunk_is_written_are_still_sent() -> None:
+    """The engine may finish a request while its handler writes the previous chunk (a client
+    slow to read makes the write wait): the tokens of those steps still go out."""
+    engine = Engine(worker_id="e0", config=EngineConfig(), perf=PolynomialPerfModel())
+    engine_server = EngineServer(engine=engine, model_name="mock-model", clock=VirtualClock())
+    request = engine.add_request(request_id="r", tokens=list(range(100, 400)), max_tokens=4, now_ms=0.0)
+    stream = _Stream(request)
+    tokens = engine_server._tokens(stream)
+
+    now = [0.0]
+
+    def step() -> None:
+        end = engine.begin_step(now[0])
+        assert end is not None
+        now[0] = end
+        engine.end_step()
+        stream.wake.set()
+
+    step()  # the prompt's step: the first token
+    first = await anext(tokens)
+    while engine.has_work():  # the rest, while the first chunk is being written
+        step()
+    rest = [new async for new in tokens]
+    assert [*first, *(t for new in rest for t in new)] == list(request.output)
+    assert len(request.output) == 4

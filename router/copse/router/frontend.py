@@ -772,17 +772,22 @@ class RouterService(RoutingService):
             if partial and not ended:
                 await relay([partial])
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, _Abandoned) as exc:
-            reason = attempt.abandoned or (
-                MigrationReason.TIMEOUT if isinstance(exc, TimeoutError) else MigrationReason.DISCONNECTED
-            )
-            if stream.client is None and attempt.abandoned is None:
-                self._drop_worker_id(route.worker_id, reason=f"stream failed: {exc}")
-            else:
-                self._probe_wake.set()  # probe the worker now rather than at the next period
-            culprit = attempt.culprit or route.worker_id
-            raise _AttemptFailed(
-                f"worker {culprit} stream broke: {exc!r}", worker_id=culprit, reason=reason
-            ) from exc
+            if not meter.done:
+                reason = attempt.abandoned or (
+                    MigrationReason.TIMEOUT if isinstance(exc, TimeoutError) else MigrationReason.DISCONNECTED
+                )
+                if stream.client is None and attempt.abandoned is None:
+                    self._drop_worker_id(route.worker_id, reason=f"stream failed: {exc}")
+                else:
+                    self._probe_wake.set()  # probe the worker now rather than at the next period
+                culprit = attempt.culprit or route.worker_id
+                raise _AttemptFailed(
+                    f"worker {culprit} stream broke: {exc!r}", worker_id=culprit, reason=reason
+                ) from exc
+            # The break came after [DONE], which the client has: nothing is lost, nothing is
+            # continued (a continuation would end the stream with a second [DONE]).
+            log.debug("stream %s: worker %s broke after [DONE]: %r", route.request_id, route.worker_id, exc)
+            self._probe_wake.set()
         finally:
             self._count_output(meter.output_tokens)
             stream.absorb(meter)

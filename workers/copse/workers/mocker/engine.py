@@ -726,20 +726,21 @@ class Engine:
                 if request.state != "running":
                     continue  # aborted during the step
                 if n == 0:
+                    # a generation-only request emits the context engine's token: with max_tokens 1
+                    # (a continuation with one token left) that token is also its last
                     request.awaiting_first = False
                     request.first_token_ms = request.last_token_ms = end
-                    advanced.append(request)
-                    continue
-                computed = request.num_computed + n
-                request.num_computed = computed
-                if computed < request.num_tokens:
-                    continue
-                request.output.append(samples[(request.sample_offset + computed) & _SAMPLE_MASK])
-                request.num_tokens = computed + 1
-                request.num_output += 1
-                if request.num_output == 1:
-                    request.first_token_ms = end
-                request.last_token_ms = end
+                else:
+                    computed = request.num_computed + n
+                    request.num_computed = computed
+                    if computed < request.num_tokens:
+                        continue
+                    request.output.append(samples[(request.sample_offset + computed) & _SAMPLE_MASK])
+                    request.num_tokens = computed + 1
+                    request.num_output += 1
+                    if request.num_output == 1:
+                        request.first_token_ms = end
+                    request.last_token_ms = end
                 advanced.append(request)
                 if request.num_output >= request.max_tokens:
                     self._finish(request, end)

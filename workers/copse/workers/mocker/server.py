@@ -329,16 +329,17 @@ class EngineServer:
         """New output tokens of a request as they come out, until it finishes."""
         request = stream.request
         while True:
-            await stream.wake.wait()
-            stream.wake.clear()
             new = request.output[stream.sent : request.num_output]
             if new:
                 stream.sent += len(new)
                 yield new
+                continue  # steps that ended while the chunk was written may have added (the last) tokens
             if request.state == "finished":
                 return
             if request.state == "aborted":
                 raise web.HTTPServiceUnavailable(text="engine stopped")
+            await stream.wake.wait()
+            stream.wake.clear()
 
     async def _serve(
         self, http: web.Request, body: CompletionRequest | ChatCompletionRequest, tokens: list[int]
