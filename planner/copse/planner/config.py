@@ -93,8 +93,22 @@ class PlannerConfig(pydantic.BaseModel):
     """Output length assumed until the first requests are seen."""
     queue_drain_s: float = Field(default=60.0, gt=0)
     """The fast path sizes a pool to serve its forecast plus its queue within this many seconds."""
-    fast_path_poll_s: float = Field(default=10.0, gt=0)
-    """How often ``copse planner run`` checks queue depth between decisions (the fast path)."""
+    fast_path_poll_s: float = Field(default=5.0, gt=0)
+    """How often the fast loop reads the queues and the SLO counters between decisions (Dynamo runs
+    its load-based scaling every 5 s): a burst the forecast missed is answered within seconds."""
+    burn_window_s: float = Field(default=30.0, gt=0)
+    """Window the fast loop reads the router's SLO counters over: long enough to hold tens of
+    requests at a few req/s, short enough to see a burst within a poll or two."""
+    burn_rate: float = Field(default=5.0, gt=0)
+    """The fast loop scales up when the share of requests missing the SLO in the burn window is this
+    many times the error budget (``1 - attainment_goal``): 5 x 1 % = 5 % missing. Below it, misses
+    are the forecast's business (a few slow requests do not buy a replica)."""
+    burn_min_requests: int = Field(default=20, ge=1)
+    """Fewest requests judged in the burn window for its share to count (two misses of three are noise)."""
+    backlog_ttft_share: float = Field(default=0.5, gt=0)
+    """The fast loop scales up when the prefill work queued per serving front replica (uncached
+    prompt tokens routed but not prefilled, and the router's queue) exceeds this share of the TTFT
+    target: the requests queued now are about to miss it."""
     metrics_port: int = Field(default=9464, ge=0, le=65535)
     """Port of the planner's own /metrics (0: do not serve); bound to 127.0.0.1 unless metrics_host says."""
     metrics_host: str = "127.0.0.1"

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from copse.router.clients import ClientLimits
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.limits import TenantLimits
+from copse.router.metrics import SloTargets
 from copse.router.objectives import Classes, Objective
 from copse.router.policies import POLICIES, RoutingObjective, SelectionSettings
 from copse.workers.files import read_yaml_mapping
@@ -120,6 +121,19 @@ class ObjectiveSettings(_Model):
 
     def objective(self, name: str) -> Objective:
         return Objective(name=name, priority=self.priority, ttft_ms=self.ttft_ms)
+
+
+class SloSettings(_Model):
+    """The deployment's per-request SLO, which the router judges every request by
+    (``copse_router_slo_requests_total``: the planner's fast loop scales up on its burn rate)."""
+
+    ttft_ms: float = Field(gt=0)
+    """Time-to-first-token target (the operator sets it from ``spec.scaling.targetLatency``)."""
+    itl_ms: float = Field(gt=0)
+    """Target of a request's mean inter-token gap (TPOT)."""
+
+    def targets(self) -> SloTargets:
+        return SloTargets(ttft_s=self.ttft_ms / 1000.0, itl_s=self.itl_ms / 1000.0)
 
 
 class TenantSettings(_Model):
@@ -262,6 +276,8 @@ class RouterConfig(_Model):
     rate_window_s: float = Field(default=Thresholds().rate_window_s, gt=0)
     """Window over which the router measures the tokens per second it routes (how fast its queue
     drains while the fleet is saturated, which admission predicts waits with)."""
+    slo: SloSettings | None = None
+    """Targets every request is judged by when it ends (met, missed, refused); none: not judged."""
     metrics_tenants: int = Field(default=20, ge=0)
     """Tenants with their own label in the per-tenant metrics besides those listed in ``tenants``
     (the first ones seen); the others are counted as ``other``, so that clients cannot grow the

@@ -224,7 +224,10 @@ class RoutingService:
             limits=config.rate_limits(),
         )
         self.metrics = RouterMetrics(
-            lambda: self.router, tenants=config.tenants, tenant_labels=config.metrics_tenants
+            lambda: self.router,
+            tenants=config.tenants,
+            tenant_labels=config.metrics_tenants,
+            slo=None if config.slo is None else config.slo.targets(),
         )
         self._endpoints: dict[str, Endpoint] = {}
         self._live: dict[str, _Live] = {}
