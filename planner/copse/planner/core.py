@@ -305,7 +305,11 @@ class Planner:
         if pulse.queue_depth >= trigger * max(current.get(front, 0), 1) or (
             backlog > 0 and wait_ms >= config.backlog_ttft_share * limits.ttft_ms
         ):
-            need(front, drained(front, backlog), f"backlog of {backlog:.0f} ({wait_ms / 1000:.1f} s of prefill a replica)")
+            need(
+                front,
+                drained(front, backlog),
+                f"backlog of {backlog:.0f} ({wait_ms / 1000:.1f} s of prefill a replica)",
+            )
         if limits.disaggregated and pulse.decode_queue_depth >= trigger * max(current.get(Role.DECODE, 0), 1):
             queued = pulse.decode_queue_depth
             need(Role.DECODE, drained(Role.DECODE, queued), f"queue of {queued:.0f} >= {trigger}/replica")
