@@ -424,7 +424,7 @@ class ArimaPredictor(Predictor):
         if self._season is not None:
             # The search and the filter run on log1p with the profile taken out.
             self._log = True
-            times = np.arange(self._t - len(window), self._t)
+            times = np.arange(self._t - len(window), self._t, dtype=np.float64)
             window = np.expm1(np.log1p(window) - self._season.at_many(times))
         # BLAS threads only contend over these tiny matrices: one thread is 10-20x faster on a
         # busy machine (statsmodels solves a Lyapunov equation per likelihood evaluation).
@@ -459,7 +459,9 @@ class ArimaPredictor(Predictor):
     def _back(self, values: FloatArray) -> FloatArray:
         """Model-scale values of the next ``len(values)`` steps back on the series' scale."""
         if self._season is not None:
-            values = values + self._season.at_many(np.arange(self._t, self._t + len(values)))
+            values = values + self._season.at_many(
+                np.arange(self._t, self._t + len(values), dtype=np.float64)
+            )
         return np.expm1(values) if self._log else values
 
     def _forecast(self, steps: int) -> FloatArray:
@@ -501,7 +503,7 @@ class _Season:
         if period < 2 or len(logged) < 2 * period:
             return None
         periods = (period, _WEEK * period) if len(logged) >= 2 * _WEEK * period else (period,)
-        times = np.arange(end - len(logged), end)
+        times = np.arange(end - len(logged), end, dtype=np.float64)
         terms = _Season(periods, np.zeros(0))._terms(times)
         design = np.column_stack([np.ones(len(times)), terms])
         solution, *_ = np.linalg.lstsq(design, logged, rcond=None)
@@ -519,7 +521,7 @@ class _Season:
         return np.asarray(self._terms(np.asarray(times, dtype=np.float64)) @ self.coefficients)
 
     def at(self, t: int) -> float:
-        return float(self.at_many(np.array([t]))[0])
+        return float(self.at_many(np.array([t], dtype=np.float64))[0])
 
 
 def _white_noise(order: tuple[int, int, int]) -> bool:

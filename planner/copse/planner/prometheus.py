@@ -23,7 +23,6 @@ from typing import Any
 
 import httpx
 
-from copse.api import Role
 from copse.planner.config import PrometheusConfig
 from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits

@@ -79,7 +79,7 @@ def format_summary(result: DryRunResult) -> str:
         [
             f"{METHOD}: the capacity model's per-request shares and p99 per interval, no request "
             "simulated (copse bench planner simulates them)",
-            f"SLO per request: TTFT <= {limits.ttft_ms:g} ms and mean inter-token gap <= {limits.itl_ms:g} ms",
+            f"SLO per request: TTFT <= {limits.ttft_ms:g} ms, mean inter-token gap <= {limits.itl_ms:g} ms",
             f"estimated SLO attainment: {summary.slo_attainment:.1%} of requests "
             f"(static peak deployment: {summary.static_slo_attainment:.1%}); "
             f"intervals with p99s within target: {summary.interval_attainment:.1%}",

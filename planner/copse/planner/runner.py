@@ -14,9 +14,9 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 
-from copse.api import InferenceDeployment, Role
+from copse.api import InferenceDeployment
 from copse.planner.actuator import Actuator, ActuatorError, replicas_of
 from copse.planner.capacity import CapacityModel
 from copse.planner.config import PlannerConfig
