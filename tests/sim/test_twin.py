@@ -48,6 +48,17 @@ def _held_s(replicas: Replicas, *, end_ms: float) -> float:
     return sum(end - begin for begin, end in replicas.spans(start_ms=0.0, end_ms=end_ms)) / 1000.0
 
 
+def _four_served() -> Fleet:
+    """Two engines that served four requests within the first minute."""
+    trace = _requests([0.0, 0.5, 1.0, 1.5], osl=20)
+    fleet = Fleet(trace, EXACT, engines=2)
+    for i in range(len(trace)):
+        fleet.run_until(float(fleet.arrival_ms[i]))
+        fleet.arrive(i)
+    fleet.run_until(60_000.0)
+    return fleet
+
+
 def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
     buckets = (1.0, 2.0, 4.0)
     values = np.array([0.5, 1.5, 1.5, 3.0])
@@ -63,12 +74,7 @@ def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
 
 
 def test_the_planner_observes_what_the_routers_series_would_say() -> None:
-    trace = _requests([0.0, 0.5, 1.0, 1.5], osl=20)
-    fleet = Fleet(trace, EXACT, engines=2)
-    for i in range(len(trace)):
-        fleet.run_until(float(fleet.arrival_ms[i]))
-        fleet.arrive(i)
-    fleet.run_until(60_000.0)
+    fleet = _four_served()
     obs = observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99)
     assert obs.num_requests == 4
     assert obs.isl == 1500
@@ -87,12 +93,7 @@ def test_the_planner_observes_what_the_routers_series_would_say() -> None:
 def test_the_planner_reads_the_routers_slo_counts_and_its_pulse() -> None:
     """Judged as the router judges them: when each request ends, against the targets; a tight TTFT
     target makes every one late, and the fast loop's pulse counts those that ended in its window."""
-    trace = _requests([0.0, 0.5, 1.0, 1.5], osl=20)
-    fleet = Fleet(trace, EXACT, engines=2)
-    for i in range(len(trace)):
-        fleet.run_until(float(fleet.arrival_ms[i]))
-        fleet.arrive(i)
-    fleet.run_until(60_000.0)
+    fleet = _four_served()
     obs = observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99, limits=LIMITS)
     assert (obs.slo_met, obs.ttft_missed, obs.itl_missed, obs.refused) == (4, 0, 0, 0)
     assert obs.attainment == 1.0
