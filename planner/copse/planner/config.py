@@ -44,10 +44,10 @@ class PlannerConfig(pydantic.BaseModel):
     predictor: str = "constant"
     """Load predictor by registry name. ``constant`` (the last interval's value) by evidence
     (benchmarks/RESULTS.md, "Planner, wave 4"): in the closed loop on the 4-hour burst ``arima``
-    spends 0.83x the static fleet at 120 s start-up against ``constant``'s 0.86x, but holds fewer
-    requests at 420 s (89.2 % against 91.4 %), on one seed; on 14 days of ServeGen ``arima`` has the
-    lower forecast error (14.4 % against 14.8 % 20 minutes ahead) with a calibrated interval. Not a
-    margin that pays for its refits yet."""
+    spends 3 % fewer GPU-hours at 120 s start-up (0.83x the static fleet against 0.86x) but holds
+    fewer requests (0.13 points fewer on seed 0, 1.1 on seed 1, 2.2 at 420 s); on 14 days of
+    ServeGen ``arima`` has the lower forecast error (14.4 % against 14.8 % 20 minutes ahead) with a
+    calibrated interval. Not yet a gain that pays for its refits."""
     predictor_settings: PredictorSettings = Field(default_factory=PredictorSettings)
     """Knobs of the predictors (window sizes, ARIMA refits, Kalman noise); ``period`` is set from season_s."""
     season_s: float = Field(default=86400.0, gt=0)
