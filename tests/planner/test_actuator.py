@@ -18,7 +18,7 @@ from copse.planner.capacity import Corrections, Sizing
 from copse.planner.config import PlannerConfig, PrometheusConfig
 from copse.planner.core import Decision
 from copse.planner.metrics import PlannerMetrics, action_of
-from copse.planner.observations import Observation
+from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
 from copse.planner.prometheus import PrometheusClient, PrometheusError, PrometheusSource, Queries
 from copse.planner.recording import read_prometheus_export
@@ -268,12 +268,14 @@ async def test_fast_path_only_adds() -> None:
     api = FakeApi(manifest(prefill={"replicas": 2}, decode={"replicas": 3}))
     loop = runner(api)
     await loop.prime()
-    assert await loop.fast_path({P: 4.0, D: 0.0}, now=0.0) is None  # 4 < 5 per replica
+    assert (
+        await loop.fast_path(Pulse(time=0.0, window_s=30.0, queue_depth=4.0), now=0.0) is None
+    )  # 4 < 5 per replica
     await loop.step(busy(0, 0.5))  # light load: the forecast alone would shrink the pools
     assert api.obj is not None
     api.obj["spec"]["decode"]["replicas"] = 3
     api.obj["spec"]["prefill"]["replicas"] = 2
-    decided = await loop.fast_path({P: 5000.0, D: 0.0}, now=61.0)
+    decided = await loop.fast_path(Pulse(time=61.0, window_s=30.0, queue_depth=5000.0), now=61.0)
     assert decided is not None
     assert api.obj["spec"]["prefill"]["replicas"] > 2
     assert api.obj["spec"]["decode"]["replicas"] == 3
@@ -328,6 +330,10 @@ async def test_prometheus_source_builds_an_observation() -> None:
         "queue_depth": "7",
         "decode_queue_depth": None,
         "inflight": "40",
+        "slo_met": "110",
+        "ttft_missed": "6",
+        "itl_missed": "2",
+        "refused": "0",
     }
     text = queries().text
     by_query = {text[field]: value for field, value in answers.items()}
@@ -360,7 +366,12 @@ async def test_prometheus_source_builds_an_observation() -> None:
         queue_depth=7.0,
         decode_queue_depth=None,
         inflight=40.0,
+        slo_met=110.0,
+        ttft_missed=6.0,
+        itl_missed=2.0,
+        refused=0.0,
     )
+    assert obs.attainment == pytest.approx(110 / 118)
     assert {params["time"] for params in seen} == {"1000.000"}
 
 
@@ -434,11 +445,15 @@ async def test_export_is_what_the_dry_run_reads(tmp_path: Any) -> None:
 async def test_run_prometheus_decides_at_boundaries_and_polls_queues_between() -> None:
     now = [1000.0]
     answers = {"num_requests": "2400", "queue_depth": "0"}
-    text = queries().text
+    # the interval's queries, and the fast loop's over its burn window
+    fields = {
+        promql: name
+        for texts in (queries().text, queries().over(PlannerConfig().burn_window_s))
+        for name, promql in texts.items()
+    }
 
     def reply(request: httpx.Request) -> httpx.Response:
-        query = dict(request.url.params)["query"]
-        field = next(name for name, promql in text.items() if promql == query)
+        field = fields[dict(request.url.params)["query"]]
         value = answers.get(field, "2000" if field == "isl" else "150" if field == "osl" else None)
         return httpx.Response(200, json=vector(value))
 

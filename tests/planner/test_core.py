@@ -12,7 +12,7 @@ from copse.api.v1alpha1 import STARTUP_DELAYS_S
 from copse.planner.capacity import CapacityModel, Corrections, Workload
 from copse.planner.config import PlannerConfig
 from copse.planner.core import Planner, workload_of
-from copse.planner.observations import Observation
+from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
 
 P, D, W = Role.PREFILL, Role.DECODE, Role.WORKER
@@ -200,6 +200,61 @@ def test_what_the_fast_path_adds_stays_for_the_scale_down_delay(linear: Capacity
     later = plan.decide(now=9 * INTERVAL, current=fast.target)
     assert later.target[P] == fast.target[P]
     assert any("scale-down delay keeps" in reason for reason in later.reasons)
+
+
+def burning(
+    *, met: float, ttft: float = 0.0, itl: float = 0.0, refused: float = 0.0, **extra: float
+) -> Pulse:
+    return Pulse(
+        time=0.0, window_s=30.0, slo_met=met, ttft_missed=ttft, itl_missed=itl, refused=refused, **extra
+    )
+
+
+def test_an_slo_burn_grows_the_pool_whose_requests_miss(linear: CapacityModel) -> None:
+    """TTFT misses and refusals are the prefill pool's, slow tokens the decode pool's; the pool
+    grows by at least the share missing, and only past the burn rate and the fewest requests."""
+    plan = planner(linear, cfg=config(burn_rate=5.0, burn_min_requests=20))
+    plan.observe(interval(0, 10.0), replicas={P: 4, D: 4})
+    current = {P: 4, D: 4}
+    assert plan.fast_path(now=70.0, current=current, pulse=burning(met=97, ttft=3)) is None  # 3 % < 5 %
+    assert plan.fast_path(now=70.0, current=current, pulse=burning(met=9, ttft=9)) is None  # 18 judged
+    prefill = plan.fast_path(now=70.0, current=current, pulse=burning(met=60, ttft=20, refused=20))
+    assert prefill is not None
+    assert prefill.target[P] >= 6  # 40 % missing: 4 x 1.4, rounded up
+    assert prefill.target[D] == 4
+    assert any("40% of requests missing" in reason for reason in prefill.reasons)
+    decode = plan.fast_path(now=70.0, current=current, pulse=burning(met=80, itl=20))
+    assert decode is not None
+    assert (decode.target[P], decode.target[D]) == (4, 5)
+
+
+def test_a_burn_counts_the_replicas_serving_so_starting_ones_are_not_added_twice(
+    linear: CapacityModel,
+) -> None:
+    plan = planner(linear)
+    plan.observe(interval(0, 10.0), replicas={P: 4, D: 4})
+    misses = {"met": 70.0, "ttft": 30.0}
+    first = plan.fast_path(now=70.0, current={P: 4, D: 4}, pulse=burning(**misses, serving=4.0))
+    assert first is not None
+    grown = first.target
+    # Five seconds on, the new replicas are still starting and the misses go on: nothing more.
+    assert plan.fast_path(now=75.0, current=grown, pulse=burning(**misses, serving=4.0)) is None
+
+
+def test_queued_prefill_tokens_trigger_the_fast_path_before_the_queue_count_does(
+    linear: CapacityModel,
+) -> None:
+    """Three queued requests are under the per-replica count, but three million prompt tokens
+    routed and not prefilled is a minute of prefill against a 200 ms TTFT target."""
+    plan = planner(linear, lim=limits(queue_depth=10))
+    plan.observe(interval(0, 10.0), replicas={P: 1, D: 1})
+    light = Pulse(time=70.0, window_s=30.0, queue_depth=3.0, router_queue=0.0, prefill_tokens=500.0)
+    assert plan.fast_path(now=70.0, current={P: 1, D: 1}, pulse=light) is None
+    heavy = dataclasses.replace(light, prefill_tokens=3_000_000.0)
+    fast = plan.fast_path(now=70.0, current={P: 1, D: 1}, pulse=heavy)
+    assert fast is not None
+    assert fast.target[P] > 1
+    assert any("backlog of 3000" in reason for reason in fast.reasons)
 
 
 def test_in_flight_sequences_keep_their_decode_replicas(linear: CapacityModel) -> None:

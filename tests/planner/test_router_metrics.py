@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from copse.planner.config import PrometheusConfig
-from copse.planner.prometheus import DEFAULT_QUERIES, Queries
-from copse.router.core import Router
-from copse.router.metrics import RouterMetrics
+from copse.planner.prometheus import DEFAULT_QUERIES, PULSE_QUERIES, Queries
+from copse.router.core import Role, Router, WorkerInfo
+from copse.router.metrics import SLO_REFUSED, RouterMetrics, SloTargets
 from copse.router.policies import SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
 
@@ -24,6 +24,7 @@ from .promql_subset import Sample, evaluate
 def scraped_names() -> set[str]:
     """Sample names of a router's ``/metrics`` after one request of each kind is counted."""
     router = Router(perf=PolynomialPerfModel(), settings=SelectionSettings(block_size=32))
+    router.add_worker(WorkerInfo(worker_id="w0", role=Role.WORKER), now=0.0)  # per-worker gauges
     metrics = RouterMetrics(lambda: router)
     metrics.requests.labels(status="200").inc()
     text = generate_latest(metrics.registry).decode()
@@ -33,9 +34,9 @@ def scraped_names() -> set[str]:
 SCRAPED = scraped_names()
 
 
-@pytest.mark.parametrize("field", sorted(DEFAULT_QUERIES))
+@pytest.mark.parametrize("field", sorted({**DEFAULT_QUERIES, **PULSE_QUERIES}))
 def test_every_router_series_a_default_query_reads_is_exported(field: str) -> None:
-    named = set(re.findall(r"\bcopse_router_\w+", DEFAULT_QUERIES[field]))
+    named = set(re.findall(r"\bcopse_router_\w+", {**DEFAULT_QUERIES, **PULSE_QUERIES}[field]))
     assert named <= SCRAPED, f"{field}: not exported by the router: {sorted(named - SCRAPED)}"
 
 
@@ -60,8 +61,9 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     """Two scrapes of a real router's registry 60 s apart, 10 requests between them: each default
     query (evaluated with tests/planner/promql_subset.py) gives the figure those requests make."""
     router = Router(perf=PolynomialPerfModel(), settings=SelectionSettings(block_size=32))
-    metrics = RouterMetrics(lambda: router)
+    metrics = RouterMetrics(lambda: router, slo=SloTargets(ttft_s=0.5, itl_s=0.02))
     metrics.requests.labels(status="200").inc(5)  # before the window: not counted
+    metrics.judged(ttft_s=0.1, itl_s=0.01)
     earlier = _scrape(metrics)
     for _ in range(10):
         metrics.requests.labels(status="200").inc()
@@ -72,6 +74,12 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
         metrics.onboard_seconds.inc(0.002)
         metrics.ttft.observe(0.3)  # in the (0.25, 0.5] bucket
         metrics.itl.observe(0.015)  # in (0.01, 0.02]
+        metrics.judged(ttft_s=0.3, itl_s=0.015)
+    metrics.judged(ttft_s=0.6, itl_s=0.01)  # late first token
+    metrics.judged(ttft_s=0.3, itl_s=0.03)  # slow tokens
+    metrics.judged(ttft_s=0.7, itl_s=0.03)  # both: counted once, as late
+    metrics.judged(ttft_s=0.2, itl_s=None)  # one token: its TTFT decides
+    metrics.missed(SLO_REFUSED)
     metrics.queue_depth.set(4)
     now = _scrape(metrics)
     text = Queries(PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99).text
@@ -87,3 +95,18 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     assert values["queue_depth"] == 4  # no engine series: the router's queue alone
     assert values["decode_queue_depth"] is None  # engine gauges: tests/planner/test_trtllm_metrics.py
     assert values["inflight"] is None
+    assert (values["slo_met"], values["ttft_missed"], values["itl_missed"], values["refused"]) == (
+        11,
+        2,
+        1,
+        1,
+    )
+
+
+def test_a_router_without_targets_judges_nothing() -> None:
+    router = Router(perf=PolynomialPerfModel(), settings=SelectionSettings(block_size=32))
+    metrics = RouterMetrics(lambda: router)
+    metrics.judged(ttft_s=9.0, itl_s=1.0)
+    metrics.missed(SLO_REFUSED)
+    counts = [value for name, _, value in _scrape(metrics) if name == "copse_router_slo_requests_total"]
+    assert counts == [0.0] * 5  # every outcome's series, at zero

@@ -234,7 +234,7 @@ def _inflight(picker: EndpointPicker) -> dict[str, int]:
 
 async def test_hermetic_table() -> None:
     async with mock_fleet(engines=3) as fleet:
-        running = await _picker(fleet.urls)
+        running = await _picker(fleet.urls, settings={"slo": {"ttft_ms": 60_000, "itl_ms": 10_000}})
         picker = _service(running)
         a, b, c = (address_of(url) for url in fleet.urls)
         try:
@@ -313,6 +313,7 @@ async def test_hermetic_table() -> None:
             ]
             body = completion("test7", stream=True)
             before = picker.metrics.output_tokens._value.get()
+            met = picker.metrics.slo_requests.labels("met")._value.get()
             got = await _exchange(
                 picker,
                 [request_headers(), *request_body(body), response_headers(), *response_body(*chunks)],
@@ -324,6 +325,7 @@ async def test_hermetic_table() -> None:
                 for index, chunk in enumerate(chunks)
             ]
             assert picker.metrics.output_tokens._value.get() - before == 10
+            assert picker.metrics.slo_requests.labels("met")._value.get() - met == 1  # judged once it ended
             # Only the synthetic load is left in flight: every exchange released what it took.
             assert _inflight(picker) == {a: 3, b: 0, c: 10}
         finally:

@@ -62,7 +62,7 @@ PROMPT = list(range(300, 300 + 200))
 
 async def test_streams_a_completion_and_exposes_health_models_and_metrics() -> None:
     async with mock_fleet(engines=2) as fleet:
-        running = await _started(_config(fleet.urls), 2)
+        running = await _started(_config(fleet.urls, slo={"ttft_ms": 60_000, "itl_ms": 10_000}), 2)
         try:
             async with aiohttp.ClientSession() as http:
                 body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
@@ -95,6 +95,8 @@ async def test_streams_a_completion_and_exposes_health_models_and_metrics() -> N
             assert "copse_router_output_tokens_total 8.0" in metrics
             assert "copse_router_prompt_length_tokens_count 2.0" in metrics
             assert 'copse_router_requests_total{status="200"} 2.0' in metrics
+            # both within the (generous) SLO: the stream by its TTFT and mean gap, the chat by its answer
+            assert 'copse_router_slo_requests_total{outcome="met"} 2.0' in metrics
             assert "copse_router_worker_inflight_requests" in metrics
             assert running.service.router.sequences.requests.sum() == 0  # everything was released
         finally:
@@ -312,7 +314,8 @@ async def test_events_packed_into_one_read_or_cut_across_reads_reach_the_client_
 async def test_a_full_queue_sheds_with_429_and_retry_after(fake_worker: tuple[str, dict[str, Any]]) -> None:
     url, state = fake_worker
     state["mode"] = "hold"
-    running = await _started(_config([url], queue_size=0, busy_prefill_tokens=10), 1)
+    slo = {"ttft_ms": 60_000, "itl_ms": 10_000}
+    running = await _started(_config([url], queue_size=0, busy_prefill_tokens=10, slo=slo), 1)
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
@@ -326,6 +329,8 @@ async def test_a_full_queue_sheds_with_429_and_retry_after(fake_worker: tuple[st
             held = await first
             assert held.status == 200
             held.release()
+        # the refusal is a miss the latency histograms never see
+        assert running.service.metrics.slo_requests.labels("refused")._value.get() == 1
     finally:
         await running.close()
 

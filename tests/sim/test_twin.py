@@ -3,6 +3,7 @@ they go, and the planner and static fleets end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from copse.sim.cli import bench
 from copse.sim.load import arrival_times_s, shapes_in_order, synthesize
 from copse.sim.replay import Fleet, ReplaySettings, RouterModel
 from copse.sim.trace import TraceRequest
-from copse.sim.twin import Replicas, TwinSettings, histogram_quantile, observe, run_twin
+from copse.sim.twin import Replicas, TwinSettings, histogram_quantile, observe, pulse, run_twin, slo_counts
 
 EXACT = ReplaySettings(
     workers=1, engine_noise=0.0, kv_event_lag_ms=0.0, router_model=RouterModel(source="exact")
@@ -47,6 +48,17 @@ def _held_s(replicas: Replicas, *, end_ms: float) -> float:
     return sum(end - begin for begin, end in replicas.spans(start_ms=0.0, end_ms=end_ms)) / 1000.0
 
 
+def _four_served() -> Fleet:
+    """Two engines that served four requests within the first minute."""
+    trace = _requests([0.0, 0.5, 1.0, 1.5], osl=20)
+    fleet = Fleet(trace, EXACT, engines=2)
+    for i in range(len(trace)):
+        fleet.run_until(float(fleet.arrival_ms[i]))
+        fleet.arrive(i)
+    fleet.run_until(60_000.0)
+    return fleet
+
+
 def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
     buckets = (1.0, 2.0, 4.0)
     values = np.array([0.5, 1.5, 1.5, 3.0])
@@ -62,12 +74,7 @@ def test_histogram_quantile_is_prometheus_linear_interpolation() -> None:
 
 
 def test_the_planner_observes_what_the_routers_series_would_say() -> None:
-    trace = _requests([0.0, 0.5, 1.0, 1.5], osl=20)
-    fleet = Fleet(trace, EXACT, engines=2)
-    for i in range(len(trace)):
-        fleet.run_until(float(fleet.arrival_ms[i]))
-        fleet.arrive(i)
-    fleet.run_until(60_000.0)
+    fleet = _four_served()
     obs = observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99)
     assert obs.num_requests == 4
     assert obs.isl == 1500
@@ -81,6 +88,26 @@ def test_the_planner_observes_what_the_routers_series_would_say() -> None:
     assert obs.inflight == 0
     empty = observe(fleet, start_ms=60_000.0, end_ms=120_000.0, quantile=0.99)
     assert (empty.num_requests, empty.isl, empty.ttft_ms) == (0, None, None)
+
+
+def test_the_planner_reads_the_routers_slo_counts_and_its_pulse() -> None:
+    """Judged as the router judges them: when each request ends, against the targets; a tight TTFT
+    target makes every one late, and the fast loop's pulse counts those that ended in its window."""
+    fleet = _four_served()
+    obs = observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99, limits=LIMITS)
+    assert (obs.slo_met, obs.ttft_missed, obs.itl_missed, obs.refused) == (4, 0, 0, 0)
+    assert obs.attainment == 1.0
+    strict = dataclasses.replace(LIMITS, ttft_ms=1e-3)
+    late = slo_counts(fleet, start_ms=0.0, end_ms=60_000.0, limits=strict)
+    assert (late.met, late.ttft_missed) == (0, 4)
+    last_end = float(np.nanmax(fleet.finish_ms))
+    signals = pulse(
+        fleet, now_ms=last_end + 1.0, window_s=(last_end - float(fleet.finish_ms[0])) / 1000.0, limits=LIMITS
+    )
+    assert signals.judged == 3  # the first one ended just before the window opened
+    assert (signals.queue_depth, signals.router_queue, signals.prefill_tokens) == (0, 0, 0)
+    assert signals.serving == 2
+    assert observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99).slo_met is None  # no targets
 
 
 def test_a_replica_serves_only_after_the_startup_delay() -> None:

@@ -1135,6 +1135,11 @@ def router_config(deployment: InferenceDeployment) -> dict[str, Any]:
         "max_num_batched_tokens": spec.engine.max_batch_tokens,
         "nats_url": router.nats_url,
         "deployment": deployment.metadata.name,
+        # the planner's fast loop reads the burn rate of this SLO from the router's counters
+        "slo": {
+            "ttft_ms": spec.scaling.target_latency.ttft_p99_ms,
+            "itl_ms": spec.scaling.target_latency.tbt_p99_ms,
+        },
         "discovery": {
             "kind": "kubernetes",
             "namespace": deployment.metadata.namespace,

@@ -9,12 +9,18 @@ One decision, at the start of each interval:
 2. Size each pool for both (see :mod:`copse.planner.capacity`): the fewest replicas that serve
    ``attainment_goal`` of the requests within the targets (``headroom`` x them), with the
    correction factors learned so far; take the larger.
-3. Fast path: when a pool's queue exceeds ``queue_depth`` per replica, size that pool for the
-   forecast plus draining its queue within ``queue_drain_s``, whatever the forecast said.
+3. Fast path (also between decisions, every ``fast_path_poll_s``, on a :class:`Pulse`): when the
+   front pool's backlog (queued prefill work per serving replica beyond ``backlog_ttft_share`` of the
+   TTFT target, or ``queue_depth`` requests per replica) says requests are about to miss, size that
+   pool for the forecast plus draining its backlog within ``queue_drain_s``; when the router's SLO
+   counters burn the error budget ``burn_rate`` times over in the burn window, grow the pool that
+   misses to what the window's load needs, and at least by the share missing. The fast path only
+   adds; removing is for the forecast, at the interval.
 4. Floors: never below what in-flight work needs -- the decoding sequences' KV, and the queued
    prompts within the TTFT target.
 5. Hysteresis: a pool shrinks only to a count that would still meet the targets at
-   ``1 + hysteresis`` times the forecast; then the scale-down delay (:class:`ScaleDownGate`).
+   ``1 + hysteresis`` times the forecast; then the scale-down delay (:class:`ScaleDownGate`: no
+   capacity added within it leaves, so the fast loop's additions cannot flap).
 6. Bounds: ``min_replicas``/``max_replicas`` per pool, then the GPU budget in whole groups.
 """
 
@@ -28,7 +34,7 @@ from copse.api import Role
 from copse.planner.capacity import CapacityModel, Corrections, Means, Sizing, Workload
 from copse.planner.config import PlannerConfig
 from copse.planner.forecast import LoadForecast, LoadForecaster
-from copse.planner.observations import Observation
+from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits, ScaleDownGate, clamp, fit_budget
 
 #: Bisection steps when solving for a correction factor (2^-30 of the clamp range).
@@ -36,6 +42,8 @@ _CORRECTION_STEPS = 30
 #: An interval whose estimated mean TTFT is more than this share waiting does not update the prefill
 #: correction (the queue model's error would be learned as engine speed).
 _QUEUE_SHARE = 0.5
+#: Largest share of a pool one SLO burn adds (the share of requests missing, up to this).
+_BURN_STEP = 0.5
 #: Correction phases, in the order they are reported.
 PHASES: tuple[str, ...] = ("prefill", "decode")
 
@@ -223,21 +231,105 @@ class Planner:
         """At an interval boundary: learn from the interval ``obs`` that just ended (served by the
         ``current`` replicas, starting ones included) and decide for the next one."""
         self.observe(obs, replicas=current)
-        return self.decide(
-            now=obs.end, current=current, queues=queues_of(obs, self.limits), inflight=obs.inflight
-        )
+        return self.decide(now=obs.end, current=current, pulse=Pulse.of(obs), inflight=obs.inflight)
 
     def fast_path(
-        self, *, now: float, current: Mapping[Role, int], queues: Mapping[Role, float]
+        self,
+        *,
+        now: float,
+        current: Mapping[Role, int],
+        pulse: Pulse | None = None,
+        queues: Mapping[Role, float] | None = None,
     ) -> Decision | None:
-        """Between intervals: ``None`` unless some queue exceeds ``queue_depth`` per replica; then
-        a decision that only adds capacity (removing is for the forecast, at the interval)."""
-        trigger = self.limits.queue_depth
-        if all(queues.get(role, 0.0) < trigger * max(count, 1) for role, count in current.items()):
+        """Between intervals: ``None`` unless the ``pulse`` (or, without one, the ``queues`` alone)
+        shows a backlog or an SLO burn (:meth:`reactive`); then a decision that only adds capacity
+        (removing is for the forecast, at the interval)."""
+        if pulse is None:
+            pulse = self._pulse_of(now, queues or {})
+        current = {role: current.get(role, 0) for role in self.limits.roles}
+        if not self._observed or not self.reactive(pulse, current=current):
             return None
-        decision = self.decide(now=now, current=current, queues=queues)
+        decision = self.decide(now=now, current=current, pulse=pulse)
         grown = {role: max(count, current[role]) for role, count in decision.target.items()}
         return dataclasses.replace(decision, target=grown)
+
+    def _pulse_of(self, now: float, queues: Mapping[Role, float]) -> Pulse:
+        return Pulse(
+            time=now,
+            window_s=self.config.burn_window_s,
+            queue_depth=queues.get(self.limits.front, 0.0),
+            decode_queue_depth=queues.get(Role.DECODE, 0.0),
+        )
+
+    def reactive(
+        self, pulse: Pulse, *, current: Mapping[Role, int], load: LoadForecast | None = None
+    ) -> dict[Role, tuple[int, str]]:
+        """What the fast loop's signals ask of each pool now, with why (pools they leave alone are
+        absent): the backlog of the front pool (and of decode), and the SLO burn of the pool whose
+        requests miss. ``load``: the forecast the backlog drains on top of (default: the next
+        interval's at the forecast quantile)."""
+        config, limits = self.config, self.limits
+        if load is None:
+            load = self._horizon_forecasts()[0][0]
+        work = workload_of(load)
+        live = {limits.front: pulse.serving, Role.DECODE: pulse.decode_serving}
+
+        def serving(role: Role) -> int:
+            count = live.get(role)
+            return max(1, current.get(role, 0) if count is None else round(count))
+
+        needs: dict[Role, tuple[int, str]] = {}
+
+        def need(role: Role, count: int, why: str) -> None:
+            if count > current.get(role, 0) and count > needs.get(role, (0, ""))[0]:
+                needs[role] = (count, f"{role.value}: {why}: fast path to {count}")
+
+        def drained(role: Role, backlog: float) -> int:
+            extra = backlog * load.duration_s / config.queue_drain_s
+            return self.size(workload_of(dataclasses.replace(load, num_requests=load.num_requests + extra)))[
+                role
+            ].replicas
+
+        # Backlog: the work queued for the front pool, in requests' worth of uncached prompt.
+        front = limits.front
+        uncached = max(work.isl * (1 - work.kv_hit_rate), 1.0)
+        if pulse.prefill_tokens is not None:
+            backlog = (pulse.prefill_tokens + pulse.router_queue * uncached) / uncached
+        else:
+            backlog = pulse.queue_depth
+        service_ms = self.capacity.prefill_service_ms(
+            work.isl, hit_rate=work.kv_hit_rate, scale=self.corrections.prefill, onboard_ms=work.onboard_ms
+        )
+        wait_ms = backlog * service_ms / serving(front)
+        trigger = limits.queue_depth
+        if pulse.queue_depth >= trigger * max(current.get(front, 0), 1) or (
+            backlog > 0 and wait_ms >= config.backlog_ttft_share * limits.ttft_ms
+        ):
+            need(
+                front,
+                drained(front, backlog),
+                f"backlog of {backlog:.0f} ({wait_ms / 1000:.1f} s of prefill a replica)",
+            )
+        if limits.disaggregated and pulse.decode_queue_depth >= trigger * max(current.get(Role.DECODE, 0), 1):
+            queued = pulse.decode_queue_depth
+            need(Role.DECODE, drained(Role.DECODE, queued), f"queue of {queued:.0f} >= {trigger}/replica")
+        # Burn: the share of requests missing the SLO, against the error budget.
+        judged = pulse.judged
+        if judged >= config.burn_min_requests:
+            if limits.disaggregated:
+                misses = {front: pulse.ttft_missed + pulse.refused, Role.DECODE: pulse.itl_missed}
+            else:
+                misses = {front: pulse.ttft_missed + pulse.refused + pulse.itl_missed}
+            window_load = dataclasses.replace(load, num_requests=judged / pulse.window_s * load.duration_s)
+            for role, missed in misses.items():
+                share = missed / judged
+                burn = share / (1 - config.attainment_goal)
+                if burn < config.burn_rate:
+                    continue
+                by_rate = self.size(workload_of(window_load))[role].replicas
+                by_share = math.ceil(serving(role) * (1 + min(share, _BURN_STEP)))
+                need(role, max(by_rate, by_share), f"{share:.0%} of requests missing (burn {burn:.0f}x)")
+        return needs
 
     # --- deciding ---------------------------------------------------------------------------
 
@@ -288,13 +380,17 @@ class Planner:
         current: Mapping[Role, int],
         queues: Mapping[Role, float] | None = None,
         inflight: float | None = None,
+        pulse: Pulse | None = None,
     ) -> Decision:
         """Replica targets for the interval starting at ``now``.
 
         ``queues`` holds, per pool, the requests waiting for it (prompts for prefill or aggregated
-        workers, prefilled requests for a decode slot); ``inflight`` is the number of sequences
-        decoding. Both are as of now.
+        workers, prefilled requests for a decode slot); ``pulse``, the fast loop's signals (queues
+        and SLO counts; it replaces ``queues``); ``inflight`` is the number of sequences decoding.
+        All are as of now.
         """
+        if pulse is None:
+            pulse = self._pulse_of(now, queues or {})
         current = {role: current.get(role, 0) for role in self.limits.roles}
         reasons: list[str] = []
         if not self._observed:
@@ -318,23 +414,13 @@ class Planner:
         ):
             reasons.append(f"lead time: sized for the load {self.horizon - 1} interval(s) ahead")
         desired = {role: sizing.replicas for role, sizing in sized.items()}
-        # Fast path: a queue the forecast did not see.
-        queues = queues or {}
-        for role in self.limits.roles:
-            queued = queues.get(role, 0.0)
-            if queued < self.limits.queue_depth * max(current[role], 1):
-                continue
-            backlog = queued * forecasts[0].duration_s / self.config.queue_drain_s
-            drain = dataclasses.replace(forecasts[0], num_requests=forecasts[0].num_requests + backlog)
-            need = self.size(workload_of(drain))[role].replicas
+        # Fast path: a backlog or an SLO burn the forecast did not see.
+        for role, (need, why) in self.reactive(pulse, current=current, load=forecasts[0]).items():
             if need > desired[role]:
                 desired[role] = need
-                trigger = self.limits.queue_depth
-                reasons.append(
-                    f"{role.value}: queue of {queued:.0f} >= {trigger}/replica: fast path to {need}"
-                )
+                reasons.append(why)
         # Floors: in-flight work keeps its capacity.
-        floors = self._floors(forecasts[0], queued=queues.get(self.limits.front, 0.0), inflight=inflight)
+        floors = self._floors(forecasts[0], queued=pulse.queue_depth, inflight=inflight)
         for role, floor in floors.items():
             if desired[role] < floor and current[role] > desired[role]:
                 desired[role] = min(floor, current[role])

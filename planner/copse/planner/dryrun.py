@@ -8,9 +8,14 @@ For each interval ``t`` of the recording:
    in-flight work needs (the planner's floors), and cancel replicas still starting first.
 3. The interval's *actual* load is served by the replicas serving in each part of it (split where
    a start-up completes), through the capacity model with queueing; a backlog left by an
-   overloaded part carries over. The interval's estimate is the worst of its parts, so a burst
-   that finds too few replicas is a miss.
-4. The planner then observes the interval (with the simulated queue and in-flight sequences).
+   overloaded part carries over. The interval's p99 estimate is the worst of its parts, so a burst
+   that finds too few replicas is a miss (an alert signal, as in a cluster).
+4. The SLO is judged per request, as ``copse bench planner`` and the router judge it (TTFT and the
+   mean inter-token gap both within target), estimated: each part's share of requests meeting both
+   (:meth:`~copse.planner.capacity.CapacityModel.attainment`), none of them while a part leaves a
+   backlog (they queue behind it), weighted by the part's requests. The summary's
+   ``slo_attainment`` is that share of all requests.
+5. The planner then observes the interval (with the simulated queue and in-flight sequences).
 
 Observed TTFT/ITL in the recording are not fed back: they were measured on the recorded
 deployment's replicas, not on the simulated ones, so correction factors stay at 1 here.
@@ -52,6 +57,9 @@ class IntervalResult:
     est_ttft_ms: float
     est_itl_ms: float
     slo_ok: bool
+    """The interval's p99 estimates within the targets (an alert signal)."""
+    est_attainment: float
+    """Estimated share of the interval's requests meeting the per-request SLO."""
     decision: Decision
     """The decision made at the start of this interval."""
 
@@ -67,6 +75,7 @@ class IntervalResult:
             "est_ttft_ms": round(self.est_ttft_ms, 3),
             "est_itl_ms": round(self.est_itl_ms, 3),
             "slo_ok": self.slo_ok,
+            "est_attainment": round(self.est_attainment, 6),
         }
 
 
@@ -77,13 +86,15 @@ class Summary:
     static_peak_gpu_hours: float
     """GPU-hours of a fixed deployment sized (same model, same bounds) for the busiest interval."""
     slo_attainment: float
-    """Fraction of intervals whose estimated TTFT and ITL both meet the targets."""
+    """Estimated share of requests meeting the per-request SLO (TTFT and mean inter-token gap)."""
+    interval_attainment: float
+    """Fraction of intervals whose estimated p99 TTFT and ITL both meet the targets."""
     scaling_events: int
     """Decisions that changed at least one pool."""
     static_peak_replicas: dict[Role, int]
     """The fixed deployment behind static_peak_gpu_hours."""
     static_slo_attainment: float
-    """slo_attainment of that fixed deployment on the same load."""
+    """slo_attainment (per request, estimated) of that fixed deployment on the same load."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +102,7 @@ class Summary:
             "gpu_hours": round(self.gpu_hours, 4),
             "static_peak_gpu_hours": round(self.static_peak_gpu_hours, 4),
             "slo_attainment": round(self.slo_attainment, 6),
+            "interval_attainment": round(self.interval_attainment, 6),
             "scaling_events": self.scaling_events,
         }
 
@@ -152,6 +164,18 @@ def _load(obs: Observation, *, backlog: Backlog, previous: Workload | None) -> W
     return dataclasses.replace(previous, rate=0.0)
 
 
+def _share(
+    capacity: CapacityModel, *, replicas: dict[Role, int], load: Workload, estimate: Estimate, limits: Limits
+) -> float:
+    """Estimated share of ``load``'s requests meeting the per-request SLO on ``replicas``: the
+    steady state's, and none while the part leaves a backlog (they wait behind it)."""
+    if estimate.backlog.prefill > 0 or estimate.backlog.decode > 0:
+        return 0.0
+    return capacity.attainment(
+        replicas=replicas, load=load, ttft_ms=limits.ttft_ms, itl_ms=limits.itl_ms
+    ).both
+
+
 def _serve(
     *,
     capacity: CapacityModel,
@@ -159,32 +183,36 @@ def _serve(
     load: Workload | None,
     obs: Observation,
     backlog: Backlog,
-    gpus_per_replica: dict[Role, int],
-) -> tuple[Estimate, Backlog, float]:
-    """(worst estimate over the interval's parts, backlog at its end, GPU-seconds held)."""
+    limits: Limits,
+) -> tuple[Estimate, Backlog, float, float]:
+    """(worst estimate over the interval's parts, backlog at its end, GPU-seconds held, estimated
+    share of its requests meeting the SLO)."""
     start, end = obs.timestamp, obs.timestamp + obs.duration_s
     cuts = sorted({ready for pool in pools.values() for ready, _ in pool.starting if start < ready < end})
     edges = [start, *cuts, end]
     worst_ttft = worst_itl = 0.0
-    gpu_seconds = 0.0
+    gpu_seconds = met = 0.0
     last: Estimate | None = None
     for left, right in itertools.pairwise(edges):
         for pool in pools.values():
             pool.promote(left)
         duration = right - left
-        gpu_seconds += duration * sum(pool.held * gpus_per_replica[role] for role, pool in pools.items())
+        gpu_seconds += duration * sum(
+            pool.held * limits.gpus_per_replica[role] for role, pool in pools.items()
+        )
         replicas = {role: pool.serving for role, pool in pools.items()}
         if load is None:
             continue
         last = capacity.estimate(replicas=replicas, load=load, duration_s=duration, backlog=backlog)
         backlog = last.backlog
         worst_ttft, worst_itl = max(worst_ttft, last.ttft_ms), max(worst_itl, last.itl_ms)
+        met += duration * _share(capacity, replicas=replicas, load=load, estimate=last, limits=limits)
     for pool in pools.values():
         pool.promote(end)
     estimate = Estimate(
         ttft_ms=worst_ttft, itl_ms=worst_itl, backlog=backlog, decoding=last.decoding if last else 0.0
     )
-    return estimate, backlog, gpu_seconds
+    return estimate, backlog, gpu_seconds, met / (end - start) if last is not None else 1.0
 
 
 def dry_run(
@@ -201,7 +229,6 @@ def dry_run(
     limits, capacity = planner.limits, planner.capacity
     initial = fit_budget(clamp({}, limits), limits)
     pools = {role: _Pool(initial[role]) for role in limits.roles}
-    gpus = dict(limits.gpus_per_replica)
     backlog = Backlog()
     shape: Workload | None = None
     queues: dict[Role, float] = {}
@@ -223,8 +250,8 @@ def dry_run(
         held = limits.gpus({role: pool.held for role, pool in pools.items()})
         load = _load(obs, backlog=backlog, previous=shape)
         shape = load or shape
-        estimate, backlog, seconds = _serve(
-            capacity=capacity, pools=pools, load=load, obs=obs, backlog=backlog, gpus_per_replica=gpus
+        estimate, backlog, seconds, share = _serve(
+            capacity=capacity, pools=pools, load=load, obs=obs, backlog=backlog, limits=limits
         )
         gpu_seconds += seconds
         row = IntervalResult(
@@ -236,6 +263,7 @@ def dry_run(
             est_ttft_ms=estimate.ttft_ms,
             est_itl_ms=estimate.itl_ms,
             slo_ok=estimate.ttft_ms <= limits.ttft_ms and estimate.itl_ms <= limits.itl_ms,
+            est_attainment=share,
             decision=decision,
         )
         rows.append(row)
@@ -256,7 +284,8 @@ def dry_run(
     summary = Summary(
         gpu_hours=gpu_seconds / 3600.0,
         static_peak_gpu_hours=limits.gpus(static) * total_s / 3600.0,
-        slo_attainment=sum(row.slo_ok for row in rows) / len(rows),
+        slo_attainment=_weighted([(row.est_attainment, row.num_requests) for row in rows]),
+        interval_attainment=sum(row.slo_ok for row in rows) / len(rows),
         scaling_events=events,
         static_peak_replicas=static,
         static_slo_attainment=static_ok,
@@ -274,17 +303,24 @@ def _static_peak(observations: Sequence[Observation], *, planner: Planner) -> tu
         for role, sizing in planner.size(workload_of(obs)).items():
             peak[role] = max(peak[role], sizing.replicas)
     fixed = fit_budget(clamp(peak, limits), limits)
-    backlog, shape, met = Backlog(), None, 0
+    backlog, shape = Backlog(), None
+    shares: list[tuple[float, float]] = []
     for obs in observations:
         load = _load(obs, backlog=backlog, previous=shape)
         shape = load or shape
         if load is None:
-            met += 1
             continue
         estimate = capacity.estimate(replicas=fixed, load=load, duration_s=obs.duration_s, backlog=backlog)
         backlog = estimate.backlog
-        met += estimate.ttft_ms <= limits.ttft_ms and estimate.itl_ms <= limits.itl_ms
-    return fixed, met / len(observations)
+        share = _share(capacity, replicas=fixed, load=load, estimate=estimate, limits=limits)
+        shares.append((share, obs.num_requests))
+    return fixed, _weighted(shares)
+
+
+def _weighted(shares: Sequence[tuple[float, float]]) -> float:
+    """The mean of shares weighted by requests (1.0 without requests: nothing missed)."""
+    total = sum(weight for _, weight in shares)
+    return sum(share * weight for share, weight in shares) / total if total > 0 else 1.0
 
 
 def write_json(result: DryRunResult, handle: IO[str]) -> None:

@@ -55,6 +55,25 @@ class Observation:
     """Prefilled requests waiting for a decode slot at the end of the interval (disaggregated)."""
     inflight: float | None = None
     """Requests decoding at the end of the interval (scale-down never drops their KV)."""
+    slo_met: float | None = None
+    """Requests that ended in the interval meeting the SLO (TTFT and mean inter-token gap within
+    target), as the router judged them (``copse_router_slo_requests_total``); ``None``: not reported."""
+    ttft_missed: float | None = None
+    """Requests that ended in the interval with their first token after the TTFT target."""
+    itl_missed: float | None = None
+    """Requests that ended in the interval with their first token in time and a mean inter-token gap
+    over its target."""
+    refused: float | None = None
+    """Requests the fleet refused in the interval (429 from a full queue or a shed, 503 without a
+    worker): misses no latency histogram sees."""
+
+    @property
+    def attainment(self) -> float | None:
+        """Share of the requests judged in the interval that met the SLO (the router's counts)."""
+        if self.slo_met is None:
+            return None
+        judged = self.slo_met + (self.ttft_missed or 0.0) + (self.itl_missed or 0.0) + (self.refused or 0.0)
+        return self.slo_met / judged if judged > 0 else None
 
     @property
     def rate(self) -> float:
@@ -64,6 +83,62 @@ class Observation:
     @property
     def end(self) -> float:
         return self.timestamp + self.duration_s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pulse:
+    """What the fast loop reads between decisions (every ``fast_path_poll_s``): the queues now, and
+    the router's SLO counters over the last ``window_s`` (the burn window)."""
+
+    time: float
+    """When it was read, seconds."""
+    window_s: float
+    """Length of the window the SLO counts cover, seconds."""
+    queue_depth: float = 0.0
+    """Requests waiting for the front pool (the router's queue and the engines' waiting ones)."""
+    decode_queue_depth: float = 0.0
+    """Prefilled requests waiting for a decode slot (disaggregated)."""
+    router_queue: float = 0.0
+    """Of ``queue_depth``, those still in the router's queue (not routed: their prompt tokens are
+    not in ``prefill_tokens``)."""
+    prefill_tokens: float | None = None
+    """Uncached prompt tokens routed and not yet prefilled, over every worker (the router's
+    ``copse_router_worker_prefill_tokens``); ``None``: not reported (the queue counts alone decide)."""
+    slo_met: float = 0.0
+    """Requests that ended in the window meeting the SLO."""
+    ttft_missed: float = 0.0
+    """Requests that ended in the window with their first token late."""
+    itl_missed: float = 0.0
+    """Requests that ended in the window with their first token in time but slow tokens after it."""
+    refused: float = 0.0
+    """Requests refused in the window (429/503): misses of the front pool's capacity."""
+
+    serving: float | None = None
+    """Front-pool replicas serving now (engines reporting); ``None``: take the replicas held."""
+    decode_serving: float | None = None
+    """Decode replicas serving now (disaggregated)."""
+
+    @property
+    def judged(self) -> float:
+        """Requests judged in the window."""
+        return self.slo_met + self.ttft_missed + self.itl_missed + self.refused
+
+    @classmethod
+    def of(cls, obs: Observation) -> Pulse:
+        """The pulse an interval's observation holds: its end-of-interval queues and its SLO counts
+        (the interval is the window; the router's queue and prefill tokens are not in it)."""
+        return cls(
+            time=obs.end,
+            window_s=obs.duration_s,
+            queue_depth=obs.queue_depth or 0.0,
+            decode_queue_depth=obs.decode_queue_depth or 0.0,
+            slo_met=obs.slo_met or 0.0,
+            ttft_missed=obs.ttft_missed or 0.0,
+            itl_missed=obs.itl_missed or 0.0,
+            refused=obs.refused or 0.0,
+            serving=obs.serving,
+            decode_serving=obs.decode_serving,
+        )
 
 
 def _weighted(values: Sequence[tuple[float | None, float]]) -> float | None:
@@ -77,6 +152,11 @@ def _weighted(values: Sequence[tuple[float | None, float]]) -> float | None:
 def _largest(values: Sequence[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return max(present) if present else None
+
+
+def _total(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return sum(present) if present else None
 
 
 def merge(group: Sequence[Observation]) -> Observation:
@@ -105,6 +185,10 @@ def merge(group: Sequence[Observation]) -> Observation:
         queue_depth=group[-1].queue_depth,
         decode_queue_depth=group[-1].decode_queue_depth,
         inflight=group[-1].inflight,
+        slo_met=_total([obs.slo_met for obs in group]),
+        ttft_missed=_total([obs.ttft_missed for obs in group]),
+        itl_missed=_total([obs.itl_missed for obs in group]),
+        refused=_total([obs.refused for obs in group]),
     )
 
 

@@ -22,6 +22,7 @@ which rules it out for a 2,016-interval replay.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import warnings
 from abc import ABC, abstractmethod
@@ -37,6 +38,17 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 FloatArray = NDArray[np.float64]
 #: One-step errors needed before their quantile is used (fewer say little of the distribution).
 _MIN_ERRORS = 10
+#: Fourier harmonics per seasonal period: three follow a daily cycle's morning rise, evening peak
+#: and night trough without fitting the window-to-window noise.
+_HARMONICS = 3
+#: Days in the weekly period.
+_WEEK = 7
+#: Weeks of history the seasonal profile is fitted on.
+_SEASON_HISTORY_WEEKS = 2
+#: One-step errors in a row, each beyond ``_BREAK_SCORE`` standard deviations the same way, that
+#: make ARIMA refit at once (a Gaussian model sees three such in a row once in 10^6 steps).
+_BREAK_RUN = 3
+_BREAK_SCORE = 3.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -309,14 +321,33 @@ class ArimaPredictor(Predictor):
     * A constant window: forecast that constant (auto_arima cannot fit one).
     * A fit that degenerates to a white-noise order (p = q = 0) on the raw series is redone on
       ``log1p`` of the series; forecasts are then transformed back with ``expm1``.
+    * A search that finds no structure on either (ARIMA(0, 0, 0): a constant mean) falls back to
+      ARIMA(0, 1, 1) on ``log1p``, the local level (exponential smoothing): a stationary mean would
+      forecast the window's mean, frozen until the next refit, whatever the load does meanwhile.
     * Every observation is one Kalman step over the fitted matrices; every ``arima_refit_every``
       observations the parameters are re-estimated on the last ``arima_fit_window`` points with
-      the order kept (only the first fit searches orders, it is the slow part).
+      the order kept (only the first fit searches orders, it is the slow part). Three one-step
+      errors in a row beyond three of the model's standard deviations, the same way, are a break
+      the fit never saw (a burst): the order is searched again at once.
+    * Seasonality: once the history holds ``2 x period`` observations (two days), a daily profile
+      (``_HARMONICS`` Fourier terms of the period, fitted by least squares on the log scale), and
+      from two weeks a weekly one, is taken out before the ARIMA fit and put back in its forecasts.
+    * The prediction interval is the model's forecast variance, calibrated: the quantile of the
+      recent one-step errors in units of the model's own standard deviation replaces the normal
+      quantile once ``_MIN_ERRORS`` have been seen (the fitted model's Gaussian interval
+      under-covers a bursty load: 73 % for a 90 % bound on ServeGen).
     """
 
     def __init__(self, settings: PredictorSettings) -> None:
         super().__init__(settings)
         self._history: deque[float] = deque(maxlen=settings.arima_fit_window)
+        self._long: deque[float] = deque(maxlen=_SEASON_HISTORY_WEEKS * _WEEK * settings.period)
+        """What the seasonal profile is fitted on: up to ``_SEASON_HISTORY_WEEKS`` weeks."""
+        self._season: _Season | None = None
+        self._t = 0
+        """Observations so far (the seasonal profile's clock)."""
+        self._scores: deque[float] = deque(maxlen=settings.error_window)
+        """Recent one-step errors in units of the model's forecast standard deviation."""
         self._filter: StateSpaceFilter | None = None
         self._log = False
         self._order: tuple[int, int, int] | None = None
@@ -335,8 +366,21 @@ class ArimaPredictor(Predictor):
         """Whether the model was fitted on ``log1p`` of the series."""
         return self._log
 
+    @property
+    def seasonal(self) -> tuple[int, ...]:
+        """The seasonal periods (in intervals) taken out of the series; empty while history is short."""
+        return () if self._season is None else self._season.periods
+
+    def _model_value(self, value: float, t: int) -> float:
+        """``value`` observed at step ``t`` on the scale the ARIMA filter runs on."""
+        y = math.log1p(value) if self._log else value
+        return y - self._season.at(t) if self._season is not None else y
+
     def _observe(self, value: float) -> None:
+        t = self._t
+        self._t += 1
         self._history.append(value)
+        self._long.append(value)
         self._since_fit += 1
         if len(self._history) < self.settings.arima_min_points:
             return
@@ -350,13 +394,38 @@ class ArimaPredictor(Predictor):
         if self._filter is None or due:
             self._fit(window)
             return
-        self._filter.update(math.log1p(value) if self._log else value)
+        y = self._model_value(value, t)
+        sd = math.sqrt(max(float(self._filter.variance(1)[0]), 0.0))
+        if sd > 0:
+            self._scores.append((y - float(self._filter.forecast(1)[0])) / sd)
+        if self._broken():
+            # The load left the fitted model: search again on the window that holds the break.
+            self._order = None
+            self._fit(window)
+            return
+        self._filter.update(y)
+
+    def _broken(self) -> bool:
+        """The last ``_BREAK_RUN`` one-step errors all beyond ``_BREAK_SCORE`` of the model's own
+        standard deviations, the same way: a level shift the fit never saw, not noise."""
+        recent = list(itertools.islice(reversed(self._scores), _BREAK_RUN))
+        return len(recent) == _BREAK_RUN and (
+            all(z > _BREAK_SCORE for z in recent) or all(z < -_BREAK_SCORE for z in recent)
+        )
 
     def _fit(self, window: FloatArray) -> None:
         import pmdarima  # noqa: PLC0415  (heavy: only paid by users of this predictor)
 
         self._since_fit, self._fitted_on = 0, len(window)
         self._constant = None
+        self._season = _Season.fit(
+            np.log1p(np.asarray(self._long, dtype=np.float64)), end=self._t, period=self.settings.period
+        )
+        if self._season is not None:
+            # The search and the filter run on log1p with the profile taken out.
+            self._log = True
+            times = np.arange(self._t - len(window), self._t, dtype=np.float64)
+            window = np.expm1(np.log1p(window) - self._season.at_many(times))
         # BLAS threads only contend over these tiny matrices: one thread is 10-20x faster on a
         # busy machine (statsmodels solves a Lyapunov equation per likelihood evaluation).
         with threadpool_limits(limits=1, user_api="blas"), warnings.catch_warnings():
@@ -364,7 +433,7 @@ class ArimaPredictor(Predictor):
             warnings.simplefilter("ignore")
             if self._order is None or _white_noise(self._order):
                 # Search orders until one with structure is found; keep it afterwards.
-                model, self._log = self._search(pmdarima, window)
+                model, self._log = self._search(pmdarima, window, log=self._season is not None)
                 self._order, self._with_intercept = model.order, model.with_intercept
             else:
                 series = np.log1p(window) if self._log else window
@@ -374,33 +443,85 @@ class ArimaPredictor(Predictor):
         self._filter = _filter_from(model.arima_res_)
 
     @staticmethod
-    def _search(pmdarima: Any, window: FloatArray) -> tuple[Any, bool]:
-        model = pmdarima.auto_arima(window, seasonal=False, suppress_warnings=True, error_action="ignore")
-        if _white_noise(model.order):
-            return (
-                pmdarima.auto_arima(
-                    np.log1p(window), seasonal=False, suppress_warnings=True, error_action="ignore"
-                ),
-                True,
+    def _search(pmdarima: Any, window: FloatArray, *, log: bool) -> tuple[Any, bool]:
+        """An order for ``window``: on the raw series, then (no AR or MA term found, or ``log``)
+        on ``log1p``; returns the model and whether it is on ``log1p``."""
+        if not log:
+            model = pmdarima.auto_arima(window, seasonal=False, suppress_warnings=True, error_action="ignore")
+            if not _white_noise(model.order):
+                return model, False
+        logged = np.log1p(window)
+        model = pmdarima.auto_arima(logged, seasonal=False, suppress_warnings=True, error_action="ignore")
+        if model.order == (0, 0, 0):  # no structure: the local level, not a frozen mean
+            model = pmdarima.ARIMA(order=(0, 1, 1), with_intercept=False, suppress_warnings=True).fit(logged)
+        return model, True
+
+    def _back(self, values: FloatArray) -> FloatArray:
+        """Model-scale values of the next ``len(values)`` steps back on the series' scale."""
+        if self._season is not None:
+            values = values + self._season.at_many(
+                np.arange(self._t, self._t + len(values), dtype=np.float64)
             )
-        return model, False
+        return np.expm1(values) if self._log else values
 
     def _forecast(self, steps: int) -> FloatArray:
         if self._constant is not None:
             return np.full(steps, self._constant)
         if self._filter is None:
             return np.full(steps, self._history[-1])
-        values = self._filter.forecast(steps)
-        return np.expm1(values) if self._log else values
+        return self._back(self._filter.forecast(steps))
+
+    def score(self, quantile: float) -> float:
+        """The ``quantile`` of the forecast error in the model's standard deviations: the recent
+        one-step errors' once ``_MIN_ERRORS`` are in, the normal distribution's before (what
+        pmdarima's ``conf_int`` uses)."""
+        if len(self._scores) < _MIN_ERRORS:
+            return NormalDist().inv_cdf(quantile)
+        return float(np.quantile(np.asarray(self._scores), quantile))
 
     def _upper(self, point: FloatArray, quantile: float) -> FloatArray:
-        """The fitted model's prediction interval (pmdarima's ``conf_int``), one-sided."""
+        """The model's prediction interval, one-sided, at the calibrated score (:meth:`score`)."""
         if self._filter is None or self._constant is not None:
             return super()._upper(point, quantile)
         steps = len(point)
-        spread = NormalDist().inv_cdf(quantile) * np.sqrt(np.maximum(self._filter.variance(steps), 0.0))
-        values = self._filter.forecast(steps) + spread
-        return np.expm1(values) if self._log else values
+        spread = self.score(quantile) * np.sqrt(np.maximum(self._filter.variance(steps), 0.0))
+        return self._back(self._filter.forecast(steps) + spread)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Season:
+    """A daily (and, with two weeks of history, weekly) profile of ``log1p`` of the series: a sum
+    of Fourier terms of each period, fitted by least squares, zero-mean (the ARIMA keeps the level)."""
+
+    periods: tuple[int, ...]
+    coefficients: FloatArray
+
+    @staticmethod
+    def fit(logged: FloatArray, *, end: int, period: int) -> _Season | None:
+        """The profile of ``logged`` (the last ``len(logged)`` observations, ending before step
+        ``end``); ``None`` before two whole periods (one cannot tell a cycle from a trend)."""
+        if period < 2 or len(logged) < 2 * period:
+            return None
+        periods = (period, _WEEK * period) if len(logged) >= 2 * _WEEK * period else (period,)
+        times = np.arange(end - len(logged), end, dtype=np.float64)
+        terms = _Season(periods, np.zeros(0))._terms(times)
+        design = np.column_stack([np.ones(len(times)), terms])
+        solution, *_ = np.linalg.lstsq(design, logged, rcond=None)
+        return _Season(periods, np.asarray(solution[1:], dtype=np.float64))
+
+    def _terms(self, times: FloatArray) -> FloatArray:
+        columns = []
+        for period in self.periods:
+            for k in range(1, _HARMONICS + 1):
+                angle = 2 * math.pi * k * times / period
+                columns += [np.sin(angle), np.cos(angle)]
+        return np.column_stack(columns)
+
+    def at_many(self, times: FloatArray) -> FloatArray:
+        return np.asarray(self._terms(np.asarray(times, dtype=np.float64)) @ self.coefficients)
+
+    def at(self, t: int) -> float:
+        return float(self.at_many(np.array([t], dtype=np.float64))[0])
 
 
 def _white_noise(order: tuple[int, int, int]) -> bool:

@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
-from copse.api import Role
 from copse.planner.config import PrometheusConfig
-from copse.planner.observations import Observation
+from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
+from copse.planner.recording import SLO_FIELDS
 
 #: PromQL per observation field. Ratios of increases are window means; NaN (0/0) means no traffic.
 #: Engine gauges are matched as ``{__name__=~"(trtllm_)?<name>"}``: ``trtllm_<name>`` as
@@ -34,6 +34,7 @@ from copse.planner.policy import Limits
 #: name (the prefix came with 1.3; dropping it again was proposed upstream). They exist only with
 #: ``enable_iter_perf_stats`` (the operator sets it) and from 1.3 on: with an older engine these
 #: fields read as absent (the queue falls back to the router's own).
+_SLO = "sum(increase(copse_router_slo_requests_total{{{{{{selector}},{outcome}}}}}[{{window}}]))"
 DEFAULT_QUERIES: dict[str, str] = {
     "num_requests": "sum(increase(copse_router_requests_total{{{selector}}}[{window}]))",
     "isl": (
@@ -85,6 +86,17 @@ DEFAULT_QUERIES: dict[str, str] = {
     ),
     "decode_queue_depth": 'sum({{__name__=~"(trtllm_)?num_requests_waiting",{selector},role="decode"}})',
     "inflight": 'sum({{__name__=~"(trtllm_)?num_requests_running",{selector},role=~"decode|worker"}})',
+    # The router's per-request SLO judgements (copse_router_slo_requests_total, by outcome).
+    "slo_met": _SLO.format(outcome='outcome="met"'),
+    "ttft_missed": _SLO.format(outcome='outcome="ttft_missed"'),
+    "itl_missed": _SLO.format(outcome='outcome="itl_missed"'),
+    "refused": _SLO.format(outcome='outcome="refused"'),
+}
+#: PromQL of the fast loop's extra gauges (a :class:`~copse.planner.observations.Pulse`; read with
+#: the SLO counts over the burn window, not the interval).
+PULSE_QUERIES: dict[str, str] = {
+    "router_queue": "sum(copse_router_queue_depth{{{selector}}})",
+    "prefill_tokens": "sum(copse_router_worker_prefill_tokens{{{selector}}})",
 }
 
 
@@ -108,9 +120,20 @@ class Queries:
             known = ", ".join(DEFAULT_QUERIES)
             raise ValueError(f"prometheus.queries: unknown field {', '.join(unknown)} (known: {known})")
         selector = config.selector.format(namespace=namespace, name=name)
-        self.text = {
-            field: template.format(selector=selector, window=_window(interval_s), quantile=quantile)
-            for field, template in {**DEFAULT_QUERIES, **config.queries}.items()
+        self._templates = {**DEFAULT_QUERIES, **config.queries}
+        self._selector, self._quantile = selector, quantile
+        self.text = self._format(self._templates, interval_s)
+        """Every observation field's PromQL over the interval."""
+
+    def over(self, window_s: float) -> dict[str, str]:
+        """Every field's PromQL over a window of ``window_s`` (the fast loop's burn window), and
+        the fast loop's gauges."""
+        return self._format({**self._templates, **PULSE_QUERIES}, window_s)
+
+    def _format(self, templates: dict[str, str], window_s: float) -> dict[str, str]:
+        return {
+            field: template.format(selector=self._selector, window=_window(window_s), quantile=self._quantile)
+            for field, template in templates.items()
         }
 
 
@@ -197,16 +220,31 @@ class PrometheusSource:
             queue_depth=values["queue_depth"],
             decode_queue_depth=values["decode_queue_depth"],
             inflight=values["inflight"],
+            **{field: values[field] for field in SLO_FIELDS},
         )
 
-    async def queues(self, *, at: float, limits: Limits) -> dict[Role, float]:
-        """Requests waiting per pool, from the queue gauges alone (the fast path polls these)."""
-        queues = {limits.front: await self.client.query(self.queries.text["queue_depth"], at=at) or 0.0}
+    async def pulse(self, *, at: float, window_s: float, limits: Limits) -> Pulse:
+        """What the fast loop reads between decisions: the queue gauges, the router's outstanding
+        prefill tokens and its SLO counts over the last ``window_s``."""
+        text = self.queries.over(window_s)
+        fields = ["queue_depth", "router_queue", "prefill_tokens", "serving", *SLO_FIELDS]
         if limits.disaggregated:
-            queues[Role.DECODE] = (
-                await self.client.query(self.queries.text["decode_queue_depth"], at=at) or 0.0
-            )
-        return queues
+            fields += ["decode_queue_depth", "decode_serving"]
+        values = {field: await self.client.query(text[field], at=at) for field in fields}
+        return Pulse(
+            time=at,
+            window_s=window_s,
+            queue_depth=values["queue_depth"] or 0.0,
+            decode_queue_depth=values.get("decode_queue_depth") or 0.0,
+            router_queue=values["router_queue"] or 0.0,
+            prefill_tokens=values["prefill_tokens"],
+            slo_met=values["slo_met"] or 0.0,
+            ttft_missed=values["ttft_missed"] or 0.0,
+            itl_missed=values["itl_missed"] or 0.0,
+            refused=values["refused"] or 0.0,
+            serving=values["serving"],
+            decode_serving=values.get("decode_serving"),
+        )
 
     async def export(self, *, start: float, end: float) -> dict[str, Any]:
         """Every field's ``query_range`` response over ``[start, end]`` at the interval as step:

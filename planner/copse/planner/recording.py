@@ -20,6 +20,8 @@ from copse.planner.observations import Observation
 from copse.workers.traces import MOONCAKE_BLOCK_TOKENS, TraceError, open_text, text_lines
 from copse.workers.traces import read_trace as read_requests
 
+#: The router's per-request SLO counts of an interval (optional keys of a record).
+SLO_FIELDS: tuple[str, ...] = ("slo_met", "ttft_missed", "itl_missed", "refused")
 #: Keys of a metrics JSON Lines record: required ones, then optional ones.
 REQUIRED_FIELDS: tuple[str, ...] = ("timestamp", "num_requests", "isl", "osl")
 OPTIONAL_FIELDS: tuple[str, ...] = (
@@ -35,6 +37,7 @@ OPTIONAL_FIELDS: tuple[str, ...] = (
     "queue_depth",
     "decode_queue_depth",
     "inflight",
+    *SLO_FIELDS,
 )
 #: Fields a Prometheus export must hold (the others are optional).
 EXPORT_REQUIRED: tuple[str, ...] = ("num_requests", "isl", "osl")
@@ -167,6 +170,7 @@ def _observation(where: str, record: dict[str, Any], duration: float) -> Observa
         queue_depth=_optional(where, record, "queue_depth"),
         decode_queue_depth=_optional(where, record, "decode_queue_depth"),
         inflight=_optional(where, record, "inflight"),
+        **{key: _optional(where, record, key) for key in SLO_FIELDS},
     )
 
 
@@ -243,6 +247,7 @@ def read_prometheus_export(path: Path) -> list[Observation]:
                 queue_depth=values.get("queue_depth"),
                 decode_queue_depth=values.get("decode_queue_depth"),
                 inflight=values.get("inflight"),
+                **{key: values.get(key) for key in SLO_FIELDS},
             )
         )
     return observations

@@ -77,11 +77,12 @@ def format_summary(result: DryRunResult) -> str:
     ratio = summary.gpu_hours / summary.static_peak_gpu_hours if summary.static_peak_gpu_hours else 0.0
     return "\n".join(
         [
-            f"{METHOD}: the capacity model's p99 per interval, no request simulated "
-            "(copse bench planner simulates them)",
-            f"targets: TTFT p99 <= {limits.ttft_ms:g} ms, ITL p99 <= {limits.itl_ms:g} ms",
-            f"estimated SLO attainment: {summary.slo_attainment:.1%} of {len(result.intervals)} intervals "
-            f"(static peak deployment: {summary.static_slo_attainment:.1%})",
+            f"{METHOD}: the capacity model's per-request shares and p99 per interval, no request "
+            "simulated (copse bench planner simulates them)",
+            f"SLO per request: TTFT <= {limits.ttft_ms:g} ms, mean inter-token gap <= {limits.itl_ms:g} ms",
+            f"estimated SLO attainment: {summary.slo_attainment:.1%} of requests "
+            f"(static peak deployment: {summary.static_slo_attainment:.1%}); "
+            f"intervals with p99s within target: {summary.interval_attainment:.1%}",
             f"GPU-hours: {summary.gpu_hours:,.1f} planned vs {summary.static_peak_gpu_hours:,.1f} "
             f"static peak ({static}): {ratio:.2f}x",
             f"scaling events: {summary.scaling_events}",
@@ -112,7 +113,7 @@ def plot(result: DryRunResult, path: Path) -> None:
     load.set_ylabel("requests / interval")
     load.legend(loc="upper left")
     load.set_title(
-        f"{METHOD}: SLO attainment {result.summary.slo_attainment:.1%}, "
+        f"{METHOD}: SLO attainment {result.summary.slo_attainment:.1%} of requests, "
         f"GPU-hours {result.summary.gpu_hours:,.1f} "
         f"vs {result.summary.static_peak_gpu_hours:,.1f} static peak"
     )

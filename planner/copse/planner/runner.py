@@ -14,15 +14,15 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 
-from copse.api import InferenceDeployment, Role
+from copse.api import InferenceDeployment
 from copse.planner.actuator import Actuator, ActuatorError, replicas_of
 from copse.planner.capacity import CapacityModel
 from copse.planner.config import PlannerConfig
 from copse.planner.core import Decision, Planner
 from copse.planner.metrics import PlannerMetrics
-from copse.planner.observations import Observation
+from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
 from copse.planner.prometheus import PrometheusError, PrometheusSource
 from copse.workers.perf import PerfModel
@@ -104,12 +104,13 @@ class Runner:
             await self._apply(decision, deployment)
             return decision
 
-    async def fast_path(self, queues: Mapping[Role, float], *, now: float) -> Decision | None:
-        """Scale up now if a queue exceeds the trigger; ``None`` when no queue does."""
+    async def fast_path(self, pulse: Pulse, *, now: float) -> Decision | None:
+        """Scale up now if the fast loop's signals (backlog, SLO burn) call for it; ``None`` when
+        they do not."""
         async with self._lock:
             deployment = await self.actuator.fetch()
             planner = self._sync(Limits.from_spec(deployment.spec))
-            decision = planner.fast_path(now=now, current=replicas_of(deployment), queues=queues)
+            decision = planner.fast_path(now=now, current=replicas_of(deployment), pulse=pulse)
             if decision is not None:
                 await self._apply(decision, deployment)
             return decision
@@ -216,8 +217,9 @@ async def run_prometheus(
 async def _poll(planned: Planned, *, now: float) -> None:
     runner = planned.runner
     try:
-        queues = await planned.source.queues(at=now, limits=runner.limits)
-        await runner.fast_path(queues, now=now)
+        window_s = runner.config.burn_window_s
+        pulse = await planned.source.pulse(at=now, window_s=window_s, limits=runner.limits)
+        await runner.fast_path(pulse, now=now)
     except (PrometheusError, ActuatorError) as exc:
         logger.warning("fast path skipped: %s", exc, extra=runner.log_context)
 

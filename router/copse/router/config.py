@@ -11,6 +11,7 @@ from copse.router.adapters import AdapterRouting
 from copse.router.clients import ClientLimits
 from copse.router.core import DisaggSettings, Role, Thresholds
 from copse.router.limits import TenantLimits
+from copse.router.metrics import SloTargets
 from copse.router.models import Adapter, ModelCatalog
 from copse.router.objective_source import DEFAULT_API_VERSION
 from copse.router.objectives import Classes, Objective
@@ -177,6 +178,19 @@ class InferenceObjectiveSettings(_Model):
     """How often the objects are listed: a changed priority applies to requests from then on."""
 
 
+class SloSettings(_Model):
+    """The deployment's per-request SLO, which the router judges every request by
+    (``copse_router_slo_requests_total``: the planner's fast loop scales up on its burn rate)."""
+
+    ttft_ms: float = Field(gt=0)
+    """Time-to-first-token target (the operator sets it from ``spec.scaling.targetLatency``)."""
+    itl_ms: float = Field(gt=0)
+    """Target of a request's mean inter-token gap (TPOT)."""
+
+    def targets(self) -> SloTargets:
+        return SloTargets(ttft_s=self.ttft_ms / 1000.0, itl_s=self.itl_ms / 1000.0)
+
+
 class TenantSettings(_Model):
     """A tenant's share and limit."""
 
@@ -320,6 +334,8 @@ class RouterConfig(_Model):
     rate_window_s: float = Field(default=Thresholds().rate_window_s, gt=0)
     """Window over which the router measures the tokens per second it routes (how fast its queue
     drains while the fleet is saturated, which admission predicts waits with)."""
+    slo: SloSettings | None = None
+    """Targets every request is judged by when it ends (met, missed, refused); none: not judged."""
     metrics_tenants: int = Field(default=20, ge=0)
     """Tenants with their own label in the per-tenant metrics besides those listed in ``tenants``
     (the first ones seen); the others are counted as ``other``, so that clients cannot grow the

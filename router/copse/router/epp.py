@@ -583,8 +583,11 @@ class Exchange:
             itl = self.meter.mean_itl
             if itl is not None and self.meter.done:
                 picker.metrics.inter_token(routed.request, itl)
+            if self.meter.done and self.meter.events:
+                picker.metrics.judged(ttft_s=self.meter.first_at - self.arrived, itl_s=itl)
         elif self.status == "200":
             picker._first_token(routed.route.request_id)
+            picker.metrics.judged(ttft_s=picker.now() - self.arrived, itl_s=None)
             with contextlib.suppress(ValueError):
                 picker._count_output(usage_tokens(json.loads(bytes(self._response_body))) or 0)
         picker.metrics.duration.observe(picker.now() - self.arrived)

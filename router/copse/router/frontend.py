@@ -49,6 +49,7 @@ from copse.router.clients import Refused, bearer_token, client_key
 from copse.router.config import RouterConfig
 from copse.router.core import Role, Route
 from copse.router.discovery import Source
+from copse.router.metrics import SLO_FAILED, SLO_REFUSED
 from copse.router.migration import MigrationReason, StreamProgress
 from copse.router.policies import RouteRequest
 from copse.router.service import (
@@ -447,6 +448,7 @@ class RouterService(RoutingService):
                     return await self._end_stream(
                         stream, f"no worker can continue the stream: {exc}", why="unavailable"
                     )
+                self.metrics.missed(SLO_REFUSED)
                 if isinstance(exc, Overloaded):
                     self.metrics.requests.labels(status="429").inc()
                     return error_response(429, str(exc), retry_after=exc.retry_after)
@@ -484,6 +486,7 @@ class RouterService(RoutingService):
                         exc,
                     )
                     if retries == self.config.max_retries:
+                        self.metrics.missed(SLO_REFUSED)
                         self.metrics.requests.labels(status="503").inc()
                         attempts = retries + 1
                         return error_response(
@@ -537,6 +540,8 @@ class RouterService(RoutingService):
             self._finish(route.request_id)
             self.metrics.requests.labels(status=str(response.status)).inc()
             self.metrics.duration.observe(self.now() - arrived)
+            if stream is None and response.status == 200:  # not streamed: the answer is its first token
+                self.metrics.judged(ttft_s=self.now() - arrived, itl_s=None)
             return response
 
     def _token_relay(self, prepared: Prepared, payload: dict[str, Any]) -> TokenRelay | None:
@@ -554,6 +559,7 @@ class RouterService(RoutingService):
         assert stream.client is not None
         log.warning("stream ended with an error: %s", message)
         self.metrics.failed_streams.labels(reason=why).inc()
+        self.metrics.missed(SLO_FAILED)
         await stream.write(error_event(502, message))
         return await self._close_stream(stream)
 
@@ -806,8 +812,10 @@ class RouterService(RoutingService):
                 )
             await stream.seal()
             await stream.write(b"data: [DONE]\n\n")
-        if stream.events > 1:
-            self.metrics.inter_token(stream.request, (stream.last_at - stream.first_at) / (stream.events - 1))
+        itl = (stream.last_at - stream.first_at) / (stream.events - 1) if stream.events > 1 else None
+        if itl is not None:
+            self.metrics.inter_token(stream.request, itl)
+        self.metrics.judged(ttft_s=stream.first_at - stream.arrived, itl_s=itl)
         assert stream.client is not None
         await stream.end()
         return stream.client

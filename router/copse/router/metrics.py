@@ -6,6 +6,7 @@ what the router decides with.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -72,6 +73,23 @@ WORKER_KV_TOKENS = f"{PREFIX}_worker_kv_tokens"
 WORKER_PREFILL_TOKENS = f"{PREFIX}_worker_prefill_tokens"
 """Gauge by ``worker``: prompt tokens still to prefill."""
 
+SLO_REQUESTS = f"{PREFIX}_slo_requests"
+"""Counter (``_total``) by ``outcome``: requests judged against the deployment's SLO when they end
+(:data:`SLO_OUTCOMES`); the planner's fast loop reads its burn rate from it."""
+SLO_MET = "met"
+"""Outcome: TTFT and the mean inter-token gap (TPOT) both within their targets."""
+SLO_TTFT_MISSED = "ttft_missed"
+"""Outcome: the first token came after the TTFT target."""
+SLO_ITL_MISSED = "itl_missed"
+"""Outcome: the first token was in time, the mean inter-token gap was over its target."""
+SLO_REFUSED = "refused"
+"""Outcome: answered without a stream because the fleet could not take it (429 from a full queue
+or a shed, 503 without a worker): a miss the latency histograms never see."""
+SLO_FAILED = "failed"
+"""Outcome: the stream ended with an error after its first token (no worker could continue it)."""
+SLO_OUTCOMES = (SLO_MET, SLO_TTFT_MISSED, SLO_ITL_MISSED, SLO_REFUSED, SLO_FAILED)
+"""Every ``outcome`` label of :data:`SLO_REQUESTS`; all but ``met`` miss the SLO."""
+
 CLASS_ADMITTED = f"{PREFIX}_class_admitted"
 """Counter (``_total``) by ``objective``, ``tenant``: requests admitted (routed now or queued)."""
 CLASS_QUEUED = f"{PREFIX}_class_queued"
@@ -111,6 +129,24 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1
 PROMPT_LENGTH_BUCKETS = tuple(float(2**k) for k in range(6, 19))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SloTargets:
+    """The deployment's per-request SLO: a request meets it when its TTFT and its mean inter-token
+    gap (TPOT) are both within target."""
+
+    ttft_s: float
+    itl_s: float
+
+    def outcome(self, *, ttft_s: float, itl_s: float | None) -> str:
+        """The :data:`SLO_REQUESTS` outcome of a request that streamed (``itl_s`` is ``None`` for a
+        single token, or a response that was not streamed: its first token is its whole answer)."""
+        if ttft_s > self.ttft_s:
+            return SLO_TTFT_MISSED
+        if itl_s is not None and itl_s > self.itl_s:
+            return SLO_ITL_MISSED
+        return SLO_MET
+
+
 class RouterMetrics:
     """The router's metrics in their own registry (one per router instance)."""
 
@@ -122,14 +158,27 @@ class RouterMetrics:
         tenant_labels: int = 20,
         adapter_labels: int = 20,
         model: str = DEFAULT_LABEL,
+        slo: SloTargets | None = None,
     ) -> None:
         """``tenants`` get their own ``tenant`` label, and so do the first ``tenant_labels`` others
         seen; the rest are ``other``. The first ``adapter_labels`` adapters seen get their own
         ``adapter`` label; the rest are ``other``; ``model`` labels requests naming no model (one
-        model behind the router)."""
+        model behind the router). ``slo``: the targets requests are judged against (without them,
+        no request is judged and :data:`SLO_REQUESTS` stays at zero)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.adapters = AdapterMetrics(r, adapter_labels=adapter_labels, model=model)
+        self.slo_targets = slo
+        self.slo_requests = Counter(
+            SLO_REQUESTS,
+            "Requests judged against the deployment's SLO when they end, by outcome: met (TTFT and mean"
+            " inter-token gap within target), ttft_missed, itl_missed, refused (429/503 because the fleet"
+            " could not take it), failed (stream ended with an error).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in SLO_OUTCOMES:  # every series exists from the start: increase() sees the first
+            self.slo_requests.labels(outcome)
         self._labelled = set(tenants)
         self._unlisted = 0
         self._tenant_labels = tenant_labels
@@ -293,6 +342,17 @@ class RouterMetrics:
         self.ttft.observe(seconds)
         self.class_ttft.labels(*self.labels(request)).observe(seconds)
         self.adapters.ttft.labels(*self.adapters.labels(request)).observe(seconds)
+
+    def judged(self, *, ttft_s: float, itl_s: float | None) -> None:
+        """A request that streamed ended: count its SLO outcome (when targets are set)."""
+        if self.slo_targets is not None:
+            self.slo_requests.labels(self.slo_targets.outcome(ttft_s=ttft_s, itl_s=itl_s)).inc()
+
+    def missed(self, outcome: str) -> None:
+        """A request ended without meeting the SLO for a reason latency does not show (``refused``,
+        ``failed``)."""
+        if self.slo_targets is not None:
+            self.slo_requests.labels(outcome).inc()
 
     def inter_token(self, request: RouteRequest, seconds: float) -> None:
         """``request``'s tokens came ``seconds`` apart on average."""

@@ -243,6 +243,7 @@ class RoutingService:
             tenant_labels=config.metrics_tenants,
             adapter_labels=config.metrics_adapters,
             model=config.model,
+            slo=None if config.slo is None else config.slo.targets(),
         )
         self._endpoints: dict[str, Endpoint] = {}
         self._live: dict[str, _Live] = {}

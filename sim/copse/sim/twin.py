@@ -10,8 +10,10 @@ What runs is what runs in a cluster, minus the cluster:
   *predicted* hit rate, the p90 prompt length and p99 TTFT and ITL read from the router's
   histogram buckets with Prometheus' ``histogram_quantile`` (alert signals), the mean TTFT and
   mean TPOT from the histograms' sums and counts; queue and batch gauges and the engines serving
-  at the end of the interval. Between intervals it polls the queues every ``fast_path_poll_s`` (the fast
-  path adds capacity only).
+  at the end of the interval, and the router's per-request SLO counts (:func:`slo_counts`). Between
+  intervals the fast loop reads a :class:`~copse.planner.observations.Pulse` every
+  ``fast_path_poll_s`` (:func:`pulse`: queues, outstanding prefill tokens, SLO counts over the burn
+  window); it adds capacity only.
 * A replica added starts serving ``startup_delay_s`` after the decision (it holds its GPUs from
   the decision on). A replica removed first cancels one still starting (newest first), else
   drains the newest serving engine: the router stops sending it requests at once, it finishes
@@ -42,7 +44,7 @@ from copse.api import Role
 from copse.planner.capacity import CapacityModel
 from copse.planner.config import PlannerConfig
 from copse.planner.core import Decision, Planner
-from copse.planner.observations import Observation
+from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
 from copse.router.core import Role as EngineRole
 from copse.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PROMPT_LENGTH_BUCKETS
@@ -90,9 +92,83 @@ def _queues(fleet: Fleet) -> dict[Role, float]:
     return queues
 
 
-def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) -> Observation:
+#: Longest a request may take from arrival to its end (the router's ``request_timeout_s``): the SLO
+#: counts of a window look only at requests that arrived this long before it ended.
+_LONGEST_MS = 600_000.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SloCounts:
+    """The router's ``copse_router_slo_requests_total`` increases over a window, by outcome."""
+
+    met: float
+    ttft_missed: float
+    itl_missed: float
+    refused: float
+
+
+def slo_counts(fleet: Fleet, *, start_ms: float, end_ms: float, limits: Limits) -> SloCounts:
+    """How the router judged the requests that ended in ``[start_ms, end_ms)`` (a request ends at
+    its last token, or when it is refused) against ``limits``' targets, as it counts them."""
+    lo, hi = np.searchsorted(fleet.arrival_ms, [start_ms - _LONGEST_MS, end_ms], side="left")
+    window = slice(int(lo), int(hi))
+    finish = fleet.finish_ms[window]
+    ended = (finish >= start_ms) & (finish < end_ms)
+    first = fleet.first_ms[window][ended]
+    ttft = first - fleet.arrival_ms[window][ended]
+    outputs = fleet.outputs[window][ended]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        itl = np.where(outputs > 1, (finish[ended] - first) / (outputs - 1), 0.0)
+    late = ttft > limits.ttft_ms
+    slow = ~late & (itl > limits.itl_ms)
+    failed = fleet.failed_ms[window]
+    return SloCounts(
+        met=float(np.count_nonzero(~late & ~slow)),
+        ttft_missed=float(np.count_nonzero(late)),
+        itl_missed=float(np.count_nonzero(slow)),
+        refused=float(np.count_nonzero((failed >= start_ms) & (failed < end_ms))),
+    )
+
+
+def pulse(fleet: Fleet, *, now_ms: float, window_s: float, limits: Limits) -> Pulse:
+    """What the planner's fast loop reads at ``now_ms``: the queue gauges, the router's outstanding
+    prefill tokens (``copse_router_worker_prefill_tokens``) and its SLO counters over the last
+    ``window_s``."""
+    queues = _queues(fleet)
+    counts = slo_counts(fleet, start_ms=now_ms - window_s * 1000.0, end_ms=now_ms, limits=limits)
+    serving = _serving(fleet)
+    sequences = fleet.router.sequences
+    return Pulse(
+        time=now_ms / 1000.0,
+        window_s=window_s,
+        queue_depth=queues[Role(fleet.front.value)],
+        decode_queue_depth=queues.get(Role.DECODE, 0.0),
+        router_queue=float(fleet.router.queued),
+        prefill_tokens=float(np.sum(sequences.prefill_tokens[: sequences.size])),
+        slo_met=counts.met,
+        ttft_missed=counts.ttft_missed,
+        itl_missed=counts.itl_missed,
+        refused=counts.refused,
+        serving=serving.get(Role(fleet.front.value), 0.0),
+        decode_serving=serving.get(Role.DECODE),
+    )
+
+
+def _serving(fleet: Fleet) -> dict[Role, float]:
+    """Engines scraped per pool: not retired, not draining."""
+    serving: dict[Role, float] = {}
+    for index, role in enumerate(fleet.roles):
+        if index not in fleet.retired_ms and index not in fleet.draining:
+            serving[Role(role.value)] = serving.get(Role(role.value), 0.0) + 1.0
+    return serving
+
+
+def observe(
+    fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float, limits: Limits | None = None
+) -> Observation:
     """What the planner's Prometheus queries return for ``[start_ms, end_ms)``: the router's counters
-    and histograms over the window, the queue and batch gauges at its end."""
+    and histograms over the window (the SLO counts when ``limits`` give the targets), the queue and
+    batch gauges at its end."""
     answered = _in(fleet.finish_ms, start_ms, end_ms) | _in(fleet.failed_ms, start_ms, end_ms)
     finished = _in(fleet.finish_ms, start_ms, end_ms)
     routed = _in(fleet.routed_ms, start_ms, end_ms)
@@ -107,10 +183,8 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
     ttft_s = histogram_quantile(quantile, ttft / 1000.0, buckets=LATENCY_BUCKETS)
     queues = _queues(fleet)
     itl_s = histogram_quantile(quantile, itl / 1000.0, buckets=ITL_BUCKETS)
-    serving: dict[Role, float] = {}  # engines scraped: not retired, not draining
-    for index, role in enumerate(fleet.roles):
-        if index not in fleet.retired_ms and index not in fleet.draining:
-            serving[Role(role.value)] = serving.get(Role(role.value), 0.0) + 1.0
+    serving = _serving(fleet)
+    counts = None if limits is None else slo_counts(fleet, start_ms=start_ms, end_ms=end_ms, limits=limits)
     return Observation(
         timestamp=start_ms / 1000.0,
         duration_s=(end_ms - start_ms) / 1000.0,
@@ -131,6 +205,10 @@ def observe(fleet: Fleet, *, start_ms: float, end_ms: float, quantile: float) ->
         queue_depth=queues[Role(fleet.front.value)],
         decode_queue_depth=queues.get(Role.DECODE),
         inflight=float(sum(len(engine.running) for engine in fleet.engines)),
+        slo_met=None if counts is None else counts.met,
+        ttft_missed=None if counts is None else counts.ttft_missed,
+        itl_missed=None if counts is None else counts.itl_missed,
+        refused=None if counts is None else counts.refused,
     )
 
 
@@ -483,7 +561,11 @@ def run_twin(
         if boundary <= now:
             if planner is not None:
                 obs = observe(
-                    fleet, start_ms=boundary - interval_ms, end_ms=boundary, quantile=planner.config.quantile
+                    fleet,
+                    start_ms=boundary - interval_ms,
+                    end_ms=boundary,
+                    quantile=planner.config.quantile,
+                    limits=limits,
                 )
                 decide(planner.step(obs, current=held()), now)
             starts.append((boundary, *_counts(pools)))
@@ -493,7 +575,8 @@ def run_twin(
             boundary += interval_ms
         elif poll <= now:
             assert planner is not None
-            fast = planner.fast_path(now=now / 1000.0, current=held(), queues=_queues(fleet))
+            signals = pulse(fleet, now_ms=now, window_s=planner.config.burn_window_s, limits=limits)
+            fast = planner.fast_path(now=now / 1000.0, current=held(), pulse=signals)
             if fast is not None:
                 decide(fast, now)
             poll += poll_ms
