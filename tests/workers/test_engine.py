@@ -301,6 +301,7 @@ def test_a_kv_transfer_completing_within_a_decode_step_joins_the_step_after_it()
     assert fused[1] == stepwise[1]
     assert all(count >= 1 for _, count, _ in fused[0])
     first_b = fused[1][1][2]
+    assert isinstance(first_b, float)
     assert first_b - 50.0 < 3.5 * step_ms  # the step in progress, the one the KV arrives in, b's first
 
 
