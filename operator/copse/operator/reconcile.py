@@ -345,12 +345,8 @@ def reconcile(
     # Draining groups are on their way out: not part of any pool, their GPUs still taken.
     draining = [group for group in live if group.state is GroupState.DRAINING]
     live = [group for group in live if group.state is not GroupState.DRAINING]
-    placer = Placer(
-        deployment=deployment,
-        nodes=nodes,
-        pods=pods,
-        staying=[g.name for g in live if g.layout is not None and g.state is not GroupState.BROKEN],
-    )
+    kept = [g for g in live if g.layout is not None and g.state is not GroupState.BROKEN]
+    placer = Placer(deployment=deployment, nodes=nodes, pods=pods, staying=[g.name for g in kept])
     holding = [g.layout for g in live if g.layout is not None and g.state in _HOLDING]
     trouble = _node_trouble(deployment=deployment, placer=placer, holding=holding, now=now)
     invalid = trouble.broken
@@ -569,9 +565,17 @@ def reconcile(
         elif group.state is GroupState.GATED:
             decision.lift_gates.append(group)
 
+    # A group retired this pass still holds its GPUs until its pods are gone, but the placer left
+    # its pods out (it was staying when the placer was built): it is placed as existing, or a group
+    # placed now could land on its GPUs and be restarted by the next pass.
+    retired = {group.name for group, _ in (*decision.drain, *decision.remove)}
     outcome = placer.place(
         requests=to_place,
-        existing=[g.layout for g in staying if g.layout is not None and g.name not in restarting],
+        existing=[
+            g.layout
+            for g in (*staying, *(g for g in kept if g.name in retired))
+            if g.layout is not None and g.name not in restarting
+        ],
     )
     decision.place = list(outcome.placed)
     decision.create_pods += outcome.placed
