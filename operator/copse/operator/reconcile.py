@@ -395,7 +395,9 @@ def reconcile(
         for role in accepted_by_role
     }
     # P/D coherence: the last ready old group of a role stays while the old revision still serves
-    # with the other role, unless the new revision has a routable pair (or this is not P/D).
+    # with the other role, unless the new revision has a routable pair (or this is not P/D); the old
+    # revision's last decode group outlasts its prefill groups even then, so no revision is ever left
+    # with prefill it cannot pair.
     new_pair = all(
         any(g.template_hash in accepted_by_role[role] and g.name not in unroutable for g in ready)
         for role, ready in ready_by_role.items()
@@ -469,7 +471,7 @@ def reconcile(
                 remaining=remaining,
                 outdated=outdated,
                 draining=sum(1 for g in draining if g.role is pool.role),
-                keep_last_old=old_ready_other[pool.role] and not new_pair,
+                keep_last_old=old_ready_other[pool.role] and (not new_pair or pool.role is Role.DECODE),
                 unroutable=unroutable,
             )
             for victim in step.retire:
