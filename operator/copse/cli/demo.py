@@ -269,7 +269,7 @@ def demo(*, requests: int, workers: int, speedup: float, out: Path) -> None:
     )  # fmt: skip
     summary = json.loads(printed)["summary"]
     click.echo(
-        f"estimated (analytic) SLO attainment {summary['slo_attainment']:.1%} of intervals; "
+        f"estimated (analytic) SLO attainment {summary['slo_attainment']:.1%} of requests; "
         f"{summary['gpu_hours']:.1f} GPU-hours planned vs {summary['static_peak_gpu_hours']:.1f} "
         f"for a static deployment sized for the peak; {summary['scaling_events']} scaling events; plot {plot}"
     )
