@@ -370,11 +370,24 @@ async def test_past_the_migration_limit_the_stream_ends_with_an_error_event() ->
     assert running.service.metrics.failed_streams.labels(reason="limit")._value.get() == 1
 
 
-async def test_a_failed_decode_worker_continues_through_prefill_again() -> None:
-    path, body = _body(chat=False, max_tokens=12)
-    # distinct prompts (not cached anywhere yet: each is worth prefilling remotely), sent at once so
-    # that the decode load spreads them over both decode workers
-    prompts = [[5000 + i, *range(6000, 6000 + 2047)] for i in range(4)]
+@dataclass(frozen=True, kw_only=True)
+class _BrokenDecodeRun:
+    references: list[list[Any]]
+    """Each prompt's stream from one aggregated engine, undisturbed."""
+    results: list[list[Any]]
+    """The same prompts through the router, one of whose two decode workers breaks its streams."""
+    bad: Flaky
+    migrations: float
+    """Streams the router continued after a disconnect."""
+    prefilled: int
+    """Prompt tokens the prefill engine computed (continuations included)."""
+
+
+async def _through_a_breaking_decode_worker(
+    path: str, body: dict[str, Any], prompts: list[list[int]], *, tokens: int | None = None
+) -> _BrokenDecodeRun:
+    """``prompts`` through a router with one prefill and two decode engines, the first decode
+    engine behind a proxy that breaks its streams (after ``tokens`` tokens when given)."""
     async with (
         mock_fleet(engines=1) as reference_engine,
         mock_fleet(engines=1, config=EngineConfig(role="prefill")) as prefill,
@@ -382,7 +395,7 @@ async def test_a_failed_decode_worker_continues_through_prefill_again() -> None:
         flaky(decode.urls[0], name="flaky-decode") as bad,
     ):
         references = [await _stream(reference_engine.urls[0], path, {**body, "prompt": p}) for p in prompts]
-        bad.mode = "break"
+        bad.mode, bad.tokens = "break", tokens
         workers = [
             {"url": prefill.urls[0], "role": "prefill"},
             {"url": bad.url, "role": "decode"},
@@ -395,12 +408,28 @@ async def test_a_failed_decode_worker_continues_through_prefill_again() -> None:
             )
         finally:
             await running.close()
-    assert [_text(events) for events in results] == [_text(events) for events in references]
+        return _BrokenDecodeRun(
+            references=references,
+            results=list(results),
+            bad=bad,
+            migrations=running.service.metrics.migrations.labels(reason="disconnected")._value.get(),
+            prefilled=prefill.servers[0].engine.prompt_tokens_total,
+        )
+
+
+async def test_a_failed_decode_worker_continues_through_prefill_again() -> None:
+    path, body = _body(chat=False, max_tokens=12)
+    # distinct prompts (not cached anywhere yet: each is worth prefilling remotely), sent at once so
+    # that the decode load spreads them over both decode workers
+    prompts = [[5000 + i, *range(6000, 6000 + 2047)] for i in range(4)]
+    run = await _through_a_breaking_decode_worker(path, body, prompts)
+    assert [_text(events) for events in run.results] == [_text(events) for events in run.references]
+    bad = run.bad
     assert bad.requests >= 1
-    assert running.service.metrics.migrations.labels(reason="disconnected")._value.get() == bad.requests
+    assert run.migrations == bad.requests
     # each continuation re-entered through prefill, with the prompt and the tokens carried over
     # (3 chunks: 3 tokens, or more when the engine's chunks carry several)
-    carried = prefill.servers[0].engine.prompt_tokens_total - 4 * 2048 - bad.requests * 2048
+    carried = run.prefilled - 4 * 2048 - bad.requests * 2048
     assert 3 * bad.requests <= carried < 12 * bad.requests
 
 
@@ -486,33 +515,15 @@ async def test_a_disaggregated_continuation_delivers_exactly_max_tokens(left: in
     the decode engine must emit that token only (it used to decode one more: 13 of 12)."""
     path, body = _body(chat=False, max_tokens=12)
     prompts = [[7000 + i, *range(8000, 8000 + 2047)] for i in range(4)]
-    async with (
-        mock_fleet(engines=1) as reference_engine,
-        mock_fleet(engines=1, config=EngineConfig(role="prefill")) as prefill,
-        mock_fleet(engines=2, config=EngineConfig(role="decode")) as decode,
-        flaky(decode.urls[0], name="flaky-decode") as bad,
-    ):
-        references = [await _stream(reference_engine.urls[0], path, {**body, "prompt": p}) for p in prompts]
-        bad.mode, bad.tokens = "break", 12 - left
-        workers = [
-            {"url": prefill.urls[0], "role": "prefill"},
-            {"url": bad.url, "role": "decode"},
-            {"url": decode.urls[1], "role": "decode"},
-        ]
-        running = await _started(_config([], discovery={"kind": "static", "workers": workers}), 3)
-        try:
-            results = await asyncio.gather(
-                *(_stream(running.url, path, {**body, "prompt": p}) for p in prompts)
-            )
-        finally:
-            await running.close()
+    run = await _through_a_breaking_decode_worker(path, body, prompts, tokens=12 - left)
+    bad = run.bad
     assert bad.requests >= 1
-    assert running.service.metrics.migrations.labels(reason="disconnected")._value.get() == bad.requests
+    assert run.migrations == bad.requests
     # every continuation went through prefill again, carrying the tokens the client had: at most
     # the ones the proxy let through (the router may not have read the last chunk before the break)
-    carried = prefill.servers[0].engine.prompt_tokens_total - 4 * 2048 - bad.requests * 2048
+    carried = run.prefilled - 4 * 2048 - bad.requests * 2048
     assert 0 < carried <= (12 - left) * bad.requests
-    for events, reference in zip(results, references, strict=True):
+    for events, reference in zip(run.results, run.references, strict=True):
         assert events[-1] == "[DONE]"
         assert len(_text(events)[1]) == 12
         assert _text(events) == _text(reference)
