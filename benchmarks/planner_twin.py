@@ -13,7 +13,8 @@ Targets TTFT 2,000 ms, ITL 50 ms (mean gap per request).
 Reported per planner run: per-request attainment, GPU-hours, the ratio at equal attainment (its
 GPU-hours over the static GPU-hours interpolated at its attainment), the ratio against the
 fewest static replicas reaching the goal, the static attainment at its cost, mean and peak
-replicas, scaling events per hour and flaps (up-down-up within the scale-down delay).
+replicas, scaling events per hour, flaps (up-down-up within the scale-down delay) and scale-ups by
+trigger ("ups f/q/b": set by the forecast, by the fast loop's backlog signal, by its SLO burn).
 
 Usage: ``.venv/bin/python benchmarks/planner_twin.py --loads burst-4h --predictors constant,arima
 --delays 120,420,944 --seeds 0,1,2 [--hours H] [--disaggregated] [--jobs 2] [--json FILE]``
@@ -61,13 +62,14 @@ def row(name: str, report: TwinReport, frontier: dict[str, Any]) -> str:
         f"{number(frontier['ratio_vs_first_meeting_goal'], '.2f'):>7} "
         f"{number(frontier['static_attainment_at_equal_cost'], '.2%'):>9} "
         f"{report.mean_replicas:>6.2f} {report.peak_replicas:>5} "
-        f"{report.scaling_events / report.window_h:>6.1f} {report.flaps:>5} {report.wall_s:>6.0f}"
+        f"{report.scaling_events / report.window_h:>6.1f} {report.flaps:>5} "
+        f"{'/'.join(str(n) for n in report.scale_ups.values()):>10} {report.wall_s:>6.0f}"
     )
 
 
 HEADER = (
     f"{'run':<28} {'req ok':>8} {'GPU-h':>9} {'=att':>7} {'vsgoal':>7} {'st@cost':>9} "
-    f"{'mean':>6} {'peak':>5} {'ev/h':>6} {'flaps':>5} {'wall s':>6}"
+    f"{'mean':>6} {'peak':>5} {'ev/h':>6} {'flaps':>5} {'ups f/q/b':>10} {'wall s':>6}"
 )
 
 
