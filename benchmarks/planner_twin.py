@@ -17,7 +17,9 @@ replicas, scaling events per hour, flaps (up-down-up within the scale-down delay
 trigger ("ups f/q/b": set by the forecast, by the fast loop's backlog signal, by its SLO burn).
 
 Usage: ``.venv/bin/python benchmarks/planner_twin.py --loads burst-4h --predictors constant,arima
---delays 120,420,944 --seeds 0,1,2 [--hours H] [--disaggregated] [--jobs 2] [--json FILE]``
+--delays 120,420,944 --seeds 0,1,2 [--hours H] [--disaggregated] [--jobs 2] [--json FILE]``; on a
+load too long to walk the frontier (servegen-3d), ``--statics 9,10,11 --jobs 4`` runs the planners and
+those static sizes all at once.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import inputs
+from copse.api import Role
 from copse.planner.config import PlannerConfig
 from copse.planner.policy import AGGREGATED, DISAGGREGATED, Limits
 from copse.planner.predictors import PREDICTORS
-from copse.sim.frontier import TwinPool, run_frontier
+from copse.sim.frontier import Frontier, TwinPool, run_frontier, static_point
 from copse.sim.load import LOADS, build_load
 from copse.sim.replay import ReplaySettings
 from copse.sim.twin import TwinReport, TwinSettings
@@ -90,8 +93,17 @@ def main() -> None:
     parser.add_argument("--max-replicas", type=int, default=32)
     parser.add_argument("--goal", type=float, default=0.99)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--statics",
+        default=None,
+        help="Static sizes (aggregated) run beside the planner runs, all at once, instead of walking from "
+        "the planners' mean: for loads too long to walk (the planners' attainment must fall between them).",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    given = None if args.statics is None else sorted({int(n) for n in args.statics.split(",")})
+    if given is not None and args.disaggregated:
+        parser.error("--statics sizes aggregated fleets (a disaggregated split comes from the planner runs)")
     bounds = limits(disaggregated=args.disaggregated, max_replicas=args.max_replicas)
     predictors = [p for p in args.predictors.split(",") if p]
     delays = [float(d) for d in args.delays.split(",")]
@@ -117,28 +129,37 @@ def main() -> None:
             runs = [(p, d) for d in delays for p in predictors]
             if args.runs is not None:
                 runs = [(p, float(d)) for p, d in (item.split(":") for item in args.runs.split(","))]
+
+            def progress(run: str, report: TwinReport) -> None:
+                print(
+                    f"  {run}: {report.slo_attainment:.2%}, {report.gpu_hours:.1f} GPU-h "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+            planned: list[dict[str, Any]] = [
+                {"planner": PlannerConfig(predictor=p, startup_delay_s=d)} for p, d in runs
+            ]
+            fixed: list[dict[str, Any]] = [
+                {"planner": None, "initial": {Role.WORKER: n}} for n in given or ()
+            ]
             with TwinPool(load.requests, base, end_s=load.end_s, jobs=args.jobs) as pool:
-                planners = pool.map(
-                    [{"planner": PlannerConfig(predictor=p, startup_delay_s=d)} for p, d in runs]
-                )
+                done = pool.map(planned + fixed)
+                planners = done[: len(planned)]
                 for (p, d), report in zip(runs, planners, strict=True):
-                    print(
-                        f"  {p}, {d:g} s: {report.slo_attainment:.2%}, {report.gpu_hours:.1f} GPU-h "
-                        f"({time.perf_counter() - started:.0f} s)",
-                        file=sys.stderr,
-                        flush=True,
+                    progress(f"{p}, {d:g} s", report)
+                if given is None:
+                    frontier, statics = run_frontier(
+                        pool, planners, goal=args.goal, on_static=lambda n, r: progress(f"static {n}", r)
                     )
-                frontier, statics = run_frontier(
-                    pool,
-                    planners,
-                    goal=args.goal,
-                    on_static=lambda n, r: print(
-                        f"  static {n}: {r.slo_attainment:.2%}, {r.gpu_hours:.1f} GPU-h "
-                        f"({time.perf_counter() - started:.0f} s)",
-                        file=sys.stderr,
-                        flush=True,
-                    ),
-                )
+                else:
+                    statics = dict(zip(given, done[len(planned) :], strict=True))
+                    points = []
+                    for n, report in statics.items():
+                        progress(f"static {n}", report)
+                        points.append(static_point(n, pools={Role.WORKER: n}, report=report))
+                    frontier = Frontier(static=tuple(points), goal=args.goal)
             print(f"Static fleets (goal {args.goal:.0%} of requests):")
             for point in frontier.static:
                 pools = ", ".join(f"{role} {count}" for role, count in point.pools.items())
