@@ -1,4 +1,4 @@
-"""LoRA adapters in the twin: adapter-aware against adapter-blind routing, 16 mocked engines.
+"""LoRA adapters in the twin: adapter-aware, adapter-blind and round-robin routing, 16 mocked engines.
 
 The router core and mocked engines on the virtual clock (``copse.sim.replay.Fleet``, the core the
 HTTP router and the endpoint picker run; profile measured from the noisy engines, KV events 50 ms
@@ -9,17 +9,18 @@ holds ``--max-loras`` adapters at once and takes ``--lora-load-ms`` to load one 
 (the request waits, and so do those queued behind it); the router is told the same load time and
 learns ``max_loras`` from each engine as it registers.
 
-Both runs use ``kv`` with its defaults on the same arrivals; they differ only in
-``AdapterRouting.aware``:
+Three runs on the same arrivals:
 
-- **aware**: a worker that does not hold the adapter costs the load time on top of its predicted
-  time to first token (and one running ``max_loras`` other adapters is left out while another can
-  start it);
-- **blind**: the adapter counts only through the block hashes (an adapter's KV is its own) and the
-  adapters-at-once limit.
+- **aware**: ``kv`` with its defaults; a worker that does not hold the adapter costs the load time
+  on top of its predicted time to first token (and one running ``max_loras`` other adapters is
+  left out while another can start it);
+- **blind**: ``kv`` with its defaults, the adapter counting only through the block hashes (an
+  adapter's KV is its own) and the adapters-at-once limit;
+- **round-robin**: the ``round_robin`` policy (the baseline ``kv`` must never be behind), with
+  the same busy thresholds and adapters-at-once limit.
 
 Printed side by side: the prefix cache hit rate (prompt tokens the engines found cached), TTFT
-p50/p99/mean, end-to-end p50, the adapter loads the engines did and loads per hour of simulated
+p50/p99/mean, ITL p50, end-to-end p50/p99, the adapter loads the engines did and loads per hour of simulated
 time. Usage: ``nice -n 10 .venv/bin/python benchmarks/lora_routing.py [--minutes 5] [--speedup 4]``
 """
 
@@ -67,6 +68,7 @@ def run(
     trace: Sequence[TraceRequest],
     classes: Sequence[RequestClass],
     *,
+    policy: str,
     aware: bool,
     seed: int,
     max_loras: int,
@@ -74,6 +76,7 @@ def run(
 ) -> dict[str, float]:
     engines = EngineSetup(config=EngineConfig(adapters=AdapterSettings(max_loras=max_loras, load_ms=load_ms)))
     settings = ReplaySettings(
+        policy=policy,
         workers=16,
         seed=seed,
         engines=engines,
@@ -95,7 +98,9 @@ def run(
         "ttft_p50_ms": report.ttft_ms.p50,
         "ttft_p99_ms": report.ttft_ms.p99,
         "ttft_mean_ms": report.ttft_ms.mean,
+        "itl_p50_ms": report.itl_ms.p50,
         "e2e_p50_ms": report.e2e_ms.p50,
+        "e2e_p99_ms": report.e2e_ms.p99,
         "adapter_loads": float(loads),
         "loads_per_hour": loads / span_h,
         "router_predicted_loads": float(fleet.router.adapters.loads),
@@ -126,22 +131,27 @@ def main() -> None:
         f"{args.max_loras}, load {args.lora_load_ms:g} ms, seed {args.seed}; adapter shares "
         + " ".join(f"{share:.2f}" for share in shares.values())
     )
+    modes = {"aware": ("kv", True), "blind": ("kv", False), "round-robin": ("round_robin", False)}
     results = {
         mode: run(
             trace,
             classes,
-            aware=mode == "aware",
+            policy=policy,
+            aware=aware,
             seed=args.seed,
             max_loras=args.max_loras,
             load_ms=args.lora_load_ms,
         )
-        for mode in ("aware", "blind")
+        for mode, (policy, aware) in modes.items()
     }
-    aware, blind = results["aware"], results["blind"]
-    print(f"{'measure':<24}{'aware':>14}{'blind':>14}{'aware/blind':>14}")
+    aware, blind, rr = results["aware"], results["blind"], results["round-robin"]
+    print(f"{'measure':<24}{'aware':>14}{'blind':>14}{'round-robin':>14}{'aware/blind':>14}{'aware/rr':>14}")
     for key in aware:
-        ratio = aware[key] / blind[key] if blind[key] else float("nan")
-        print(f"{key:<24}{aware[key]:>14,.3f}{blind[key]:>14,.3f}{ratio:>14.3f}")
+        ratios = [aware[key] / other[key] if other[key] else float("nan") for other in (blind, rr)]
+        print(
+            f"{key:<24}{aware[key]:>14,.3f}{blind[key]:>14,.3f}{rr[key]:>14,.3f}"
+            f"{ratios[0]:>14.3f}{ratios[1]:>14.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.envoy_gateway import envoy_gateway
 from e2e.local_router import MODEL
 from e2e.local_router import static_router as _router
 
 from copse.router.server import RunningRouter
+from copse.sim.gateway import envoy_gateway
 from copse.workers.testing import mock_fleet
 
 pytestmark = pytest.mark.e2e
