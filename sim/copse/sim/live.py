@@ -178,18 +178,24 @@ async def _router(
         raise
 
 
-async def _mean_lag_ms(urls: Sequence[str]) -> float:
-    """Mean delivery lag of the engines' steps behind their timeline (``copse_mock_step_lag_seconds``)."""
-    total = count = 0.0
+async def metric_total(urls: Sequence[str], name: str) -> float:
+    """The sum of every sample of metric ``name`` (all label sets) that ``urls`` (Prometheus text
+    pages) expose."""
+    total = 0.0
     async with aiohttp.ClientSession() as http:
         for url in urls:
-            async with http.get(f"{url}/prometheus/metrics") as response:
+            async with http.get(url) as response:
                 for line in (await response.text()).splitlines():
-                    if line.startswith(f"{MOCK_STEP_LAG_SECONDS}_sum"):
+                    if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
                         total += float(line.rsplit(" ", 1)[1])
-                    elif line.startswith(f"{MOCK_STEP_LAG_SECONDS}_count"):
-                        count += float(line.rsplit(" ", 1)[1])
-    return total / count * 1000 if count else 0.0
+    return total
+
+
+async def _mean_lag_ms(urls: Sequence[str]) -> float:
+    """Mean delivery lag of the engines' steps behind their timeline (``copse_mock_step_lag_seconds``)."""
+    pages = [f"{url}/prometheus/metrics" for url in urls]
+    count = await metric_total(pages, f"{MOCK_STEP_LAG_SECONDS}_count")
+    return await metric_total(pages, f"{MOCK_STEP_LAG_SECONDS}_sum") / count * 1000 if count else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,10 +327,12 @@ async def drive(
     speedup: float,
     synth: TokenSynth,
     headers: Sequence[Mapping[str, str] | None] | None = None,
+    models: Sequence[str] | None = None,
     progress: Callable[[int], object] | None = None,
 ) -> list[Answer]:
     """Send every request of ``trace`` to ``url`` at its arrival time (divided by ``speedup``),
-    the ``i``-th with ``headers[i]``; the answers in trace order."""
+    the ``i``-th with ``headers[i]`` for model ``models[i]`` (a LoRA adapter, say); the answers in
+    trace order."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         loop = asyncio.get_running_loop()
@@ -336,9 +344,12 @@ async def drive(
                 await asyncio.sleep(delay)
             tokens = synth.tokens(request.hash_ids, request.input_length).tolist()
             extra = headers[index] if headers is not None else None
+            model = models[index] if models is not None else MODEL
             tasks.append(
                 asyncio.create_task(
-                    send(http, url, tokens=tokens, max_tokens=request.output_length, headers=extra)
+                    send(
+                        http, url, tokens=tokens, max_tokens=request.output_length, headers=extra, model=model
+                    )
                 )
             )
             if progress is not None:
