@@ -52,7 +52,7 @@ import uvloop
 from copse.router.clients import FAIRNESS_HEADER
 from copse.router.core import Thresholds
 from copse.router.objectives import OBJECTIVE_HEADER
-from copse.sim.live import Answer, drive, live_fleet
+from copse.sim.live import Answer, drive, live_fleet, mean_lag_ms
 from copse.sim.replay import Fleet, ReplaySettings, RequestClass
 from copse.sim.trace import TokenSynth, TraceRequest, load_trace
 
@@ -118,6 +118,10 @@ class Outcome:
     fleet: Timings
     classes: Sequence[RequestClass]
     duration_s: float
+    engine_lag_ms: float | None = None
+    """Live runs: mean delivery lag of the engines' steps behind their own timeline (the engines'
+    process not keeping up in wall time: every token, the first included, reaches the router
+    that much late)."""
 
     def of(self, mask: npt.NDArray[np.bool_], *, ttft_target_ms: float) -> dict[str, float]:
         fleet = self.fleet
@@ -231,14 +235,17 @@ def run_live(
     settings = ReplaySettings(workers=engines, seed=seed)
     synth = TokenSynth(seed=seed, trace_block_size=settings.trace_block_size)
 
-    async def go() -> list[Answer]:
+    async def go() -> tuple[list[Answer], float]:
         async with live_fleet(settings, router={"objectives": objectives}, gateway=gateway) as fleet:
-            return await drive(
+            answers = await drive(
                 fleet.url, trace, speedup=1.0, synth=synth, headers=[headers_of(kind) for kind in kinds]
             )
+            return answers, await mean_lag_ms(fleet.engine_urls)
 
-    answers: list[Answer] = uvloop.run(go())
-    return Outcome(fleet=Timings.of_answers(trace, answers), classes=kinds, duration_s=seconds)
+    answers, lag_ms = uvloop.run(go())
+    return Outcome(
+        fleet=Timings.of_answers(trace, answers), classes=kinds, duration_s=seconds, engine_lag_ms=lag_ms
+    )
 
 
 Runner = Callable[[Sequence[TraceRequest], Sequence[RequestClass] | None, float], Outcome]
@@ -438,7 +445,10 @@ def main() -> None:
             totals = {}
             for name, classes in (("no objectives", None), ("premium/batch objectives", kinds)):
                 outcome = go(trace, classes, seconds)
-                print(f" {name}:")
+                lag = (
+                    "" if outcome.engine_lag_ms is None else f" (engine lag {outcome.engine_lag_ms:,.0f} ms)"
+                )
+                print(f" {name}{lag}:")
                 premium_figures = outcome.of(is_premium, ttft_target_ms=args.premium_ttft_ms)
                 batch_figures = outcome.of(~is_premium, ttft_target_ms=args.batch_ttft_ms)
                 show("premium", premium_figures)

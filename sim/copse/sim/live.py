@@ -191,7 +191,7 @@ async def metric_total(urls: Sequence[str], name: str) -> float:
     return total
 
 
-async def _mean_lag_ms(urls: Sequence[str]) -> float:
+async def mean_lag_ms(urls: Sequence[str]) -> float:
     """Mean delivery lag of the engines' steps behind their timeline (``copse_mock_step_lag_seconds``)."""
     pages = [f"{url}/prometheus/metrics" for url in urls]
     count = await metric_total(pages, f"{MOCK_STEP_LAG_SECONDS}_count")
@@ -295,7 +295,7 @@ async def live_replay(
     synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
     async with live_fleet(settings) as fleet:
         answers = await drive(fleet.url, trace, speedup=settings.speedup, synth=synth, progress=progress)
-        lag_ms = await _mean_lag_ms(fleet.engine_urls)
+        lag_ms = await mean_lag_ms(fleet.engine_urls)
     ttft, itl, e2e, cached, outputs = (
         np.array(column, dtype=np.float64)
         for column in zip(*((a.ttft_s, a.itl_s, a.e2e_s, a.cached, a.outputs) for a in answers), strict=True)
