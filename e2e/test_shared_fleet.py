@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e.local_router import MODEL
+from e2e.local_router import MODEL, until
 from e2e.local_router import static_router as _router
 
 from copse.router.server import RunningRouter
@@ -26,18 +27,23 @@ PREMIUM = {"x-gateway-inference-objective": "premium", "x-gateway-inference-fair
 BATCH = {"x-gateway-inference-objective": "batch", "x-gateway-inference-fairness-id": "team-b"}
 SETTINGS: dict[str, Any] = {
     "busy_prefill_tokens": 8,  # each engine takes one request at a time
-    "rate_window_s": 1.0,
+    "rate_window_s": 2.0,
     "objectives": {"premium": {"priority": 100, "ttft_ms": 60000}, "batch": {"priority": 0, "ttft_ms": 1}},
 }
 
 
-PROMPT = list(range(1000, 1320))
+PROMPT_TOKENS = 320
 MAX_TOKENS = 48
+_prompts = itertools.count()
 
 
 async def _post(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> Answer:
-    """A streamed completion, as the live benchmark sends it (benchmarks/shared_fleets.py --live)."""
-    return await send(http, url, tokens=PROMPT, max_tokens=MAX_TOKENS, headers=headers, model=MODEL)
+    """A streamed completion, as the live benchmark sends it (benchmarks/shared_fleets.py --live),
+    of a prompt no other request shares: each holds its engine busy until its first token (a
+    cached prompt would leave the engine free at once, and nothing would ever wait)."""
+    start = 1000 + PROMPT_TOKENS * next(_prompts)
+    tokens = list(range(start, start + PROMPT_TOKENS))
+    return await send(http, url, tokens=tokens, max_tokens=MAX_TOKENS, headers=headers, model=MODEL)
 
 
 def _complete(answer: Answer) -> bool:
@@ -74,12 +80,25 @@ async def test_above_capacity_premium_is_served_and_batch_is_shed_with_429(mode:
         aiohttp.ClientSession() as http,
     ):
         service = running.service
-        while service.router.routed_tokens_per_s(now=service.now()) is None:
-            # history of the drain rate admission predicts waits with
-            assert _complete(await _post(http, url, PREMIUM))
+        burst_done = asyncio.Event()
+
+        async def steady() -> list[Answer]:
+            """Premium streams one after another until the burst is over: the router keeps a
+            history of the rate it routes at (what admission predicts waits with), however long
+            a loaded machine takes to deliver the burst."""
+            answers = []
+            while not burst_done.is_set():
+                answers.append(await _post(http, url, PREMIUM))
+            return answers
+
+        background = asyncio.create_task(steady())
+        await until(lambda: service.router.routed_tokens_per_s(now=service.now()) is not None)
         burst = [_post(http, url, PREMIUM if i % 4 == 0 else BATCH) for i in range(40)]
         answers = await asyncio.gather(*burst)
+        burst_done.set()
+        steady_answers = await background
         metrics = service.metrics_text().decode()
+    assert all(_complete(answer) for answer in steady_answers), steady_answers
     premium = [answers[i] for i in range(40) if i % 4 == 0]
     batch = [answers[i] for i in range(40) if i % 4]
     assert all(_complete(answer) for answer in premium), premium
