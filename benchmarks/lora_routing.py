@@ -20,7 +20,18 @@ Both runs use ``kv`` with its defaults on the same arrivals; they differ only in
 
 Printed side by side: the prefix cache hit rate (prompt tokens the engines found cached), TTFT
 p50/p99/mean, end-to-end p50, the adapter loads the engines did and loads per hour of simulated
-time. Usage: ``nice -n 10 .venv/bin/python benchmarks/lora_routing.py [--minutes 5] [--speedup 4]``
+time.
+
+Then two router replicas (``Fleet(replica_of=...)``: each request reaches one of them at random,
+seeded, as a Service spreads connections), both adapter-aware, sharing their in-flight load as
+over NATS; they differ only in ``AdapterRouting.shared``:
+
+- **shared**: each replica mirrors the adapters its peer's requests load (the requests it shares
+  carry their adapter), so both see every engine's adapter cache;
+- **unshared**: each knows only the loads its own requests caused (what replicas did before
+  adapter state was shared).
+
+Usage: ``nice -n 10 .venv/bin/python benchmarks/lora_routing.py [--minutes 5] [--speedup 4]``
 """
 
 from __future__ import annotations
@@ -71,16 +82,19 @@ def run(
     seed: int,
     max_loras: int,
     load_ms: float,
+    shared: bool = True,
+    replica_of: Sequence[int] | None = None,
 ) -> dict[str, float]:
     engines = EngineSetup(config=EngineConfig(adapters=AdapterSettings(max_loras=max_loras, load_ms=load_ms)))
     settings = ReplaySettings(
         workers=16,
         seed=seed,
         engines=engines,
-        adapters=AdapterRouting(load_ms=load_ms, aware=aware),  # max_loras: each engine reports it
+        # max_loras: each engine reports it
+        adapters=AdapterRouting(load_ms=load_ms, aware=aware, shared=shared),
     )
     started = time.perf_counter()
-    fleet = Fleet(trace, settings, engines=16, classes=classes)
+    fleet = Fleet(trace, settings, engines=16, classes=classes, replica_of=replica_of)
     for index in range(len(trace)):
         fleet.run_until(float(fleet.arrival_ms[index]))
         fleet.arrive(index)
@@ -98,7 +112,7 @@ def run(
         "e2e_p50_ms": report.e2e_ms.p50,
         "adapter_loads": float(loads),
         "loads_per_hour": loads / span_h,
-        "router_predicted_loads": float(fleet.router.adapters.loads),
+        "router_predicted_loads": float(sum(router.adapters.loads for router in fleet.routers)),
         "simulated_s": span_h * 3600.0,
     }
 
@@ -126,22 +140,27 @@ def main() -> None:
         f"{args.max_loras}, load {args.lora_load_ms:g} ms, seed {args.seed}; adapter shares "
         + " ".join(f"{share:.2f}" for share in shares.values())
     )
-    results = {
-        mode: run(
-            trace,
-            classes,
-            aware=mode == "aware",
-            seed=args.seed,
-            max_loras=args.max_loras,
-            load_ms=args.lora_load_ms,
-        )
-        for mode in ("aware", "blind")
+    common = {"seed": args.seed, "max_loras": args.max_loras, "load_ms": args.lora_load_ms}
+    one = {mode: run(trace, classes, aware=mode == "aware", **common) for mode in ("aware", "blind")}
+    print_table("one router", one["aware"], one["blind"], names=("aware", "blind"))
+    replica_of = np.random.default_rng([args.seed, 2]).integers(0, 2, size=len(trace)).tolist()
+    two = {
+        mode: run(trace, classes, aware=True, shared=mode == "shared", replica_of=replica_of, **common)
+        for mode in ("shared", "unshared")
     }
-    aware, blind = results["aware"], results["blind"]
-    print(f"{'measure':<24}{'aware':>14}{'blind':>14}{'aware/blind':>14}")
-    for key in aware:
-        ratio = aware[key] / blind[key] if blind[key] else float("nan")
-        print(f"{key:<24}{aware[key]:>14,.3f}{blind[key]:>14,.3f}{ratio:>14.3f}")
+    print(f"two replicas, adapter-aware; requests per replica {replica_of.count(0)} / {replica_of.count(1)}")
+    print_table("two replicas", two["shared"], two["unshared"], names=("shared", "unshared"))
+
+
+def print_table(
+    title: str, first: dict[str, float], second: dict[str, float], *, names: tuple[str, str]
+) -> None:
+    """The two runs' figures side by side, with their ratio."""
+    a, b = names
+    print(f"{title:<24}{a:>14}{b:>14}{a + '/' + b:>18}")
+    for key, value in first.items():
+        ratio = value / second[key] if second[key] else float("nan")
+        print(f"{key:<24}{value:>14,.3f}{second[key]:>14,.3f}{ratio:>18.3f}")
 
 
 if __name__ == "__main__":

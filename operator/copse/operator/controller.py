@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pydantic
 
 from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, RouterMode, parse_deployment
-from copse.operator import children, metrics, multinode, names, weights
+from copse.operator import children, gateway, metrics, multinode, names, weights
 from copse.operator.children import GroupLayout
 from copse.operator.inflight import InFlight, RouterInFlight
 from copse.operator.kube import KubeApi
@@ -124,12 +124,17 @@ class Controller:
         self._pass_started: float | None = None
         self.compute_domains_served = False
         """Whether the cluster has NVIDIA's ComputeDomain CRD (listed at start, then watched)."""
+        self.http_routes_served = False
+        """Whether the cluster has the Gateway API's HTTPRoute CRD (listed at start, then watched)."""
         self.leading = True
         """Whether this replica reconciles (holds the leader Lease); a standby only keeps its
         cache, so its queue waiting is no sign of a stuck loop."""
         self._created: set[tuple[str, str, str, str]] = set()
         """(kind, namespace, name, owner uid) of create-once children this process knows exist,
         so a pass does not ask again (a restarted operator asks once and gets 409)."""
+        self._route_reported: dict[str, str] = {}
+        """Owner uid -> the GatewayRoute reason last posted as an Event (a pass may run before the
+        watch brings back the status the previous pass wrote)."""
 
     def health(self) -> dict[str, float]:
         """Figures for the liveness probe: deployments queued for a pass, how long the oldest due
@@ -182,6 +187,7 @@ class Controller:
         # grow the operator's memory.
         uid = body.get("metadata", {}).get("uid")
         self._created = {key for key in self._created if key[3] != uid}
+        self._route_reported.pop(uid, None)
         # A deleted deployment's series go too (an alert on them would outlive it).
         for gauge in (metrics.PLACEMENT_SCORE, metrics.UNPLACED_GROUPS):
             with contextlib.suppress(KeyError):
@@ -209,16 +215,20 @@ class Controller:
             self.mark_all()
 
     def on_crd(self, crd: Mapping[str, Any], *, deleted: bool) -> None:
-        """A CustomResourceDefinition changed: notice NVIDIA's ComputeDomain arriving or leaving."""
-        if crd.get("metadata", {}).get("name") != multinode.COMPUTE_DOMAIN_CRD:
-            return
+        """A CustomResourceDefinition changed: notice NVIDIA's ComputeDomain or the Gateway API's
+        HTTPRoute arriving or leaving."""
+        name = crd.get("metadata", {}).get("name")
         versions = crd.get("spec", {}).get("versions", [])
-        served = not deleted and any(
-            v.get("name") == multinode.COMPUTE_DOMAIN_VERSION and v.get("served") for v in versions
-        )
-        if served != self.compute_domains_served:
-            logger.info("ComputeDomain CRD %s", "served" if served else "gone")
-            self.compute_domains_served = served
+        if name == multinode.COMPUTE_DOMAIN_CRD:
+            attribute, version = "compute_domains_served", multinode.COMPUTE_DOMAIN_VERSION
+        elif name == gateway.CRD:
+            attribute, version = "http_routes_served", gateway.VERSION
+        else:
+            return
+        served = not deleted and any(v.get("name") == version and v.get("served") for v in versions)
+        if served != getattr(self, attribute):
+            logger.info("%s CRD %s", name, "served" if served else "gone")
+            setattr(self, attribute, served)
             self.mark_all()
 
     def _mark_unplaced(self) -> None:
@@ -245,6 +255,9 @@ class Controller:
             group=multinode.COMPUTE_DOMAIN_GROUP,
             version=multinode.COMPUTE_DOMAIN_VERSION,
             plural=multinode.COMPUTE_DOMAIN_PLURAL,
+        )
+        self.http_routes_served = await self.kube.served(
+            group=gateway.GROUP, version=gateway.VERSION, plural=gateway.PLURAL
         )
 
     # -- the worker ----------------------------------------------------------------------------
@@ -358,8 +371,49 @@ class Controller:
                 previous=body.get("status", {}).get("conditions", []),
             )
         )
+        await self._gateway_route(body, deployment, decision, namespace=namespace)
         await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
         return decision.requeue_after_s
+
+    async def _gateway_route(
+        self, body: Mapping[str, Any], deployment: InferenceDeployment, decision: Decision, *, namespace: str
+    ) -> None:
+        """Write (or remove) the deployment's HTTPRoute and report it in its GatewayRoute condition;
+        a cluster without the HTTPRoute CRD gets the condition and one Warning, never a failed pass."""
+        previous = body.get("status", {}).get("conditions", [])
+        before = next((c for c in previous if c.get("type") == gateway.CONDITION), None)
+        name = deployment.metadata.name
+        if not gateway.wants_route(deployment):
+            if before is not None and before.get("status") == "True" and self.http_routes_served:
+                # It asked for a route before: the route goes (its owner stays).
+                await self.kube.delete("HTTPRoute", namespace=namespace, name=name)
+                await self.kube.post_event(
+                    owner=body,
+                    type="Normal",
+                    reason="RouteRemoved",
+                    message=f"HTTPRoute {name} deleted: spec.router.gateway is unset or the mode is not epp",
+                )
+            return
+        ok, reason, message = gateway.route_status(deployment, served=self.http_routes_served)
+        if ok:
+            await self.kube.apply(gateway.http_route(deployment))
+        uid = str(deployment.metadata.uid)
+        if (before is None or before.get("reason") != reason) and self._route_reported.get(uid) != reason:
+            self._route_reported[uid] = reason
+            await self.kube.post_event(
+                owner=body, type="Normal" if ok else "Warning", reason=reason, message=message
+            )
+        decision.status["conditions"].append(
+            condition(
+                gateway.CONDITION,
+                ok,
+                reason=reason,
+                message=message,
+                generation=body["metadata"].get("generation"),
+                now=datetime.now(UTC),
+                previous=previous,
+            )
+        )
 
     def _routers(self, namespace: str, name: str, *, port: int) -> list[str]:
         """Base URLs of the deployment's ready router pods (none ready: nothing routes)."""

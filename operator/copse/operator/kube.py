@@ -38,6 +38,12 @@ _KINDS: dict[str, tuple[str, str]] = {
 _CUSTOM_KINDS: dict[str, tuple[str, str, str]] = {
     "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
     "ComputeDomain": ("resource.nvidia.com", "v1beta1", "computedomains"),
+    "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
+}
+#: kind -> what to do when the cluster does not serve it
+_INSTALL_HINTS: dict[str, str] = {
+    "InferencePool": "install its CRD (the chart's inferencePool.installCRD) or set spec.router.mode: http",
+    "HTTPRoute": "install the Gateway API CRDs or unset spec.router.gateway",
 }
 
 
@@ -104,8 +110,7 @@ class Kube:
                 if exc.status == 404:
                     raise RuntimeError(
                         f"{obj['kind']} {meta['namespace']}/{meta['name']}: the cluster does not serve "
-                        f"{plural}.{group}/{version}; install its CRD (the chart's inferencePool.installCRD) "
-                        "or set spec.router.mode: http"
+                        f"{plural}.{group}/{version}; {_INSTALL_HINTS.get(obj['kind'], 'install its CRD')}"
                     ) from exc
                 raise
             return

@@ -10,6 +10,12 @@ several models and adapters behind one entry point.
   several replicas each knows what it sent). A worker that does not hold the request's adapter
   costs an adapter load (``load_ms``) on top of its predicted time to first token, which is how
   the ``kv`` policy prefers workers that hold it.
+- **Shared between replicas.** Several router replicas each send part of the requests, so each
+  alone would know only the adapter loads its own requests caused. Replicas share every request
+  they route over NATS (:mod:`copse.router.replica_sync`, with its adapter), and each replays its
+  peers' requests into its own LRU (:meth:`AdapterTracker.routed` with ``peer=True``): every
+  replica then sees the engines' adapter caches as one router sending everything would. A
+  replica that joins loads a peer's whole view from its snapshot (:meth:`AdapterTracker.adopt`).
 - **Adapters at once.** A worker whose requests in flight already use ``max_loras`` adapters, none
   of them this request's, cannot take it without waiting for one of them to finish: it is left
   out while another worker can take the request.
@@ -43,6 +49,9 @@ class AdapterRouting(AdapterSettings):
     aware: bool = True
     """Prefer workers that hold the request's adapter; off (adapter-blind), only the block hashes
     (which include the adapter) and the adapters-at-once limit see adapters."""
+    shared: bool = True
+    """Mirror the adapters peer replicas' requests use (off: each replica knows only the loads its
+    own requests caused, for comparison)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,6 +74,8 @@ class AdapterTracker:
         """Request id -> (slots it runs on, its adapter), for requests through an adapter."""
         self.loads = 0
         """Adapter loads this router's routing caused (as predicted from the mirrored LRU)."""
+        self.peer_loads = 0
+        """Adapter loads its peer replicas' requests caused, as mirrored here."""
 
     def set_worker(
         self, slot: int, *, model: str, max_loras: int | None = None, held: tuple[str, ...] = ()
@@ -88,6 +99,18 @@ class AdapterTracker:
     def serves(self, model: str) -> bool:
         """Whether a registered worker serves ``model``."""
         return any(worker.model == model for worker in self._workers.values())
+
+    def adopt(self, slot: int, held: list[str]) -> None:
+        """The worker in ``slot`` holds ``held``, least recently used first (a peer replica's view,
+        from its snapshot: it has seen the requests this replica missed)."""
+        worker = self._workers.get(slot)
+        if worker is not None:
+            worker.held = OrderedDict.fromkeys(held[-worker.max_loras :])
+
+    def adapter_of(self, request_id: str) -> str:
+        """The adapter ``request_id`` runs through ("": none, or not known here)."""
+        flight = self._flights.get(request_id)
+        return "" if flight is None else flight[1]
 
     def held(self, slot: int) -> list[str]:
         """Adapters the worker in ``slot`` is believed to hold, least recently used first."""
@@ -125,9 +148,10 @@ class AdapterTracker:
                 out[slot] = self.settings.load_ms
         return out
 
-    def routed(self, request_id: str, *, slots: tuple[int, ...], adapter: str) -> None:
+    def routed(self, request_id: str, *, slots: tuple[int, ...], adapter: str, peer: bool = False) -> None:
         """``request_id`` through ``adapter`` went to ``slots`` (its prefill and decode workers):
-        each holds the adapter now, most recently used, evicting its least recently used one."""
+        each holds the adapter now, most recently used, evicting its least recently used one.
+        ``peer``: a peer replica routed it (its loads count in :attr:`peer_loads`)."""
         if request_id in self._flights:  # routed again (a retry): its previous attempt ended
             self.finished(request_id)
         if not adapter:
@@ -142,7 +166,10 @@ class AdapterTracker:
                 if len(worker.held) >= worker.max_loras:
                     worker.held.popitem(last=False)
                 worker.held[adapter] = None
-                self.loads += 1
+                if peer:
+                    self.peer_loads += 1
+                else:
+                    self.loads += 1
             worker.running[adapter] += 1
         self._flights[request_id] = (slots, adapter)
 

@@ -20,7 +20,7 @@ import enum
 import math
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -191,6 +191,8 @@ class FlightRecord:
     """Tenant of the request (for the fair share across replicas)."""
     priority: int = 0
     """Priority of the request's objective."""
+    adapter: str = ""
+    """LoRA adapter the request runs through (peers mirror the worker's adapter cache)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -904,6 +906,7 @@ class Router:
                 output_tokens=request.max_tokens if output else 0,
                 tenant=request.tenant,
                 priority=request.priority,
+                adapter=request.adapter,
             )
             self.outbox.append(PeerChange(op="add", key=key, record=record))
 
@@ -933,11 +936,14 @@ class Router:
             if record.output_tokens:  # the request's main charge: what the peer served it
                 served = len(record.hashes) * self.settings.block_size + record.kv_tokens
                 self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
+            if record.adapter and self.adapters.settings.shared:
+                self.adapters.routed(key, slots=(slot,), adapter=record.adapter, peer=True)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)
         else:
             self.sequences.free(key, now=now)
+            self.adapters.finished(key)
         return self._drain(now=now)
 
     def own_flights(self) -> list[tuple[str, FlightRecord, bool]]:
@@ -959,20 +965,42 @@ class Router:
                     prefill_ms=flight.prefill_ms,
                     kv_tokens=flight.kv_tokens,
                     output_tokens=flight.output_tokens,
+                    adapter=self.adapters.adapter_of(request_id),
                 )
                 flights.append((key, record, flight.prefilling))
         return flights
 
+    def held_adapters(self) -> dict[str, list[str]]:
+        """The adapters each worker is believed to hold, least recently used first (for a peer
+        replica's snapshot; workers holding none are left out)."""
+        held = {
+            worker_id: self.adapters.held(slot)
+            for worker_id in self.workers
+            if (slot := self.slots.get(worker_id)) is not None
+        }
+        return {worker_id: adapters for worker_id, adapters in held.items() if adapters}
+
     def load_peer_snapshot(
-        self, peer: str, flights: Sequence[tuple[str, FlightRecord, bool]], *, now: float
+        self,
+        peer: str,
+        flights: Sequence[tuple[str, FlightRecord, bool]],
+        *,
+        now: float,
+        adapters: Mapping[str, Sequence[str]] | None = None,
     ) -> list[Route]:
-        """Replace what is known of ``peer``'s load with its snapshot (:meth:`own_flights` there);
-        returns queued requests it lets through."""
+        """Replace what is known of ``peer``'s load with its snapshot (:meth:`own_flights` there)
+        and, unless adapter sharing is off, take its view of the adapters each worker holds
+        (``adapters``, :meth:`held_adapters` there); returns queued requests it lets through."""
         self.forget_peer(peer, now=now)
         for key, record, prefilling in flights:
             self.apply_peer(PeerChange(op="add", key=key, record=record), peer=peer, now=now)
             if not prefilling:
                 self.sequences.prefill_done(f"{peer}/{key}", now=now)
+        if adapters and self.adapters.settings.shared:
+            for worker_id, held in adapters.items():
+                slot = self.slots.get(worker_id)
+                if slot is not None and worker_id in self.workers:
+                    self.adapters.adopt(slot, list(held))
         return self._drain(now=now)
 
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
@@ -980,6 +1008,7 @@ class Router:
         prefix = f"{peer}/"
         for key in self.sequences.keys_with_prefix(prefix):
             self.sequences.free(key, now=now)
+            self.adapters.finished(key)
         return self._drain(now=now)
 
     def expire(self, *, now: float, max_age_s: float) -> list[str]:
@@ -988,4 +1017,5 @@ class Router:
         expired = self.sequences.expire(now=now, max_age_s=max_age_s)
         for key in expired:
             self._routes.pop(key, None)
+            self.adapters.finished(key)
         return expired

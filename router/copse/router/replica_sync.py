@@ -1,8 +1,9 @@
 """Sharing in-flight load between router replicas over NATS, so they do not herd.
 
 Each replica publishes what it charges workers (request routed: the worker, prompt blocks,
-prefill tokens and time, KV tokens; first token; end) on the deployment's load subject, and
-mirrors what its peers publish into its own load tracker. Replicas also publish a heartbeat;
+prefill tokens and time, KV tokens, its LoRA adapter; first token; end) on the deployment's load
+subject, and mirrors what its peers publish into its own load tracker (and, through the adapter,
+into its mirror of each worker's adapter cache). Replicas also publish a heartbeat;
 a peer silent for ``peer_timeout_s`` is forgotten with everything it charged (it stopped, or
 its messages are not arriving). A peer's prefill backlog decays from when its message arrived.
 
@@ -62,6 +63,8 @@ class WireRecord(_Wire):
     """Output tokens expected (absent from replicas of earlier versions)."""
     tenant: str = ""
     priority: int = 0
+    adapter: str = ""
+    """LoRA adapter of the request (absent from replicas of earlier versions, and for the base model)."""
 
 
 class WireChange(_Wire):
@@ -94,6 +97,8 @@ class Snapshot(_Wire):
     seq: int
     """Number of the last load message it had sent when it took the snapshot."""
     flights: list[SnapshotFlight]
+    adapters: dict[str, list[str]] = {}
+    """Per worker id, the LoRA adapters it believes the worker holds, least recently used first."""
 
 
 def _wire(record: FlightRecord) -> WireRecord:
@@ -106,6 +111,7 @@ def _wire(record: FlightRecord) -> WireRecord:
         output_tokens=record.output_tokens,
         tenant=record.tenant,
         priority=record.priority,
+        adapter=record.adapter,
     )
 
 
@@ -119,6 +125,7 @@ def _record(wire: WireRecord) -> FlightRecord:
         output_tokens=wire.output_tokens,
         tenant=wire.tenant,
         priority=wire.priority,
+        adapter=wire.adapter,
     )
 
 
@@ -268,7 +275,12 @@ class ReplicaSync(Subscriber):
             SnapshotFlight(key=key, record=_wire(record), prefilling=prefilling)
             for key, record, prefilling in self.service.router.own_flights()
         ]
-        snapshot = Snapshot(router=self.router_id, seq=self._seq, flights=flights)
+        snapshot = Snapshot(
+            router=self.router_id,
+            seq=self._seq,
+            flights=flights,
+            adapters=self.service.router.held_adapters(),
+        )
         with contextlib.suppress(NatsError, OSError):
             await msg.respond(snapshot.model_dump_json().encode())
 
@@ -338,7 +350,9 @@ class ReplicaSync(Subscriber):
         base = 0
         if snapshot is not None:
             flights = [(flight.key, _record(flight.record), flight.prefilling) for flight in snapshot.flights]
-            self.service.released(self.service.router.load_peer_snapshot(peer, flights, now=now))
+            self.service.released(
+                self.service.router.load_peer_snapshot(peer, flights, now=now, adapters=snapshot.adapters)
+            )
             base = snapshot.seq
             self.service.metrics.peer_snapshots.labels(result="loaded").inc()
         else:

@@ -1,0 +1,154 @@
+"""The HTTPRoute of an ``epp``-mode deployment naming a gateway: the rendered object, the spec
+checks, and the controller writing, updating and removing it (or reporting a missing CRD)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from copse.api import ManifestError, parse_deployment
+from copse.operator import gateway
+
+from .test_reconcile import NAMESPACE, Harness, manifest
+
+ROUTES = (gateway.GROUP, gateway.VERSION, gateway.PLURAL)
+CRD = {
+    "metadata": {"name": gateway.CRD},
+    "spec": {"versions": [{"name": "v1", "served": True}, {"name": "v1beta1", "served": True}]},
+}
+LORAS = [
+    {"name": "sql", "source": "hf://acme/sql-lora", "rank": 16},
+    {"name": "legal", "source": "hf://acme/legal-lora", "rank": 8},
+]
+
+
+def epp_spec(*, loras: list[dict[str, Any]] | None = None, **gateway_ref: Any) -> dict[str, Any]:
+    return {
+        "model": {"name": "meta-llama/Llama-3-70B", "tensorParallelism": 8, "loras": loras or []},
+        "engine": {"backend": "mock"},
+        "router": {"mode": "epp", "gateway": {"name": "inference", **gateway_ref}},
+    }
+
+
+def deployment(**spec: Any) -> Any:
+    return parse_deployment(manifest(**spec), source="test")
+
+
+def header_values(route: dict[str, Any]) -> list[str]:
+    return [
+        header["value"]
+        for rule in route["spec"]["rules"]
+        for match in rule["matches"]
+        for header in match["headers"]
+    ]
+
+
+def test_the_route_matches_the_model_and_every_adapter_and_sends_them_to_the_pool() -> None:
+    route = gateway.http_route(deployment(**epp_spec(loras=LORAS)))
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["kind"] == "HTTPRoute"
+    meta = route["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("llama", NAMESPACE)
+    assert meta["ownerReferences"][0]["kind"] == "InferenceDeployment"
+    assert meta["ownerReferences"][0]["uid"] == "uid-llama"
+    assert route["spec"]["parentRefs"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference"}
+    ]
+    [rule] = route["spec"]["rules"]
+    assert rule["matches"] == [
+        {"headers": [{"type": "Exact", "name": "X-Gateway-Model-Name", "value": name}]}
+        for name in ("meta-llama/Llama-3-70B", "sql", "legal")
+    ]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llama"}
+    ]
+
+
+def test_a_gateway_elsewhere_and_its_listener_are_named_in_the_parent_ref() -> None:
+    route = gateway.http_route(deployment(**epp_spec(namespace="edge", sectionName="https")))
+    assert route["spec"]["parentRefs"] == [
+        {
+            "group": "gateway.networking.k8s.io",
+            "kind": "Gateway",
+            "name": "inference",
+            "namespace": "edge",
+            "sectionName": "https",
+        }
+    ]
+
+
+def test_sixty_five_names_split_into_rules_of_at_most_sixty_four_matches() -> None:
+    loras = [{"name": f"adapter-{k}", "source": f"hf://acme/a{k}", "rank": 8} for k in range(64)]
+    route = gateway.http_route(deployment(**epp_spec(loras=loras)))
+    assert [len(rule["matches"]) for rule in route["spec"]["rules"]] == [64, 1]
+    assert header_values(route) == ["meta-llama/Llama-3-70B", *(f"adapter-{k}" for k in range(64))]
+    backends = {str(rule["backendRefs"]) for rule in route["spec"]["rules"]}
+    assert len(backends) == 1
+
+
+def test_a_gateway_needs_epp_mode() -> None:
+    spec = epp_spec()
+    spec["router"]["mode"] = "http"
+    with pytest.raises(ManifestError, match=r"router\.gateway needs router\.mode: epp"):
+        deployment(**spec)
+    assert not gateway.wants_route(deployment(**{**spec, "router": {"mode": "epp"}}))
+
+
+def route_condition(harness: Harness) -> dict[str, Any] | None:
+    found = [c for c in harness.status["conditions"] if c["type"] == gateway.CONDITION]
+    return found[0] if found else None
+
+
+async def test_without_the_httproute_crd_the_deployment_runs_and_says_so_once() -> None:
+    harness = Harness(replicas=1, **epp_spec(loras=LORAS))
+    await harness.settle()
+    assert harness.status["phase"] == "Running"
+    assert harness.kube.of_kind("HTTPRoute") == []
+    assert [pool["metadata"]["name"] for pool in harness.kube.of_kind("InferencePool")] == ["llama"]
+    condition = route_condition(harness)
+    assert condition is not None
+    assert (condition["status"], condition["reason"]) == ("False", "HTTPRouteCRDMissing")
+    assert "install the Gateway API CRDs" in condition["message"]
+    await harness.controller.reconcile_once(("serving", "llama"))
+    warnings = [e for e in harness.kube.events if e[1] == "HTTPRouteCRDMissing"]
+    assert [event[0] for event in warnings] == ["Warning"]
+    # The CRD arrives: the next pass writes the route.
+    harness.controller.on_crd(CRD, deleted=False)
+    assert harness.controller.http_routes_served
+    await harness.settle()
+    assert header_values(harness.kube.of_kind("HTTPRoute")[0]) == ["meta-llama/Llama-3-70B", "sql", "legal"]
+    condition = route_condition(harness)
+    assert condition is not None
+    assert (condition["status"], condition["reason"]) == ("True", "RouteWritten")
+    harness.controller.on_crd(CRD, deleted=True)
+    assert not harness.controller.http_routes_served
+
+
+async def test_the_route_follows_the_adapters_and_goes_when_the_gateway_is_unset() -> None:
+    harness = Harness(replicas=1, **epp_spec(loras=LORAS))
+    harness.kube.served_apis.add(ROUTES)
+    await harness.controller.prime()
+    await harness.settle()
+    [route] = harness.kube.of_kind("HTTPRoute")
+    assert header_values(route) == ["meta-llama/Llama-3-70B", "sql", "legal"]
+    condition = route_condition(harness)
+    assert condition is not None
+    assert condition["status"] == "True"
+    assert "sql, legal" in condition["message"]
+    model = harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")]["spec"]["model"]
+    harness.update_spec(
+        model={**model, "loras": [*LORAS[1:], {"name": "chat", "source": "hf://acme/chat", "rank": 4}]}
+    )
+    await harness.settle()
+    [route] = harness.kube.of_kind("HTTPRoute")
+    assert header_values(route) == ["meta-llama/Llama-3-70B", "legal", "chat"]
+    reasons = Counter(reason for _, reason, _ in harness.kube.events)
+    assert reasons["RouteWritten"] == 1  # reported once, not at every update
+    harness.update_spec(router={"mode": "epp"})
+    await harness.settle()
+    assert harness.kube.of_kind("HTTPRoute") == []
+    assert ("HTTPRoute", "llama", None) in harness.kube.deletions
+    assert route_condition(harness) is None
+    assert ("Normal", "RouteRemoved") in {event[:2] for event in harness.kube.events}
