@@ -567,3 +567,13 @@ def test_the_adapter_and_the_held_adapters_cross_the_wire() -> None:
     snapshot = Snapshot(router="me", seq=3, flights=[], adapters={"w": ["legal", "sql"]})
     assert Snapshot.model_validate_json(snapshot.model_dump_json()).adapters == {"w": ["legal", "sql"]}
     assert Snapshot.model_validate_json('{"router": "old", "seq": 1, "flights": []}').adapters == {}
+
+
+def test_held_adapters_of_a_worker_not_yet_registered_are_taken_when_it_registers() -> None:
+    _, two = _replicas(max_loras=2)
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w9": ["sql", "legal"], "w8": ["chat"]})
+    two.add_worker(WorkerInfo(worker_id="w9", role=Role.WORKER, model="llama"), now=0.0)
+    assert two.adapters.held(two.slots.slot("w9")) == ["sql", "legal"]
+    # An engine that reports its own adapters is believed over a peer's view.
+    two.add_worker(WorkerInfo(worker_id="w8", role=Role.WORKER, model="llama", loras=("legal",)), now=0.0)
+    assert two.adapters.held(two.slots.slot("w8")) == ["legal"]

@@ -13,10 +13,18 @@ from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import decode_changes, encode_changes
-from copse.router.server import start_router
+from copse.router.server import RunningRouter, start_router
 from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import KvEventPublisher
-from copse.workers.protocol import DumpBlock, KvDump, KvEvent, KvStored, StoredBlock, block_hashes
+from copse.workers.protocol import (
+    DumpBlock,
+    KvDump,
+    KvEvent,
+    KvStored,
+    StoredBlock,
+    block_hashes,
+    lora_int_id,
+)
 from copse.workers.relay import run_relay
 from copse.workers.testing import mock_fleet
 
@@ -186,16 +194,21 @@ def test_load_messages_round_trip() -> None:
     assert decoded == changes
 
 
+async def _peered(one: RunningRouter, two: RunningRouter) -> None:
+    """Wait until replicas ``one`` and ``two`` know both workers and each other."""
+    sync_one, sync_two = one.replica_sync, two.replica_sync
+    assert sync_one is not None
+    assert sync_two is not None
+    await eventually(lambda: len(one.service.router.workers) == len(two.service.router.workers) == 2)
+    await eventually(lambda: "one" in sync_two.peers and "two" in sync_one.peers)
+
+
 async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
     async with mock_fleet(engines=2, nats_url=nats_url, deployment="replicas") as fleet:
         one = await start_router(_config(fleet.urls, nats_url, "replicas"), router_id="one")
         two = await start_router(_config(fleet.urls, nats_url, "replicas"), router_id="two")
         try:
-            sync_one, sync_two = one.replica_sync, two.replica_sync
-            assert sync_one is not None
-            assert sync_two is not None
-            await eventually(lambda: len(one.service.router.workers) == len(two.service.router.workers) == 2)
-            await eventually(lambda: "one" in sync_two.peers and "two" in sync_one.peers)
+            await _peered(one, two)
             hashes = block_hashes(PROMPT, block_size=32)
             request = RouteRequest(request_id="held", hashes=hashes, prompt_tokens=640, max_tokens=5)
             route = one.service.router.submit(request, now=time.monotonic())
@@ -211,3 +224,39 @@ async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
         finally:
             await one.close()
             await two.close()
+
+
+async def test_replicas_share_the_adapters_their_requests_load(nats_url: str) -> None:
+    """A replica routing a request through an adapter tells its peer, whose mirror of that
+    worker's adapter cache then holds it; a replica started later takes the held adapters from a
+    peer's snapshot before it is ready."""
+    async with mock_fleet(engines=2, nats_url=nats_url, deployment="adapters") as fleet:
+        one = await start_router(_config(fleet.urls, nats_url, "adapters"), router_id="one")
+        two = await start_router(_config(fleet.urls, nats_url, "adapters"), router_id="two")
+        three = None
+        try:
+            await _peered(one, two)
+            hashes = block_hashes(PROMPT, block_size=32, lora_id=lora_int_id("sql"))
+            request = RouteRequest(
+                request_id="r", hashes=hashes, prompt_tokens=640, max_tokens=5, adapter="sql"
+            )
+            route = one.service.router.submit(request, now=time.monotonic())
+            assert route is not None
+            one.service.released([])  # publish the change
+            mirror = two.service.router
+            slot = mirror.slots.slot(route.worker_id)
+            await eventually(lambda: mirror.adapters.held(slot) == ["sql"])
+            assert mirror.adapters.peer_loads == 1
+            one.service.router.finish("r", now=time.monotonic())
+            one.service.released([])
+            await eventually(lambda: mirror.sequences.requests[slot] == 0)
+            assert mirror.adapters.held(slot) == ["sql"], "the engine keeps the adapter after the request"
+
+            three = await start_router(_config(fleet.urls, nats_url, "adapters"), router_id="three")
+            late = three.service.router
+            await eventually(lambda: len(late.workers) == 2 and three.service.readiness()[0], timeout_s=15)
+            assert late.adapters.held(late.slots.slot(route.worker_id)) == ["sql"]
+        finally:
+            for running in (one, two, three):
+                if running is not None:
+                    await running.close()

@@ -206,6 +206,11 @@ class PeerChange:
     """What was charged (``add`` only)."""
 
 
+MAX_PEER_HELD = 4096
+"""Workers whose adapters a router keeps from peers' snapshots before they register (a peer names
+at most the workers it knows; the bound keeps a misbehaving one from growing the router)."""
+
+
 def _prefill_key(request_id: str) -> str:
     return request_id + "\x00prefill"
 
@@ -294,6 +299,9 @@ class Router:
         """Prompt tokens the chosen workers were predicted to hold."""
         self.adapters = AdapterTracker(adapters)
         """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
+        self._peer_held: dict[str, list[str]] = {}
+        """Adapters a peer's snapshot said workers this router has not registered yet hold: taken
+        when they register, unless their engine reports its own."""
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -306,6 +314,9 @@ class Router:
             self._role_count[previous.role] -= 1
         self.workers[info.worker_id] = info
         self.adapters.set_worker(slot, model=info.model, max_loras=info.max_loras, held=info.loras)
+        peer_held = self._peer_held.pop(info.worker_id, None)
+        if previous is None and peer_held is not None and not info.loras:
+            self.adapters.adopt(slot, peer_held)
         if not info.draining:
             self._role_count[info.role] += 1
         for role, mask in self._roles.items():
@@ -1001,6 +1012,8 @@ class Router:
                 slot = self.slots.get(worker_id)
                 if slot is not None and worker_id in self.workers:
                     self.adapters.adopt(slot, list(held))
+                elif len(self._peer_held) < MAX_PEER_HELD:
+                    self._peer_held[worker_id] = list(held)
         return self._drain(now=now)
 
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
