@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -260,3 +261,18 @@ async def test_replicas_share_the_adapters_their_requests_load(nats_url: str) ->
             for running in (one, two, three):
                 if running is not None:
                     await running.close()
+
+
+def test_load_messages_leave_out_fields_at_their_default() -> None:
+    """A replica of an earlier version refuses fields it does not know: a request through the base
+    model sends none of the newer ones (tenant, priority, adapter)."""
+    record = FlightRecord(worker_id="w", hashes=[1], prefill_tokens=8, prefill_ms=1.0, kv_tokens=0.0)
+    sent = json.loads(encode_changes("me", [PeerChange(op="add", key="k", record=record)], seq=4))
+    assert set(sent["changes"][0]["record"]) == {
+        "worker_id",
+        "hashes",
+        "prefill_tokens",
+        "prefill_ms",
+        "kv_tokens",
+    }
+    assert decode_changes(json.dumps(sent).encode())[1][0].record == record

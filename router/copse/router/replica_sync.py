@@ -137,7 +137,11 @@ def encode_changes(router_id: str, changes: list[PeerChange], *, seq: int = 0) -
         )
         for change in changes
     ]
-    return LoadMessage(router=router_id, seq=seq, changes=wire).model_dump_json().encode()
+    # Fields at their default are left out: a replica of an earlier version, whose schema refuses
+    # fields it does not know, still reads every message that uses none of the newer ones.
+    return (
+        LoadMessage(router=router_id, seq=seq, changes=wire).model_dump_json(exclude_defaults=True).encode()
+    )
 
 
 def decode_message(data: bytes) -> tuple[str, int, list[PeerChange]]:
@@ -282,7 +286,7 @@ class ReplicaSync(Subscriber):
             adapters=self.service.router.held_adapters(),
         )
         with contextlib.suppress(NatsError, OSError):
-            await msg.respond(snapshot.model_dump_json().encode())
+            await msg.respond(snapshot.model_dump_json(exclude_defaults=True).encode())
 
     # -- mirroring ----------------------------------------------------------------------------
 
