@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from copse.operator.controller import Controller
+from copse.operator.kube import Refused
 
 Key = tuple[str, str, str]  # kind, namespace, name
 _versions = itertools.count(1)
@@ -50,6 +51,8 @@ class FakeKube:
         """Pod bodies as the operator sent them to create."""
         self.served_apis: set[tuple[str, str, str]] = set()
         """(group, version, plural) that discovery reports beyond the built-in ones."""
+        self.refused: dict[str, str] = {}
+        """Kind -> why the API server refuses to apply objects of it (a missing RBAC grant)."""
 
     def _store(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(obj))
@@ -64,6 +67,8 @@ class FakeKube:
 
     async def apply(self, obj: Mapping[str, Any]) -> None:
         meta = obj["metadata"]
+        if obj["kind"] in self.refused:
+            raise Refused(f"{obj['kind']} {meta['namespace']}/{meta['name']}: {self.refused[obj['kind']]}")
         current = self.objects.get((obj["kind"], meta["namespace"], meta["name"]))
         if current is not None:
             unchanged = {**current, "metadata": {**current["metadata"]}}

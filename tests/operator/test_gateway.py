@@ -152,3 +152,25 @@ async def test_the_route_follows_the_adapters_and_goes_when_the_gateway_is_unset
     assert ("HTTPRoute", "llama", None) in harness.kube.deletions
     assert route_condition(harness) is None
     assert ("Normal", "RouteRemoved") in {event[:2] for event in harness.kube.events}
+
+
+async def test_a_route_the_api_server_refuses_is_reported_and_the_deployment_runs() -> None:
+    harness = Harness(replicas=1, **epp_spec())
+    harness.kube.served_apis.add(ROUTES)
+    harness.kube.refused["HTTPRoute"] = "the API server refused it (403 Forbidden): httproutes is forbidden"
+    await harness.controller.prime()
+    await harness.settle()
+    assert harness.status["phase"] == "Running"
+    condition = route_condition(harness)
+    assert condition is not None
+    assert (condition["status"], condition["reason"]) == ("False", "RouteRefused")
+    assert "403 Forbidden" in condition["message"]
+    assert ("Warning", "RouteRefused") in {event[:2] for event in harness.kube.events}
+    # Granted: the next pass writes it.
+    del harness.kube.refused["HTTPRoute"]
+    harness.controller.mark(("serving", "llama"))
+    await harness.settle()
+    assert len(harness.kube.of_kind("HTTPRoute")) == 1
+    condition = route_condition(harness)
+    assert condition is not None
+    assert condition["reason"] == "RouteWritten"

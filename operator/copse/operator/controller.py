@@ -25,7 +25,7 @@ from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, Ro
 from copse.operator import children, gateway, metrics, multinode, names, weights
 from copse.operator.children import GroupLayout
 from copse.operator.inflight import InFlight, RouterInFlight
-from copse.operator.kube import KubeApi
+from copse.operator.kube import KubeApi, Refused
 from copse.operator.reconcile import Decision, ReconcileSettings, condition, reconcile
 from copse.operator.state import GroupState, ObservedGroup, observe_groups, pod_ready
 
@@ -396,7 +396,12 @@ class Controller:
             return
         ok, reason, message = gateway.route_status(deployment, served=self.http_routes_served)
         if ok:
-            await self.kube.apply(gateway.http_route(deployment))
+            try:
+                await self.kube.apply(gateway.http_route(deployment))
+            except Refused as exc:
+                # The deployment is served all the same: the route waits for RBAC or the CRD.
+                logger.warning("%s", exc, extra=_context(namespace, name))
+                ok, reason, message = False, "RouteRefused", str(exc)
         uid = str(deployment.metadata.uid)
         if (before is None or before.get("reason") != reason) and self._route_reported.get(uid) != reason:
             self._route_reported[uid] = reason

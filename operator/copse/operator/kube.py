@@ -47,6 +47,11 @@ _INSTALL_HINTS: dict[str, str] = {
 }
 
 
+class Refused(RuntimeError):
+    """The API server refused to apply an object of another project's kind: its CRD is not served,
+    the operator may not write it (403), or it is invalid under that CRD (422)."""
+
+
 class KubeApi(Protocol):
     """The calls the controller makes; :class:`Kube` is the real one (tests use a fake)."""
 
@@ -107,10 +112,15 @@ class Kube:
                     _content_type="application/apply-patch+yaml",
                 )
             except ApiException as exc:
+                where = f"{obj['kind']} {meta['namespace']}/{meta['name']}"
                 if exc.status == 404:
-                    raise RuntimeError(
-                        f"{obj['kind']} {meta['namespace']}/{meta['name']}: the cluster does not serve "
-                        f"{plural}.{group}/{version}; {_INSTALL_HINTS.get(obj['kind'], 'install its CRD')}"
+                    raise Refused(
+                        f"{where}: the cluster does not serve {plural}.{group}/{version}; "
+                        f"{_INSTALL_HINTS.get(obj['kind'], 'install its CRD')}"
+                    ) from exc
+                if exc.status in (403, 422):
+                    raise Refused(
+                        f"{where}: the API server refused it ({exc.status} {exc.reason}): {exc.body}"
                     ) from exc
                 raise
             return
