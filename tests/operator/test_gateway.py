@@ -3,13 +3,15 @@ checks, and the controller writing, updating and removing it (or reporting a mis
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
 import pytest
+from kubernetes.aio.client.exceptions import ApiException
 
 from copse.api import ManifestError, parse_deployment
-from copse.operator import gateway
+from copse.operator import gateway, kube
 
 from .test_reconcile import NAMESPACE, Harness, manifest
 
@@ -174,3 +176,137 @@ async def test_a_route_the_api_server_refuses_is_reported_and_the_deployment_run
     condition = route_condition(harness)
     assert condition is not None
     assert condition["reason"] == "RouteWritten"
+
+
+async def test_a_route_written_then_refused_goes_when_the_gateway_is_unset() -> None:
+    """The route was written, a later apply was refused (condition False): unsetting the gateway
+    still deletes it."""
+    harness = Harness(replicas=1, **epp_spec(loras=LORAS))
+    harness.kube.served_apis.add(ROUTES)
+    await harness.controller.prime()
+    await harness.settle()
+    assert len(harness.kube.of_kind("HTTPRoute")) == 1
+    harness.kube.refused["HTTPRoute"] = "the API server refused it (422 Unprocessable Entity)"
+    harness.update_spec(model={**epp_spec()["model"], "loras": LORAS[:1]})
+    await harness.settle()
+    condition = route_condition(harness)
+    assert condition is not None
+    assert (condition["status"], condition["reason"]) == ("False", "RouteRefused")
+    harness.update_spec(router={"mode": "epp"})
+    await harness.settle()
+    assert harness.kube.of_kind("HTTPRoute") == []
+    assert ("Normal", "RouteRemoved") in {event[:2] for event in harness.kube.events}
+
+
+async def test_a_route_whose_status_never_landed_goes_when_the_gateway_is_unset() -> None:
+    harness = Harness(replicas=1, **epp_spec())
+    harness.kube.served_apis.add(ROUTES)
+    await harness.controller.prime()
+    await harness.settle()
+    # A new operator (no memory) meets a deployment whose status says nothing of the route.
+    harness.status["conditions"] = [c for c in harness.status["conditions"] if c["type"] != gateway.CONDITION]
+    harness.controller = type(harness.controller)(kube=harness.kube, settings=harness.controller.settings)
+    harness.kube.served_apis.add(ROUTES)
+    await harness.controller.prime()
+    harness.update_spec(router={"mode": "epp"})
+    await harness.settle()
+    assert harness.kube.of_kind("HTTPRoute") == []
+
+
+async def test_a_route_someone_else_wrote_is_neither_taken_over_nor_deleted() -> None:
+    harness = Harness(replicas=1, **epp_spec())
+    harness.kube.served_apis.add(ROUTES)
+    theirs = {
+        "apiVersion": gateway.API,
+        "kind": "HTTPRoute",
+        "metadata": {"name": "llama", "namespace": NAMESPACE},
+        "spec": {"parentRefs": [{"name": "theirs"}]},
+    }
+    harness.kube._store(theirs)
+    await harness.controller.prime()
+    await harness.settle()
+    [route] = harness.kube.of_kind("HTTPRoute")
+    assert route["spec"] == theirs["spec"]
+    condition = route_condition(harness)
+    assert condition is not None
+    assert (condition["status"], condition["reason"]) == ("False", "RouteConflict")
+    assert harness.status["phase"] == "Running"
+    harness.update_spec(router={"mode": "epp"})
+    await harness.settle()
+    [route] = harness.kube.of_kind("HTTPRoute")
+    assert route["spec"] == theirs["spec"]
+
+
+async def test_gateway_off_then_on_reports_the_route_again() -> None:
+    harness = Harness(replicas=1, **epp_spec())
+    harness.kube.served_apis.add(ROUTES)
+    await harness.controller.prime()
+    await harness.settle()
+    harness.update_spec(router={"mode": "epp"})
+    await harness.settle()
+    assert harness.kube.of_kind("HTTPRoute") == []
+    harness.update_spec(router=epp_spec()["router"])
+    await harness.settle()
+    assert len(harness.kube.of_kind("HTTPRoute")) == 1
+    reasons = Counter(reason for _, reason, _ in harness.kube.events)
+    assert reasons["RouteWritten"] == 2
+
+
+async def test_a_pass_whose_status_patch_failed_does_not_report_the_route_twice() -> None:
+    harness = Harness(replicas=1, **epp_spec())
+    harness.kube.served_apis.add(ROUTES)
+    await harness.controller.prime()
+    harness.kube.failing_status = 1
+    with pytest.raises(RuntimeError, match="status patch failed"):
+        await harness.controller.reconcile_once(("serving", "llama"))
+    assert "conditions" not in harness.kube.objects[("InferenceDeployment", NAMESPACE, "llama")].get(
+        "status", {}
+    )
+    await harness.settle()
+    condition = route_condition(harness)
+    assert condition is not None
+    assert condition["reason"] == "RouteWritten"
+    reasons = Counter(reason for _, reason, _ in harness.kube.events)
+    assert reasons["RouteWritten"] == 1
+
+
+async def test_an_api_error_on_the_route_does_not_stop_the_pass_and_is_tried_again() -> None:
+    harness = Harness(replicas=1, **epp_spec())
+    harness.kube.served_apis.add(ROUTES)
+    harness.kube.failing["HTTPRoute"] = 503
+    await harness.controller.prime()
+    await harness.settle()
+    assert harness.status["phase"] == "Running"
+    assert [pool["metadata"]["name"] for pool in harness.kube.of_kind("InferencePool")] == ["llama"]
+    condition = route_condition(harness)
+    assert condition is not None
+    assert (condition["status"], condition["reason"]) == ("False", "RouteError")
+    assert "503" in condition["message"]
+    requeue = await harness.controller.reconcile_once(("serving", "llama"))
+    assert requeue is not None
+    assert requeue <= 5.0
+    del harness.kube.failing["HTTPRoute"]
+    await harness.settle()
+    assert len(harness.kube.of_kind("HTTPRoute")) == 1
+    # An error while removing it: the pass goes on, and the next one removes it.
+    harness.kube.failing["HTTPRoute"] = 500
+    harness.update_spec(router={"mode": "epp"})
+    await harness.settle()
+    assert len(harness.kube.of_kind("HTTPRoute")) == 1
+    del harness.kube.failing["HTTPRoute"]
+    await harness.settle()
+    assert harness.kube.of_kind("HTTPRoute") == []
+
+
+def test_a_refusal_names_the_api_servers_message_not_its_json() -> None:
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps(
+        {"kind": "Status", "status": "Failure", "message": "httproutes is forbidden", "code": 403}
+    )
+    refused = kube._refused(exc, kind="HTTPRoute", namespace=NAMESPACE, name="llama")
+    assert str(refused) == (
+        "HTTPRoute serving/llama: the API server refused it (403 Forbidden): httproutes is forbidden"
+    )
+    assert (
+        kube._refused(ApiException(status=503, reason="x"), kind="HTTPRoute", namespace="n", name="r") is None
+    )

@@ -87,6 +87,32 @@ def http_route(deployment: InferenceDeployment) -> dict[str, Any]:
     }
 
 
+def owned(route: dict[str, Any], deployment: InferenceDeployment) -> bool:
+    """Whether the HTTPRoute ``route`` is the deployment's: owned by it, or labelled as copse's
+    route for a deployment of its name (one deleted and re-created: the garbage collector has not
+    taken its route yet). Anything else is someone else's, which the operator neither overwrites
+    nor deletes."""
+    meta = route.get("metadata", {})
+    uid = str(deployment.metadata.uid)
+    if any(ref.get("uid") == uid for ref in meta.get("ownerReferences", [])):
+        return True
+    labels: dict[str, str] = meta.get("labels", {})
+    return (
+        labels.get(names.LABEL_MANAGED_BY) == names.MANAGED_BY
+        and labels.get(names.LABEL_DEPLOYMENT) == deployment.metadata.name
+    )
+
+
+def conflict_message(deployment: InferenceDeployment) -> str:
+    """The :data:`CONDITION` message when an HTTPRoute of the deployment's name is not its own."""
+    name = deployment.metadata.name
+    return (
+        f"HTTPRoute {deployment.metadata.namespace}/{name} exists and is not this deployment's (no owner "
+        f"reference to it, no {names.LABEL_MANAGED_BY} label): it is left as it is; delete it, or rename "
+        "it, for the operator to write its own"
+    )
+
+
 def route_status(deployment: InferenceDeployment, *, served: bool) -> tuple[bool, str, str]:
     """``(ok, reason, message)`` of the deployment's :data:`CONDITION`, given whether the cluster
     serves the HTTPRoute CRD. Only for a deployment that :func:`wants_route`."""
