@@ -117,6 +117,11 @@ class AdapterTracker:
         worker = self._workers.get(slot)
         return [] if worker is None else list(worker.held)
 
+    def running(self, slot: int) -> list[str]:
+        """Adapters the requests in flight on the worker in ``slot`` use."""
+        worker = self._workers.get(slot)
+        return [] if worker is None else sorted(worker.running)
+
     def narrow(self, request: RouteRequest, mask: BoolArray) -> BoolArray:
         """Of ``mask``'s workers, those that serve the request's model and can start its adapter now
         (when any of them can: otherwise those of its model, where it waits in the engine)."""
