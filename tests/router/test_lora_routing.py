@@ -577,3 +577,42 @@ def test_held_adapters_of_a_worker_not_yet_registered_are_taken_when_it_register
     # An engine that reports its own adapters is believed over a peer's view.
     two.add_worker(WorkerInfo(worker_id="w8", role=Role.WORKER, model="llama", loras=("legal",)), now=0.0)
     assert two.adapters.held(two.slots.slot("w8")) == ["legal"]
+    # So is a fresh engine that reports holding none (``()``, not ``None``: it does not say).
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w7": ["sql"], "w6": ["chat"]})
+    two.add_worker(WorkerInfo(worker_id="w7", role=Role.WORKER, model="llama", loras=()), now=0.0)
+    assert two.adapters.held(two.slots.slot("w7")) == []
+    # A peer's view of a worker not yet here goes with the peer.
+    two.forget_peer("one", now=0.0)
+    two.add_worker(WorkerInfo(worker_id="w6", role=Role.WORKER, model="llama"), now=0.0)
+    assert two.adapters.held(two.slots.slot("w6")) == []
+
+
+def test_a_peers_snapshot_merges_into_the_adapters_this_replica_saw() -> None:
+    """A snapshot comes whenever a peer joins and at every sequence gap: it must not drop what this
+    replica routed since (least recent: the peer's, then this replica's own; adapters with
+    requests in flight stay)."""
+    _, two = _replicas(max_loras=2)
+    slot = two.slots.slot("w0")
+    two.adapters.routed("a", slots=(slot,), adapter="y")
+    two.adapters.finished("a")
+    two.adapters.routed("b", slots=(slot,), adapter="z")  # z runs here
+    assert two.adapters.held(slot) == ["y", "z"]
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w0": ["y", "x"]})
+    assert two.adapters.held(slot) == ["y", "z"]
+    assert two.adapters.running(slot) == ["z"]
+    loads = two.adapters.load_ms(_request("c", adapter="z"), two.sequences.size)
+    assert loads is not None
+    assert loads[slot] == 0.0
+    # What it had not seen, the peer's view adds (as least recent).
+    other = two.slots.slot("w1")
+    two.adapters.routed("d", slots=(other,), adapter="z")
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w1": ["x"]})
+    assert two.adapters.held(other) == ["x", "z"]
+
+
+def test_adapters_at_once_never_evict_those_with_requests_in_flight() -> None:
+    _, two = _replicas(max_loras=1)
+    slot = two.slots.slot("w0")
+    two.adapters.routed("a", slots=(slot,), adapter="z")
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w0": ["x"]})
+    assert two.adapters.held(slot) == ["z"]

@@ -15,7 +15,8 @@ several models and adapters behind one entry point.
   they route over NATS (:mod:`copse.router.replica_sync`, with its adapter), and each replays its
   peers' requests into its own LRU (:meth:`AdapterTracker.routed` with ``peer=True``): every
   replica then sees the engines' adapter caches as one router sending everything would. A
-  replica that joins loads a peer's whole view from its snapshot (:meth:`AdapterTracker.adopt`).
+  replica that joins, or missed messages, merges a peer's view from its snapshot
+  (:meth:`AdapterTracker.merge`).
 - **Adapters at once.** A worker whose requests in flight already use ``max_loras`` adapters, none
   of them this request's, cannot take it without waiting for one of them to finish: it is left
   out while another worker can take the request.
@@ -100,12 +101,21 @@ class AdapterTracker:
         """Whether a registered worker serves ``model``."""
         return any(worker.model == model for worker in self._workers.values())
 
-    def adopt(self, slot: int, held: list[str]) -> None:
-        """The worker in ``slot`` holds ``held``, least recently used first (a peer replica's view,
-        from its snapshot: it has seen the requests this replica missed)."""
+    def merge(self, slot: int, held: list[str]) -> None:
+        """Merge a peer replica's view that the worker in ``slot`` holds ``held`` (least recently
+        used first, from its snapshot: it saw requests this replica missed) into this replica's:
+        the peer's adapters count as less recent than those this replica saw itself (a snapshot
+        comes whenever a peer joins and at every sequence gap, after this replica's own routing),
+        at most ``max_loras`` are kept, and an adapter with requests in flight is never dropped."""
         worker = self._workers.get(slot)
-        if worker is not None:
-            worker.held = OrderedDict.fromkeys(held[-worker.max_loras :])
+        if worker is None:
+            return
+        merged = OrderedDict.fromkeys(name for name in held if name not in worker.held)
+        merged.update(worker.held)
+        excess = len(merged) - worker.max_loras
+        for name in [name for name in merged if name not in worker.running][: max(excess, 0)]:
+            del merged[name]
+        worker.held = merged
 
     def adapter_of(self, request_id: str) -> str:
         """The adapter ``request_id`` runs through ("": none, or not known here)."""

@@ -154,8 +154,10 @@ class WorkerInfo:
     """The base model it serves ("": the router's one model); requests for another go elsewhere."""
     max_loras: int | None = None
     """LoRA adapters its engine holds at once (``None``: the router's configured figure)."""
-    loras: tuple[str, ...] = ()
-    """LoRA adapters its engine said it holds when it registered, least recently used first."""
+    loras: tuple[str, ...] | None = None
+    """LoRA adapters its engine said it holds when it registered, least recently used first
+    (``None``: its engine does not say; ``()``: it holds none, which a peer's view does not
+    override)."""
 
 
 class Route(NamedTuple):
@@ -299,9 +301,10 @@ class Router:
         """Prompt tokens the chosen workers were predicted to hold."""
         self.adapters = AdapterTracker(adapters)
         """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
-        self._peer_held: dict[str, list[str]] = {}
-        """Adapters a peer's snapshot said workers this router has not registered yet hold: taken
-        when they register, unless their engine reports its own."""
+        self._peer_held: dict[str, tuple[str, list[str]]] = {}
+        """Worker id -> (the peer, the adapters its snapshot said the worker holds), for workers
+        this router has not registered yet: taken when they register, unless their engine reports
+        its own; gone with the peer, or when the worker leaves."""
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -313,10 +316,10 @@ class Router:
         if previous is not None and not previous.draining:
             self._role_count[previous.role] -= 1
         self.workers[info.worker_id] = info
-        self.adapters.set_worker(slot, model=info.model, max_loras=info.max_loras, held=info.loras)
-        peer_held = self._peer_held.pop(info.worker_id, None)
-        if previous is None and peer_held is not None and not info.loras:
-            self.adapters.adopt(slot, peer_held)
+        self.adapters.set_worker(slot, model=info.model, max_loras=info.max_loras, held=info.loras or ())
+        pending = self._peer_held.pop(info.worker_id, None)
+        if previous is None and pending is not None and info.loras is None:
+            self.adapters.merge(slot, pending[1])
         if not info.draining:
             self._role_count[info.role] += 1
         for role, mask in self._roles.items():
@@ -327,6 +330,7 @@ class Router:
     def remove_worker(self, worker_id: str) -> list[str]:
         """Forget a worker that left; returns the ids of the requests that were in flight on it
         (they are freed here; the caller retries or fails them)."""
+        self._peer_held.pop(worker_id, None)
         info = self.workers.pop(worker_id, None)
         if info is None:
             return []
@@ -1011,14 +1015,15 @@ class Router:
             for worker_id, held in adapters.items():
                 slot = self.slots.get(worker_id)
                 if slot is not None and worker_id in self.workers:
-                    self.adapters.adopt(slot, list(held))
+                    self.adapters.merge(slot, list(held))
                 elif len(self._peer_held) < MAX_PEER_HELD:
-                    self._peer_held[worker_id] = list(held)
+                    self._peer_held[worker_id] = (peer, list(held))
         return self._drain(now=now)
 
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
         """Drop every charge made by ``peer`` (it stopped or restarted)."""
         prefix = f"{peer}/"
+        self._peer_held = {worker: held for worker, held in self._peer_held.items() if held[0] != peer}
         for key in self.sequences.keys_with_prefix(prefix):
             self.sequences.free(key, now=now)
             self.adapters.finished(key)
