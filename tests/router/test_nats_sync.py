@@ -13,7 +13,14 @@ import nats
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
 from copse.router.policies import RouteRequest
-from copse.router.replica_sync import Snapshot, decode_changes, encode_changes, snapshot_subject
+from copse.router.replica_sync import (
+    SNAPSHOT_WITH_ADAPTERS,
+    Snapshot,
+    batches,
+    decode_changes,
+    encode_changes,
+    snapshot_subject,
+)
 from copse.router.server import RunningRouter, start_router
 from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import KvEventPublisher
@@ -248,20 +255,28 @@ async def test_replicas_share_the_adapters_their_requests_load(nats_url: str) ->
             slot = mirror.slots.slot(route.worker_id)
             await eventually(lambda: mirror.adapters.held(slot) == ["sql"])
             assert mirror.adapters.peer_loads == 1
+            # What a replica that joins (or missed messages) asks for: the peer's snapshot names
+            # the request's adapter and the adapters it believes each worker holds (merged there:
+            # test_lora_routing); asked as a replica of an earlier version asks (an empty request),
+            # it leaves the adapter fields out, which that replica's schema refuses.
+            nc = await nats.connect(nats_url)
+            try:
+                subject = snapshot_subject(namespace="default", deployment="adapters", router_id="one")
+                new = Snapshot.model_validate_json(
+                    (await nc.request(subject, SNAPSHOT_WITH_ADAPTERS, timeout=5.0)).data
+                )
+                old = (await nc.request(subject, b"", timeout=5.0)).data
+            finally:
+                await nc.close()
+            assert new.adapters == {route.worker_id: ["sql"]}
+            assert [flight.record.adapter for flight in new.flights] == ["sql"]
+            assert b"adapter" not in old
+            assert [flight.key for flight in Snapshot.model_validate_json(old).flights] == ["r"]
+
             one.service.router.finish("r", now=time.monotonic())
             one.service.released([])
             await eventually(lambda: mirror.sequences.requests[slot] == 0)
             assert mirror.adapters.held(slot) == ["sql"], "the engine keeps the adapter after the request"
-
-            # What a replica that joins (or missed messages) asks for: the peer's snapshot names
-            # the adapters it believes each worker holds (merged there: test_lora_routing).
-            nc = await nats.connect(nats_url)
-            try:
-                subject = snapshot_subject(namespace="default", deployment="adapters", router_id="one")
-                reply = await nc.request(subject, b"", timeout=5.0)
-            finally:
-                await nc.close()
-            assert Snapshot.model_validate_json(reply.data).adapters == {route.worker_id: ["sql"]}
         finally:
             await one.close()
             await two.close()
@@ -280,3 +295,28 @@ def test_load_messages_leave_out_fields_at_their_default() -> None:
         "kv_tokens",
     }
     assert decode_changes(json.dumps(sent).encode())[1][0].record == record
+
+
+def test_changes_naming_an_adapter_travel_in_messages_of_their_own() -> None:
+    """A replica of an earlier version drops a whole message naming an adapter: the frees and
+    base-model charges of the same flush go in other messages, in order."""
+
+    def record(adapter: str = "") -> FlightRecord:
+        return FlightRecord(
+            worker_id="w", hashes=[1], prefill_tokens=8, prefill_ms=1.0, kv_tokens=0.0, adapter=adapter
+        )
+
+    changes = [
+        PeerChange(op="add", key="a", record=record()),
+        PeerChange(op="add", key="b", record=record("sql")),
+        PeerChange(op="add", key="c", record=record("chat")),
+        PeerChange(op="free", key="b"),
+        PeerChange(op="prefilled", key="a"),
+        PeerChange(op="add", key="d", record=record("sql")),
+    ]
+    runs = batches(changes)
+    assert [[change.key for change in run] for run in runs] == [["a"], ["b", "c"], ["b", "a"], ["d"]]
+    assert [change for run in runs for change in run] == changes
+    readable = [run for run in runs if b"adapter" not in encode_changes("me", run, seq=1)]
+    assert [[change.key for change in run] for run in readable] == [["a"], ["b", "a"]]
+    assert batches([]) == []
