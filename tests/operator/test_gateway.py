@@ -310,3 +310,18 @@ def test_a_refusal_names_the_api_servers_message_not_its_json() -> None:
     assert (
         kube._refused(ApiException(status=503, reason="x"), kind="HTTPRoute", namespace="n", name="r") is None
     )
+
+
+@pytest.mark.parametrize(
+    ("ref", "field"),
+    [
+        ({"namespace": "Edge_1"}, "namespace"),
+        ({"sectionName": "HTTPS listener"}, "sectionName"),
+        ({"name": "my gateway"}, "name"),
+    ],
+)
+def test_a_gateway_ref_outside_the_gateway_apis_names_is_refused(ref: dict[str, str], field: str) -> None:
+    spec = epp_spec()
+    spec["router"]["gateway"].update(ref)
+    with pytest.raises(ManifestError, match=rf"gateway\.{field}"):
+        deployment(**spec)

@@ -936,14 +936,24 @@ class InferenceObjectiveApi(str, schema.Enum):
     LLM_D = "llm-d.ai/v1alpha2"
 
 
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""A DNS-1123 label: what a namespace name must be."""
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A DNS-1123 subdomain: what a Gateway's name is, and what the Gateway API takes as a listener's
+``sectionName`` (refused here rather than by the API server when the route is written)."""
+
+
 class GatewayRef(_SpecModel):
     """The Gateway API Gateway an ``epp``-mode deployment's HTTPRoute attaches to."""
 
-    name: str = Field(min_length=1, max_length=253, description="The Gateway's name.")
+    name: str = Field(
+        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="The Gateway's name."
+    )
     namespace: Nullable[str] = Field(
         default=None,
         min_length=1,
         max_length=63,
+        pattern=DNS_LABEL_PATTERN,
         description="The Gateway's namespace; unset: the deployment's. Another namespace's Gateway "
         "takes the route only when its listener's allowedRoutes admits this namespace.",
     )
@@ -951,6 +961,7 @@ class GatewayRef(_SpecModel):
         default=None,
         min_length=1,
         max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
         description="The Gateway listener the route attaches to; unset: every listener that admits it.",
     )
 
