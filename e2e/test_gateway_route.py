@@ -1,11 +1,16 @@
 """``spec.router.gateway`` on the real control plane: the operator (with only the chart's RBAC)
 runs an ``epp``-mode deployment without the Gateway API's HTTPRoute CRD and says so, writes the
 HTTPRoute once the CRD is installed (the pinned v1.4.1 CRD: the API server checks the route against
-its schema and CEL rules), follows the deployment's adapters, and the garbage collector deletes
-the route with the deployment."""
+its schema and CEL rules), follows the deployment's adapters, deletes it when the gateway is
+unset, and the garbage collector deletes the route with the deployment.
+
+The test deletes the cluster-wide HTTPRoute CRD (a cluster without it is the first case). No other
+e2e file uses HTTPRoutes, and every session starts its own control plane; on a cluster shared with
+other work (an existing kubeconfig) run it alone."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -121,6 +126,21 @@ def test_the_operator_writes_the_route_once_the_crd_is_there_and_it_follows_the_
             ),
             operator=operator,
         )
+
+        # The gateway is unset: the operator deletes its route; set again, it writes it again.
+        def set_gateway(gateway: dict[str, str] | None) -> None:
+            patch = json.dumps({"spec": {"router": {"gateway": gateway}}})
+            kubectl.run("patch", "idep", "routed", f"--namespace={namespace}", "--type=merge", "-p", patch)
+
+        set_gateway(None)
+        wait_until("the HTTPRoute to be removed", lambda: not routes(kubectl, namespace), operator=operator)
+        wait_until(
+            "the GatewayRoute condition to go",
+            lambda: not route_condition(kubectl, "routed", namespace),
+            operator=operator,
+        )
+        set_gateway({"name": "inference", "namespace": "edge"})
+        wait_until("the HTTPRoute again", lambda: bool(routes(kubectl, namespace)), operator=operator)
 
         # The deployment goes: the garbage collector takes the route with it.
         kubectl.run("delete", "idep", "routed", f"--namespace={namespace}")

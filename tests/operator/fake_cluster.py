@@ -53,8 +53,9 @@ class FakeKube:
         """Pod bodies as the operator sent them to create."""
         self.served_apis: set[tuple[str, str, str]] = set()
         """(group, version, plural) that discovery reports beyond the built-in ones."""
-        self.refused: dict[str, str] = {}
-        """Kind -> why the API server refuses to apply objects of it (a missing RBAC grant)."""
+        self.refused: dict[str, tuple[int, str]] = {}
+        """Kind -> (HTTP status, why) the API server refuses to apply objects of it (403: a missing
+        RBAC grant; 404: its CRD is not served yet)."""
         self.failing: dict[str, int] = {}
         """Kind -> the HTTP status every read, apply and delete of it fails with (a 5xx, a 409)."""
         self.failing_status = 0
@@ -79,7 +80,8 @@ class FakeKube:
         meta = obj["metadata"]
         self._fail(obj["kind"])
         if obj["kind"] in self.refused:
-            raise Refused(f"{obj['kind']} {meta['namespace']}/{meta['name']}: {self.refused[obj['kind']]}")
+            status, why = self.refused[obj["kind"]]
+            raise Refused(f"{obj['kind']} {meta['namespace']}/{meta['name']}: {why}", status=status)
         current = self.objects.get((obj["kind"], meta["namespace"], meta["name"]))
         if current is not None:
             unchanged = {**current, "metadata": {**current["metadata"]}}

@@ -159,7 +159,10 @@ async def test_the_route_follows_the_adapters_and_goes_when_the_gateway_is_unset
 async def test_a_route_the_api_server_refuses_is_reported_and_the_deployment_runs() -> None:
     harness = Harness(replicas=1, **epp_spec())
     harness.kube.served_apis.add(ROUTES)
-    harness.kube.refused["HTTPRoute"] = "the API server refused it (403 Forbidden): httproutes is forbidden"
+    harness.kube.refused["HTTPRoute"] = (
+        403,
+        "the API server refused it (403 Forbidden): httproutes is forbidden",
+    )
     await harness.controller.prime()
     await harness.settle()
     assert harness.status["phase"] == "Running"
@@ -186,7 +189,7 @@ async def test_a_route_written_then_refused_goes_when_the_gateway_is_unset() -> 
     await harness.controller.prime()
     await harness.settle()
     assert len(harness.kube.of_kind("HTTPRoute")) == 1
-    harness.kube.refused["HTTPRoute"] = "the API server refused it (422 Unprocessable Entity)"
+    harness.kube.refused["HTTPRoute"] = (422, "the API server refused it (422 Unprocessable Entity)")
     harness.update_spec(model={**epp_spec()["model"], "loras": LORAS[:1]})
     await harness.settle()
     condition = route_condition(harness)
@@ -325,3 +328,22 @@ def test_a_gateway_ref_outside_the_gateway_apis_names_is_refused(ref: dict[str, 
     spec["router"]["gateway"].update(ref)
     with pytest.raises(ManifestError, match=rf"gateway\.{field}"):
         deployment(**spec)
+
+
+async def test_a_crd_not_yet_served_after_its_watch_said_so_is_tried_again_soon() -> None:
+    """The CRD watch says the HTTPRoute CRD is served a moment before the API server serves it (a
+    404): the pass comes back soon instead of waiting for an unrelated change."""
+    harness = Harness(replicas=1, **epp_spec())
+    harness.controller.on_crd(CRD, deleted=False)
+    harness.kube.refused["HTTPRoute"] = (404, "the cluster does not serve httproutes")
+    await harness.settle()
+    condition = route_condition(harness)
+    assert condition is not None
+    assert condition["reason"] == "RouteRefused"
+    requeue = await harness.controller.reconcile_once(("serving", "llama"))
+    assert requeue is not None
+    assert requeue <= 5.0
+    # An RBAC refusal waits for the next pass (retrying it every 5 s would only repeat it).
+    harness.kube.refused["HTTPRoute"] = (403, "forbidden")
+    await harness.settle()
+    assert await harness.controller.reconcile_once(("serving", "llama")) is None

@@ -426,9 +426,11 @@ class Controller:
                 else:
                     await self.kube.apply(gateway.http_route(deployment))
             except Refused as exc:
-                # The deployment is served all the same: the route waits for RBAC or the CRD.
+                # The deployment is served all the same: the route waits for RBAC or the CRD. A
+                # CRD the watch says is served may 404 a moment longer: that is tried again soon.
                 logger.warning("%s", exc, extra=_context(namespace, name))
                 ok, reason, message = False, "RouteRefused", str(exc)
+                retry = exc.status == 404
             except ApiException as exc:
                 logger.warning("HTTPRoute %s: %s", name, exc, extra=_context(namespace, name))
                 ok, reason, retry = False, "RouteError", True

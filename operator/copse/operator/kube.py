@@ -49,8 +49,13 @@ _INSTALL_HINTS: dict[str, str] = {
 
 
 class Refused(RuntimeError):
-    """The API server refused to apply an object of another project's kind: its CRD is not served,
-    the operator may not write it (403), or it is invalid under that CRD (422)."""
+    """The API server refused to apply an object of another project's kind: its CRD is not served
+    (404), the operator may not write it (403), or it is invalid under that CRD (422)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+        """The API server's HTTP status."""
 
 
 def _refused(exc: ApiException, *, kind: str, namespace: str, name: str) -> Refused | None:
@@ -62,11 +67,13 @@ def _refused(exc: ApiException, *, kind: str, namespace: str, name: str) -> Refu
     if exc.status == 404:
         return Refused(
             f"{where}: the cluster does not serve {plural}.{group}/{version}; "
-            f"{_INSTALL_HINTS.get(kind, 'install its CRD')}"
+            f"{_INSTALL_HINTS.get(kind, 'install its CRD')}",
+            status=404,
         )
     if exc.status in (403, 422):
         return Refused(
-            f"{where}: the API server refused it ({exc.status} {exc.reason}): {_message(exc.body)}"
+            f"{where}: the API server refused it ({exc.status} {exc.reason}): {_message(exc.body)}",
+            status=exc.status,
         )
     return None
 
