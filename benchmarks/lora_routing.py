@@ -21,7 +21,18 @@ Three runs on the same arrivals:
 
 Printed side by side: the prefix cache hit rate (prompt tokens the engines found cached), TTFT
 p50/p99/mean, ITL p50, end-to-end p50/p99, the adapter loads the engines did and loads per hour of simulated
-time. Usage: ``nice -n 10 .venv/bin/python benchmarks/lora_routing.py [--minutes 5] [--speedup 4]``
+time.
+
+Then, in the twin, two router replicas (``Fleet(replica_of=...)``: each request reaches one of them
+at random, seeded, as a Service spreads connections), both adapter-aware, sharing their in-flight
+load as over NATS; they differ only in ``AdapterRouting.shared``:
+
+- **shared**: each replica mirrors the adapters its peer's requests load (the requests it shares
+  carry their adapter), so both see every engine's adapter cache;
+- **unshared**: each knows only the loads its own requests caused (what replicas did before
+  adapter state was shared).
+
+Usage: ``nice -n 10 .venv/bin/python benchmarks/lora_routing.py [--minutes 5] [--speedup 4] [--live]``
 """
 
 from __future__ import annotations
@@ -80,6 +91,8 @@ def run(
     max_loras: int,
     load_ms: float,
     engines: int,
+    shared: bool = True,
+    replica_of: Sequence[int] | None = None,
 ) -> dict[str, float]:
     setup = EngineSetup(config=EngineConfig(adapters=AdapterSettings(max_loras=max_loras, load_ms=load_ms)))
     settings = ReplaySettings(
@@ -87,10 +100,11 @@ def run(
         workers=engines,
         seed=seed,
         engines=setup,
-        adapters=AdapterRouting(load_ms=load_ms, aware=aware),  # max_loras: each engine reports it
+        # max_loras: each engine reports it
+        adapters=AdapterRouting(load_ms=load_ms, aware=aware, shared=shared),
     )
     started = time.perf_counter()
-    fleet = Fleet(trace, settings, engines=engines, classes=classes)
+    fleet = Fleet(trace, settings, engines=engines, classes=classes, replica_of=replica_of)
     for index in range(len(trace)):
         fleet.run_until(float(fleet.arrival_ms[index]))
         fleet.arrive(index)
@@ -110,7 +124,7 @@ def run(
         "e2e_p99_ms": report.e2e_ms.p99,
         "adapter_loads": float(loads),
         "loads_per_hour": loads / span_h,
-        "router_predicted_loads": float(fleet.router.adapters.loads),
+        "router_predicted_loads": float(sum(router.adapters.loads for router in fleet.routers)),
         "simulated_s": span_h * 3600.0,
     }
 
@@ -234,7 +248,30 @@ def main() -> None:
             f"{key:<24}{aware[key]:>14,.3f}{blind[key]:>14,.3f}{rr[key]:>14,.3f}"
             f"{ratios[0]:>14.3f}{ratios[1]:>14.3f}"
         )
-
+    if args.live:
+        return
+    replica_of = np.random.default_rng([args.seed, 2]).integers(0, 2, size=len(trace)).tolist()
+    two = {
+        mode: run(
+            trace,
+            classes,
+            policy="kv",
+            aware=True,
+            shared=mode == "shared",
+            replica_of=replica_of,
+            seed=args.seed,
+            max_loras=args.max_loras,
+            load_ms=args.lora_load_ms,
+            engines=engines,
+        )
+        for mode in ("shared", "unshared")
+    }
+    print(f"two replicas, adapter-aware; requests per replica {replica_of.count(0)} / {replica_of.count(1)}")
+    shared, unshared = two["shared"], two["unshared"]
+    print(f"{'two replicas':<24}{'shared':>14}{'unshared':>14}{'shared/unshared':>18}")
+    for key, value in shared.items():
+        ratio = value / unshared[key] if unshared[key] else float("nan")
+        print(f"{key:<24}{value:>14,.3f}{unshared[key]:>14,.3f}{ratio:>18.3f}")
 
 if __name__ == "__main__":
     main()
