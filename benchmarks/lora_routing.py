@@ -273,5 +273,6 @@ def main() -> None:
         ratio = value / unshared[key] if unshared[key] else float("nan")
         print(f"{key:<24}{value:>14,.3f}{unshared[key]:>14,.3f}{ratio:>18.3f}")
 
+
 if __name__ == "__main__":
     main()
