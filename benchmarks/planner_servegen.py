@@ -29,7 +29,7 @@ import numpy as np
 
 import inputs
 from copse.api import Role
-from copse.planner.capacity import CapacityModel
+from copse.planner.capacity import capacity_for
 from copse.planner.config import PlannerConfig
 from copse.planner.core import Planner
 from copse.planner.dryrun import DryRunResult, dry_run
@@ -95,9 +95,7 @@ def replay(
 ) -> tuple[DryRunResult, float]:
     config = PlannerConfig(predictor=predictor, forecast_quantile=forecast_quantile)
     bounds = limits()
-    capacity = CapacityModel(
-        PolynomialPerfModel(), quantile=config.quantile, max_num_seqs=bounds.max_num_seqs
-    )
+    capacity = capacity_for(PolynomialPerfModel(), config=config, limits=bounds)
     planner = Planner(config=config, limits=bounds, capacity=capacity, interval_s=INTERVAL_S)
     started = time.perf_counter()
     result = dry_run(observations, planner=planner, startup_delay_s=planner.startup_delay_s)

@@ -305,6 +305,10 @@ def test_default_queries_select_the_deployment() -> None:
     assert "copse_router_inter_token_latency_seconds_count" in text["itl_mean_ms"]
     assert "copse_router_output_tokens_total" in text["osl"]
     assert "histogram_quantile(0.9," in text["isl_p90"]
+    assert (
+        "histogram_quantile(0.1, sum by (le) (rate(copse_router_output_length_tokens_bucket"
+        in text["osl_p10"]
+    )
     assert "copse_router_predicted_onboard_seconds_total" in text["onboard_ms"]
     with pytest.raises(ValueError, match="unknown field latency"):
         Queries(
@@ -319,6 +323,7 @@ async def test_prometheus_source_builds_an_observation() -> None:
         "isl": "2000",
         "osl": "150",
         "isl_p90": "6144",
+        "osl_p10": "12",
         "kv_hit_rate": "0.25",
         "onboard_ms": "4.5",
         "ttft_ms": "310.5",
@@ -356,6 +361,7 @@ async def test_prometheus_source_builds_an_observation() -> None:
         isl=2000.0,
         osl=150.0,
         isl_p90=6144.0,
+        osl_p10=12.0,
         kv_hit_rate=0.25,
         onboard_ms=4.5,
         ttft_ms=310.5,

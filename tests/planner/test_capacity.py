@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from copse.api import Role
-from copse.planner.capacity import Backlog, CapacityModel, Corrections, Workload
+from copse.planner.capacity import Backlog, CapacityModel, Corrections, Workload, _compound_poisson_tail
 from copse.planner.queueing import erlang_c, gamma_points, lognormal_scv, mean_wait_s, wait_quantile_s
 from copse.workers.perf import PolynomialPerfModel
 
@@ -42,6 +42,17 @@ def test_gamma_points_have_the_mean_and_the_p90() -> None:
     assert fitted.mean() == pytest.approx(8667.0, rel=0.01)
     assert set(gamma_points(mean=5.0, scv=0.0, count=3)) == {5.0}
     assert set(gamma_points(mean=5.0, p90=4.0, count=3)) == {5.0}
+
+
+def test_gamma_points_can_match_the_p10_instead() -> None:
+    # Mooncake's conversation answers: mean 338 tokens, 10 % shorter than 25 (many short answers)
+    short = gamma_points(mean=338.0, p10=25.0, count=2000)
+    assert np.quantile(short, 0.1) == pytest.approx(25.0, rel=0.02)
+    assert short.mean() == pytest.approx(338.0, rel=0.01)
+    assert np.mean(short < 32) == pytest.approx(0.122, abs=0.01)  # the trace has 12.2 % below 32
+    assert set(gamma_points(mean=5.0, p10=6.0, count=3)) == {5.0}
+    with pytest.raises(ValueError, match="p90 or p10"):
+        gamma_points(mean=5.0, p10=1.0, p90=9.0, count=3)
 
 
 def test_erlang_c_hand_values() -> None:
@@ -161,6 +172,64 @@ def test_prefill_chunks_stretch_the_mean_gap_of_aggregated_engines(linear: Capac
         linear.attainment(replicas=replicas, load=long, ttft_ms=1e9, itl_ms=15.0).itl
         < linear.attainment(replicas=replicas, load=short, ttft_ms=1e9, itl_ms=15.0).itl
     )
+
+
+def test_short_answers_set_the_itl_tail_of_aggregated_engines() -> None:
+    """A request with few gaps misses when one long prompt's chunk shares one of its steps: the more
+    short answers (a lower p10 at the same mean), the fewer requests within the target, and the more
+    engines the same goal needs; a decode pool (no chunks) does not care."""
+    model = CapacityModel(PolynomialPerfModel())
+    even = Workload(rate=12.0, isl=8000, isl_p90=20000, osl=300, osl_p10=200, kv_hit_rate=0.3)
+    short = dataclasses.replace(even, osl_p10=20)
+    replicas = {Role.WORKER: 8}
+    assert (
+        model.attainment(replicas=replicas, load=short, ttft_ms=2000, itl_ms=50).itl
+        < model.attainment(replicas=replicas, load=even, ttft_ms=2000, itl_ms=50).itl - 0.002
+    )
+    assert (
+        model.aggregated_replicas(short, ttft_ms=2000, itl_ms=50).replicas
+        > model.aggregated_replicas(even, ttft_ms=2000, itl_ms=50).replicas
+    )
+    pools = {Role.PREFILL: 20, Role.DECODE: 2}
+    assert model.attainment(replicas=pools, load=short, ttft_ms=2000, itl_ms=50).itl == pytest.approx(
+        model.attainment(replicas=pools, load=even, ttft_ms=2000, itl_ms=50).itl
+    )
+
+
+def test_chunks_that_fit_in_a_gap_spoil_fewer_short_answers() -> None:
+    """The step's token budget bounds a chunk: 1,024-token chunks add less to a step than the ITL
+    target leaves over the decode step, so a short answer sharing steps with a long prompt stays
+    within it, where one 8,192-token chunk puts it over."""
+    load = Workload(rate=12.0, isl=8000, isl_p90=20000, osl=300, osl_p10=20, kv_hit_rate=0.3)
+    replicas = {Role.WORKER: 8}
+    wide = CapacityModel(PolynomialPerfModel(), max_batch_tokens=8192)
+    narrow = CapacityModel(PolynomialPerfModel(), max_batch_tokens=1024)
+    assert (
+        narrow.attainment(replicas=replicas, load=load, ttft_ms=2000, itl_ms=50).itl
+        > wide.attainment(replicas=replicas, load=load, ttft_ms=2000, itl_ms=50).itl + 0.003
+    )
+
+
+def test_compound_poisson_tail_hand_values() -> None:
+    def tail(threshold: float, m: float, values: list[float], weights: list[float]) -> float:
+        return float(
+            _compound_poisson_tail(
+                np.array([threshold]),
+                mean_count=np.array([m]),
+                values=np.array([values]),
+                weights=np.array([weights]),
+                spread=np.zeros(1),
+            )[0]
+        )
+
+    # every count of one or more passes 5 (and none passes 25 below three)
+    assert tail(5.0, 0.3, [10.0], [1.0]) == pytest.approx(1.0 - math.exp(-0.3))
+    assert tail(25.0, 0.3, [10.0], [1.0]) == pytest.approx(1.0 - math.exp(-0.3) * (1.0 + 0.3 + 0.3**2 / 2.0))
+    # two values, half the weight each: one draw never passes 25, two draws 3/4 of the time, three
+    # always (the normal terms: nearly always)
+    m = 0.1
+    expected = math.exp(-m) * m * m / 2.0 * 0.75 + (1.0 - math.exp(-m) * (1 + m + m * m / 2))
+    assert tail(25.0, m, [10.0, 20.0], [0.5, 0.5]) == pytest.approx(expected, rel=1e-3)
 
 
 def test_a_backlog_adds_to_the_mean_ttft(linear: CapacityModel) -> None:
@@ -314,8 +383,11 @@ def test_aggregated_engines_share_time_between_prefill_and_decode(linear: Capaci
     result = linear.estimate(replicas={Role.WORKER: sizing.replicas}, load=load, duration_s=60.0)
     assert result.ttft_ms <= 200.0
     assert result.itl_ms <= 20.0
-    smaller = linear.estimate(replicas={Role.WORKER: sizing.replicas - 1}, load=load, duration_s=60.0)
-    assert smaller.ttft_ms > 200.0 or smaller.itl_ms > 20.0
+    # Sized per request: one engine fewer serves less than 99 % of the requests within both targets.
+    smaller = linear.attainment(
+        replicas={Role.WORKER: sizing.replicas - 1}, load=load, ttft_ms=200.0, itl_ms=20.0
+    )
+    assert smaller.ttft * smaller.itl < 0.99
 
 
 def test_corrections_slow_the_model_down(linear: CapacityModel) -> None:

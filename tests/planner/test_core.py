@@ -14,6 +14,7 @@ from copse.planner.config import PlannerConfig
 from copse.planner.core import Planner, workload_of
 from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
+from copse.workers.perf import PolynomialPerfModel
 
 P, D, W = Role.PREFILL, Role.DECODE, Role.WORKER
 INTERVAL = 60.0
@@ -326,7 +327,7 @@ def test_corrections_learn_slower_engines_from_means(linear: CapacityModel) -> N
     # A wild measurement is clamped, and the clamp hit is counted and reported.
     plan.observe(dataclasses.replace(obs, itl_mean_ms=means.itl_ms * 100), replicas=replicas)
     assert plan.corrections.decode == 2.0
-    assert plan.clamp_hits == {"prefill": 0, "decode": 1}
+    assert plan.clamp_hits == {"prefill": 0, "decode": 1, "itl_tail": 0}
     assert plan.decide(now=2 * INTERVAL, current=replicas).clamped == ("decode",)
 
 
@@ -395,3 +396,46 @@ def test_sizing_uses_a_quantile_of_the_forecast_distribution(linear: CapacityMod
     assert b.target[P] > a.target[P]
     assert b.next_forecast is not None
     assert b.next_forecast.num_requests == pytest.approx(160.0 * INTERVAL)
+
+
+def test_the_itl_tail_factor_reads_the_routers_misses_against_the_model() -> None:
+    """The router counts twice the ITL misses the capacity model expects on the serving engines:
+    the tail factor goes to 2 (a ratio of sums over the window), the fleet sized for the same load
+    grows; intervals with a backlog, with replicas still starting, with TTFT misses beyond the error
+    budget, or without the router's counts teach nothing."""
+    capacity = CapacityModel(PolynomialPerfModel())
+    cfg = config(correction=True, correction_smoothing=1.0)
+    lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=2000.0, itl_ms=50.0, max_num_seqs=256)
+    shape = {"isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3, "serving": 8.0}
+    base = dataclasses.replace(interval(0, 12.0), isl=8000.0, osl=300.0, **shape)  # type: ignore[arg-type]
+    means = capacity.means(replicas={W: 8}, load=workload_of(base), duration_s=INTERVAL)
+    expected = capacity.attainment(replicas={W: 8}, load=workload_of(base), ttft_ms=2000.0, itl_ms=50.0)
+    judged = base.num_requests
+    modelled = (1.0 - expected.itl) * judged
+    assert modelled > 1.0  # the load is one whose short answers miss
+
+    def seen(step: int, missed: float, **extra: object) -> Observation:
+        values: dict[str, object] = {"ttft_missed": 0.0, **extra}
+        return dataclasses.replace(
+            base,
+            timestamp=step * INTERVAL,
+            ttft_mean_ms=means.ttft_ms,
+            itl_mean_ms=means.itl_ms,
+            slo_met=judged - missed,
+            itl_missed=missed,
+            **values,  # type: ignore[arg-type]
+        )
+
+    plan = planner(capacity, cfg=cfg, lim=lim)
+    fresh = planner(capacity, cfg=cfg, lim=lim)
+    for step in range(10):
+        plan.observe(seen(step, 2 * modelled), replicas={W: 8})
+        fresh.observe(dataclasses.replace(seen(step, 0.0), slo_met=None), replicas={W: 8})
+    assert plan.corrections.itl_tail == pytest.approx((20 * modelled + 1) / (10 * modelled + 1), rel=1e-3)
+    assert fresh.corrections.itl_tail == 1.0
+    assert plan.size(workload_of(base))[W].replicas > fresh.size(workload_of(base))[W].replicas
+    factor = plan.corrections.itl_tail
+    plan.observe(seen(10, 50 * modelled), replicas={W: 10})  # 8 serving: 2 of 10 starting
+    plan.observe(seen(11, 50 * modelled, ttft_missed=0.05 * judged), replicas={W: 8})  # a burst
+    plan.observe(seen(12, 50 * modelled, queue_depth=20.0), replicas={W: 8})  # 20 waiting on 8 engines
+    assert plan.corrections.itl_tail == factor

@@ -200,7 +200,7 @@ def test_mooncake_trace_buckets_with_prefix_hits(tmp_path: Path) -> None:
     observations = read_trace(path, interval_s=60.0)
     assert [obs.num_requests for obs in observations] == [2, 1, 0, 1]
     first = observations[0]
-    assert (first.isl, first.osl, first.isl_p90) == (1262.0, 20.0, 1500.0)
+    assert (first.isl, first.osl, first.isl_p90, first.osl_p10) == (1262.0, 20.0, 1500.0, 10.0)
     # Request 2 finds blocks 1 and 2 (1024 of 2524 prompt tokens in the bucket).
     assert first.kv_hit_rate == pytest.approx(1024 / 2524)
     # Request 3 finds block 1 (512 of 700 tokens), then misses 4.

@@ -42,7 +42,17 @@ def test_every_router_series_a_default_query_reads_is_exported(field: str) -> No
 
 def test_the_planner_reads_the_routers_request_series() -> None:
     """Not vacuous: the request-level fields read router series at all."""
-    for field in ("num_requests", "isl", "osl", "isl_p90", "kv_hit_rate", "onboard_ms", "ttft_ms", "itl_ms"):
+    for field in (
+        "num_requests",
+        "isl",
+        "osl",
+        "isl_p90",
+        "osl_p10",
+        "kv_hit_rate",
+        "onboard_ms",
+        "ttft_ms",
+        "itl_ms",
+    ):
         assert re.search(r"\bcopse_router_\w+", DEFAULT_QUERIES[field]), field
 
 
@@ -70,6 +80,7 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
         metrics.prompt_tokens.inc(1000)
         metrics.prompt_length.observe(1000)
         metrics.output_tokens.inc(200)
+        metrics.output_length.observe(200)
         metrics.cached_tokens.inc(250)
         metrics.onboard_seconds.inc(0.002)
         metrics.ttft.observe(0.3)  # in the (0.25, 0.5] bucket
@@ -90,6 +101,7 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     assert values["kv_hit_rate"] == 0.25
     assert values["onboard_ms"] == pytest.approx(2.0)
     assert values["isl_p90"] == pytest.approx(512 + (1024 - 512) * 0.9)  # (512, 1024], linear
+    assert values["osl_p10"] == pytest.approx(128 + (256 - 128) * 0.1)  # (128, 256]
     assert values["ttft_ms"] == pytest.approx(1000 * (0.25 + 0.25 * 0.99))
     assert values["itl_ms"] == pytest.approx(1000 * (0.01 + 0.01 * 0.99))
     assert values["queue_depth"] == 4  # no engine series: the router's queue alone

@@ -93,6 +93,9 @@ async def test_streams_a_completion_and_exposes_health_models_and_metrics() -> N
             assert "copse_router_time_to_first_token_seconds_count 1.0" in metrics
             # 5 streamed tokens + the chat answer's usage count (3); both prompts were measured.
             assert "copse_router_output_tokens_total 8.0" in metrics
+            # one length per answer: 3 tokens in (2, 4], 5 in (4, 8]
+            assert 'copse_router_output_length_tokens_bucket{le="4.0"} 1.0' in metrics
+            assert 'copse_router_output_length_tokens_bucket{le="8.0"} 2.0' in metrics
             assert "copse_router_prompt_length_tokens_count 2.0" in metrics
             assert 'copse_router_requests_total{status="200"} 2.0' in metrics
             # both within the (generous) SLO: the stream by its TTFT and mean gap, the chat by its answer

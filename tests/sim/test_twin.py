@@ -81,6 +81,8 @@ def test_the_planner_observes_what_the_routers_series_would_say() -> None:
     assert obs.osl == 20
     assert obs.isl_p90 is not None
     assert 1024 < obs.isl_p90 <= 2048  # read from the 1024-2048 bucket
+    assert obs.osl_p10 is not None
+    assert 16 < obs.osl_p10 <= 32  # every answer has 20 tokens: the (16, 32] bucket
     ttft = fleet.first_ms - fleet.arrival_ms
     assert obs.ttft_ms is not None
     assert obs.ttft_ms >= float(ttft.max())  # the bucket's bound, not the value

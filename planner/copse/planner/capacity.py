@@ -30,8 +30,10 @@ that serve a goal share of the requests within both targets, starting from the t
 plus output tokens/s over the best decode tokens/s per GPU whose ITL meets the target). A prompt's
 TTFT is the M/G/c wait plus its own prefill (prompt lengths: a gamma distribution with the observed
 mean and p90), so prompts too long for the target are lost on any fleet and do not make it grow;
-a request's mean inter-token gap is the decode step at the pool's concurrency, stretched in
-aggregated engines by the prefill chunks that share its steps. :meth:`CapacityModel.means` gives
+a request's mean inter-token gap is the decode step at the pool's concurrency plus, in aggregated
+engines, the prefill chunks that share its few or many steps (output lengths: a gamma with the
+observed mean and p10; short answers are the ones a chunk spoils), the modelled misses scaled by a
+factor learned from the router's counts (:attr:`Corrections.itl_tail`). :meth:`CapacityModel.means` gives
 the mean TTFT and mean gap the correction factors are solved from. :meth:`CapacityModel.estimate`
 (latency at a quantile, with a backlog carried between segments) is what the dry run reports.
 """
@@ -44,8 +46,11 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 from numpy.typing import NDArray
+from scipy.special import gammaln, ndtr
 
 from copse.api import Role
+from copse.planner.config import PlannerConfig
+from copse.planner.policy import Limits
 from copse.planner.queueing import (
     gamma_points,
     lognormal_scv,
@@ -67,6 +72,11 @@ _BISECTION_STEPS = 40
 #: Equally likely prompt lengths the share of requests meeting the TTFT target is summed over:
 #: steps of 0.5 %, finer than the 1 % a 99 % goal leaves.
 _PROMPT_POINTS = 200
+#: Equally likely output lengths the share of requests meeting the ITL target is averaged over.
+_OUTPUT_POINTS = 64
+#: Every how many of the prompt points the ITL tail takes (a pair sum over all of them would cost
+#: 40,000 terms per output length; 50 prompts resolve a 1 % tail).
+_CHUNK_PROMPT_STRIDE = 4
 #: Prefill-time tables kept (one per distinct prompt-length distribution and correction factor).
 _PREFILL_CACHE_SIZE = 256
 #: A correction factor is learned from an interval only when waiting made up at most this share of
@@ -86,6 +96,8 @@ class Workload:
     """Mean output length, tokens."""
     isl_p90: float | None = None
     """90th percentile input length; sets the TTFT tail and the service-time variability."""
+    osl_p10: float | None = None
+    """10th percentile output length; sets the share of short answers, the ITL tail."""
     kv_hit_rate: float = 0.0
     """Fraction of prompt tokens found in the prefix cache (not recomputed), on any tier."""
     onboard_ms: float = 0.0
@@ -113,6 +125,9 @@ class Corrections:
     """Multiplies prefill times (TTFT)."""
     decode: float = 1.0
     """Multiplies decode step times (ITL)."""
+    itl_tail: float = 1.0
+    """Multiplies the modelled share of requests whose mean gap misses the ITL target (learned from
+    the router's per-request SLO counts: the tail model's level, where ``decode`` is its speed)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,19 +223,25 @@ class CapacityModel:
         *,
         quantile: float = 0.99,
         max_num_seqs: int = 256,
+        max_batch_tokens: int = 8192,
         isl_scv: float = 1.0,
+        osl_scv: float = 1.0,
     ) -> None:
         if not 0 < quantile < 1:
             raise ValueError(f"quantile={quantile} must lie in (0, 1)")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be at least 1")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least 1")
         self.perf = perf
         self.quantile = quantile
         self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
         self.isl_scv = isl_scv
+        self.osl_scv = osl_scv
         self._z = normal_quantile(quantile)
         self._best_decode: dict[tuple[float, int], float] = {}
-        self._prefill_points: dict[tuple[float | None, ...], NDArray[np.float64]] = {}
+        self._prefill_points: dict[tuple[float | None, ...], _Prompts] = {}
 
     # --- building blocks -----------------------------------------------------------------
 
@@ -498,10 +519,13 @@ class CapacityModel:
         """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (gamma-distributed
         lengths with its mean and p90, :func:`gamma_points`; each prompt's uncached part at the hit
         rate), ms, ascending."""
+        return self._prompts(load, scale=scale).times
+
+    def _prompts(self, load: Workload, *, scale: float) -> _Prompts:
         p90 = None if load.isl_p90 is None else round(load.isl_p90, 3)
         key = (round(load.isl, 3), p90, round(load.kv_hit_rate, 9), round(load.onboard_ms, 6), scale)
-        times = self._prefill_points.get(key)
-        if times is None:
+        prompts = self._prefill_points.get(key)
+        if prompts is None:
             lengths = gamma_points(mean=load.isl, p90=p90, scv=self.isl_scv, count=_PROMPT_POINTS)
             times = np.array(
                 [
@@ -511,10 +535,12 @@ class CapacityModel:
                     for x in lengths
                 ]
             )
+            uncached = np.maximum(1.0, np.round(lengths * (1.0 - load.kv_hit_rate)))
+            chunks = np.ceil(uncached / self.max_batch_tokens)
             if len(self._prefill_points) >= _PREFILL_CACHE_SIZE:
                 self._prefill_points.clear()
-            self._prefill_points[key] = times
-        return times
+            prompts = self._prefill_points[key] = _Prompts(times=times, chunks=chunks)
+        return prompts
 
     def _pool_state(
         self, *, servers: int, rate: float, load: Workload, corrections: Corrections, prefill_share: bool
@@ -538,19 +564,59 @@ class CapacityModel:
             return None
         return _PoolState(times=times, share=share, sequences=sequences, step=step, n_max=n_max)
 
-    def _gap_spread_ms(self, state: _PoolState, *, servers: int, rate: float, load: Workload) -> float:
-        """Standard deviation of one request's mean inter-token gap around the pool's mean: its batch
-        varies (Poisson, ``sqrt(n)``), and in aggregated engines the prefill chunks that share its
-        steps arrive at random (compound Poisson over its decode time, spread over its tokens)."""
+    def _batch_spread_ms(self, state: _PoolState) -> float:
+        """Standard deviation of a request's gap from its batch varying around the pool's mean
+        concurrency (Poisson, ``sqrt(n)``)."""
         n = state.sequences
-        gap = state.step(n) / (1.0 - state.share)
-        batch = (state.step(n + math.sqrt(max(n, 1.0))) - state.step(n)) / (1.0 - state.share)
-        interference = 0.0
-        if state.share > 0:
-            life_s = load.osl * gap / 1000.0
-            second_moment = float(np.mean(state.times**2))
-            interference = math.sqrt(rate / servers * life_s * second_moment) / load.osl
-        return math.hypot(batch, interference)
+        return (state.step(n + math.sqrt(max(n, 1.0))) - state.step(n)) / (1.0 - state.share)
+
+    def _itl_attainment(
+        self, state: _PoolState, *, servers: int, rate: float, load: Workload, itl_ms: float, scale: float
+    ) -> float:
+        """Share of requests whose mean inter-token gap is within ``itl_ms``, over output lengths
+        (gamma with the load's mean and p10, or ``osl_scv`` without a p10).
+
+        A decode pool's gap is the step at its concurrency, spread by the batch (normal). In an
+        aggregated engine a request of ``g`` gaps takes ``g`` steps of ``b`` ms, plus the prefill
+        chunks that share them (``max_batch_tokens`` tokens each): the prompts that arrive during
+        its steps (at the engine's prompt rate over ``g * b``; on average half its steps left to
+        share) and those in progress when it starts (at that rate over each prompt's own duration;
+        on average half their chunks left), a Poisson number. A short output has few gaps, so one
+        long prompt's chunk can put its mean gap over the target: this is the tail that misses, not
+        the mean stretch of ``1 / (1 - share)``. Sums of one and two prompts are exact over the
+        prompt points; three or more are normal."""
+        outputs = gamma_points(mean=load.osl, p10=load.osl_p10, scv=self.osl_scv, count=_OUTPUT_POINTS)
+        gaps = np.maximum(np.round(outputs) - 1.0, 0.0)
+        step = state.step(state.sequences)
+        batch = self._batch_spread_ms(state)
+        if state.share <= 0:
+            if batch == 0:
+                return 1.0 if step <= itl_ms else 0.0
+            return _normal_cdf((itl_ms - step) / batch)
+        prompts = self._prompts(load, scale=scale)
+        times = prompts.times[_CHUNK_PROMPT_STRIDE // 2 :: _CHUNK_PROMPT_STRIDE]
+        chunks = prompts.chunks[_CHUNK_PROMPT_STRIDE // 2 :: _CHUNK_PROMPT_STRIDE]
+        g, share = np.unique(gaps[gaps > 0], return_counts=True)
+        if not len(g):
+            return 1.0
+        col = g[:, None]
+        chunk_ms = times / chunks
+        # Prompts arriving during the request's steps (on average half of its steps left to share)
+        # and prompts already in progress when it starts (on average half of their chunks left).
+        arriving = chunk_ms * np.minimum(chunks, np.maximum(1.0, col / 2.0))
+        in_progress = chunk_ms * np.minimum(np.floor(chunks / 2.0), col)
+        duration = np.broadcast_to(times + chunks * step, arriving.shape)  # a prompt's own steps, ms
+        windows = np.concatenate([np.broadcast_to(col * step, arriving.shape), duration], axis=1)
+        slack = g * (itl_ms - step)  # extra time a request of g gaps can take
+        missed = _compound_poisson_tail(
+            slack,
+            mean_count=rate / servers / 1000.0 * windows.sum(axis=1) / len(times),
+            values=np.concatenate([arriving, in_progress], axis=1),
+            weights=windows / windows.sum(axis=1, keepdims=True),
+            spread=batch * g,
+        )
+        missed = np.where(slack <= 0, 1.0, missed)
+        return 1.0 - float(np.dot(share, missed)) / len(gaps)
 
     def attainment(
         self,
@@ -599,11 +665,10 @@ class CapacityModel:
             service_s=work_ms / 1000.0,
             service_scv=float(np.var(times)) / (work_ms * work_ms),
         )
-        gap = state.step(state.sequences) / (1.0 - state.share)
-        spread = self._gap_spread_ms(state, servers=back, rate=load.rate, load=load)
-        itl = 1.0 if spread == 0 and gap <= itl_ms else 0.0
-        if spread > 0:
-            itl = _normal_cdf((itl_ms - gap) / spread)
+        modelled = self._itl_attainment(
+            state, servers=back, rate=load.rate, load=load, itl_ms=itl_ms, scale=corrections.prefill
+        )
+        itl = 1.0 - min(1.0, corrections.itl_tail * (1.0 - modelled))
         return Attainment(ttft=float(np.mean(1.0 - late)), itl=itl, reachable=reachable)
 
     def means(
@@ -797,6 +862,28 @@ class CapacityModel:
         )
 
 
+def capacity_for(perf: PerfModel, *, config: PlannerConfig, limits: Limits) -> CapacityModel:
+    """The capacity model a planner with ``config`` uses for a deployment with ``limits``."""
+    return CapacityModel(
+        perf,
+        quantile=config.quantile,
+        max_num_seqs=limits.max_num_seqs,
+        max_batch_tokens=limits.max_batch_tokens,
+        isl_scv=config.isl_scv,
+        osl_scv=config.osl_scv,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Prompts:
+    """Equally likely prompts of a load."""
+
+    times: NDArray[np.float64]
+    """Prefill time of each, ms, ascending."""
+    chunks: NDArray[np.float64]
+    """Steps each prefill takes (its uncached tokens over the step's token budget, rounded up)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _PoolState:
     """A pool at steady state: what attainment and means are computed from."""
@@ -815,3 +902,38 @@ class _PoolState:
 
 def _normal_cdf(z: float) -> float:
     return 0.5 * math.erfc(-z / math.sqrt(2.0))
+
+
+def _compound_poisson_tail(
+    threshold: NDArray[np.float64],
+    *,
+    mean_count: NDArray[np.float64],
+    values: NDArray[np.float64],
+    weights: NDArray[np.float64],
+    spread: NDArray[np.float64],
+) -> NDArray[np.float64]:
+    """Per row: P(Y_1 + ... + Y_N + e > threshold), N Poisson with ``mean_count``, the Y drawn from
+    the row of ``values`` with that row of ``weights`` (summing to 1), e normal with standard
+    deviation ``spread``. Exact for N of one and two (e left out), normal for three or more."""
+    x = threshold[:, None]
+    one = np.sum(weights * (values > x), axis=1)
+    # pairs only where some pass and some do not (the rest: all or none)
+    top_value = values.max(axis=1)
+    two = np.where(2.0 * values.min(axis=1) > threshold, 1.0, 0.0)
+    mixed = (2.0 * top_value > threshold) & (two == 0.0)
+    if mixed.any():
+        v, w = values[mixed], weights[mixed]
+        passes = (v[:, :, None] + v[:, None, :] > threshold[mixed][:, None, None]).astype(np.float64)
+        two[mixed] = np.sum(w * (passes @ w[:, :, None])[:, :, 0], axis=1)
+    mean = np.sum(weights * values, axis=1)
+    variance = np.maximum(np.sum(weights * values * values, axis=1) - mean * mean, 0.0)
+    top = max(3, math.ceil(float(mean_count.max()) + 8.0 * math.sqrt(float(mean_count.max())) + 5.0))
+    counts = np.arange(3, top + 1, dtype=np.float64)[None, :]
+    m = mean_count[:, None]
+    sd = np.sqrt(counts * variance[:, None] + (spread * spread)[:, None])
+    more = ndtr((counts * mean[:, None] - x) / np.maximum(sd, 1e-12))
+    weights_n = np.exp(counts * np.log(np.maximum(m, 1e-300)) - m - gammaln(counts + 1.0))
+    p0 = np.exp(-mean_count)
+    zero = np.where(spread > 0, 1.0 - ndtr(threshold / np.maximum(spread, 1e-12)), 0.0)
+    tail = p0 * (zero + mean_count * one + mean_count**2 / 2.0 * two) + np.sum(weights_n * more, axis=1)
+    return np.asarray(np.clip(tail, 0.0, 1.0), dtype=np.float64)

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import click
 
 from copse.api import ManifestError, load_deployment
-from copse.planner.capacity import CapacityModel
+from copse.planner.capacity import capacity_for
 from copse.planner.config import ConfigError, PlannerConfig, load_config
 from copse.planner.core import Planner
 from copse.planner.observations import Observation, resample
@@ -43,12 +43,6 @@ def fail(message: str) -> NoReturn:
 def usage(message: str) -> NoReturn:
     """Options that do not go together: exit 2."""
     raise click.UsageError(message)
-
-
-def capacity_for(perf: PerfModel, *, config: PlannerConfig, limits: Limits) -> CapacityModel:
-    return CapacityModel(
-        perf, quantile=config.quantile, max_num_seqs=limits.max_num_seqs, isl_scv=config.isl_scv
-    )
 
 
 @click.group()

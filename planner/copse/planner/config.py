@@ -83,10 +83,20 @@ class PlannerConfig(pydantic.BaseModel):
     correction_bounds: tuple[float, float] = (0.5, 2.0)
     """Clamp of a correction factor: a wild measurement must not double or halve the fleet at once
     (a factor at its clamp is counted in copse_planner_correction_clamped_total)."""
+    itl_tail_window: int = Field(default=60, ge=1)
+    """Intervals the ITL tail correction sums misses over: at a 1 % goal an interval of a few hundred
+    requests holds a handful of misses, too few to read a ratio from alone."""
+    itl_tail_bounds: tuple[float, float] = (0.5, 2.0)
+    """Clamp of the ITL tail correction: the modelled misses fall slowly with replicas (about as one
+    over the fleet), so a factor of 2 already moves the fleet a lot (a factor at its clamp is
+    counted as phase ``itl_tail``)."""
     correction_smoothing: float = Field(default=0.3, gt=0, le=1)
     """Weight of the newest measurement in the exponentially smoothed correction factor."""
     isl_scv: float = Field(default=1.0, ge=0)
     """Prompt-length variability (squared CV) assumed when the metrics carry no p90 ISL."""
+    osl_scv: float = Field(default=1.0, ge=0)
+    """Output-length variability (squared CV) assumed when the metrics carry no p10 OSL (1: as
+    many short answers as an exponential spread has)."""
     default_isl: float = Field(default=3000.0, gt=0)
     """Input length assumed until the first requests are seen."""
     default_osl: float = Field(default=150.0, gt=0)

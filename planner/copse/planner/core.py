@@ -26,6 +26,7 @@ One decision, at the start of each interval:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -45,7 +46,7 @@ _QUEUE_SHARE = 0.5
 #: Largest share of a pool one SLO burn adds (the share of requests missing, up to this).
 _BURN_STEP = 0.5
 #: Correction phases, in the order they are reported.
-PHASES: tuple[str, ...] = ("prefill", "decode")
+PHASES: tuple[str, ...] = ("prefill", "decode", "itl_tail")
 #: What sets a target: the forecast, or one of the fast loop's signals (work queued for a pool, or
 #: requests missing the SLO faster than the error budget allows).
 FORECAST, BACKLOG, BURN = "forecast", "backlog", "burn"
@@ -77,6 +78,7 @@ def workload_of(load: LoadForecast | Observation, *, scale: float = 1.0) -> Work
         isl=load.isl or 1.0,
         osl=load.osl or 1.0,
         isl_p90=load.isl_p90,
+        osl_p10=load.osl_p10,
         kv_hit_rate=load.kv_hit_rate or 0.0,
         onboard_ms=load.onboard_ms or 0.0,
     )
@@ -173,6 +175,10 @@ class Planner:
         self.clamp_hits = dict.fromkeys(PHASES, 0)
         """Times each phase's solved correction factor hit a bound (the metric's counter)."""
         self._clamped: tuple[str, ...] = ()
+        self._itl_misses: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=config.itl_tail_window
+        )
+        """(observed, modelled) ITL misses of recent intervals, the tail correction's ratio."""
         self._backlog: dict[Role, float] = {}
         self._gate = ScaleDownGate()
         self._observed = False
@@ -197,7 +203,14 @@ class Planner:
         self._observed = True
         self._clamped = ()
         if self.config.correction and obs.num_requests > 0 and obs.isl and obs.osl:
-            self.corrections = self._corrected(obs, self._serving(obs, replicas))
+            serving = self._serving(obs, replicas)
+            self.corrections = self._corrected(obs, serving)
+            tail = self._tail_corrected(obs, serving=serving, held=replicas)
+            if tail is not None:
+                if not self.config.itl_tail_bounds[0] < tail < self.config.itl_tail_bounds[1]:
+                    self._clamped += ("itl_tail",)
+                    self.clamp_hits["itl_tail"] += 1
+                self.corrections = dataclasses.replace(self.corrections, itl_tail=tail)
         self._backlog = queues_of(obs, self.limits)
 
     def _serving(self, obs: Observation, held: Mapping[Role, int]) -> dict[Role, int]:
@@ -246,6 +259,43 @@ class Planner:
             corrections = dataclasses.replace(corrections, **{field: min(max(smoothed, low), high)})
         self._clamped = tuple(clamped)
         return corrections
+
+    def _tail_corrected(
+        self, obs: Observation, *, serving: Mapping[Role, int], held: Mapping[Role, int]
+    ) -> float | None:
+        """The ITL tail factor: requests the router counted missing the ITL target over those the
+        capacity model expects to miss on the serving replicas, summed over the last
+        ``itl_tail_window`` intervals (a ratio of sums: one interval holds a handful of misses).
+        ``None`` without the router's SLO counts. Only steady intervals count: every held replica
+        serving (a replica that just started takes a flood of prompts at once), at most one request
+        waiting per replica at either end, and TTFT misses within the error budget; the misses of a
+        burst are the backlog's, which the model sizes separately, not the tail's."""
+        if obs.itl_missed is None or obs.slo_met is None or obs.ttft_missed is None:
+            return None
+        judged = obs.slo_met + obs.ttft_missed + obs.itl_missed
+        front = self.limits.front
+        waiting = max(queues_of(obs, self.limits)[front], self._backlog.get(front, 0.0))
+        steady = (
+            judged > 0
+            and all(serving.get(role, 0) >= held.get(role, 0) for role in self.limits.roles)
+            and waiting <= serving.get(front, 0)
+            and obs.ttft_missed <= (1.0 - self.config.attainment_goal) * judged
+        )
+        if not steady:
+            return None
+        expected = self.capacity.attainment(
+            replicas=serving,
+            load=workload_of(obs),
+            ttft_ms=self.limits.ttft_ms,
+            itl_ms=self.limits.itl_ms,
+            corrections=dataclasses.replace(self.corrections, itl_tail=1.0),
+        )
+        self._itl_misses.append((obs.itl_missed, (1.0 - expected.itl) * judged))
+        observed = sum(o for o, _ in self._itl_misses)
+        modelled = sum(m for _, m in self._itl_misses)
+        low, high = self.config.itl_tail_bounds
+        # one miss added to each side: no misses either way reads as 1, not 0/0
+        return min(max((observed + 1.0) / (modelled + 1.0), low), high)
 
     # --- the live loop's two moves ------------------------------------------------------------
 

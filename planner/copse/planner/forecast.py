@@ -8,7 +8,7 @@ from copse.planner.observations import Observation
 from copse.planner.predictors import PredictorSettings, make_predictor
 
 #: Series forecast from each observation; the optional ones only once the source has given them.
-SERIES: tuple[str, ...] = ("num_requests", "isl", "osl", "isl_p90", "kv_hit_rate", "onboard_ms")
+SERIES: tuple[str, ...] = ("num_requests", "isl", "osl", "isl_p90", "osl_p10", "kv_hit_rate", "onboard_ms")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,8 @@ class LoadForecast:
     """Expected prefix-cache hit rate (0 when unknown)."""
     onboard_ms: float = 0.0
     """Expected onboarding time of a request's cached blocks kept below the GPU, ms (0 when unknown)."""
+    osl_p10: float | None = None
+    """10th percentile output length, tokens, when the source gives it."""
 
     @property
     def rate(self) -> float:
@@ -61,7 +63,7 @@ class LoadForecaster:
         self.duration_s = obs.duration_s
         self._update("num_requests", obs.num_requests)
         if obs.num_requests > 0:
-            for name in ("isl", "osl", "isl_p90", "kv_hit_rate", "onboard_ms"):
+            for name in SERIES[1:]:
                 self._update(name, getattr(obs, name))
 
     def _update(self, name: str, value: float | None) -> None:
@@ -93,6 +95,7 @@ class LoadForecaster:
                     isl=max(isl, 1.0),
                     osl=max(osl, 1.0),
                     isl_p90=None if at["isl_p90"] is None else max(at["isl_p90"], isl),
+                    osl_p10=None if at["osl_p10"] is None else min(max(at["osl_p10"], 1.0), osl),
                     kv_hit_rate=min(max(at["kv_hit_rate"] or 0.0, 0.0), 1.0),
                     onboard_ms=max(at["onboard_ms"] or 0.0, 0.0),
                 )

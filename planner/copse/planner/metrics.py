@@ -99,6 +99,7 @@ class PlannerMetrics:
             self.current.labels(*labels, role.value).set(decision.current.get(role, 0))
         self.correction.labels(*labels, "prefill").set(decision.corrections.prefill)
         self.correction.labels(*labels, "decode").set(decision.corrections.decode)
+        self.correction.labels(*labels, "itl_tail").set(decision.corrections.itl_tail)
         for phase in PHASES:
             counter = self.clamped.labels(*labels, phase)  # every phase exported, from 0
             if phase in decision.clamped:

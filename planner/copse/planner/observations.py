@@ -27,6 +27,9 @@ class Observation:
     """Mean output length, tokens."""
     isl_p90: float | None = None
     """90th percentile of the input length, tokens: long prompts set the TTFT tail."""
+    osl_p10: float | None = None
+    """10th percentile of the output length, tokens: short answers set the ITL tail (one prefill
+    chunk in a few steps lifts their mean gap)."""
     kv_hit_rate: float | None = None
     """Fraction of prompt tokens served from the prefix cache, in [0, 1] (on any tier: a prefix the
     engines keep in host memory or on disk counts, see :mod:`copse.workers.perf.tiers`)."""
@@ -154,6 +157,11 @@ def _largest(values: Sequence[float | None]) -> float | None:
     return max(present) if present else None
 
 
+def _smallest(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return min(present) if present else None
+
+
 def _total(values: Sequence[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return sum(present) if present else None
@@ -173,6 +181,7 @@ def merge(group: Sequence[Observation]) -> Observation:
         isl=_weighted([(obs.isl, w) for obs, w in zip(group, weights, strict=True)]),
         osl=_weighted([(obs.osl, w) for obs, w in zip(group, weights, strict=True)]),
         isl_p90=_largest([obs.isl_p90 for obs in group]),
+        osl_p10=_smallest([obs.osl_p10 for obs in group]),
         # The hit rate is a fraction of prompt tokens, so it averages over prompt tokens.
         kv_hit_rate=_weighted([(obs.kv_hit_rate, t) for obs, t in zip(group, prompt_tokens, strict=True)]),
         onboard_ms=_weighted([(obs.onboard_ms, w) for obs, w in zip(group, weights, strict=True)]),

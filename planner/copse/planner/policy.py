@@ -44,6 +44,9 @@ class Limits:
     """Waiting requests per front-pool replica that trigger a scale-up ahead of the forecast."""
     max_num_seqs: int = 256
     """Most sequences an engine batches (bounds the decode batch)."""
+    max_batch_tokens: int = 8192
+    """Token budget of one engine step (``spec.engine.maxBatchTokens``): a prompt longer than it
+    prefills in chunks of this size, each sharing a step with the decoding sequences."""
     startup_delay_s: float = 120.0
     """Time from adding a replica to it serving (``spec.coldStart``), when the planner's config
     does not set one."""
@@ -104,6 +107,7 @@ class Limits:
             scale_down_delay_s=scaling.scale_down_delay_s,
             queue_depth=scaling.scale_up_trigger.queue_depth,
             max_num_seqs=spec.engine.max_num_sequences,
+            max_batch_tokens=spec.engine.max_batch_tokens,
             startup_delay_s=spec.cold_start.startup_delay_s(model_cache=spec.model.cache),
         )
 

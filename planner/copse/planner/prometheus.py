@@ -50,6 +50,10 @@ DEFAULT_QUERIES: dict[str, str] = {
         "histogram_quantile(0.9, "
         "sum by (le) (rate(copse_router_prompt_length_tokens_bucket{{{selector}}}[{window}])))"
     ),
+    "osl_p10": (
+        "histogram_quantile(0.1, "
+        "sum by (le) (rate(copse_router_output_length_tokens_bucket{{{selector}}}[{window}])))"
+    ),
     "kv_hit_rate": (
         "sum(increase(copse_router_predicted_cached_tokens_total{{{selector}}}[{window}]))"
         " / sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}]))"
@@ -209,6 +213,7 @@ class PrometheusSource:
             isl=values["isl"] if busy else None,
             osl=values["osl"] if busy else None,
             isl_p90=values["isl_p90"] if busy else None,
+            osl_p10=values["osl_p10"] if busy else None,
             kv_hit_rate=_fraction(values["kv_hit_rate"]),
             onboard_ms=values["onboard_ms"] if busy else None,
             ttft_ms=values["ttft_ms"] if busy else None,

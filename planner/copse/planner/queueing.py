@@ -118,10 +118,11 @@ def mean_wait_s(*, servers: int, arrival_rate: float, service_s: float, service_
 
 
 def gamma_points(
-    *, mean: float, count: int, p90: float | None = None, scv: float = 1.0
+    *, mean: float, count: int, p90: float | None = None, p10: float | None = None, scv: float = 1.0
 ) -> NDArray[np.float64]:
     """``count`` equally likely values (its quantiles at ``(i + 1/2) / count``) of the gamma
-    distribution with this ``mean`` and this 90th percentile, or, without one, this squared CV.
+    distribution with this ``mean`` and this 90th percentile, or this 10th percentile (the end
+    that matters: long prompts for TTFT, short answers for ITL), or, without either, this squared CV.
 
     Gamma rather than lognormal: a lognormal matches a mean and a p90 only while p90 < 2.28 x mean,
     and prompt lengths cut off at the context limit often lie beyond (Mooncake's conversation trace
@@ -131,10 +132,16 @@ def gamma_points(
         raise ValueError(f"count={count} must be at least 1")
     if mean <= 0:
         raise ValueError(f"mean={mean} must be positive")
+    if p90 is not None and p10 is not None:
+        raise ValueError("give p90 or p10, not both")
     if p90 is not None:
         if p90 <= mean:
             return np.full(count, float(mean))
-        shape = _gamma_shape(p90 / mean)
+        shape = _gamma_shape(p90 / mean, level=0.9)
+    elif p10 is not None:
+        if p10 >= mean:
+            return np.full(count, float(mean))
+        shape = _gamma_shape(max(p10, 0.0) / mean, level=0.1)
     elif scv <= 0:
         return np.full(count, float(mean))
     else:
@@ -143,14 +150,16 @@ def gamma_points(
     return np.asarray(gammaincinv(shape, levels), dtype=np.float64) * (mean / shape)
 
 
-def _gamma_shape(ratio: float) -> float:
-    """Shape ``k`` of the gamma distribution whose p90 is ``ratio`` x its mean. That ratio falls with
-    ``k`` from its largest, about 3.03 at ``k = 0.2``; a ratio beyond gets that heaviest shape."""
+def _gamma_shape(ratio: float, *, level: float) -> float:
+    """Shape ``k`` of the gamma distribution whose ``level`` quantile is ``ratio`` x its mean. A p90
+    ratio falls with ``k`` from its largest, about 3.03 at ``k = 0.2``, a p10 ratio rises with it
+    from 0; a ratio beyond gets that heaviest shape."""
     low, high = math.log(_HEAVIEST_GAMMA_SHAPE), math.log(1e4)
+    falls = level > 0.5
     for _ in range(60):
         middle = (low + high) / 2
         k = math.exp(middle)
-        if float(gammaincinv(k, 0.9)) / k > ratio:
+        if (float(gammaincinv(k, level)) / k > ratio) == falls:
             low = middle
         else:
             high = middle

@@ -26,6 +26,7 @@ SLO_FIELDS: tuple[str, ...] = ("slo_met", "ttft_missed", "itl_missed", "refused"
 REQUIRED_FIELDS: tuple[str, ...] = ("timestamp", "num_requests", "isl", "osl")
 OPTIONAL_FIELDS: tuple[str, ...] = (
     "isl_p90",
+    "osl_p10",
     "kv_hit_rate",
     "onboard_ms",
     "ttft_ms",
@@ -159,6 +160,7 @@ def _observation(where: str, record: dict[str, Any], duration: float) -> Observa
         isl=lengths["isl"],
         osl=lengths["osl"],
         isl_p90=_optional(where, record, "isl_p90"),
+        osl_p10=_optional(where, record, "osl_p10"),
         kv_hit_rate=_optional(where, record, "kv_hit_rate", maximum=1.0),
         onboard_ms=_optional(where, record, "onboard_ms"),
         ttft_ms=_optional(where, record, "ttft_ms"),
@@ -236,6 +238,7 @@ def read_prometheus_export(path: Path) -> list[Observation]:
                 isl=values["isl"] if num_requests > 0 else None,
                 osl=values["osl"] if num_requests > 0 else None,
                 isl_p90=values.get("isl_p90"),
+                osl_p10=values.get("osl_p10"),
                 kv_hit_rate=values.get("kv_hit_rate"),
                 onboard_ms=values.get("onboard_ms"),
                 ttft_ms=values.get("ttft_ms"),
@@ -313,6 +316,7 @@ class _Bucketer:
             requests = self.buckets.get(index, [])
             count = len(requests)
             isl = np.array([r[0] for r in requests], dtype=np.float64)
+            osl = np.array([r[1] for r in requests], dtype=np.float64)
             prompt = float(isl.sum())
             out.append(
                 Observation(
@@ -320,8 +324,9 @@ class _Bucketer:
                     duration_s=self.interval_s,
                     num_requests=float(count),
                     isl=float(isl.mean()) if count else None,
-                    osl=float(np.mean([r[1] for r in requests])) if count else None,
+                    osl=float(osl.mean()) if count else None,
                     isl_p90=float(np.percentile(isl, 90, method="inverted_cdf")) if count else None,
+                    osl_p10=float(np.percentile(osl, 10, method="inverted_cdf")) if count else None,
                     kv_hit_rate=sum(r[2] for r in requests) / prompt if with_hits and prompt > 0 else None,
                 )
             )

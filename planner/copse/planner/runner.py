@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from copse.api import InferenceDeployment
 from copse.planner.actuator import Actuator, ActuatorError, replicas_of
-from copse.planner.capacity import CapacityModel
+from copse.planner.capacity import capacity_for
 from copse.planner.config import PlannerConfig
 from copse.planner.core import Decision, Planner
 from copse.planner.metrics import PlannerMetrics
@@ -61,12 +61,7 @@ class Runner:
 
     def _sync(self, limits: Limits) -> Planner:
         """The planner for ``limits``: limits follow the deployment; a changed pool layout starts over."""
-        capacity = CapacityModel(
-            self.perf,
-            quantile=self.config.quantile,
-            max_num_seqs=limits.max_num_seqs,
-            isl_scv=self.config.isl_scv,
-        )
+        capacity = capacity_for(self.perf, config=self.config, limits=limits)
         if self.planner is None or self.planner.limits.roles != limits.roles:
             if self.planner is not None:
                 logger.warning(

@@ -33,6 +33,8 @@ PROMPT_LENGTH_TOKENS = f"{PREFIX}_prompt_length_tokens"
 """Histogram: prompt length per request."""
 OUTPUT_TOKENS = f"{PREFIX}_output_tokens"
 """Counter (``_total``): output tokens returned to clients."""
+OUTPUT_LENGTH_TOKENS = f"{PREFIX}_output_length_tokens"
+"""Histogram: output length per request."""
 PREDICTED_CACHED_TOKENS = f"{PREFIX}_predicted_cached_tokens"
 """Counter (``_total``): prompt tokens the chosen worker was predicted to hold."""
 PREDICTED_ONBOARD_SECONDS = f"{PREFIX}_predicted_onboard_seconds"
@@ -127,6 +129,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 #: Prompt-length buckets (tokens), powers of two from a chat turn to a 256k context.
 PROMPT_LENGTH_BUCKETS = tuple(float(2**k) for k in range(6, 19))
+#: Output-length buckets (tokens), powers of two from one token to 32k: short answers are the ones
+#: a prefill chunk in one of their few steps puts over the ITL target.
+OUTPUT_LENGTH_BUCKETS = tuple(float(2**k) for k in range(16))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -243,6 +248,13 @@ class RouterMetrics:
             OUTPUT_TOKENS,
             "Output tokens returned to clients: the worker's usage count when it reports one, else "
             "the tokens streamed.",
+            registry=r,
+        )
+        self.output_length = Histogram(
+            OUTPUT_LENGTH_TOKENS,
+            "Output length of answered requests (the planner sizes for the share of short answers, "
+            "whose mean inter-token gap one prefill chunk can spoil).",
+            buckets=OUTPUT_LENGTH_BUCKETS,
             registry=r,
         )
         self.cached_tokens = Counter(

@@ -528,6 +528,7 @@ class RoutingService:
     def _count_output(self, tokens: int) -> None:
         if tokens > 0:
             self.metrics.output_tokens.inc(tokens)
+            self.metrics.output_length.observe(tokens)
 
     def _first_token(self, request_id: str) -> None:
         self._dispatch(self.router.prefill_done(request_id, now=self.now()))

@@ -219,6 +219,7 @@ def servegen_recording(
             isl=float(isl.mean()),
             osl=float(osl.mean()),
             isl_p90=float(np.percentile(isl, 90)),
+            osl_p10=float(np.percentile(osl, 10)),
         )
         for row in rows
     ]

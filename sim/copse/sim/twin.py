@@ -41,13 +41,13 @@ import numpy as np
 import numpy.typing as npt
 
 from copse.api import Role
-from copse.planner.capacity import CapacityModel
+from copse.planner.capacity import capacity_for
 from copse.planner.config import PlannerConfig
 from copse.planner.core import FORECAST, SIGNALS, Decision, Planner
 from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
 from copse.router.core import Role as EngineRole
-from copse.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, PROMPT_LENGTH_BUCKETS
+from copse.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, OUTPUT_LENGTH_BUCKETS, PROMPT_LENGTH_BUCKETS
 from copse.sim.replay import Distribution, Fleet, ReplaySettings
 from copse.sim.trace import TraceRequest
 
@@ -193,6 +193,7 @@ def observe(
         isl=prompt_tokens / requests if requests else None,
         osl=float(outputs.sum()) / requests if requests else None,
         isl_p90=histogram_quantile(0.9, fleet.prompts[routed], buckets=PROMPT_LENGTH_BUCKETS),
+        osl_p10=histogram_quantile(0.1, outputs[outputs > 0], buckets=OUTPUT_LENGTH_BUCKETS),
         kv_hit_rate=float(fleet.predicted_cached[routed].sum()) / prompt_tokens if prompt_tokens else None,
         onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
@@ -525,12 +526,7 @@ def run_twin(
     pools = {role: Replicas(fleet, initial=count, role=role) for role, count in initial.items()}
     planner: Planner | None = None
     if settings.planner is not None:
-        capacity = CapacityModel(
-            fleet.router_perf,
-            quantile=settings.planner.quantile,
-            max_num_seqs=limits.max_num_seqs,
-            isl_scv=settings.planner.isl_scv,
-        )
+        capacity = capacity_for(fleet.router_perf, config=settings.planner, limits=limits)
         planner = Planner(
             config=settings.planner, limits=limits, capacity=capacity, interval_s=settings.interval_s
         )
