@@ -489,7 +489,85 @@ def test_a_peer_replicas_service_to_a_tenant_moves_it_back_in_this_replicas_queu
         served += [
             route.request_id for route in router.finish(served[-1] if served else "running", now=float(t))
         ]
-    assert served == ["light", "heavy-here", "light-2", "light-late", "heavy-late"]
+    # The heavy tenant waiting here was served 6,000 tokens elsewhere meanwhile: the light one
+    # catches up (three 2,000-token requests) before heavy-here goes.
+    assert served == ["light", "light-2", "light-late", "heavy-here", "heavy-late"]
+
+
+def _replicas() -> tuple[Router, Router]:
+    """Two router replicas sharing one worker that takes one request at a time."""
+    busy = Thresholds(busy_prefill_tokens=500)
+    return (
+        _router(workers=1, share_load=True, thresholds=busy),
+        _router(workers=1, share_load=True, thresholds=busy),
+    )
+
+
+def _exchange(replicas: tuple[Router, Router], *, now: float) -> list[str]:
+    """What replica sync carries: each replica's load changes and queue heads to the other, until
+    nothing moves; returns the requests the exchange released."""
+    released: list[str] = []
+    a, b = replicas
+    directions: tuple[tuple[str, Router, Router], ...] = (("a", a, b), ("b", b, a))
+    moved = True
+    while moved:
+        moved = False
+        for name, router, peer in directions:
+            assert router.outbox is not None
+            changes, router.outbox[:] = list(router.outbox), []
+            moved = moved or bool(changes)
+            for change in changes:
+                released += [route.request_id for route in peer.apply_peer(change, peer=name, now=now)]
+            routes = peer.apply_peer_queue(name, router.queue_heads(), now=now)
+            released += [route.request_id for route in routes]
+            moved = moved or bool(routes)
+    return released
+
+
+def test_capacity_a_replica_frees_goes_to_the_peers_head_when_that_comes_first() -> None:
+    a, b = _replicas()
+    assert b.submit(_classed("heavy-0", priority=0, tenant="heavy"), now=0.0) is not None
+    _exchange((a, b), now=0.0)
+    assert a.submit(_classed("light-0", priority=0, tenant="light"), now=0.1) is None, "the worker is busy"
+    assert b.submit(_classed("heavy-1", priority=0, tenant="heavy"), now=0.1) is None
+    _exchange((a, b), now=0.1)
+    # heavy-0 ends at b; the light tenant, served nothing yet, waits at a: b holds heavy-1 back
+    assert b.finish("heavy-0", now=1.0) == []
+    assert b.queued == 1
+    assert _exchange((a, b), now=1.0) == ["light-0"], "a takes the capacity b freed"
+    assert a.finish("light-0", now=2.0) == []
+    assert _exchange((a, b), now=2.0) == ["heavy-1"]
+    # a new heavy request at b while the light tenant waits at a, behind it in a's queue
+    assert a.submit(_classed("light-1", priority=0, tenant="light"), now=2.1) is None
+    _exchange((a, b), now=2.1)
+    assert b.submit(_classed("heavy-2", priority=0, tenant="heavy"), now=2.1) is None
+    assert b.finish("heavy-1", now=3.0) == []
+    assert _exchange((a, b), now=3.0) == ["light-1"]
+
+
+def test_a_lower_band_at_one_replica_never_overtakes_a_higher_one_at_the_other() -> None:
+    a, b = _replicas()
+    assert b.submit(_classed("batch-0", priority=0, tenant="t"), now=0.0) is not None
+    _exchange((a, b), now=0.0)
+    assert a.submit(_classed("premium", priority=100, tenant="t"), now=0.1) is None
+    assert b.submit(_classed("batch-1", priority=0, tenant="u"), now=0.1) is None
+    _exchange((a, b), now=0.1)
+    assert b.finish("batch-0", now=1.0) == []
+    assert _exchange((a, b), now=1.0) == ["premium"]
+
+
+def test_a_silent_peers_queue_head_holds_dispatch_back_no_longer_than_the_timeout() -> None:
+    a, b = _replicas()
+    assert b.submit(_classed("heavy-0", priority=0, tenant="heavy"), now=0.0) is not None
+    _exchange((a, b), now=0.0)
+    assert a.submit(_classed("light-0", priority=0, tenant="light"), now=0.1) is None
+    assert b.submit(_classed("heavy-1", priority=0, tenant="heavy"), now=0.1) is None
+    _exchange((a, b), now=0.1)
+    # a dies with light-0 waiting: b's heavy-1 waits for a's head only while it is fresh
+    assert b.finish("heavy-0", now=1.0) == []
+    timeout = b.thresholds.peer_queue_max_age_s
+    assert b.drain(now=0.1 + timeout - 0.01) == []
+    assert [route.request_id for route in b.drain(now=0.1 + timeout + 0.01)] == ["heavy-1"]
 
 
 def _loaded(objective: RoutingObjective) -> Router:

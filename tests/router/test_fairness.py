@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from copse.router.fairness import FairQueue
+from copse.router.fairness import FairQueue, QueueHead, precedes
 
 
 def _drain(queue: FairQueue[str]) -> list[str]:
@@ -102,3 +102,67 @@ def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() ->
     assert _drain(queue) == ["a"] * 5 + ["b", "a"], "b waits until a has had the 500 tokens b got elsewhere"
     queue.charge(priority=0, tenant="idle", tokens=100)
     assert queue.tokens_ahead(priority=0, tenant="idle", tokens=1) == 1, "an empty band keeps no state"
+
+
+def test_a_peer_head_precedes_by_band_first_then_by_start_tag() -> None:
+    def head(priority: int, start: float, tenant: str) -> QueueHead:
+        return QueueHead(priority=priority, start=start, tenant=tenant, virtual=0.0)
+
+    assert precedes(head(100, 900.0, "a"), head(0, 0.0, "b")), "a higher band goes first whatever its tag"
+    assert not precedes(head(0, 0.0, "b"), head(100, 900.0, "a")), "a lower band never overtakes"
+    assert precedes(head(0, 100.0, "a"), head(0, 200.0, "b"))
+    assert not precedes(head(0, 200.0, "b"), head(0, 100.0, "a"))
+    assert not precedes(head(0, 100.0, "a"), head(0, 100.0, "b")), "a tie: neither replica waits"
+    assert not precedes(head(0, 100.0, "a"), head(0, 200.0, "a")), (
+        "one tenant's heads never wait for each other"
+    )
+
+
+def test_this_queue_holds_its_head_back_while_a_peer_head_comes_first() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.charge(priority=0, tenant="heavy", tokens=500)  # heavy was served 500 tokens already
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
+    assert queue.peer_ahead() is None, "no peer: the head goes"
+    # a peer has the light tenant waiting, served nothing yet: it comes first
+    assert queue.observe_peer("B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=1.0)
+    assert queue.peer_ahead() == "B"
+    assert queue.peer_ahead(priority=0, tenant="heavy") == "B", "so does a new heavy request"
+    assert queue.peer_ahead(priority=100, tenant="heavy") is None, "a higher band does not wait"
+    assert not queue.observe_peer(
+        "B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=1.5
+    ), "heard again, unchanged"
+    # the peer served it: the light tenant's virtual time moves past heavy's, and its next head is later
+    queue.charge(priority=0, tenant="light", tokens=700)
+    assert queue.observe_peer("B", [QueueHead(priority=0, start=700.0, tenant="light", virtual=0.0)], now=2.0)
+    assert queue.peer_ahead() is None
+    assert queue.heads() == [QueueHead(priority=0, start=500.0, tenant="heavy", virtual=0.0)]
+    # a premium request waiting at the peer holds back every band below it
+    queue.observe_peer("B", [QueueHead(priority=100, start=0.0, tenant="x", virtual=0.0)], now=2.5)
+    assert queue.peer_ahead() == "B"
+    queue.forget_peer("B")
+    assert queue.peer_ahead() is None
+
+
+def test_a_silent_peers_heads_stop_holding_dispatch_back_after_the_timeout() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.charge(priority=0, tenant="heavy", tokens=500)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
+    queue.observe_peer("B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=10.0)
+    queue.forget_stale_peers(now=12.9, max_age_s=3.0)
+    assert queue.peer_ahead() == "B", "heard 2.9 s ago: still holds"
+    queue.forget_stale_peers(now=13.1, max_age_s=3.0)
+    assert queue.peer_ahead() is None, "silent for longer than the timeout: ignored"
+
+
+def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_waiting_here() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.charge(priority=0, tenant="a", tokens=1000)  # V is now 0, a's virtual time 1,000
+    queue.charge(priority=0, tenant="b", tokens=100)
+    queue.charge(priority=0, tenant="a", tokens=100)  # V 1,000
+    queue.observe_peer("B", [QueueHead(priority=0, start=100.0, tenant="b", virtual=1000.0)], now=0.0)
+    queue.push("b", "b", priority=0, tenant="b", tokens=10)
+    assert queue.heads()[0].start == 100.0, "b waits at the peer: not lifted to V here"
+    queue.push("c", "c", priority=0, tenant="c", tokens=10)
+    assert queue.heads()[1] == QueueHead(priority=0, start=1000.0, tenant="c", virtual=1000.0), (
+        "c waits nowhere: it starts at V"
+    )

@@ -11,8 +11,9 @@ import nats
 
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
+from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
-from copse.router.replica_sync import decode_changes, encode_changes
+from copse.router.replica_sync import decode_changes, decode_heads, encode_changes
 from copse.router.server import start_router
 from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import KvEventPublisher
@@ -184,6 +185,10 @@ def test_load_messages_round_trip() -> None:
     router_id, decoded = decode_changes(encode_changes("me", changes))
     assert router_id == "me"
     assert decoded == changes
+    assert decode_heads(encode_changes("me", changes)) is None, "no heads: unchanged, or an older sender"
+    heads = [QueueHead(priority=100, start=12.5, tenant="t", virtual=3.0)]
+    assert decode_heads(encode_changes("me", [], heads=heads)) == heads
+    assert decode_heads(encode_changes("me", [], heads=[])) == [], "nothing waits there"
 
 
 async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
@@ -208,6 +213,54 @@ async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
             one.service.router.finish("held", now=time.monotonic())
             one.service.released([])
             await eventually(lambda: mirror.sequences.requests[slot] == 0)
+        finally:
+            await one.close()
+            await two.close()
+
+
+async def test_two_router_replicas_share_their_queue_heads(nats_url: str) -> None:
+    """Replica two frees the only worker while replica one has a light tenant's request waiting
+    that comes before two's own heavy one: two holds its request back until one has taken the
+    capacity (a released request without a client is ended at once, freeing it again)."""
+    busy = {"busy_kv_fraction": 1e-9}  # one request in flight makes the worker busy
+    async with mock_fleet(engines=1, nats_url=nats_url, deployment="heads") as fleet:
+        one = await start_router(_config(fleet.urls, nats_url, "heads", **busy), router_id="one")
+        two = await start_router(_config(fleet.urls, nats_url, "heads", **busy), router_id="two")
+        released: list[str] = []
+        for running in (one, two):
+            service = running.service
+            original = service.released
+
+            def record(routes: list[Any], original: Any = original) -> None:
+                released.extend(route.request_id for route in routes)
+                original(routes)
+
+            service.released = record  # type: ignore[method-assign]
+        try:
+            sync_one, sync_two = one.replica_sync, two.replica_sync
+            assert sync_one is not None
+            assert sync_two is not None
+            await eventually(lambda: len(one.service.router.workers) == len(two.service.router.workers) == 1)
+            await eventually(lambda: "one" in sync_two.peers and "two" in sync_one.peers)
+            hashes = block_hashes(PROMPT, block_size=32)
+
+            def request(rid: str, tenant: str) -> RouteRequest:
+                return RouteRequest(
+                    request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant=tenant
+                )
+
+            assert two.service.router.submit(request("heavy-0", "heavy"), now=time.monotonic()) is not None
+            two.service.released([])
+            await eventually(lambda: int(one.service.router.sequences.requests.sum()) == 1)
+            assert one.service.router.submit(request("light-0", "light"), now=time.monotonic()) is None
+            one.service.released([])
+            assert two.service.router.submit(request("heavy-1", "heavy"), now=time.monotonic()) is None
+            await eventually(lambda: two.service.router.held_back_by(now=time.monotonic()) == "one")
+            two.service.router.finish("heavy-0", now=time.monotonic())
+            two.service.released(two.service.router.drain(now=time.monotonic()))
+            assert two.service.router.queued == 1, "held back for one's light request"
+            await eventually(lambda: released == ["light-0", "heavy-1"])
+            assert one.service.router.queued == two.service.router.queued == 0
         finally:
             await one.close()
             await two.close()

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from copse.router.core import Thresholds
 from copse.sim.cli import bench
 from copse.sim.replay import (
     EngineConfigError,
     Fleet,
     KvEventChannel,
     ReplaySettings,
+    RequestClass,
     RouterModel,
     load_engine_setup,
     replay,
@@ -256,4 +258,49 @@ def test_two_router_replicas_share_their_load_in_the_twin() -> None:
     fleet.run()
     assert not np.isnan(fleet.finish_ms).any()
     for router in fleet.routers:
+        assert float(router.sequences.requests.sum()) == 0
+
+
+def _tenant_shares(replica_of: list[int] | None) -> tuple[float, Fleet]:
+    """Both tenants backlogged on two engines, the heavy one sending 10x the light one's requests
+    (all of one shape); with ``replica_of``, 80 % of the light tenant's requests reach replica 0
+    and 80 % of the heavy tenant's replica 1. Returns the light tenant's share of the requests
+    routed while both still had requests waiting (the first half of the light tenant's)."""
+    light, heavy = RequestClass(tenant="light"), RequestClass(tenant="heavy")
+    kinds = [light if i % 11 == 0 else heavy for i in range(440)]
+    trace = [
+        TraceRequest(
+            timestamp_ms=float(i),
+            input_length=2000,
+            output_length=20,
+            hash_ids=tuple(range(4 * i, 4 * i + 4)),
+        )
+        for i in range(len(kinds))
+    ]
+    settings = ReplaySettings(workers=2, seed=1, thresholds=Thresholds(busy_prefill_tokens=2000))
+    fleet = Fleet(trace, settings, engines=2, classes=kinds, replica_of=replica_of)
+    for index in range(len(trace)):
+        fleet.run_until(float(fleet.arrival_ms[index]))
+        fleet.arrive(index)
+    fleet.run()
+    assert not np.isnan(fleet.finish_ms).any(), "every request is served"
+    is_light = np.array([kind is light for kind in kinds])
+    half = np.sort(fleet.routed_ms[is_light])[int(is_light.sum()) // 2]
+    routed = fleet.routed_ms <= half
+    return float((routed & is_light).sum() / routed.sum()), fleet
+
+
+def test_two_replicas_with_an_80_20_split_serve_the_tenants_as_fairly_as_one_router() -> None:
+    """The heavy tenant's requests mostly reach replica 1, the light one's replica 0: capacity a
+    finished request frees goes to the request that comes first across both replicas' queues, not
+    to the replica whose request finished (which would hand it to the heavy tenant)."""
+    one, _ = _tenant_shares(None)
+    rng = np.random.default_rng(3)
+    replica_of = [int(rng.random() >= (0.8 if i % 11 == 0 else 0.2)) for i in range(440)]
+    two, fleet = _tenant_shares(replica_of)
+    assert one == pytest.approx(0.5, abs=0.05), "one router alternates the tenants"
+    # (without sharing their queue heads the two replicas give the light tenant 0.477)
+    assert two == pytest.approx(0.5, abs=0.02), "so do two replicas sharing their queue heads"
+    for router in fleet.routers:
+        assert router.queued == 0
         assert float(router.sequences.requests.sum()) == 0

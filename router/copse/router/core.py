@@ -30,7 +30,7 @@ from copse.router.adapters import AdapterRouting, AdapterTracker
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
-from copse.router.fairness import FairQueue
+from copse.router.fairness import FairQueue, QueueHead
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
 from copse.router.limits import TenantLimits
 from copse.router.policies import (
@@ -114,6 +114,12 @@ class Thresholds:
     rate_window_s: float = 10.0
     """Window over which the router measures the tokens per second it routes, which is how fast
     its queue drains while the fleet is saturated (what admission predicts waits with)."""
+    peer_queue_max_age_s: float = 3.0
+    """How long a peer replica's queue heads hold this replica's dispatch back after they were
+    heard (:mod:`copse.router.fairness`). Replicas re-send their heads with every heartbeat (1 s),
+    so three missed heartbeats mean the peer is gone or cut off: a dead or silent replica must
+    never stall dispatch, and it holds capacity idle at most this long. Shorter than the 5 s after
+    which its load is forgotten, so its heads stop counting first."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -385,7 +391,10 @@ class Router:
                     f"{limits.limit(request.tenant):g} tokens per minute",
                     retry_after_s=wait_s,
                 )
-        route = None if self._queue else self._try_route(request, now=now, exclude=exclude)
+        held = self._queue or self._peer_ahead(request, now=now)
+        route = None if held else self._try_route(request, now=now, exclude=exclude)
+        if route is not None and not exclude:
+            self._queue.charge(priority=request.priority, tenant=request.tenant, tokens=tokens)
         if route is None:
             self._admit(request, now=now)
             self._enqueue(request, exclude, now=now)
@@ -527,12 +536,25 @@ class Router:
             or (route.prefill_worker_id == worker_id and _prefill_key(route.request_id) in self.sequences)
         )
 
+    def _peer_ahead(self, request: RouteRequest, *, now: float) -> bool:
+        """Whether a peer replica's queue head comes before a new ``request`` (it then waits)."""
+        self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
+        return self._queue.peer_ahead(priority=request.priority, tenant=request.tenant) is not None
+
+    def drain(self, *, now: float) -> list[Route]:
+        """Route what the queue may route now; returns the routes (what a replica calls when its
+        peers' queue heads may have gone stale)."""
+        return self._drain(now=now)
+
     def _drain(self, *, now: float) -> list[Route]:
         # Whatever changed the load (a first token, an end, a peer) updates the cost terms now,
         # so that a decision only pays for its own change.
         self.costs.refresh()
         routed: list[Route] = []
+        self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
         while (head := self._queue.peek()) is not None:
+            if self._queue.peer_ahead() is not None:
+                break  # a peer replica's head comes first: the capacity is its to take
             key, (request, exclude) = head
             route = self._try_route(request, now=now, exclude=exclude)
             if route is None:
@@ -940,6 +962,23 @@ class Router:
             self.sequences.free(key, now=now)
         return self._drain(now=now)
 
+    def held_back_by(self, *, now: float) -> str | None:
+        """The peer replica whose queue head this router's queue waits for (``None``: none)."""
+        self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
+        return self._queue.peer_ahead()
+
+    def queue_heads(self) -> list[QueueHead]:
+        """Per priority band, the request this replica's queue serves next (for its peers)."""
+        return self._queue.heads()
+
+    def apply_peer_queue(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> list[Route]:
+        """The queue heads of the router replica ``peer`` (every band it has requests waiting in),
+        heard at ``now``: this replica holds its own head back while one of them comes first
+        (:mod:`copse.router.fairness`). Returns queued requests it lets through."""
+        if not self._queue.observe_peer(peer, heads, now=now):
+            return []
+        return self._drain(now=now) if self._queue else []
+
     def own_flights(self) -> list[tuple[str, FlightRecord, bool]]:
         """What this router itself has charged workers, for a peer replica's snapshot: per charge
         its key, what was charged and whether it is still prefilling."""
@@ -976,7 +1015,8 @@ class Router:
         return self._drain(now=now)
 
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
-        """Drop every charge made by ``peer`` (it stopped or restarted)."""
+        """Drop every charge made by ``peer`` and its queue heads (it stopped or restarted)."""
+        self._queue.forget_peer(peer)
         prefix = f"{peer}/"
         for key in self.sequences.keys_with_prefix(prefix):
             self.sequences.free(key, now=now)

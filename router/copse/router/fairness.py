@@ -1,4 +1,5 @@
-"""The router's wait queue: priority bands, and weighted fair queuing on tokens between tenants.
+"""The router's wait queue: priority bands, and weighted fair queuing on tokens between tenants,
+across router replicas.
 
 Requests wait here while every worker is saturated. The queue serves the highest priority band
 that holds a request (the ``InferenceObjective``'s ``spec.priority``: higher is more important);
@@ -7,12 +8,24 @@ within a band it shares what it serves between tenants by start-time fair queuin
 fleet than one sending short ones, and one sending ten times as many requests gets no more than
 its weight's share while the others have requests waiting.
 
-Start-time fair queuing (Goyal et al., 1996): a band keeps a virtual time ``V``, the start tag of
-the request it served last; a tenant keeps the finish tag ``F`` of its latest request. A request
-of ``tokens`` from a tenant of weight ``w`` gets the start tag ``S = max(V, F)`` and moves the
-tenant's finish tag to ``S + tokens / w``; the band serves the lowest start tag among its tenants'
-oldest requests. A tenant that was idle starts again at ``V``: it gets no credit for the time it
-sent nothing, and a backlogged tenant is never starved by one that returns.
+Start-time fair queuing (Goyal et al., 1996), with the tags kept per tenant: a band keeps a
+virtual time ``V``, the start tag of the request it served last; each tenant keeps a virtual
+time ``T``, the weighted tokens it was served. A tenant's oldest waiting request starts at its
+``T``; the band serves the lowest start, and serving ``tokens`` to a tenant of weight ``w`` moves
+``V`` up to its start and its ``T`` on by ``tokens / w``. A tenant that starts waiting has its
+``T`` lifted to ``V``: it gets no credit for the time it sent nothing, and a backlogged tenant is
+never starved by one that returns. (On one queue this is the textbook algorithm: a backlogged
+tenant's successive requests start where the previous one finished.)
+
+Because ``T`` counts what a tenant was *served*, not what it queued, replicas sharing a fleet
+keep the same ``T``: each counts what it serves itself and what its peers say they served
+(:meth:`FairQueue.charge`), so start tags mean the same at every replica. On that ground the
+replicas share their queues' heads (:class:`QueueHead`: per band, the head's start tag and the
+band's ``V``): a replica holds back its head while a peer's fresh head has precedence
+(:func:`precedes`: a higher band, or the same band and a lower start tag), so capacity a
+finished request frees goes to the request that comes first across all replicas, not to the
+replica that dispatches first. A peer's heads count for ``max_age_s`` after they were heard:
+a dead or cut-off replica never holds dispatch back for longer.
 """
 
 from __future__ import annotations
@@ -21,10 +34,33 @@ import dataclasses
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueueHead:
+    """The request a replica's queue serves next in one band, as peers see it."""
+
+    priority: int
+    start: float
+    """Its start tag: its tenant's virtual time (weighted tokens served, see the module)."""
+    tenant: str
+    virtual: float
+    """The band's virtual time at the replica (peers catch up to the highest)."""
+
+
+def precedes(first: QueueHead, second: QueueHead) -> bool:
+    """Whether ``first`` is served before ``second`` wherever both wait: a higher priority never
+    waits for a lower one; within a band the lower start tag goes first. A tie precedes neither,
+    so two replicas never wait for each other; nor do one tenant's heads at two replicas (a tenant
+    that started waiting at one replica has its virtual time lifted there only, and its requests
+    there would otherwise wait for as long as it keeps requests waiting at the other)."""
+    if first.priority != second.priority:
+        return first.priority > second.priority
+    return first.tenant != second.tenant and first.start < second.start
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,7 +68,6 @@ class _Waiting(Generic[T]):
     key: str
     item: T
     tenant: str
-    start: float
     tokens: float
 
 
@@ -41,17 +76,26 @@ class _Band(Generic[T]):
     """One priority's requests, per tenant in arrival order."""
 
     virtual: float = 0.0
-    finish: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Finish tag of each tenant's latest request (kept while the tenant has requests waiting)."""
+    """Start tag of the request served last in this band (here or at a peer)."""
+    served: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each tenant's virtual time; a tenant at or below ``virtual`` that waits nowhere here is
+    left out (it would start at ``virtual`` anyway)."""
     tenants: dict[str, deque[_Waiting[T]]] = dataclasses.field(default_factory=dict)
     heads: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
-    """(start tag, order, tenant) of each tenant's oldest request; stale entries are skipped."""
+    """(start tag, order, tenant) of each waiting tenant; stale entries are skipped."""
     tokens: float = 0.0
     """Tokens of the requests waiting in the band."""
 
 
+@dataclasses.dataclass(slots=True)
+class _PeerHeads:
+    heads: tuple[QueueHead, ...]
+    heard: float
+
+
 class FairQueue(Generic[T]):
-    """Waiting requests by priority band, fair between tenants within a band (see the module)."""
+    """Waiting requests by priority band, fair between tenants within a band and across router
+    replicas (see the module)."""
 
     def __init__(self, *, weight: Callable[[str], float]) -> None:
         """``weight(tenant)``: the tenant's share weight (> 0)."""
@@ -59,6 +103,9 @@ class FairQueue(Generic[T]):
         self._bands: dict[int, _Band[T]] = {}
         self._where: dict[str, tuple[int, _Waiting[T]]] = {}
         self._order = itertools.count()
+        self._peers: dict[str, _PeerHeads] = {}
+        self._waiting_at_peers: set[tuple[int, str]] = set()
+        """(priority, tenant) of every tenant waiting in a peer's queue."""
 
     def __len__(self) -> int:
         return len(self._where)
@@ -66,42 +113,66 @@ class FairQueue(Generic[T]):
     def __contains__(self, key: object) -> bool:
         return key in self._where
 
-    def push(self, key: str, item: T, *, priority: int, tenant: str, tokens: float) -> None:
-        """Queue ``item`` under the unique ``key``."""
+    def _band(self, priority: int) -> _Band[T]:
         band = self._bands.get(priority)
         if band is None:
             band = self._bands[priority] = _Band()
-        start = max(band.virtual, band.finish.get(tenant, band.virtual))
-        band.finish[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
-        waiting = _Waiting(key=key, item=item, tenant=tenant, start=start, tokens=tokens)
+        return band
+
+    def push(self, key: str, item: T, *, priority: int, tenant: str, tokens: float) -> None:
+        """Queue ``item`` under the unique ``key``."""
+        band = self._band(priority)
+        waiting = _Waiting(key=key, item=item, tenant=tenant, tokens=tokens)
         fifo = band.tenants.get(tenant)
         if fifo is None:
             fifo = band.tenants[tenant] = deque()
-        fifo.append(waiting)
-        if len(fifo) == 1:
+            start = band.served[tenant] = self._start(band, priority, tenant)
             heapq.heappush(band.heads, (start, next(self._order), tenant))
+        fifo.append(waiting)
         band.tokens += tokens
         self._where[key] = (priority, waiting)
 
     def charge(self, *, priority: int, tenant: str, tokens: float) -> None:
-        """``tenant`` was served ``tokens`` at ``priority`` elsewhere (by a peer router replica
-        sharing the fleet): its next requests here start that much later, so that the fair share
-        holds across replicas whatever share of a tenant's traffic each one gets. Ignored while
-        the band has nothing waiting here (no order to correct; and no state per idle tenant)."""
-        band = self._bands.get(priority)
-        if band is None or not band.tenants:
-            return
-        start = max(band.virtual, band.finish.get(tenant, band.virtual))
-        band.finish[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
+        """``tenant`` was served ``tokens`` at ``priority``: by a peer router replica sharing the
+        fleet, or by this router without waiting here. Its next requests here start that much
+        later, so that the fair share holds across replicas whatever share of a tenant's traffic
+        each one gets."""
+        band = self._band(priority)
+        start = self._start(band, priority, tenant)
+        band.virtual = max(band.virtual, start)
+        band.served[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
+        if tenant in band.tenants:
+            heapq.heappush(band.heads, (band.served[tenant], next(self._order), tenant))
+        self._prune(band, priority)
+
+    def _start(self, band: _Band[T], priority: int, tenant: str) -> float:
+        """Where ``tenant``'s next request starts: at its virtual time while it waits here or at a
+        peer (it is backlogged), else at ``V`` at the earliest (no credit for idling)."""
+        served = band.served.get(tenant, band.virtual)
+        if tenant in band.tenants or (priority, tenant) in self._waiting_at_peers:
+            return served
+        return max(band.virtual, served)
+
+    def _prune(self, band: _Band[T], priority: int) -> None:
+        """Forget the virtual times at or below ``V`` of tenants waiting nowhere, once they
+        outnumber the waiting ones (amortised: the sweep halves what it looks at)."""
+        if len(band.served) > 2 * (len(band.tenants) + len(self._waiting_at_peers)) + 16:
+            band.served = {
+                tenant: served
+                for tenant, served in band.served.items()
+                if served > band.virtual
+                or tenant in band.tenants
+                or (priority, tenant) in self._waiting_at_peers
+            }
 
     def _head(self, band: _Band[T]) -> _Waiting[T] | None:
         heads = band.heads
         while heads:
             start, _, tenant = heads[0]
             fifo = band.tenants.get(tenant)
-            if fifo and fifo[0].start == start:
+            if fifo and band.served[tenant] == start:
                 return fifo[0]
-            heapq.heappop(heads)  # the tenant's head left (served or removed) since
+            heapq.heappop(heads)  # the tenant was served (here or at a peer) or left since
         return None
 
     def peek(self) -> tuple[str, T] | None:
@@ -113,29 +184,91 @@ class FairQueue(Generic[T]):
         return None
 
     def pop(self, key: str) -> T:
-        """Serve the request ``key`` (normally :meth:`peek`'s): advances its band's virtual time."""
+        """Serve the request ``key`` (normally :meth:`peek`'s): charges its tenant its tokens."""
         priority, waiting = self._where[key]
-        band = self._bands[priority]
-        band.virtual = max(band.virtual, waiting.start)
-        return self.remove(key)
+        item = self.remove(key)
+        self.charge(priority=priority, tenant=waiting.tenant, tokens=waiting.tokens)
+        return item
 
     def remove(self, key: str) -> T:
         """Take ``key`` out of the queue without serving it (cancelled, shed); ``KeyError`` if absent."""
         priority, waiting = self._where.pop(key)
         band = self._bands[priority]
         fifo = band.tenants[waiting.tenant]
-        was_head = fifo[0] is waiting
         fifo.remove(waiting)
         band.tokens -= waiting.tokens
         if not fifo:
             del band.tenants[waiting.tenant]
-            if band.finish.get(waiting.tenant, 0.0) <= band.virtual:
-                band.finish.pop(waiting.tenant, None)
-        elif was_head:
-            heapq.heappush(band.heads, (fifo[0].start, next(self._order), waiting.tenant))
         if not band.tenants:
             band.heads.clear()
         return waiting.item
+
+    # -- heads shared with peer replicas --------------------------------------------------------
+
+    def heads(self) -> list[QueueHead]:
+        """Per band, each waiting tenant's oldest request: what peers hold back for."""
+        return [
+            QueueHead(priority=priority, start=band.served[tenant], tenant=tenant, virtual=band.virtual)
+            for priority in sorted(self._bands, reverse=True)
+            for band in (self._bands[priority],)
+            for tenant in band.tenants
+        ]
+
+    def observe_peer(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> bool:
+        """The heads of ``peer``'s queue (all of them: a tenant left out has nothing waiting
+        there), heard at ``now``; catches the bands' virtual times up with the peer's. Returns
+        whether they changed since last heard (what this queue held back for may be gone)."""
+        for head in heads:
+            band = self._band(head.priority)
+            band.virtual = max(band.virtual, head.virtual)
+        known = self._peers.get(peer)
+        fresh = tuple(heads)
+        self._peers[peer] = _PeerHeads(heads=fresh, heard=now)
+        if known is not None and known.heads == fresh:
+            return False
+        self._waiting_at_peers = {
+            (head.priority, head.tenant) for state in self._peers.values() for head in state.heads
+        }
+        return True
+
+    def forget_peer(self, peer: str) -> None:
+        """``peer`` stopped: its heads hold nothing back any more."""
+        if self._peers.pop(peer, None) is not None:
+            self._waiting_at_peers = {
+                (head.priority, head.tenant) for state in self._peers.values() for head in state.heads
+            }
+
+    def forget_stale_peers(self, *, now: float, max_age_s: float) -> None:
+        """Forget the heads of peers not heard for ``max_age_s`` (dead, or cut off)."""
+        for peer in [peer for peer, state in self._peers.items() if now - state.heard > max_age_s]:
+            self.forget_peer(peer)
+
+    def peer_ahead(self, *, priority: int | None = None, tenant: str = "") -> str | None:
+        """The peer holding a head that precedes this queue's head (or, given ``priority``, a new
+        request of ``tenant`` there); ``None`` when this one may go."""
+        if not self._peers:
+            return None
+        if priority is None:
+            for level in sorted(self._bands, reverse=True):
+                band = self._bands[level]
+                head = self._head(band)
+                if head is not None:
+                    mine = QueueHead(
+                        priority=level, start=band.served[head.tenant], tenant=head.tenant, virtual=0.0
+                    )
+                    break
+            else:
+                return None
+        else:
+            level_band = self._bands.get(priority)
+            start = 0.0 if level_band is None else self._start(level_band, priority, tenant)
+            mine = QueueHead(priority=priority, start=start, tenant=tenant, virtual=0.0)
+        for peer, state in self._peers.items():
+            if any(precedes(head, mine) for head in state.heads):
+                return peer
+        return None
+
+    # -- what admission asks ----------------------------------------------------------------------
 
     def tokens_ahead(self, *, priority: int, tenant: str, tokens: float) -> float:
         """Tokens served before a new request of ``tokens`` from ``tenant`` at ``priority`` is

@@ -14,6 +14,15 @@ the peer's messages meanwhile, loads the snapshot and replays the held messages 
 it. So a replica that starts or restarts while others run knows their load before it reports
 ready (:meth:`ReplicaSync.waiting_for`): it listens two heartbeats for peers and waits for their
 snapshots.
+
+Replicas also share their wait queues' heads (:class:`~copse.router.fairness.QueueHead`: per
+priority band, each waiting tenant's start tag, and the band's virtual time), so that capacity
+a finished request frees goes to the request that comes first across every replica's queue
+(:mod:`copse.router.fairness`). A message carries them whenever they changed since the last one,
+and every heartbeat does, so that they stay fresh: a replica ignores a peer's heads not heard
+for ``Thresholds.peer_queue_max_age_s`` and re-checks its own queue each heartbeat, so a dead
+peer holds nothing back for longer. Heads are whole state, not changes: they apply at once,
+even while the peer's load messages wait for its snapshot.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from nats.errors import Error as NatsError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.core import FlightRecord, PeerChange
+from copse.router.fairness import QueueHead
 from copse.router.nats_link import NatsLink
 from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
@@ -70,6 +80,13 @@ class WireChange(_Wire):
     record: WireRecord | None = None
 
 
+class WireHead(_Wire):
+    priority: int
+    start: float
+    tenant: str
+    virtual: float
+
+
 class LoadMessage(_Wire):
     """One message on the load subject."""
 
@@ -79,6 +96,9 @@ class LoadMessage(_Wire):
     """Its number among the sender's messages (1, 2, ...); 0 from a sender that does not number."""
     changes: list[WireChange]
     """Empty for a heartbeat."""
+    queues: list[WireHead] | None = None
+    """The sender's queue heads, all of them (empty: nothing waits there); absent when unchanged
+    since its last message, or from replicas of earlier versions."""
 
 
 class SnapshotFlight(_Wire):
@@ -122,15 +142,25 @@ def _record(wire: WireRecord) -> FlightRecord:
     )
 
 
-def encode_changes(router_id: str, changes: list[PeerChange], *, seq: int = 0) -> bytes:
-    """The wire form of ``changes``."""
+def encode_changes(
+    router_id: str, changes: list[PeerChange], *, seq: int = 0, heads: list[QueueHead] | None = None
+) -> bytes:
+    """The wire form of ``changes`` (and of the queue ``heads``, when given)."""
     wire = [
         WireChange(
             op=change.op, key=change.key, record=None if change.record is None else _wire(change.record)
         )
         for change in changes
     ]
-    return LoadMessage(router=router_id, seq=seq, changes=wire).model_dump_json().encode()
+    queues = None if heads is None else [WireHead(**dataclasses.asdict(head)) for head in heads]
+    return LoadMessage(router=router_id, seq=seq, changes=wire, queues=queues).model_dump_json().encode()
+
+
+def decode_heads(data: bytes) -> list[QueueHead] | None:
+    """The queue heads a message carries (``None``: it carries none); ``ValidationError`` for a
+    malformed one."""
+    queues = LoadMessage.model_validate_json(data).queues
+    return None if queues is None else [QueueHead(**head.model_dump()) for head in queues]
 
 
 def decode_message(data: bytes) -> tuple[str, int, list[PeerChange]]:
@@ -197,6 +227,8 @@ class ReplicaSync(Subscriber):
         self.peers: dict[str, _Peer] = {}
         self._seq = 0
         """Number of the last load message sent (or dropped while disconnected)."""
+        self._heads_sent: list[QueueHead] | None = None
+        """The queue heads this replica last published (``None``: none yet)."""
         self._listen_until: float | None = None
         """End of the first listening window for peers (``None`` before the first connection)."""
         self._wake = asyncio.Event()
@@ -239,17 +271,25 @@ class ReplicaSync(Subscriber):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, next_beat - loop.time()))
             self._wake.clear()
-            await self.flush(heartbeat=loop.time() >= next_beat)
-            if loop.time() >= next_beat:
+            beat = loop.time() >= next_beat
+            await self.flush(heartbeat=beat)
+            if beat:
                 next_beat = loop.time() + self._heartbeat_s
                 self._forget_silent_peers()
+                router = self.service.router
+                if router.queued:  # a silent peer's queue heads may have gone stale
+                    self.service.released(router.drain(now=self.service.now()))
 
     async def flush(self, *, heartbeat: bool = False) -> None:
-        """Publish pending changes (or an empty heartbeat). Without a connection they are dropped,
-        numbered all the same: peers see the gap and ask for a snapshot."""
-        outbox = self.service.router.outbox
+        """Publish pending changes and the queue heads when they changed (or a heartbeat, which
+        always carries the heads). Without a connection they are dropped, numbered all the same:
+        peers see the gap and ask for a snapshot."""
+        router = self.service.router
+        outbox = router.outbox
         assert outbox is not None
-        if not outbox and not heartbeat:
+        heads = router.queue_heads()
+        changed_heads = heads != self._heads_sent
+        if not outbox and not heartbeat and not changed_heads:
             return
         changes = list(outbox)
         outbox.clear()
@@ -257,8 +297,12 @@ class ReplicaSync(Subscriber):
         nc = self.link.nc
         if nc is None:
             return
+        self._heads_sent = heads
+        message = encode_changes(
+            self.router_id, changes, seq=self._seq, heads=heads if heartbeat or changed_heads else None
+        )
         try:
-            await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=self._seq))
+            await nc.publish(self.subject, message)
         except (NatsError, OSError) as exc:
             log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
 
@@ -301,6 +345,9 @@ class ReplicaSync(Subscriber):
             self.service.metrics.peers.set(len(self.peers))
             self._start_sync(peer, state)
         state.heard = now
+        heads = decode_heads(msg.data)
+        if heads is not None:
+            self.service.released(self.service.router.apply_peer_queue(peer, heads, now=now))
         if not state.synced:
             state.held.append((seq, changes))
             return
