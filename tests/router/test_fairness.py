@@ -135,7 +135,7 @@ def test_this_queue_holds_its_head_back_while_a_peer_head_comes_first() -> None:
     queue.charge(priority=0, tenant="light", tokens=700)
     assert queue.observe_peer("B", [QueueHead(priority=0, start=700.0, tenant="light", virtual=0.0)], now=2.0)
     assert queue.peer_ahead() is None
-    assert queue.heads() == [QueueHead(priority=0, start=500.0, tenant="heavy", virtual=0.0)]
+    assert queue.heads() == [QueueHead(priority=0, start=500.0, tenant="heavy", virtual=0.0, tokens=100.0)]
     # a premium request waiting at the peer holds back every band below it
     queue.observe_peer("B", [QueueHead(priority=100, start=0.0, tenant="x", virtual=0.0)], now=2.5)
     assert queue.peer_ahead() == "B"
@@ -163,6 +163,20 @@ def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_wai
     queue.push("b", "b", priority=0, tenant="b", tokens=10)
     assert queue.heads()[0].start == 100.0, "b waits at the peer: not lifted to V here"
     queue.push("c", "c", priority=0, tenant="c", tokens=10)
-    assert queue.heads()[1] == QueueHead(priority=0, start=1000.0, tenant="c", virtual=1000.0), (
+    assert queue.heads()[1] == QueueHead(priority=0, start=1000.0, tenant="c", virtual=1000.0, tokens=10.0), (
         "c waits nowhere: it starts at V"
     )
+
+
+def test_the_tokens_ahead_count_what_waits_at_peer_replicas_too() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
+    peer = [
+        QueueHead(priority=100, start=0.0, tenant="x", virtual=0.0, tokens=300.0),
+        QueueHead(priority=0, start=0.0, tenant="heavy", virtual=0.0, tokens=5000.0),
+        QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0, tokens=50.0),
+    ]
+    queue.observe_peer("B", peer, now=0.0)
+    # higher band at the peer, then heavy's tokens here and there up to the light tenant's own
+    assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 150 + 150
+    assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 50 + 5200

@@ -403,9 +403,10 @@ class Router:
         return route
 
     def routed_tokens_per_s(self, *, now: float, at_or_below: int | None = None) -> float | None:
-        """Tokens (prompt plus expected output) per second this router routed over the last
-        ``rate_window_s`` (of priority ``at_or_below`` or lower, when given): how fast its queue
-        drains while the fleet is saturated; ``None`` before a window's worth of history."""
+        """Tokens (prompt plus expected output) per second this router and its peer replicas
+        routed over the last ``rate_window_s`` (of priority ``at_or_below`` or lower, when given):
+        how fast the queues, its own and its peers', drain while the fleet is saturated; ``None``
+        before a window's worth of history."""
         window = self.thresholds.rate_window_s
         recent = self._routed_tokens
         by_priority = self._routed_by_priority
@@ -419,10 +420,18 @@ class Router:
             return self._routed_sum / window
         return sum(tokens for priority, tokens in by_priority.items() if priority <= at_or_below) / window
 
+    def _count_routed(self, tokens: float, *, priority: int, now: float) -> None:
+        """``tokens`` of ``priority`` were routed at ``now``, here or by a peer replica."""
+        self._routed_tokens.append((now, tokens, priority))
+        self._routed_sum += tokens
+        by_priority = self._routed_by_priority
+        by_priority[priority] = by_priority.get(priority, 0.0) + tokens
+
     def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
-        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queue
-        serves before it is done (higher priorities, and of its own band its tenant's waiting tokens
-        and the other tenants' fair share beside them: :meth:`FairQueue.tokens_ahead`), over the
+        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queues
+        of this replica and its peers serve before it is done (higher priorities, and of its own
+        band its tenant's waiting tokens and the other tenants' fair share beside them:
+        :meth:`FairQueue.tokens_ahead`), over the
         rate the fleet took tokens of its priority and lower (what higher priorities leave it, and
         what ITL guards let through), else of every priority when none of those were routed;
         ``None`` when no rate is known yet."""
@@ -906,11 +915,9 @@ class Router:
             output_tokens=request.max_tokens if output else 0,
         )
         if output:
-            tokens = float(request.prompt_tokens + request.max_tokens)
-            self._routed_tokens.append((now, tokens, request.priority))
-            self._routed_sum += tokens
-            by_priority = self._routed_by_priority
-            by_priority[request.priority] = by_priority.get(request.priority, 0.0) + tokens
+            self._count_routed(
+                float(request.prompt_tokens + request.max_tokens), priority=request.priority, now=now
+            )
         if output and self.experts is not None:
             self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
         self.costs.refresh()
@@ -955,6 +962,7 @@ class Router:
             if record.output_tokens:  # the request's main charge: what the peer served it
                 served = len(record.hashes) * self.settings.block_size + record.kv_tokens
                 self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
+                self._count_routed(served, priority=record.priority, now=now)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)

@@ -50,6 +50,9 @@ class QueueHead:
     tenant: str
     virtual: float
     """The band's virtual time at the replica (peers catch up to the highest)."""
+    tokens: float = 0.0
+    """Tokens of the tenant's requests waiting in the band at the replica (what peers count
+    ahead of a new request when they predict its wait)."""
 
 
 def precedes(first: QueueHead, second: QueueHead) -> bool:
@@ -208,10 +211,16 @@ class FairQueue(Generic[T]):
     def heads(self) -> list[QueueHead]:
         """Per band, each waiting tenant's oldest request: what peers hold back for."""
         return [
-            QueueHead(priority=priority, start=band.served[tenant], tenant=tenant, virtual=band.virtual)
+            QueueHead(
+                priority=priority,
+                start=band.served[tenant],
+                tenant=tenant,
+                virtual=band.virtual,
+                tokens=sum(waiting.tokens for waiting in fifo),
+            )
             for priority in sorted(self._bands, reverse=True)
             for band in (self._bands[priority],)
-            for tenant in band.tenants
+            for tenant, fifo in band.tenants.items()
         ]
 
     def observe_peer(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> bool:
@@ -270,22 +279,34 @@ class FairQueue(Generic[T]):
 
     # -- what admission asks ----------------------------------------------------------------------
 
+    def _waiting_tokens(self, priority: int) -> dict[str, float]:
+        """Per tenant, the tokens waiting in the band of ``priority`` here and at the peers."""
+        band = self._bands.get(priority)
+        tokens: dict[str, float] = {}
+        if band is not None:
+            for tenant, fifo in band.tenants.items():
+                tokens[tenant] = sum(waiting.tokens for waiting in fifo)
+        for state in self._peers.values():
+            for head in state.heads:
+                if head.priority == priority:
+                    tokens[head.tenant] = tokens.get(head.tenant, 0.0) + head.tokens
+        return tokens
+
     def tokens_ahead(self, *, priority: int, tenant: str, tokens: float) -> float:
         """Tokens served before a new request of ``tokens`` from ``tenant`` at ``priority`` is
-        done, as the queue would interleave them: every waiting token of higher bands and, of its
-        band, each other tenant's waiting tokens up to that tenant's share of the time the new
-        request's tenant needs for its own waiting tokens and this one."""
+        done, as the queues of this replica and its peers would interleave them: every waiting
+        token of higher bands and, of its band, each other tenant's waiting tokens up to that
+        tenant's share of the time the new request's tenant needs for its own waiting tokens and
+        this one."""
         ahead = sum(band.tokens for level, band in self._bands.items() if level > priority)
-        band = self._bands.get(priority)
-        own = tokens
-        if band is None:
-            return ahead + own
-        fifo = band.tenants.get(tenant)
-        own += sum(waiting.tokens for waiting in fifo) if fifo else 0.0
+        ahead += sum(
+            head.tokens for state in self._peers.values() for head in state.heads if head.priority > priority
+        )
+        waiting = self._waiting_tokens(priority)
+        own = tokens + waiting.pop(tenant, 0.0)
         weight = self._weight(tenant)
-        for other, waiting in band.tenants.items():
-            if other != tenant:
-                ahead += min(sum(w.tokens for w in waiting), own * self._weight(other) / weight)
+        for other, theirs in waiting.items():
+            ahead += min(theirs, own * self._weight(other) / weight)
         return ahead + own
 
     def holds_its_share(self, *, priority: int, tenant: str) -> bool:

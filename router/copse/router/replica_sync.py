@@ -85,6 +85,7 @@ class WireHead(_Wire):
     start: float
     tenant: str
     virtual: float
+    tokens: float = 0.0
 
 
 class LoadMessage(_Wire):
