@@ -518,7 +518,7 @@ def _exchange(replicas: tuple[Router, Router], *, now: float) -> list[str]:
             moved = moved or bool(changes)
             for change in changes:
                 released += [route.request_id for route in peer.apply_peer(change, peer=name, now=now)]
-            routes = peer.apply_peer_queue(name, router.queue_heads(), now=now)
+            routes = peer.apply_peer_queue(name, router.queue_heads(now=now), now=now)
             released += [route.request_id for route in routes]
             moved = moved or bool(routes)
     return released

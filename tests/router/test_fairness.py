@@ -122,25 +122,27 @@ def test_this_queue_holds_its_head_back_while_a_peer_head_comes_first() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     queue.charge(priority=0, tenant="heavy", tokens=500)  # heavy was served 500 tokens already
     queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
-    assert queue.peer_ahead() is None, "no peer: the head goes"
+    assert queue.peer_ahead(now=3.0) is None, "no peer: the head goes"
     # a peer has the light tenant waiting, served nothing yet: it comes first
     assert queue.observe_peer("B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=1.0)
-    assert queue.peer_ahead() == "B"
-    assert queue.peer_ahead(priority=0, tenant="heavy") == "B", "so does a new heavy request"
-    assert queue.peer_ahead(priority=100, tenant="heavy") is None, "a higher band does not wait"
+    assert queue.peer_ahead(now=3.0) == "B"
+    assert queue.peer_ahead(now=3.0, priority=0, tenant="heavy") == "B", "so does a new heavy request"
+    assert queue.peer_ahead(now=3.0, priority=100, tenant="heavy") is None, "a higher band does not wait"
     assert not queue.observe_peer(
         "B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=1.5
     ), "heard again, unchanged"
     # the peer served it: the light tenant's virtual time moves past heavy's, and its next head is later
     queue.charge(priority=0, tenant="light", tokens=700)
     assert queue.observe_peer("B", [QueueHead(priority=0, start=700.0, tenant="light", virtual=0.0)], now=2.0)
-    assert queue.peer_ahead() is None
-    assert queue.heads() == [QueueHead(priority=0, start=500.0, tenant="heavy", virtual=0.0, tokens=100.0)]
+    assert queue.peer_ahead(now=3.0) is None
+    assert queue.heads(now=3.0) == [
+        QueueHead(priority=0, start=500.0, tenant="heavy", virtual=0.0, tokens=100.0)
+    ]
     # a premium request waiting at the peer holds back every band below it
     queue.observe_peer("B", [QueueHead(priority=100, start=0.0, tenant="x", virtual=0.0)], now=2.5)
-    assert queue.peer_ahead() == "B"
+    assert queue.peer_ahead(now=3.0) == "B"
     queue.forget_peer("B")
-    assert queue.peer_ahead() is None
+    assert queue.peer_ahead(now=3.0) is None
 
 
 def test_a_silent_peers_heads_stop_holding_dispatch_back_after_the_timeout() -> None:
@@ -149,9 +151,9 @@ def test_a_silent_peers_heads_stop_holding_dispatch_back_after_the_timeout() -> 
     queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
     queue.observe_peer("B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=10.0)
     queue.forget_stale_peers(now=12.9, max_age_s=3.0)
-    assert queue.peer_ahead() == "B", "heard 2.9 s ago: still holds"
+    assert queue.peer_ahead(now=12.9) == "B", "heard 2.9 s ago: still holds"
     queue.forget_stale_peers(now=13.1, max_age_s=3.0)
-    assert queue.peer_ahead() is None, "silent for longer than the timeout: ignored"
+    assert queue.peer_ahead(now=13.1) is None, "silent for longer than the timeout: ignored"
 
 
 def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_waiting_here() -> None:
@@ -161,11 +163,11 @@ def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_wai
     queue.charge(priority=0, tenant="a", tokens=100)  # V 1,000
     queue.observe_peer("B", [QueueHead(priority=0, start=100.0, tenant="b", virtual=1000.0)], now=0.0)
     queue.push("b", "b", priority=0, tenant="b", tokens=10)
-    assert queue.heads()[0].start == 100.0, "b waits at the peer: not lifted to V here"
+    assert queue.heads(now=3.0)[0].start == 100.0, "b waits at the peer: not lifted to V here"
     queue.push("c", "c", priority=0, tenant="c", tokens=10)
-    assert queue.heads()[1] == QueueHead(priority=0, start=1000.0, tenant="c", virtual=1000.0, tokens=10.0), (
-        "c waits nowhere: it starts at V"
-    )
+    assert queue.heads(now=3.0)[1] == QueueHead(
+        priority=0, start=1000.0, tenant="c", virtual=1000.0, tokens=10.0
+    ), "c waits nowhere: it starts at V"
 
 
 def test_the_tokens_ahead_count_what_waits_at_peer_replicas_too() -> None:
@@ -180,3 +182,19 @@ def test_the_tokens_ahead_count_what_waits_at_peer_replicas_too() -> None:
     # higher band at the peer, then heavy's tokens here and there up to the light tenant's own
     assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 150 + 150
     assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 50 + 5200
+
+
+def test_of_one_tenants_requests_at_two_replicas_the_one_that_waited_longer_goes_first() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=10.0)
+    # the peer's heavy request had waited 4 s when heard at 11 s: queued at 7 s, before ours
+    queue.observe_peer(
+        "B", [QueueHead(priority=0, start=0.0, tenant="heavy", virtual=0.0, waited_s=4.0)], now=11.0
+    )
+    assert queue.peer_ahead(now=12.0) == "B"
+    assert queue.peer_ahead(now=12.0, priority=0, tenant="heavy") == "B", "so does a new heavy request"
+    # heard again: it had waited 1 s (a newer request), queued at 11.5 s, after ours
+    assert not queue.observe_peer(
+        "B", [QueueHead(priority=0, start=0.0, tenant="heavy", virtual=0.0, waited_s=1.0)], now=12.5
+    ), "the same head, aged: no change"
+    assert queue.peer_ahead(now=13.0) is None

@@ -481,6 +481,7 @@ class Router:
             priority=request.priority,
             tenant=request.tenant,
             tokens=float(request.prompt_tokens + request.max_tokens),
+            now=now,
         )
 
     def prefill_done(self, request_id: str, *, now: float) -> list[Route]:
@@ -548,7 +549,8 @@ class Router:
     def _peer_ahead(self, request: RouteRequest, *, now: float) -> bool:
         """Whether a peer replica's queue head comes before a new ``request`` (it then waits)."""
         self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
-        return self._queue.peer_ahead(priority=request.priority, tenant=request.tenant) is not None
+        ahead = self._queue.peer_ahead(now=now, priority=request.priority, tenant=request.tenant)
+        return ahead is not None
 
     def drain(self, *, now: float) -> list[Route]:
         """Route what the queue may route now; returns the routes (what a replica calls when its
@@ -562,7 +564,7 @@ class Router:
         routed: list[Route] = []
         self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
         while (head := self._queue.peek()) is not None:
-            if self._queue.peer_ahead() is not None:
+            if self._queue.peer_ahead(now=now) is not None:
                 break  # a peer replica's head comes first: the capacity is its to take
             key, (request, exclude) = head
             route = self._try_route(request, now=now, exclude=exclude)
@@ -973,11 +975,12 @@ class Router:
     def held_back_by(self, *, now: float) -> str | None:
         """The peer replica whose queue head this router's queue waits for (``None``: none)."""
         self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
-        return self._queue.peer_ahead()
+        return self._queue.peer_ahead(now=now)
 
-    def queue_heads(self) -> list[QueueHead]:
-        """Per priority band, the request this replica's queue serves next (for its peers)."""
-        return self._queue.heads()
+    def queue_heads(self, *, now: float) -> list[QueueHead]:
+        """Per priority band and waiting tenant, the request this replica's queue serves next, at
+        ``now`` (for its peers)."""
+        return self._queue.heads(now=now)
 
     def apply_peer_queue(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> list[Route]:
         """The queue heads of the router replica ``peer`` (every band it has requests waiting in),

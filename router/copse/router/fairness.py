@@ -53,17 +53,23 @@ class QueueHead:
     tokens: float = 0.0
     """Tokens of the tenant's requests waiting in the band at the replica (what peers count
     ahead of a new request when they predict its wait)."""
+    waited_s: float = dataclasses.field(default=0.0, compare=False)
+    """How long the request had waited when the replica sent it (an age, not a time: replicas'
+    clocks need not agree); a tenant's older request goes first, wherever it waits. Not part of
+    equality: heads that only aged are the same heads."""
 
 
 def precedes(first: QueueHead, second: QueueHead) -> bool:
-    """Whether ``first`` is served before ``second`` wherever both wait: a higher priority never
-    waits for a lower one; within a band the lower start tag goes first. A tie precedes neither,
-    so two replicas never wait for each other; nor do one tenant's heads at two replicas (a tenant
-    that started waiting at one replica has its virtual time lifted there only, and its requests
-    there would otherwise wait for as long as it keeps requests waiting at the other)."""
+    """Whether ``first`` is served before ``second`` wherever both wait (their ``waited_s``
+    taken at the same moment): a higher priority never waits for a lower one; within a band the
+    lower start tag goes first, and of one tenant's requests the one that has waited longer (its
+    start tags at two replicas may differ: a tenant that starts waiting at one replica is lifted
+    there only). A tie precedes neither, so two replicas never wait for each other."""
     if first.priority != second.priority:
         return first.priority > second.priority
-    return first.tenant != second.tenant and first.start < second.start
+    if first.tenant == second.tenant:
+        return first.waited_s > second.waited_s
+    return first.start < second.start
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,6 +78,8 @@ class _Waiting(Generic[T]):
     item: T
     tenant: str
     tokens: float
+    queued: float
+    """When it was queued (the caller's clock)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -122,10 +130,10 @@ class FairQueue(Generic[T]):
             band = self._bands[priority] = _Band()
         return band
 
-    def push(self, key: str, item: T, *, priority: int, tenant: str, tokens: float) -> None:
-        """Queue ``item`` under the unique ``key``."""
+    def push(self, key: str, item: T, *, priority: int, tenant: str, tokens: float, now: float = 0.0) -> None:
+        """Queue ``item`` under the unique ``key`` at ``now``."""
         band = self._band(priority)
-        waiting = _Waiting(key=key, item=item, tenant=tenant, tokens=tokens)
+        waiting = _Waiting(key=key, item=item, tenant=tenant, tokens=tokens, queued=now)
         fifo = band.tenants.get(tenant)
         if fifo is None:
             fifo = band.tenants[tenant] = deque()
@@ -208,8 +216,8 @@ class FairQueue(Generic[T]):
 
     # -- heads shared with peer replicas --------------------------------------------------------
 
-    def heads(self) -> list[QueueHead]:
-        """Per band, each waiting tenant's oldest request: what peers hold back for."""
+    def heads(self, *, now: float) -> list[QueueHead]:
+        """Per band, each waiting tenant's oldest request at ``now``: what peers hold back for."""
         return [
             QueueHead(
                 priority=priority,
@@ -217,6 +225,7 @@ class FairQueue(Generic[T]):
                 tenant=tenant,
                 virtual=band.virtual,
                 tokens=sum(waiting.tokens for waiting in fifo),
+                waited_s=now - fifo[0].queued,
             )
             for priority in sorted(self._bands, reverse=True)
             for band in (self._bands[priority],)
@@ -252,9 +261,9 @@ class FairQueue(Generic[T]):
         for peer in [peer for peer, state in self._peers.items() if now - state.heard > max_age_s]:
             self.forget_peer(peer)
 
-    def peer_ahead(self, *, priority: int | None = None, tenant: str = "") -> str | None:
-        """The peer holding a head that precedes this queue's head (or, given ``priority``, a new
-        request of ``tenant`` there); ``None`` when this one may go."""
+    def peer_ahead(self, *, now: float, priority: int | None = None, tenant: str = "") -> str | None:
+        """The peer holding a head that precedes this queue's head at ``now`` (or, given
+        ``priority``, a new request of ``tenant`` there); ``None`` when this one may go."""
         if not self._peers:
             return None
         if priority is None:
@@ -263,7 +272,11 @@ class FairQueue(Generic[T]):
                 head = self._head(band)
                 if head is not None:
                     mine = QueueHead(
-                        priority=level, start=band.served[head.tenant], tenant=head.tenant, virtual=0.0
+                        priority=level,
+                        start=band.served[head.tenant],
+                        tenant=head.tenant,
+                        virtual=0.0,
+                        waited_s=now - head.queued,
                     )
                     break
             else:
@@ -273,8 +286,12 @@ class FairQueue(Generic[T]):
             start = 0.0 if level_band is None else self._start(level_band, priority, tenant)
             mine = QueueHead(priority=priority, start=start, tenant=tenant, virtual=0.0)
         for peer, state in self._peers.items():
-            if any(precedes(head, mine) for head in state.heads):
-                return peer
+            aged = now - state.heard
+            for theirs in state.heads:
+                same = theirs.priority == mine.priority and theirs.tenant == mine.tenant
+                now_seen = dataclasses.replace(theirs, waited_s=theirs.waited_s + aged) if same else theirs
+                if precedes(now_seen, mine):
+                    return peer
         return None
 
     # -- what admission asks ----------------------------------------------------------------------

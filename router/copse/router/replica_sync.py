@@ -86,6 +86,7 @@ class WireHead(_Wire):
     tenant: str
     virtual: float
     tokens: float = 0.0
+    waited_s: float = 0.0
 
 
 class LoadMessage(_Wire):
@@ -288,7 +289,7 @@ class ReplicaSync(Subscriber):
         router = self.service.router
         outbox = router.outbox
         assert outbox is not None
-        heads = router.queue_heads()
+        heads = router.queue_heads(now=self.service.now())
         changed_heads = heads != self._heads_sent
         if not outbox and not heartbeat and not changed_heads:
             return

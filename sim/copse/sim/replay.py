@@ -676,7 +676,7 @@ class Fleet:
                 assert router.outbox is not None
                 changes = list(router.outbox)
                 router.outbox.clear()
-                heads = router.queue_heads()
+                heads = router.queue_heads(now=now)
                 moved = moved or bool(changes) or heads != self._heads_sent[source]
                 self._heads_sent[source] = heads
                 for peer in self.routers:
