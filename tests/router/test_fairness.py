@@ -104,18 +104,18 @@ def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() ->
     assert queue.tokens_ahead(priority=0, tenant="idle", tokens=1) == 1, "an empty band keeps no state"
 
 
-def test_a_peer_head_precedes_by_band_first_then_by_start_tag() -> None:
-    def head(priority: int, start: float, tenant: str) -> QueueHead:
-        return QueueHead(priority=priority, start=start, tenant=tenant, virtual=0.0)
+def test_a_peer_head_precedes_by_band_then_start_tag_then_wait() -> None:
+    def head(priority: int, start: float, tenant: str, waited_s: float = 0.0) -> QueueHead:
+        return QueueHead(priority=priority, start=start, tenant=tenant, virtual=0.0, waited_s=waited_s)
 
     assert precedes(head(100, 900.0, "a"), head(0, 0.0, "b")), "a higher band goes first whatever its tag"
     assert not precedes(head(0, 0.0, "b"), head(100, 900.0, "a")), "a lower band never overtakes"
     assert precedes(head(0, 100.0, "a"), head(0, 200.0, "b"))
     assert not precedes(head(0, 200.0, "b"), head(0, 100.0, "a"))
-    assert not precedes(head(0, 100.0, "a"), head(0, 100.0, "b")), "a tie: neither replica waits"
-    assert not precedes(head(0, 100.0, "a"), head(0, 200.0, "a")), (
-        "one tenant's heads never wait for each other"
+    assert precedes(head(0, 100.0, "a", waited_s=5.0), head(0, 100.0, "a", waited_s=1.0)), (
+        "one start tag: the longer wait goes first"
     )
+    assert not precedes(head(0, 100.0, "a", 2.0), head(0, 100.0, "b", 2.0)), "a tie: neither replica waits"
 
 
 def test_this_queue_holds_its_head_back_while_a_peer_head_comes_first() -> None:
@@ -198,3 +198,24 @@ def test_of_one_tenants_requests_at_two_replicas_the_one_that_waited_longer_goes
         "B", [QueueHead(priority=0, start=0.0, tenant="heavy", virtual=0.0, waited_s=1.0)], now=12.5
     ), "the same head, aged: no change"
     assert queue.peer_ahead(now=13.0) is None
+
+
+def test_two_replicas_never_hold_each_other_back() -> None:
+    """The light tenant's virtual time differs between the replicas (it was lifted at one): once
+    they exchange heads it is the same at both, and of the heavy tenant's two waiting requests
+    the older goes first, so exactly one replica waits."""
+    a: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    b: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    for queue in (a, b):
+        queue.charge(priority=0, tenant="heavy", tokens=40)
+    a.charge(priority=0, tenant="light", tokens=50)
+    b.charge(priority=0, tenant="light", tokens=30)
+    a.push("heavy-a", "heavy", priority=0, tenant="heavy", tokens=10, now=4.0)
+    a.push("light-a", "light", priority=0, tenant="light", tokens=10, now=0.0)
+    b.push("heavy-b", "heavy", priority=0, tenant="heavy", tokens=10, now=0.0)
+    b.push("light-b", "light", priority=0, tenant="light", tokens=10, now=4.0)
+    a.observe_peer("b", b.heads(now=5.0), now=5.0)
+    b.observe_peer("a", a.heads(now=5.0), now=5.0)
+    assert [head.start for head in b.heads(now=5.0) if head.tenant == "light"] == [50.0]
+    assert a.peer_ahead(now=5.0) == "b", "b's heavy request has waited longer"
+    assert b.peer_ahead(now=5.0) is None

@@ -59,17 +59,18 @@ class QueueHead:
     equality: heads that only aged are the same heads."""
 
 
+def _order(head: QueueHead, *, aged_s: float = 0.0) -> tuple[int, float, float]:
+    """Where ``head`` stands in the order every replica serves in, ``aged_s`` after it was sent."""
+    return (-head.priority, head.start, -(head.waited_s + aged_s))
+
+
 def precedes(first: QueueHead, second: QueueHead) -> bool:
     """Whether ``first`` is served before ``second`` wherever both wait (their ``waited_s``
     taken at the same moment): a higher priority never waits for a lower one; within a band the
-    lower start tag goes first, and of one tenant's requests the one that has waited longer (its
-    start tags at two replicas may differ: a tenant that starts waiting at one replica is lifted
-    there only). A tie precedes neither, so two replicas never wait for each other."""
-    if first.priority != second.priority:
-        return first.priority > second.priority
-    if first.tenant == second.tenant:
-        return first.waited_s > second.waited_s
-    return first.start < second.start
+    lower start tag goes first, then the request that has waited longer (one tenant's requests at
+    two replicas share its start tag). One order for every replica, and each serves its own part
+    of it in that order, so no two replicas ever wait for each other; a tie precedes neither."""
+    return _order(first) < _order(second)
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,8 +93,9 @@ class _Band(Generic[T]):
     """Each tenant's virtual time; a tenant at or below ``virtual`` that waits nowhere here is
     left out (it would start at ``virtual`` anyway)."""
     tenants: dict[str, deque[_Waiting[T]]] = dataclasses.field(default_factory=dict)
-    heads: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
-    """(start tag, order, tenant) of each waiting tenant; stale entries are skipped."""
+    heads: list[tuple[float, float, int, str]] = dataclasses.field(default_factory=list)
+    """(start tag, when its oldest request was queued, order, tenant) of each waiting tenant:
+    the band serves the lowest start, then the longest waiting; stale entries are skipped."""
     tokens: float = 0.0
     """Tokens of the requests waiting in the band."""
 
@@ -138,7 +140,7 @@ class FairQueue(Generic[T]):
         if fifo is None:
             fifo = band.tenants[tenant] = deque()
             start = band.served[tenant] = self._start(band, priority, tenant)
-            heapq.heappush(band.heads, (start, next(self._order), tenant))
+            heapq.heappush(band.heads, (start, now, next(self._order), tenant))
         fifo.append(waiting)
         band.tokens += tokens
         self._where[key] = (priority, waiting)
@@ -152,9 +154,14 @@ class FairQueue(Generic[T]):
         start = self._start(band, priority, tenant)
         band.virtual = max(band.virtual, start)
         band.served[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
-        if tenant in band.tenants:
-            heapq.heappush(band.heads, (band.served[tenant], next(self._order), tenant))
+        self._requeue(band, tenant)
         self._prune(band, priority)
+
+    def _requeue(self, band: _Band[T], tenant: str) -> None:
+        """``tenant``'s start or oldest request changed: its place among the band's heads too."""
+        fifo = band.tenants.get(tenant)
+        if fifo:
+            heapq.heappush(band.heads, (band.served[tenant], fifo[0].queued, next(self._order), tenant))
 
     def _start(self, band: _Band[T], priority: int, tenant: str) -> float:
         """Where ``tenant``'s next request starts: at its virtual time while it waits here or at a
@@ -179,9 +186,9 @@ class FairQueue(Generic[T]):
     def _head(self, band: _Band[T]) -> _Waiting[T] | None:
         heads = band.heads
         while heads:
-            start, _, tenant = heads[0]
+            start, queued, _, tenant = heads[0]
             fifo = band.tenants.get(tenant)
-            if fifo and band.served[tenant] == start:
+            if fifo and band.served[tenant] == start and fifo[0].queued == queued:
                 return fifo[0]
             heapq.heappop(heads)  # the tenant was served (here or at a peer) or left since
         return None
@@ -210,6 +217,8 @@ class FairQueue(Generic[T]):
         band.tokens -= waiting.tokens
         if not fifo:
             del band.tenants[waiting.tenant]
+        else:
+            self._requeue(band, waiting.tenant)
         if not band.tenants:
             band.heads.clear()
         return waiting.item
@@ -234,11 +243,16 @@ class FairQueue(Generic[T]):
 
     def observe_peer(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> bool:
         """The heads of ``peer``'s queue (all of them: a tenant left out has nothing waiting
-        there), heard at ``now``; catches the bands' virtual times up with the peer's. Returns
-        whether they changed since last heard (what this queue held back for may be gone)."""
+        there), heard at ``now``; catches the bands' virtual times, and the virtual times of the
+        tenants waiting there, up with the peer's (a tenant that started waiting there was lifted
+        there: so its start tag is the same at every replica). Returns whether they changed since
+        last heard (what this queue held back for may be gone)."""
         for head in heads:
             band = self._band(head.priority)
             band.virtual = max(band.virtual, head.virtual)
+            if head.start > band.served.get(head.tenant, band.virtual):
+                band.served[head.tenant] = head.start
+                self._requeue(band, head.tenant)
         known = self._peers.get(peer)
         fresh = tuple(heads)
         self._peers[peer] = _PeerHeads(heads=fresh, heard=now)
@@ -271,27 +285,18 @@ class FairQueue(Generic[T]):
                 band = self._bands[level]
                 head = self._head(band)
                 if head is not None:
-                    mine = QueueHead(
-                        priority=level,
-                        start=band.served[head.tenant],
-                        tenant=head.tenant,
-                        virtual=0.0,
-                        waited_s=now - head.queued,
-                    )
+                    mine = (-level, band.served[head.tenant], -(now - head.queued))
                     break
             else:
                 return None
         else:
             level_band = self._bands.get(priority)
             start = 0.0 if level_band is None else self._start(level_band, priority, tenant)
-            mine = QueueHead(priority=priority, start=start, tenant=tenant, virtual=0.0)
+            mine = (-priority, start, -0.0)
         for peer, state in self._peers.items():
-            aged = now - state.heard
-            for theirs in state.heads:
-                same = theirs.priority == mine.priority and theirs.tenant == mine.tenant
-                now_seen = dataclasses.replace(theirs, waited_s=theirs.waited_s + aged) if same else theirs
-                if precedes(now_seen, mine):
-                    return peer
+            aged_s = now - state.heard
+            if any(_order(theirs, aged_s=aged_s) < mine for theirs in state.heads):
+                return peer
         return None
 
     # -- what admission asks ----------------------------------------------------------------------
