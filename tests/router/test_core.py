@@ -524,16 +524,25 @@ def _exchange(replicas: tuple[Router, Router], *, now: float) -> list[str]:
     return released
 
 
-def test_capacity_a_replica_frees_goes_to_the_peers_head_when_that_comes_first() -> None:
+def _held_back(at_a: RouteRequest, at_b: RouteRequest) -> tuple[Router, Router]:
+    """Replicas a and b, both holding a queued request (``at_a``, ``at_b``) when b's heavy-0, on
+    the only worker, ends at 1 s (b has not routed what waits since: its head comes after a's)."""
     a, b = _replicas()
     assert b.submit(_classed("heavy-0", priority=0, tenant="heavy"), now=0.0) is not None
     _exchange((a, b), now=0.0)
-    assert a.submit(_classed("light-0", priority=0, tenant="light"), now=0.1) is None, "the worker is busy"
-    assert b.submit(_classed("heavy-1", priority=0, tenant="heavy"), now=0.1) is None
+    assert a.submit(at_a, now=0.1) is None, "the worker is busy"
+    assert b.submit(at_b, now=0.1) is None
     _exchange((a, b), now=0.1)
-    # heavy-0 ends at b; the light tenant, served nothing yet, waits at a: b holds heavy-1 back
-    assert b.finish("heavy-0", now=1.0) == []
+    assert b.finish("heavy-0", now=1.0) == [], "b holds its request back"
     assert b.queued == 1
+    return a, b
+
+
+def test_capacity_a_replica_frees_goes_to_the_peers_head_when_that_comes_first() -> None:
+    # the light tenant, served nothing yet, waits at a; the heavy one was served heavy-0
+    a, b = _held_back(
+        _classed("light-0", priority=0, tenant="light"), _classed("heavy-1", priority=0, tenant="heavy")
+    )
     assert _exchange((a, b), now=1.0) == ["light-0"], "a takes the capacity b freed"
     assert a.finish("light-0", now=2.0) == []
     assert _exchange((a, b), now=2.0) == ["heavy-1"]
@@ -546,25 +555,17 @@ def test_capacity_a_replica_frees_goes_to_the_peers_head_when_that_comes_first()
 
 
 def test_a_lower_band_at_one_replica_never_overtakes_a_higher_one_at_the_other() -> None:
-    a, b = _replicas()
-    assert b.submit(_classed("batch-0", priority=0, tenant="t"), now=0.0) is not None
-    _exchange((a, b), now=0.0)
-    assert a.submit(_classed("premium", priority=100, tenant="t"), now=0.1) is None
-    assert b.submit(_classed("batch-1", priority=0, tenant="u"), now=0.1) is None
-    _exchange((a, b), now=0.1)
-    assert b.finish("batch-0", now=1.0) == []
+    a, b = _held_back(
+        _classed("premium", priority=100, tenant="t"), _classed("batch", priority=0, tenant="u")
+    )
     assert _exchange((a, b), now=1.0) == ["premium"]
 
 
 def test_a_silent_peers_queue_head_holds_dispatch_back_no_longer_than_the_timeout() -> None:
-    a, b = _replicas()
-    assert b.submit(_classed("heavy-0", priority=0, tenant="heavy"), now=0.0) is not None
-    _exchange((a, b), now=0.0)
-    assert a.submit(_classed("light-0", priority=0, tenant="light"), now=0.1) is None
-    assert b.submit(_classed("heavy-1", priority=0, tenant="heavy"), now=0.1) is None
-    _exchange((a, b), now=0.1)
-    # a dies with light-0 waiting: b's heavy-1 waits for a's head only while it is fresh
-    assert b.finish("heavy-0", now=1.0) == []
+    # a dies with light-0 waiting (last heard at 0.1 s): b's heavy-1 waits for it only while fresh
+    _a, b = _held_back(
+        _classed("light-0", priority=0, tenant="light"), _classed("heavy-1", priority=0, tenant="heavy")
+    )
     timeout = b.thresholds.peer_queue_max_age_s
     assert b.drain(now=0.1 + timeout - 0.01) == []
     assert [route.request_id for route in b.drain(now=0.1 + timeout + 0.01)] == ["heavy-1"]

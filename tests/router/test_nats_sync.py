@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -14,7 +16,7 @@ from copse.router.core import FlightRecord, PeerChange
 from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import decode_changes, decode_heads, encode_changes
-from copse.router.server import start_router
+from copse.router.server import RunningRouter, start_router
 from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import KvEventPublisher
 from copse.workers.protocol import DumpBlock, KvDump, KvEvent, KvStored, StoredBlock, block_hashes
@@ -191,76 +193,74 @@ def test_load_messages_round_trip() -> None:
     assert decode_heads(encode_changes("me", [], heads=[])) == [], "nothing waits there"
 
 
-async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
-    async with mock_fleet(engines=2, nats_url=nats_url, deployment="replicas") as fleet:
-        one = await start_router(_config(fleet.urls, nats_url, "replicas"), router_id="one")
-        two = await start_router(_config(fleet.urls, nats_url, "replicas"), router_id="two")
+@contextlib.asynccontextmanager
+async def _two_replicas(
+    nats_url: str, deployment: str, *, engines: int, **extra: Any
+) -> AsyncIterator[tuple[RunningRouter, RunningRouter]]:
+    """Routers "one" and "two" over ``engines`` mocked engines, once each knows the engines and
+    hears the other."""
+    async with mock_fleet(engines=engines, nats_url=nats_url, deployment=deployment) as fleet:
+        one = await start_router(_config(fleet.urls, nats_url, deployment, **extra), router_id="one")
+        two = await start_router(_config(fleet.urls, nats_url, deployment, **extra), router_id="two")
         try:
             sync_one, sync_two = one.replica_sync, two.replica_sync
             assert sync_one is not None
             assert sync_two is not None
-            await eventually(lambda: len(one.service.router.workers) == len(two.service.router.workers) == 2)
+            await eventually(
+                lambda: len(one.service.router.workers) == len(two.service.router.workers) == engines
+            )
             await eventually(lambda: "one" in sync_two.peers and "two" in sync_one.peers)
-            hashes = block_hashes(PROMPT, block_size=32)
-            request = RouteRequest(request_id="held", hashes=hashes, prompt_tokens=640, max_tokens=5)
-            route = one.service.router.submit(request, now=time.monotonic())
-            assert route is not None
-            one.service.released([])  # publish the change
-            mirror = two.service.router
-            slot = mirror.slots.slot(route.worker_id)
-            await eventually(lambda: mirror.sequences.requests[slot] == 1)
-            assert mirror.sequences.prefill_tokens[slot] == 640
-            one.service.router.finish("held", now=time.monotonic())
-            one.service.released([])
-            await eventually(lambda: mirror.sequences.requests[slot] == 0)
+            yield one, two
         finally:
             await one.close()
             await two.close()
+
+
+async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
+    async with _two_replicas(nats_url, "replicas", engines=2) as (one, two):
+        hashes = block_hashes(PROMPT, block_size=32)
+        request = RouteRequest(request_id="held", hashes=hashes, prompt_tokens=640, max_tokens=5)
+        route = one.service.router.submit(request, now=time.monotonic())
+        assert route is not None
+        one.service.released([])  # publish the change
+        mirror = two.service.router
+        slot = mirror.slots.slot(route.worker_id)
+        await eventually(lambda: mirror.sequences.requests[slot] == 1)
+        assert mirror.sequences.prefill_tokens[slot] == 640
+        one.service.router.finish("held", now=time.monotonic())
+        one.service.released([])
+        await eventually(lambda: mirror.sequences.requests[slot] == 0)
 
 
 async def test_two_router_replicas_share_their_queue_heads(nats_url: str) -> None:
     """Replica two frees the only worker while replica one has a light tenant's request waiting
     that comes before two's own heavy one: two holds its request back until one has taken the
     capacity (a released request without a client is ended at once, freeing it again)."""
-    busy = {"busy_kv_fraction": 1e-9}  # one request in flight makes the worker busy
-    async with mock_fleet(engines=1, nats_url=nats_url, deployment="heads") as fleet:
-        one = await start_router(_config(fleet.urls, nats_url, "heads", **busy), router_id="one")
-        two = await start_router(_config(fleet.urls, nats_url, "heads", **busy), router_id="two")
+    # one request in flight makes the worker busy
+    async with _two_replicas(nats_url, "heads", engines=1, busy_kv_fraction=1e-9) as (one, two):
         released: list[str] = []
         for running in (one, two):
-            service = running.service
-            original = service.released
+            original = running.service.released
 
             def record(routes: list[Any], original: Any = original) -> None:
                 released.extend(route.request_id for route in routes)
                 original(routes)
 
-            service.released = record  # type: ignore[method-assign]
-        try:
-            sync_one, sync_two = one.replica_sync, two.replica_sync
-            assert sync_one is not None
-            assert sync_two is not None
-            await eventually(lambda: len(one.service.router.workers) == len(two.service.router.workers) == 1)
-            await eventually(lambda: "one" in sync_two.peers and "two" in sync_one.peers)
-            hashes = block_hashes(PROMPT, block_size=32)
+            running.service.released = record  # type: ignore[method-assign]
+        hashes = block_hashes(PROMPT, block_size=32)
 
-            def request(rid: str, tenant: str) -> RouteRequest:
-                return RouteRequest(
-                    request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant=tenant
-                )
+        def request(rid: str, tenant: str) -> RouteRequest:
+            return RouteRequest(request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant=tenant)
 
-            assert two.service.router.submit(request("heavy-0", "heavy"), now=time.monotonic()) is not None
-            two.service.released([])
-            await eventually(lambda: int(one.service.router.sequences.requests.sum()) == 1)
-            assert one.service.router.submit(request("light-0", "light"), now=time.monotonic()) is None
-            one.service.released([])
-            assert two.service.router.submit(request("heavy-1", "heavy"), now=time.monotonic()) is None
-            await eventually(lambda: two.service.router.held_back_by(now=time.monotonic()) == "one")
-            two.service.router.finish("heavy-0", now=time.monotonic())
-            two.service.released(two.service.router.drain(now=time.monotonic()))
-            assert two.service.router.queued == 1, "held back for one's light request"
-            await eventually(lambda: released == ["light-0", "heavy-1"])
-            assert one.service.router.queued == two.service.router.queued == 0
-        finally:
-            await one.close()
-            await two.close()
+        assert two.service.router.submit(request("heavy-0", "heavy"), now=time.monotonic()) is not None
+        two.service.released([])
+        await eventually(lambda: int(one.service.router.sequences.requests.sum()) == 1)
+        assert one.service.router.submit(request("light-0", "light"), now=time.monotonic()) is None
+        one.service.released([])
+        assert two.service.router.submit(request("heavy-1", "heavy"), now=time.monotonic()) is None
+        await eventually(lambda: two.service.router.held_back_by(now=time.monotonic()) == "one")
+        two.service.router.finish("heavy-0", now=time.monotonic())
+        two.service.released(two.service.router.drain(now=time.monotonic()))
+        assert two.service.router.queued == 1, "held back for one's light request"
+        await eventually(lambda: released == ["light-0", "heavy-1"])
+        assert one.service.router.queued == two.service.router.queued == 0

@@ -20,12 +20,16 @@ tenant's successive requests start where the previous one finished.)
 Because ``T`` counts what a tenant was *served*, not what it queued, replicas sharing a fleet
 keep the same ``T``: each counts what it serves itself and what its peers say they served
 (:meth:`FairQueue.charge`), so start tags mean the same at every replica. On that ground the
-replicas share their queues' heads (:class:`QueueHead`: per band, the head's start tag and the
-band's ``V``): a replica holds back its head while a peer's fresh head has precedence
-(:func:`precedes`: a higher band, or the same band and a lower start tag), so capacity a
-finished request frees goes to the request that comes first across all replicas, not to the
-replica that dispatches first. A peer's heads count for ``max_age_s`` after they were heard:
-a dead or cut-off replica never holds dispatch back for longer.
+replicas share their queues' heads (:class:`QueueHead`: per band and waiting tenant, its start
+tag, its waiting tokens and how long its oldest request has waited, and the band's ``V``). A
+replica catches its ``V`` and its tenants' ``T`` up with what its peers send (a tenant lifted
+where it started waiting is lifted everywhere), and holds back its head while a peer's fresh head
+comes first in one order shared by every replica (:func:`precedes`: a higher band, then the lower
+start tag, then the longer wait), so capacity a finished request frees goes to the request first
+across all replicas, not to the replica that dispatches first. Each replica serves its own part
+of that order in that order, so the replica holding its first request never waits. A peer's
+heads count for ``max_age_s`` after they were heard: a dead or cut-off replica never holds
+dispatch back for longer.
 """
 
 from __future__ import annotations
