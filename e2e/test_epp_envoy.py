@@ -13,11 +13,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from e2e.envoy_gateway import SERVED_BY, Upstream, envoy_gateway
 from e2e.local_router import MODEL, static_router, until
 
 from copse.router.epp import EndpointPicker
 from copse.router.server import RunningRouter
+from copse.sim.gateway import SERVED_BY, Upstream, envoy_gateway
 from copse.workers.testing import mock_fleet
 
 pytestmark = pytest.mark.e2e

@@ -17,9 +17,9 @@ import aiohttp
 import httpx
 import pytest
 import yaml
-from e2e.envoy_gateway import envoy_gateway
 from e2e.local_router import MODEL, static_router
 
+from copse.sim.gateway import envoy_gateway
 from copse.workers.testing import free_port, free_port_range, mock_fleet, stop_process
 
 pytestmark = pytest.mark.e2e

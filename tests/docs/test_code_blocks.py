@@ -240,14 +240,27 @@ def _holds(actual: Any, shown: Any) -> bool:
     return True
 
 
-POOLS = [b for b in BLOCKS if b.language == "yaml" and "kind: InferencePool" in b.text]
+FOREIGN_CRDS = {
+    "InferencePool": "charts/copse/files/inferencepool-crd.yaml",
+    "HTTPRoute": "e2e/fixtures/httproute-crd.yaml",
+}
+"""Kinds of other projects the docs show, and the CRD (copied from their release) that defines each."""
+FOREIGN = [
+    (b, kind)
+    for b in BLOCKS
+    for kind in FOREIGN_CRDS
+    if b.language == "yaml" and re.search(rf"^kind: {kind}$", b.text, re.MULTILINE)
+]
 
 
-@pytest.mark.parametrize("block", POOLS, ids=_ids)
-def test_inference_pools_match_the_crd_the_chart_ships(block: Block) -> None:
-    """An InferencePool shown is valid under the Gateway API Inference Extension's own CRD schema."""
-    crd = yaml.safe_load((ROOT / "charts/copse/files/inferencepool-crd.yaml").read_text())
+@pytest.mark.parametrize(("block", "kind"), FOREIGN, ids=[f"{b.where}:{kind}" for b, kind in FOREIGN])
+def test_other_projects_objects_match_their_crds(block: Block, kind: str) -> None:
+    """An InferencePool shown is valid under the Gateway API Inference Extension's own CRD schema,
+    an HTTPRoute under the Gateway API's."""
+    crd = yaml.safe_load((ROOT / FOREIGN_CRDS[kind]).read_text())
     for document in yaml.safe_load_all(block.text):
+        if not isinstance(document, dict) or document.get("kind") != kind:
+            continue  # an empty document (a stray ---) is None
         version = document["apiVersion"].split("/")[1]
         (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
         jsonschema.validate(document, served["schema"]["openAPIV3Schema"])

@@ -12,7 +12,10 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from kubernetes.aio.client.exceptions import ApiException
+
 from copse.operator.controller import Controller
+from copse.operator.kube import Refused
 
 Key = tuple[str, str, str]  # kind, namespace, name
 _versions = itertools.count(1)
@@ -50,6 +53,17 @@ class FakeKube:
         """Pod bodies as the operator sent them to create."""
         self.served_apis: set[tuple[str, str, str]] = set()
         """(group, version, plural) that discovery reports beyond the built-in ones."""
+        self.refused: dict[str, tuple[int, str]] = {}
+        """Kind -> (HTTP status, why) the API server refuses to apply objects of it (403: a missing
+        RBAC grant; 404: its CRD is not served yet)."""
+        self.failing: dict[str, int] = {}
+        """Kind -> the HTTP status every read, apply and delete of it fails with (a 5xx, a 409)."""
+        self.failing_status = 0
+        """How many of the next status patches fail (the API server is briefly unreachable)."""
+
+    def _fail(self, kind: str) -> None:
+        if kind in self.failing:
+            raise ApiException(status=self.failing[kind], reason="injected")
 
     def _store(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(obj))
@@ -64,6 +78,10 @@ class FakeKube:
 
     async def apply(self, obj: Mapping[str, Any]) -> None:
         meta = obj["metadata"]
+        self._fail(obj["kind"])
+        if obj["kind"] in self.refused:
+            status, why = self.refused[obj["kind"]]
+            raise Refused(f"{obj['kind']} {meta['namespace']}/{meta['name']}: {why}", status=status)
         current = self.objects.get((obj["kind"], meta["namespace"], meta["name"]))
         if current is not None:
             unchanged = {**current, "metadata": {**current["metadata"]}}
@@ -82,9 +100,15 @@ class FakeKube:
             return None
         return self._store(obj)
 
+    async def read(self, kind: str, *, namespace: str, name: str) -> dict[str, Any] | None:
+        self._fail(kind)
+        found = self.objects.get((kind, namespace, name))
+        return None if found is None else copy.deepcopy(found)
+
     async def delete(
         self, kind: str, *, namespace: str, name: str, grace_period_s: int | None = None
     ) -> None:
+        self._fail(kind)
         if self.objects.pop((kind, namespace, name), None) is not None:
             self.deletions.append((kind, name, grace_period_s))
 
@@ -105,6 +129,9 @@ class FakeKube:
         return await self._patch("Service", namespace, name, json_patch)
 
     async def patch_status(self, *, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        if self.failing_status:
+            self.failing_status -= 1
+            raise RuntimeError("status patch failed")
         body = self.objects[("InferenceDeployment", namespace, name)]
         body["status"] = {**body.get("status", {}), **copy.deepcopy(dict(status))}
 

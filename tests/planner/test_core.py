@@ -178,9 +178,11 @@ def test_queue_depth_fast_path_scales_up_ahead_of_the_forecast(linear: CapacityM
     plan.observe(interval(0, 100.0), replicas={P: 2, D: 1})
     calm = plan.decide(now=INTERVAL, current={P: 2, D: 1})
     assert not any("fast path" in reason for reason in calm.reasons)
+    assert calm.trigger(P) == "forecast"
     queued = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queues={P: 9000.0})
     assert queued.target[P] > calm.target[P]
     assert any("fast path" in reason for reason in queued.reasons)
+    assert (queued.trigger(P), queued.trigger(D)) == ("backlog", "forecast")
     below = plan.decide(now=INTERVAL, current={P: 2, D: 1}, queues={P: 15.0})  # < 10 per replica
     assert not any("fast path" in reason for reason in below.reasons)
 
@@ -223,9 +225,11 @@ def test_an_slo_burn_grows_the_pool_whose_requests_miss(linear: CapacityModel) -
     assert prefill.target[P] >= 6  # 40 % missing: 4 x 1.4, rounded up
     assert prefill.target[D] == 4
     assert any("40% of requests missing" in reason for reason in prefill.reasons)
+    assert (prefill.trigger(P), prefill.trigger(D)) == ("burn", "forecast")
     decode = plan.fast_path(now=70.0, current=current, pulse=burning(met=80, itl=20))
     assert decode is not None
     assert (decode.target[P], decode.target[D]) == (4, 5)
+    assert decode.trigger(D) == "burn"
 
 
 def test_a_burn_counts_the_replicas_serving_so_starting_ones_are_not_added_twice(

@@ -15,11 +15,12 @@ import pytest
 
 from copse.router.adapters import AdapterRouting, AdapterTracker
 from copse.router.config import ConfigError, parse_config
-from copse.router.core import NoWorkers, Role, Router, WorkerInfo
+from copse.router.core import FlightRecord, NoWorkers, PeerChange, Role, Router, WorkerInfo
 from copse.router.discovery import Endpoint, ModelSources, OnChange
 from copse.router.metrics import RouterMetrics
 from copse.router.models import Adapter, ModelCatalog, UnknownModel
 from copse.router.policies import RouteRequest, SelectionSettings
+from copse.router.replica_sync import Snapshot, decode_changes, encode_changes
 from copse.router.server import start_router
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import block_hashes, lora_int_id
@@ -466,3 +467,152 @@ async def test_an_adapter_request_reaches_an_engine_that_was_not_told_the_adapte
             assert sorted(info["loras"]) == ["chat", "sql"]
         finally:
             await running.close()
+
+
+# -- adapter state shared between router replicas ---------------------------------------------
+
+
+def _replicas(*, shared: bool = True, max_loras: int = 1) -> tuple[Router, Router]:
+    """Two replicas sharing load (as over NATS), each knowing the same four workers."""
+    pair = []
+    for _ in range(2):
+        router = Router(
+            perf=PERF,
+            settings=SelectionSettings(block_size=BS),
+            policy="kv",
+            seed=1,
+            share_load=True,
+            adapters=AdapterRouting(load_ms=500.0, max_loras=max_loras, shared=shared),
+        )
+        for index in range(4):
+            router.add_worker(WorkerInfo(worker_id=f"w{index}", role=Role.WORKER, model="llama"), now=0.0)
+        pair.append(router)
+    return pair[0], pair[1]
+
+
+def _deliver(source: Router, peer: Router, *, name: str, now: float = 0.0) -> None:
+    """Hand ``source``'s load changes to ``peer`` as replica sync does."""
+    assert source.outbox is not None
+    for change in source.outbox:
+        peer.apply_peer(change, peer=name, now=now)
+    source.outbox.clear()
+
+
+def test_a_replica_mirrors_the_adapters_its_peers_requests_load() -> None:
+    one, two = _replicas()
+    route = one.submit(_request("r1", adapter="sql"), now=0.0)
+    assert route is not None
+    _deliver(one, two, name="one")
+    slot = two.slots.slot(route.worker_id)
+    assert two.adapters.held(slot) == ["sql"]
+    assert (two.adapters.loads, two.adapters.peer_loads) == (0, 1)
+    # The peer's request runs adapter sql there: with max_loras 1, another adapter goes elsewhere.
+    everyone = np.ones(two.sequences.size, dtype=bool)
+    assert not two.adapters.narrow(_request("x", adapter="legal"), everyone)[slot]
+    one.finish("r1", now=0.1)
+    _deliver(one, two, name="one")
+    assert two.adapters.narrow(_request("x", adapter="legal"), everyone)[slot]
+    # Another prompt through sql, at the second replica: to the worker its peer loaded sql on.
+    other = list(range(9000, 9512))
+    again = two.submit(_request("r2", adapter="sql", tokens=other), now=0.2)
+    assert again is not None
+    assert again.worker_id == route.worker_id
+    assert two.adapters.loads == 0
+
+
+def test_without_sharing_a_replica_knows_only_its_own_loads() -> None:
+    one, two = _replicas(shared=False)
+    route = one.submit(_request("r1", adapter="sql"), now=0.0)
+    assert route is not None
+    _deliver(one, two, name="one")
+    assert two.adapters.held(two.slots.slot(route.worker_id)) == []
+    assert two.adapters.peer_loads == 0
+
+
+def test_a_joining_replica_takes_its_peers_view_of_the_adapters_from_the_snapshot() -> None:
+    one, two = _replicas(max_loras=2)
+    for index, adapter in enumerate(("sql", "legal", "chat")):
+        route = one.submit(
+            _request(f"r{index}", adapter=adapter, tokens=list(range(index * 600, index * 600 + 512))),
+            now=0.0,
+        )
+        assert route is not None
+    assert one.outbox is not None
+    one.outbox.clear()  # the joining replica heard none of it
+    flights = one.own_flights()
+    assert sorted(record.adapter for _, record, _ in flights) == ["chat", "legal", "sql"]
+    held = one.held_adapters()
+    assert held
+    two.load_peer_snapshot("one", flights, now=0.0, adapters=held)
+    for worker_id, adapters in held.items():
+        assert two.adapters.held(two.slots.slot(worker_id)) == adapters
+    # The peer's requests in flight hold their adapters there until the peer frees them.
+    assert two.adapters.adapter_of("one/r0") == "sql"
+    one.finish("r0", now=0.1)
+    _deliver(one, two, name="one")
+    assert two.adapters.adapter_of("one/r0") == ""
+    running = sorted(a for worker_id in held for a in two.adapters.running(two.slots.slot(worker_id)))
+    assert running == ["chat", "legal"]
+    two.forget_peer("one", now=0.2)
+    for worker_id in held:
+        assert two.adapters.running(two.slots.slot(worker_id)) == []
+
+
+def test_the_adapter_and_the_held_adapters_cross_the_wire() -> None:
+    record = FlightRecord(
+        worker_id="w", hashes=[1], prefill_tokens=16, prefill_ms=1.0, kv_tokens=2.0, adapter="sql"
+    )
+    [change] = decode_changes(encode_changes("me", [PeerChange(op="add", key="k", record=record)]))[1]
+    assert change.record == record
+    snapshot = Snapshot(router="me", seq=3, flights=[], adapters={"w": ["legal", "sql"]})
+    assert Snapshot.model_validate_json(snapshot.model_dump_json()).adapters == {"w": ["legal", "sql"]}
+    assert Snapshot.model_validate_json('{"router": "old", "seq": 1, "flights": []}').adapters == {}
+
+
+def test_held_adapters_of_a_worker_not_yet_registered_are_taken_when_it_registers() -> None:
+    _, two = _replicas(max_loras=2)
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w9": ["sql", "legal"], "w8": ["chat"]})
+    two.add_worker(WorkerInfo(worker_id="w9", role=Role.WORKER, model="llama"), now=0.0)
+    assert two.adapters.held(two.slots.slot("w9")) == ["sql", "legal"]
+    # An engine that reports its own adapters is believed over a peer's view.
+    two.add_worker(WorkerInfo(worker_id="w8", role=Role.WORKER, model="llama", loras=("legal",)), now=0.0)
+    assert two.adapters.held(two.slots.slot("w8")) == ["legal"]
+    # So is a fresh engine that reports holding none (``()``, not ``None``: it does not say).
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w7": ["sql"], "w6": ["chat"]})
+    two.add_worker(WorkerInfo(worker_id="w7", role=Role.WORKER, model="llama", loras=()), now=0.0)
+    assert two.adapters.held(two.slots.slot("w7")) == []
+    # A peer's view of a worker not yet here goes with the peer.
+    two.forget_peer("one", now=0.0)
+    two.add_worker(WorkerInfo(worker_id="w6", role=Role.WORKER, model="llama"), now=0.0)
+    assert two.adapters.held(two.slots.slot("w6")) == []
+
+
+def test_a_peers_snapshot_merges_into_the_adapters_this_replica_saw() -> None:
+    """A snapshot comes whenever a peer joins and at every sequence gap: it must not drop what this
+    replica routed since (least recent: the peer's, then this replica's own; adapters with
+    requests in flight stay)."""
+    _, two = _replicas(max_loras=2)
+    slot = two.slots.slot("w0")
+    two.adapters.routed("a", slots=(slot,), adapter="y")
+    two.adapters.finished("a")
+    two.adapters.routed("b", slots=(slot,), adapter="z")  # z runs here
+    assert two.adapters.held(slot) == ["y", "z"]
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w0": ["y", "x"]})
+    assert two.adapters.held(slot) == ["y", "z"]
+    assert two.adapters.running(slot) == ["z"]
+    loads = two.adapters.load_ms(_request("c", adapter="z"), two.sequences.size)
+    assert loads is not None
+    assert loads[slot] == 0.0
+    # What it had not seen, the peer's view adds (as least recent).
+    other = two.slots.slot("w1")
+    two.adapters.routed("d", slots=(other,), adapter="z")
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w1": ["x"]})
+    assert two.adapters.held(other) == ["x", "z"]
+
+
+def test_adapters_at_once_never_evict_those_with_requests_in_flight() -> None:
+    _, two = _replicas(max_loras=1)
+    slot = two.slots.slot("w0")
+    two.adapters.routed("a", slots=(slot,), adapter="z")
+    two.load_peer_snapshot("one", [], now=0.0, adapters={"w0": ["x"]})
+    assert two.adapters.held(slot) == ["z"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,11 +16,27 @@ from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
 from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
-from copse.router.replica_sync import decode_changes, decode_heads, encode_changes
+from copse.router.replica_sync import (
+    SNAPSHOT_WITH_ADAPTERS,
+    Snapshot,
+    batches,
+    decode_changes,
+    decode_heads,
+    encode_changes,
+    snapshot_subject,
+)
 from copse.router.server import RunningRouter, start_router
 from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import KvEventPublisher
-from copse.workers.protocol import DumpBlock, KvDump, KvEvent, KvStored, StoredBlock, block_hashes
+from copse.workers.protocol import (
+    DumpBlock,
+    KvDump,
+    KvEvent,
+    KvStored,
+    StoredBlock,
+    block_hashes,
+    lora_int_id,
+)
 from copse.workers.relay import run_relay
 from copse.workers.testing import mock_fleet
 
@@ -264,3 +281,82 @@ async def test_two_router_replicas_share_their_queue_heads(nats_url: str) -> Non
         assert two.service.router.queued == 1, "held back for one's light request"
         await eventually(lambda: released == ["light-0", "heavy-1"])
         assert one.service.router.queued == two.service.router.queued == 0
+
+
+async def test_replicas_share_the_adapters_their_requests_load(nats_url: str) -> None:
+    """A replica routing a request through an adapter tells its peer, whose mirror of that
+    worker's adapter cache then holds it; a replica's snapshot names the adapters it believes each
+    worker holds (a replica started later merges them; whether they arrive before or after its
+    engines report their own adapters decides which is believed: see test_lora_routing)."""
+    async with _two_replicas(nats_url, "adapters", engines=2) as (one, two):
+        hashes = block_hashes(PROMPT, block_size=32, lora_id=lora_int_id("sql"))
+        request = RouteRequest(request_id="r", hashes=hashes, prompt_tokens=640, max_tokens=5, adapter="sql")
+        route = one.service.router.submit(request, now=time.monotonic())
+        assert route is not None
+        one.service.released([])  # publish the change
+        mirror = two.service.router
+        slot = mirror.slots.slot(route.worker_id)
+        await eventually(lambda: mirror.adapters.held(slot) == ["sql"])
+        assert mirror.adapters.peer_loads == 1
+        # What a replica that joins (or missed messages) asks for: the peer's snapshot names
+        # the request's adapter and the adapters it believes each worker holds (merged there:
+        # test_lora_routing); asked as a replica of an earlier version asks (an empty request),
+        # it leaves the adapter fields out, which that replica's schema refuses.
+        nc = await nats.connect(nats_url)
+        try:
+            subject = snapshot_subject(namespace="default", deployment="adapters", router_id="one")
+            new = Snapshot.model_validate_json(
+                (await nc.request(subject, SNAPSHOT_WITH_ADAPTERS, timeout=5.0)).data
+            )
+            old = (await nc.request(subject, b"", timeout=5.0)).data
+        finally:
+            await nc.close()
+        assert new.adapters == {route.worker_id: ["sql"]}
+        assert [flight.record.adapter for flight in new.flights] == ["sql"]
+        assert b"adapter" not in old
+        assert [flight.key for flight in Snapshot.model_validate_json(old).flights] == ["r"]
+
+        one.service.router.finish("r", now=time.monotonic())
+        one.service.released([])
+        await eventually(lambda: mirror.sequences.requests[slot] == 0)
+        assert mirror.adapters.held(slot) == ["sql"], "the engine keeps the adapter after the request"
+
+
+def test_load_messages_leave_out_fields_at_their_default() -> None:
+    """A replica of an earlier version refuses fields it does not know: a request through the base
+    model sends none of the newer ones (tenant, priority, adapter)."""
+    record = FlightRecord(worker_id="w", hashes=[1], prefill_tokens=8, prefill_ms=1.0, kv_tokens=0.0)
+    sent = json.loads(encode_changes("me", [PeerChange(op="add", key="k", record=record)], seq=4))
+    assert set(sent["changes"][0]["record"]) == {
+        "worker_id",
+        "hashes",
+        "prefill_tokens",
+        "prefill_ms",
+        "kv_tokens",
+    }
+    assert decode_changes(json.dumps(sent).encode())[1][0].record == record
+
+
+def test_changes_naming_an_adapter_travel_in_messages_of_their_own() -> None:
+    """A replica of an earlier version drops a whole message naming an adapter: the frees and
+    base-model charges of the same flush go in other messages, in order."""
+
+    def record(adapter: str = "") -> FlightRecord:
+        return FlightRecord(
+            worker_id="w", hashes=[1], prefill_tokens=8, prefill_ms=1.0, kv_tokens=0.0, adapter=adapter
+        )
+
+    changes = [
+        PeerChange(op="add", key="a", record=record()),
+        PeerChange(op="add", key="b", record=record("sql")),
+        PeerChange(op="add", key="c", record=record("chat")),
+        PeerChange(op="free", key="b"),
+        PeerChange(op="prefilled", key="a"),
+        PeerChange(op="add", key="d", record=record("sql")),
+    ]
+    runs = batches(changes)
+    assert [[change.key for change in run] for run in runs] == [["a"], ["b", "c"], ["b", "a"], ["d"]]
+    assert [change for run in runs for change in run] == changes
+    readable = [run for run in runs if b"adapter" not in encode_changes("me", run, seq=1)]
+    assert [[change.key for change in run] for run in readable] == [["a"], ["b", "a"]]
+    assert batches([]) == []

@@ -55,7 +55,7 @@ def test_the_walk_covers_the_sizes_from_below_both_bars_to_above_both() -> None:
 
 def test_flapping_is_an_increase_a_decrease_and_an_increase_within_the_scale_down_delay() -> None:
     def change(t: float, before: int, after: int, role: str = "worker") -> ScalingChange:
-        return ScalingChange(time_s=t, role=role, before=before, after=after)
+        return ScalingChange(time_s=t, role=role, before=before, after=after, trigger="forecast")
 
     flapping = [change(0, 2, 3), change(120, 3, 2), change(240, 2, 3)]
     assert flaps(flapping, window_s=300.0) == 1

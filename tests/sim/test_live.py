@@ -53,13 +53,17 @@ async def test_a_router_start_that_is_abandoned_stops_the_router(
         return process
 
     monkeypatch.setattr(asyncio, "create_subprocess_exec", recording_spawn)
+    port = free_port()
     config = {
         "model": "m",
         "engine": "mock",
         "policy": "round_robin",
+        "port": port,
         "discovery": {"kind": "static", "workers": [{"url": f"http://127.0.0.1:{free_port()}"}]},
     }
-    waiting = asyncio.create_task(live._router(config, workdir=tmp_path, workers=1))
+    waiting = asyncio.create_task(
+        live._router(config, workdir=tmp_path, workers=1, url=f"http://127.0.0.1:{port}")
+    )
     while not started:  # the router process is spawned first thing
         await asyncio.sleep(0.01)
     waiting.cancel()

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from copse.router.adapters import AdapterRouting
 from copse.router.core import Thresholds
 from copse.sim.cli import bench
 from copse.sim.replay import (
     EngineConfigError,
+    EngineSetup,
     Fleet,
     KvEventChannel,
     ReplaySettings,
@@ -24,6 +26,8 @@ from copse.sim.replay import (
     replay,
 )
 from copse.sim.trace import TokenSynth, TraceError, TraceRequest, load_trace
+from copse.workers.mocker import EngineConfig
+from copse.workers.mocker.adapters import AdapterSettings
 from copse.workers.perf import PolynomialPerfModel, save_profile
 from copse.workers.protocol.kv_events import KvCleared, KvEvent
 
@@ -304,3 +308,37 @@ def test_two_replicas_with_an_80_20_split_serve_the_tenants_as_fairly_as_one_rou
     for router in fleet.routers:
         assert router.queued == 0
         assert float(router.sequences.requests.sum()) == 0
+
+
+def _adapter_loads(*, shared: bool, seed: int) -> int:
+    """Adapter loads the engines did for 240 requests through 6 adapters, each reaching one of two
+    replicas at random, 6 engines holding 2 adapters at once."""
+    rng = np.random.default_rng(seed)
+    n = 240
+    trace = [
+        TraceRequest(
+            timestamp_ms=i * 40.0, input_length=1024, output_length=32, hash_ids=(10_000 + i, 20_000 + i)
+        )
+        for i in range(n)
+    ]
+    classes = [RequestClass(adapter=f"a{int(k)}") for k in rng.integers(0, 6, size=n)]
+    replica_of = rng.integers(0, 2, size=n).tolist()
+    engines = EngineSetup(config=EngineConfig(adapters=AdapterSettings(max_loras=2, load_ms=200.0)))
+    settings = ReplaySettings(
+        workers=6, seed=seed, engines=engines, adapters=AdapterRouting(load_ms=200.0, shared=shared)
+    )
+    fleet = Fleet(trace, settings, engines=6, classes=classes, replica_of=replica_of)
+    for index in range(n):
+        fleet.run_until(float(fleet.arrival_ms[index]))
+        fleet.arrive(index)
+    fleet.run()
+    assert fleet.failed == 0
+    return sum(engine.adapters.loads_total for engine in fleet.engines)
+
+
+def test_replicas_sharing_adapter_state_load_adapters_less_often() -> None:
+    """Each replica mirrors the adapters its peer's requests load: both keep an adapter where it
+    is, where replicas that know only their own requests load it again elsewhere."""
+    for seed in (0, 1):
+        shared, unshared = _adapter_loads(shared=True, seed=seed), _adapter_loads(shared=False, seed=seed)
+        assert shared < unshared, (seed, shared, unshared)

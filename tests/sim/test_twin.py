@@ -203,6 +203,10 @@ def test_the_planner_scales_the_fleet_with_the_load_and_a_static_fleet_does_not(
     static = run_twin(trace, TwinSettings(fleet=EXACT, limits=LIMITS, planner=None, interval_s=60.0))
     assert (static.peak_replicas, static.scaling_events) == (1, 0)
     assert static.gpu_hours == pytest.approx(1200.0 / 3600.0, rel=0.01)
+    increases = [change for change in report.changes if change.after > change.before]
+    assert set(report.scale_ups) == {"forecast", "backlog", "burn"}
+    assert sum(report.scale_ups.values()) == len(increases) > 0  # each increase has one trigger
+    assert static.scale_ups == {}
     assert report.slo_attainment > static.slo_attainment
     assert report.gpu_hours > static.gpu_hours
     assert report.as_json() == run_twin(trace, settings).as_json()  # deterministic
@@ -243,6 +247,7 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "planner (constant), start-up delay 60 s" in result.stdout
     assert "SLO (TTFT <= 1000 ms and ITL <= 50 ms)" in result.stdout
+    assert "scale-ups by trigger: forecast " in result.stdout
     assert "Static fleets on the same arrivals" in result.stdout
     framed = runner.invoke(bench, [*planner, "-o", "json", "--jobs", "1"])
     document = json.loads(framed.stdout)

@@ -924,6 +924,11 @@ class RouterTenant(_SpecModel):
     )
 
 
+_GATEWAY_MODE = (
+    "router.gateway needs router.mode: epp (an HTTPRoute sends the gateway's requests to the InferencePool)"
+)
+
+
 class InferenceObjectiveApi(str, schema.Enum):
     """Where InferenceObjective objects are defined."""
 
@@ -931,7 +936,46 @@ class InferenceObjectiveApi(str, schema.Enum):
     LLM_D = "llm-d.ai/v1alpha2"
 
 
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""A DNS-1123 label: what a namespace name must be."""
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A DNS-1123 subdomain: what a Gateway's name is, and what the Gateway API takes as a listener's
+``sectionName`` (refused here rather than by the API server when the route is written)."""
+
+
+class GatewayRef(_SpecModel):
+    """The Gateway API Gateway an ``epp``-mode deployment's HTTPRoute attaches to."""
+
+    name: str = Field(
+        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="The Gateway's name."
+    )
+    namespace: Nullable[str] = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=DNS_LABEL_PATTERN,
+        description="The Gateway's namespace; unset: the deployment's. Another namespace's Gateway "
+        "takes the route only when its listener's allowedRoutes admits this namespace.",
+    )
+    section_name: Nullable[str] = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="The Gateway listener the route attaches to; unset: every listener that admits it.",
+    )
+
+
 class RouterSpec(_SpecModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!has(self.gateway) || self.mode == 'epp'", "message": _GATEWAY_MODE},
+            ]
+        },
+    )
+
     mode: RouterMode = Field(
         default=RouterMode.HTTP,
         description="http: the router serves the OpenAI API; epp: a Gateway API gateway serves it and the "
@@ -1000,6 +1044,21 @@ class RouterSpec(_SpecModel):
     default_tenant: RouterTenant = Field(
         default_factory=RouterTenant, description="Weight and rate limit of every tenant not listed."
     )
+    gateway: Nullable[GatewayRef] = Field(
+        default=None,
+        description="epp mode: the Gateway whose HTTPRoute the operator writes (named like the "
+        "deployment, deleted with it): requests whose X-Gateway-Model-Name header (the body's model, "
+        "which the Inference Extension's body-based router copies there) names the model or one of "
+        "model.loras go to this deployment's InferencePool. Unset: no HTTPRoute (write your own). "
+        "Without the HTTPRoute CRD in the cluster the deployment runs and its GatewayRoute condition "
+        "says so.",
+    )
+
+    @model_validator(mode="after")
+    def _gateway_needs_epp(self) -> RouterSpec:
+        if self.gateway is not None and self.mode is not RouterMode.EPP:
+            raise ValueError(_GATEWAY_MODE)
+        return self
 
 
 class Toleration(_SpecModel):

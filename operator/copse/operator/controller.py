@@ -20,18 +20,21 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import pydantic
+from kubernetes.aio.client.exceptions import ApiException
 
 from copse.api import KIND, PLURAL, InferenceDeployment, ManifestError, Role, RouterMode, parse_deployment
-from copse.operator import children, metrics, multinode, names, weights
+from copse.operator import children, gateway, metrics, multinode, names, weights
 from copse.operator.children import GroupLayout
 from copse.operator.inflight import InFlight, RouterInFlight
-from copse.operator.kube import KubeApi
+from copse.operator.kube import KubeApi, Refused
 from copse.operator.reconcile import Decision, ReconcileSettings, condition, reconcile
 from copse.operator.state import GroupState, ObservedGroup, observe_groups, pod_ready
 
 logger = logging.getLogger("copse.operator")
 
 Key = tuple[str, str]  # (namespace, name)
+RETRY_S = 5.0
+"""Seconds before a failed pass (or a failed HTTPRoute call) is tried again."""
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -124,12 +127,21 @@ class Controller:
         self._pass_started: float | None = None
         self.compute_domains_served = False
         """Whether the cluster has NVIDIA's ComputeDomain CRD (listed at start, then watched)."""
+        self.http_routes_served = False
+        """Whether the cluster has the Gateway API's HTTPRoute CRD (listed at start, then watched)."""
         self.leading = True
         """Whether this replica reconciles (holds the leader Lease); a standby only keeps its
         cache, so its queue waiting is no sign of a stuck loop."""
         self._created: set[tuple[str, str, str, str]] = set()
         """(kind, namespace, name, owner uid) of create-once children this process knows exist,
         so a pass does not ask again (a restarted operator asks once and gets 409)."""
+        self._route_reported: dict[str, str] = {}
+        """Owner uid -> the GatewayRoute reason last posted as an Event (a pass may run before the
+        watch brings back the status the previous pass wrote)."""
+        self._route_absent: set[str] = set()
+        """Owner uids of deployments wanting no HTTPRoute whose route this process saw gone, so a
+        pass does not ask the API server again (another leader may have written one: cleared when
+        this replica takes over)."""
 
     def health(self) -> dict[str, float]:
         """Figures for the liveness probe: deployments queued for a pass, how long the oldest due
@@ -167,6 +179,7 @@ class Controller:
         the watches while it stood by)."""
         self.leading = True
         self._created.clear()
+        self._route_absent.clear()
         self.mark_all()
 
     def mark_all(self) -> None:
@@ -182,6 +195,8 @@ class Controller:
         # grow the operator's memory.
         uid = body.get("metadata", {}).get("uid")
         self._created = {key for key in self._created if key[3] != uid}
+        self._route_reported.pop(uid, None)
+        self._route_absent.discard(uid)
         # A deleted deployment's series go too (an alert on them would outlive it).
         for gauge in (metrics.PLACEMENT_SCORE, metrics.UNPLACED_GROUPS):
             with contextlib.suppress(KeyError):
@@ -209,16 +224,20 @@ class Controller:
             self.mark_all()
 
     def on_crd(self, crd: Mapping[str, Any], *, deleted: bool) -> None:
-        """A CustomResourceDefinition changed: notice NVIDIA's ComputeDomain arriving or leaving."""
-        if crd.get("metadata", {}).get("name") != multinode.COMPUTE_DOMAIN_CRD:
-            return
+        """A CustomResourceDefinition changed: notice NVIDIA's ComputeDomain or the Gateway API's
+        HTTPRoute arriving or leaving."""
+        name = crd.get("metadata", {}).get("name")
         versions = crd.get("spec", {}).get("versions", [])
-        served = not deleted and any(
-            v.get("name") == multinode.COMPUTE_DOMAIN_VERSION and v.get("served") for v in versions
-        )
-        if served != self.compute_domains_served:
-            logger.info("ComputeDomain CRD %s", "served" if served else "gone")
-            self.compute_domains_served = served
+        if name == multinode.COMPUTE_DOMAIN_CRD:
+            attribute, version = "compute_domains_served", multinode.COMPUTE_DOMAIN_VERSION
+        elif name == gateway.CRD:
+            attribute, version = "http_routes_served", gateway.VERSION
+        else:
+            return
+        served = not deleted and any(v.get("name") == version and v.get("served") for v in versions)
+        if served != getattr(self, attribute):
+            logger.info("%s CRD %s", name, "served" if served else "gone")
+            setattr(self, attribute, served)
             self.mark_all()
 
     def _mark_unplaced(self) -> None:
@@ -246,6 +265,9 @@ class Controller:
             version=multinode.COMPUTE_DOMAIN_VERSION,
             plural=multinode.COMPUTE_DOMAIN_PLURAL,
         )
+        self.http_routes_served = await self.kube.served(
+            group=gateway.GROUP, version=gateway.VERSION, plural=gateway.PLURAL
+        )
 
     # -- the worker ----------------------------------------------------------------------------
 
@@ -270,9 +292,9 @@ class Controller:
             requeue = await self.reconcile_once(key)
         except Exception:
             # Any failure (API hiccup, conflict) is retried with a delay; the pass is idempotent.
-            logger.exception("reconcile failed; retrying in 5s", extra=_context(*key))
+            logger.exception("reconcile failed; retrying in %gs", RETRY_S, extra=_context(*key))
             metrics.RECONCILE_ERRORS.inc()
-            self.mark(key, after_s=5.0)
+            self.mark(key, after_s=RETRY_S)
             return
         finally:
             self._pass_started = None
@@ -358,8 +380,99 @@ class Controller:
                 previous=body.get("status", {}).get("conditions", []),
             )
         )
+        route_retry = await self._gateway_route(body, deployment, decision, namespace=namespace)
         await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
+        if route_retry:
+            return min(RETRY_S, decision.requeue_after_s or RETRY_S)
         return decision.requeue_after_s
+
+    async def _gateway_route(
+        self, body: Mapping[str, Any], deployment: InferenceDeployment, decision: Decision, *, namespace: str
+    ) -> bool:
+        """Write (or remove) the deployment's HTTPRoute and report it in its GatewayRoute condition.
+        It never fails the pass (the pods and the InferencePool come first): a missing CRD, a refusal
+        (403/422), a route of the same name that is someone else's, or an API error (5xx, 409, a
+        timeout) goes into the condition. Returns whether to come back soon (an API error: no
+        change may bring the next pass)."""
+        previous = body.get("status", {}).get("conditions", [])
+        before = next((c for c in previous if c.get("type") == gateway.CONDITION), None)
+        name = deployment.metadata.name
+        uid = str(deployment.metadata.uid)
+        if not gateway.wants_route(deployment):
+            # Wanted again later, it is reported again (a restart or a new leader may post that
+            # Event twice: acceptable).
+            self._route_reported.pop(uid, None)
+            if not self.http_routes_served or uid in self._route_absent:
+                return False
+            # Whatever the condition says (a refused apply, a status patch that never landed):
+            # a route of ours goes.
+            try:
+                await self._remove_route(body, deployment, namespace=namespace)
+            except (ApiException, Refused) as exc:
+                logger.warning(
+                    "HTTPRoute %s not removed (%s); tried again", name, exc, extra=_context(namespace, name)
+                )
+                return True
+            self._route_absent.add(uid)
+            return False
+        self._route_absent.discard(uid)
+        ok, reason, message = gateway.route_status(deployment, served=self.http_routes_served)
+        retry = False
+        if ok:
+            try:
+                current = await self.kube.read("HTTPRoute", namespace=namespace, name=name)
+                if current is not None and not gateway.owned(current, deployment):
+                    ok, reason, message = False, "RouteConflict", gateway.conflict_message(deployment)
+                else:
+                    await self.kube.apply(gateway.http_route(deployment))
+            except Refused as exc:
+                # The deployment is served all the same: the route waits for RBAC or the CRD. A
+                # CRD the watch says is served may 404 a moment longer: that is tried again soon.
+                logger.warning("%s", exc, extra=_context(namespace, name))
+                ok, reason, message = False, "RouteRefused", str(exc)
+                retry = exc.status == 404
+            except ApiException as exc:
+                logger.warning("HTTPRoute %s: %s", name, exc, extra=_context(namespace, name))
+                ok, reason, retry = False, "RouteError", True
+                message = (
+                    f"HTTPRoute {namespace}/{name}: the API server answered {exc.status} {exc.reason}; "
+                    f"tried again in {RETRY_S:g} s"
+                )
+        if (before is None or before.get("reason") != reason) and self._route_reported.get(uid) != reason:
+            # The memo: a pass may run before the watch brings back the status the previous pass
+            # wrote (or its status patch failed), and the Event is posted once.
+            self._route_reported[uid] = reason
+            await self.kube.post_event(
+                owner=body, type="Normal" if ok else "Warning", reason=reason, message=message
+            )
+        decision.status["conditions"].append(
+            condition(
+                gateway.CONDITION,
+                ok,
+                reason=reason,
+                message=message,
+                generation=body["metadata"].get("generation"),
+                now=datetime.now(UTC),
+                previous=previous,
+            )
+        )
+        return retry
+
+    async def _remove_route(
+        self, body: Mapping[str, Any], deployment: InferenceDeployment, *, namespace: str
+    ) -> None:
+        """Delete the deployment's HTTPRoute if there is one and it is its own."""
+        name = deployment.metadata.name
+        current = await self.kube.read("HTTPRoute", namespace=namespace, name=name)
+        if current is None or not gateway.owned(current, deployment):
+            return
+        await self.kube.delete("HTTPRoute", namespace=namespace, name=name)
+        await self.kube.post_event(
+            owner=body,
+            type="Normal",
+            reason="RouteRemoved",
+            message=f"HTTPRoute {name} deleted: spec.router.gateway is unset or the mode is not epp",
+        )
 
     def _routers(self, namespace: str, name: str, *, port: int) -> list[str]:
         """Base URLs of the deployment's ready router pods (none ready: nothing routes)."""

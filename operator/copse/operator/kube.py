@@ -7,6 +7,7 @@ created once and treated as immutable records, so a 409 means "already there".
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -38,7 +39,53 @@ _KINDS: dict[str, tuple[str, str]] = {
 _CUSTOM_KINDS: dict[str, tuple[str, str, str]] = {
     "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
     "ComputeDomain": ("resource.nvidia.com", "v1beta1", "computedomains"),
+    "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
 }
+#: kind -> what to do when the cluster does not serve it
+_INSTALL_HINTS: dict[str, str] = {
+    "InferencePool": "install its CRD (the chart's inferencePool.installCRD) or set spec.router.mode: http",
+    "HTTPRoute": "install the Gateway API CRDs or unset spec.router.gateway",
+}
+
+
+class Refused(RuntimeError):
+    """The API server refused to apply an object of another project's kind: its CRD is not served
+    (404), the operator may not write it (403), or it is invalid under that CRD (422)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+        """The API server's HTTP status."""
+
+
+def _refused(exc: ApiException, *, kind: str, namespace: str, name: str) -> Refused | None:
+    """What ``exc`` on an object of the custom ``kind`` means for the user (``None``: not a
+    refusal, a failure worth retrying). A refusal names the API server's own message, not its whole
+    JSON answer (it goes into a condition and an Event)."""
+    group, version, plural = _CUSTOM_KINDS[kind]
+    where = f"{kind} {namespace}/{name}"
+    if exc.status == 404:
+        return Refused(
+            f"{where}: the cluster does not serve {plural}.{group}/{version}; "
+            f"{_INSTALL_HINTS.get(kind, 'install its CRD')}",
+            status=404,
+        )
+    if exc.status in (403, 422):
+        return Refused(
+            f"{where}: the API server refused it ({exc.status} {exc.reason}): {_message(exc.body)}",
+            status=exc.status,
+        )
+    return None
+
+
+def _message(body: Any) -> str:
+    """The ``message`` of a Kubernetes Status answer (the body itself when it is none)."""
+    try:
+        status = json.loads(body)
+    except (TypeError, ValueError):
+        return str(body)
+    message = status.get("message") if isinstance(status, dict) else None
+    return str(message) if message else str(body)
 
 
 class KubeApi(Protocol):
@@ -46,6 +93,7 @@ class KubeApi(Protocol):
 
     async def apply(self, obj: Mapping[str, Any]) -> None: ...
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None: ...
+    async def read(self, kind: str, *, namespace: str, name: str) -> dict[str, Any] | None: ...
     async def delete(
         self, kind: str, *, namespace: str, name: str, grace_period_s: int | None = None
     ) -> None: ...
@@ -101,12 +149,9 @@ class Kube:
                     _content_type="application/apply-patch+yaml",
                 )
             except ApiException as exc:
-                if exc.status == 404:
-                    raise RuntimeError(
-                        f"{obj['kind']} {meta['namespace']}/{meta['name']}: the cluster does not serve "
-                        f"{plural}.{group}/{version}; install its CRD (the chart's inferencePool.installCRD) "
-                        "or set spec.router.mode: http"
-                    ) from exc
+                refused = _refused(exc, kind=obj["kind"], namespace=meta["namespace"], name=meta["name"])
+                if refused is not None:
+                    raise refused from exc
                 raise
             return
         await self._method(obj["kind"], "patch")(
@@ -134,6 +179,23 @@ class Kube:
                 return None
             raise
         return self.to_dict(model)
+
+    async def read(self, kind: str, *, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object of the custom ``kind`` (``None``: there is none, or its CRD is not served).
+        A 403 raises :class:`Refused`."""
+        group, version, plural = _CUSTOM_KINDS[kind]
+        try:
+            found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+                group=group, version=version, namespace=namespace, plural=plural, name=name
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            refused = _refused(exc, kind=kind, namespace=namespace, name=name)
+            if refused is not None:
+                raise refused from exc
+            raise
+        return found
 
     async def delete(
         self, kind: str, *, namespace: str, name: str, grace_period_s: int | None = None

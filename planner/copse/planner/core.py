@@ -46,6 +46,20 @@ _QUEUE_SHARE = 0.5
 _BURN_STEP = 0.5
 #: Correction phases, in the order they are reported.
 PHASES: tuple[str, ...] = ("prefill", "decode")
+#: What sets a target: the forecast, or one of the fast loop's signals (work queued for a pool, or
+#: requests missing the SLO faster than the error budget allows).
+FORECAST, BACKLOG, BURN = "forecast", "backlog", "burn"
+SIGNALS: tuple[str, ...] = (BACKLOG, BURN)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reaction:
+    """What one fast-loop signal asks of a pool."""
+
+    replicas: int
+    signal: str
+    """:data:`BACKLOG` or :data:`BURN`."""
+    why: str
 
 
 def queues_of(obs: Observation, limits: Limits) -> dict[Role, float]:
@@ -94,6 +108,14 @@ class Decision:
     allowance for forecast error; 1.0 = the point forecast)."""
     clamped: tuple[str, ...] = ()
     """Correction phases whose newest solved factor hit a bound of ``correction_bounds``."""
+    raised_by: dict[Role, str] = dataclasses.field(default_factory=dict)
+    """Pools whose need a fast-loop signal raised above the forecast's sizing, with the signal
+    (:data:`SIGNALS`): tells a scale-up the forecast saw from one it missed."""
+
+    def trigger(self, role: Role) -> str:
+        """What set ``role``'s target: a fast-loop signal, else ``forecast`` (sizing, floors,
+        stability rules and bounds)."""
+        return self.raised_by.get(role, FORECAST)
 
     @property
     def changed(self) -> bool:
@@ -263,7 +285,7 @@ class Planner:
 
     def reactive(
         self, pulse: Pulse, *, current: Mapping[Role, int], load: LoadForecast | None = None
-    ) -> dict[Role, tuple[int, str]]:
+    ) -> dict[Role, Reaction]:
         """What the fast loop's signals ask of each pool now, with why (pools they leave alone are
         absent): the backlog of the front pool (and of decode), and the SLO burn of the pool whose
         requests miss. ``load``: the forecast the backlog drains on top of (default: the next
@@ -278,11 +300,11 @@ class Planner:
             count = live.get(role)
             return max(1, current.get(role, 0) if count is None else round(count))
 
-        needs: dict[Role, tuple[int, str]] = {}
+        needs: dict[Role, Reaction] = {}
 
-        def need(role: Role, count: int, why: str) -> None:
-            if count > current.get(role, 0) and count > needs.get(role, (0, ""))[0]:
-                needs[role] = (count, f"{role.value}: {why}: fast path to {count}")
+        def need(role: Role, count: int, signal: str, why: str) -> None:
+            if count > current.get(role, 0) and (role not in needs or count > needs[role].replicas):
+                needs[role] = Reaction(count, signal, f"{role.value}: {why}: fast path to {count}")
 
         def drained(role: Role, backlog: float) -> int:
             extra = backlog * load.duration_s / config.queue_drain_s
@@ -308,11 +330,17 @@ class Planner:
             need(
                 front,
                 drained(front, backlog),
+                BACKLOG,
                 f"backlog of {backlog:.0f} ({wait_ms / 1000:.1f} s of prefill a replica)",
             )
         if limits.disaggregated and pulse.decode_queue_depth >= trigger * max(current.get(Role.DECODE, 0), 1):
             queued = pulse.decode_queue_depth
-            need(Role.DECODE, drained(Role.DECODE, queued), f"queue of {queued:.0f} >= {trigger}/replica")
+            need(
+                Role.DECODE,
+                drained(Role.DECODE, queued),
+                BACKLOG,
+                f"queue of {queued:.0f} >= {trigger}/replica",
+            )
         # Burn: the share of requests missing the SLO, against the error budget.
         judged = pulse.judged
         if judged >= config.burn_min_requests:
@@ -328,7 +356,9 @@ class Planner:
                     continue
                 by_rate = self.size(workload_of(window_load))[role].replicas
                 by_share = math.ceil(serving(role) * (1 + min(share, _BURN_STEP)))
-                need(role, max(by_rate, by_share), f"{share:.0%} of requests missing (burn {burn:.0f}x)")
+                need(
+                    role, max(by_rate, by_share), BURN, f"{share:.0%} of requests missing (burn {burn:.0f}x)"
+                )
         return needs
 
     # --- deciding ---------------------------------------------------------------------------
@@ -415,10 +445,12 @@ class Planner:
             reasons.append(f"lead time: sized for the load {self.horizon - 1} interval(s) ahead")
         desired = {role: sizing.replicas for role, sizing in sized.items()}
         # Fast path: a backlog or an SLO burn the forecast did not see.
-        for role, (need, why) in self.reactive(pulse, current=current, load=forecasts[0]).items():
-            if need > desired[role]:
-                desired[role] = need
-                reasons.append(why)
+        raised_by: dict[Role, str] = {}
+        for role, reaction in self.reactive(pulse, current=current, load=forecasts[0]).items():
+            if reaction.replicas > desired[role]:
+                desired[role] = reaction.replicas
+                raised_by[role] = reaction.signal
+                reasons.append(reaction.why)
         # Floors: in-flight work keeps its capacity.
         floors = self._floors(forecasts[0], queued=pulse.queue_depth, inflight=inflight)
         for role, floor in floors.items():
@@ -457,6 +489,7 @@ class Planner:
             reasons=tuple(reasons),
             margin=margin,
             clamped=self._clamped,
+            raised_by=raised_by,
         )
 
     def _floors(self, forecast: LoadForecast, *, queued: float, inflight: float | None) -> dict[Role, int]:

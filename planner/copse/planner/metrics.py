@@ -37,6 +37,9 @@ CORRECTION_CLAMPED = f"{PREFIX}_correction_clamped"
 ``correction_bounds`` (alert when it keeps rising: the factor is pinned, not measured)."""
 DECISIONS = f"{PREFIX}_decisions"
 """Counter (``_total``) by action (scale_up, scale_down, rebalance, hold)."""
+SCALE_UPS = f"{PREFIX}_scale_ups"
+"""Counter (``_total``) by role and trigger (forecast, backlog, burn): decisions that grew a pool,
+by what grew it (many backlog or burn scale-ups: the forecast is late, e.g. a lead time too short)."""
 PATCHES = f"{PREFIX}_patches"
 """Counter (``_total``) by result (applied, observe_only, failed)."""
 SKIPPED_INTERVALS = f"{PREFIX}_skipped_intervals"
@@ -72,6 +75,9 @@ class PlannerMetrics:
             CORRECTION_CLAMPED, "Correction factors solved at a bound.", [*_DEPLOYMENT, "phase"], registry=r
         )
         self.decisions = Counter(DECISIONS, "Decisions by action.", [*_DEPLOYMENT, "action"], registry=r)
+        self.scale_ups = Counter(
+            SCALE_UPS, "Scale-ups by role and trigger.", [*_DEPLOYMENT, "role", "trigger"], registry=r
+        )
         self.patches = Counter(PATCHES, "Patches by result.", [*_DEPLOYMENT, "result"], registry=r)
         self.skipped = Counter(SKIPPED_INTERVALS, "Intervals without a decision.", _DEPLOYMENT, registry=r)
         self.last_decision = Gauge(LAST_DECISION, "Time of the latest decision.", _DEPLOYMENT, registry=r)
@@ -98,6 +104,9 @@ class PlannerMetrics:
             if phase in decision.clamped:
                 counter.inc()
         self.decisions.labels(*labels, action_of(decision)).inc()
+        for role, count in decision.target.items():
+            if count > decision.current.get(role, 0):
+                self.scale_ups.labels(*labels, role.value, decision.trigger(role)).inc()
         self.last_decision.labels(*labels).set(now)
 
 

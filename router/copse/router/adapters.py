@@ -10,6 +10,13 @@ several models and adapters behind one entry point.
   several replicas each knows what it sent). A worker that does not hold the request's adapter
   costs an adapter load (``load_ms``) on top of its predicted time to first token, which is how
   the ``kv`` policy prefers workers that hold it.
+- **Shared between replicas.** Several router replicas each send part of the requests, so each
+  alone would know only the adapter loads its own requests caused. Replicas share every request
+  they route over NATS (:mod:`copse.router.replica_sync`, with its adapter), and each replays its
+  peers' requests into its own LRU (:meth:`AdapterTracker.routed` with ``peer=True``): every
+  replica then sees the engines' adapter caches as one router sending everything would. A
+  replica that joins, or missed messages, merges a peer's view from its snapshot
+  (:meth:`AdapterTracker.merge`).
 - **Adapters at once.** A worker whose requests in flight already use ``max_loras`` adapters, none
   of them this request's, cannot take it without waiting for one of them to finish: it is left
   out while another worker can take the request.
@@ -43,6 +50,9 @@ class AdapterRouting(AdapterSettings):
     aware: bool = True
     """Prefer workers that hold the request's adapter; off (adapter-blind), only the block hashes
     (which include the adapter) and the adapters-at-once limit see adapters."""
+    shared: bool = True
+    """Mirror the adapters peer replicas' requests use (off: each replica knows only the loads its
+    own requests caused, for comparison)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,6 +75,8 @@ class AdapterTracker:
         """Request id -> (slots it runs on, its adapter), for requests through an adapter."""
         self.loads = 0
         """Adapter loads this router's routing caused (as predicted from the mirrored LRU)."""
+        self.peer_loads = 0
+        """Adapter loads its peer replicas' requests caused, as mirrored here."""
 
     def set_worker(
         self, slot: int, *, model: str, max_loras: int | None = None, held: tuple[str, ...] = ()
@@ -89,10 +101,36 @@ class AdapterTracker:
         """Whether a registered worker serves ``model``."""
         return any(worker.model == model for worker in self._workers.values())
 
+    def merge(self, slot: int, held: list[str]) -> None:
+        """Merge a peer replica's view that the worker in ``slot`` holds ``held`` (least recently
+        used first, from its snapshot: it saw requests this replica missed) into this replica's:
+        the peer's adapters count as less recent than those this replica saw itself (a snapshot
+        comes whenever a peer joins and at every sequence gap, after this replica's own routing),
+        at most ``max_loras`` are kept, and an adapter with requests in flight is never dropped."""
+        worker = self._workers.get(slot)
+        if worker is None:
+            return
+        merged = OrderedDict.fromkeys(name for name in held if name not in worker.held)
+        merged.update(worker.held)
+        excess = len(merged) - worker.max_loras
+        for name in [name for name in merged if name not in worker.running][: max(excess, 0)]:
+            del merged[name]
+        worker.held = merged
+
+    def adapter_of(self, request_id: str) -> str:
+        """The adapter ``request_id`` runs through ("": none, or not known here)."""
+        flight = self._flights.get(request_id)
+        return "" if flight is None else flight[1]
+
     def held(self, slot: int) -> list[str]:
         """Adapters the worker in ``slot`` is believed to hold, least recently used first."""
         worker = self._workers.get(slot)
         return [] if worker is None else list(worker.held)
+
+    def running(self, slot: int) -> list[str]:
+        """Adapters the requests in flight on the worker in ``slot`` use."""
+        worker = self._workers.get(slot)
+        return [] if worker is None else sorted(worker.running)
 
     def narrow(self, request: RouteRequest, mask: BoolArray) -> BoolArray:
         """Of ``mask``'s workers, those that serve the request's model and can start its adapter now
@@ -125,9 +163,10 @@ class AdapterTracker:
                 out[slot] = self.settings.load_ms
         return out
 
-    def routed(self, request_id: str, *, slots: tuple[int, ...], adapter: str) -> None:
+    def routed(self, request_id: str, *, slots: tuple[int, ...], adapter: str, peer: bool = False) -> None:
         """``request_id`` through ``adapter`` went to ``slots`` (its prefill and decode workers):
-        each holds the adapter now, most recently used, evicting its least recently used one."""
+        each holds the adapter now, most recently used, evicting its least recently used one.
+        ``peer``: a peer replica routed it (its loads count in :attr:`peer_loads`)."""
         if request_id in self._flights:  # routed again (a retry): its previous attempt ended
             self.finished(request_id)
         if not adapter:
@@ -142,7 +181,10 @@ class AdapterTracker:
                 if len(worker.held) >= worker.max_loras:
                     worker.held.popitem(last=False)
                 worker.held[adapter] = None
-                self.loads += 1
+                if peer:
+                    self.peer_loads += 1
+                else:
+                    self.loads += 1
             worker.running[adapter] += 1
         self._flights[request_id] = (slots, adapter)
 

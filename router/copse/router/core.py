@@ -20,7 +20,7 @@ import enum
 import math
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -160,8 +160,10 @@ class WorkerInfo:
     """The base model it serves ("": the router's one model); requests for another go elsewhere."""
     max_loras: int | None = None
     """LoRA adapters its engine holds at once (``None``: the router's configured figure)."""
-    loras: tuple[str, ...] = ()
-    """LoRA adapters its engine said it holds when it registered, least recently used first."""
+    loras: tuple[str, ...] | None = None
+    """LoRA adapters its engine said it holds when it registered, least recently used first
+    (``None``: its engine does not say; ``()``: it holds none, which a peer's view does not
+    override)."""
 
 
 class Route(NamedTuple):
@@ -197,6 +199,8 @@ class FlightRecord:
     """Tenant of the request (for the fair share across replicas)."""
     priority: int = 0
     """Priority of the request's objective."""
+    adapter: str = ""
+    """LoRA adapter the request runs through (peers mirror the worker's adapter cache)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -208,6 +212,11 @@ class PeerChange:
     """Names one charge of one request on one worker, unique within the router that made it."""
     record: FlightRecord | None = None
     """What was charged (``add`` only)."""
+
+
+MAX_PEER_HELD = 4096
+"""Workers whose adapters a router keeps from peers' snapshots before they register (a peer names
+at most the workers it knows; the bound keeps a misbehaving one from growing the router)."""
 
 
 def _prefill_key(request_id: str) -> str:
@@ -298,6 +307,10 @@ class Router:
         """Prompt tokens the chosen workers were predicted to hold."""
         self.adapters = AdapterTracker(adapters)
         """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
+        self._peer_held: dict[str, tuple[str, list[str]]] = {}
+        """Worker id -> (the peer, the adapters its snapshot said the worker holds), for workers
+        this router has not registered yet: taken when they register, unless their engine reports
+        its own; gone with the peer, or when the worker leaves."""
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -309,7 +322,10 @@ class Router:
         if previous is not None and not previous.draining:
             self._role_count[previous.role] -= 1
         self.workers[info.worker_id] = info
-        self.adapters.set_worker(slot, model=info.model, max_loras=info.max_loras, held=info.loras)
+        self.adapters.set_worker(slot, model=info.model, max_loras=info.max_loras, held=info.loras or ())
+        pending = self._peer_held.pop(info.worker_id, None)
+        if previous is None and pending is not None and info.loras is None:
+            self.adapters.merge(slot, pending[1])
         if not info.draining:
             self._role_count[info.role] += 1
         for role, mask in self._roles.items():
@@ -320,6 +336,7 @@ class Router:
     def remove_worker(self, worker_id: str) -> list[str]:
         """Forget a worker that left; returns the ids of the requests that were in flight on it
         (they are freed here; the caller retries or fails them)."""
+        self._peer_held.pop(worker_id, None)
         info = self.workers.pop(worker_id, None)
         if info is None:
             return []
@@ -935,6 +952,7 @@ class Router:
                 output_tokens=request.max_tokens if output else 0,
                 tenant=request.tenant,
                 priority=request.priority,
+                adapter=request.adapter,
             )
             self.outbox.append(PeerChange(op="add", key=key, record=record))
 
@@ -965,11 +983,14 @@ class Router:
                 served = len(record.hashes) * self.settings.block_size + record.kv_tokens
                 self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
                 self._count_routed(served, priority=record.priority, now=now)
+            if record.adapter and self.adapters.settings.shared:
+                self.adapters.routed(key, slots=(slot,), adapter=record.adapter, peer=True)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)
         else:
             self.sequences.free(key, now=now)
+            self.adapters.finished(key)
         return self._drain(now=now)
 
     def held_back_by(self, *, now: float) -> str | None:
@@ -1009,28 +1030,54 @@ class Router:
                     prefill_ms=flight.prefill_ms,
                     kv_tokens=flight.kv_tokens,
                     output_tokens=flight.output_tokens,
+                    adapter=self.adapters.adapter_of(request_id),
                 )
                 flights.append((key, record, flight.prefilling))
         return flights
 
+    def held_adapters(self) -> dict[str, list[str]]:
+        """The adapters each worker is believed to hold, least recently used first (for a peer
+        replica's snapshot; workers holding none are left out)."""
+        held = {
+            worker_id: self.adapters.held(slot)
+            for worker_id in self.workers
+            if (slot := self.slots.get(worker_id)) is not None
+        }
+        return {worker_id: adapters for worker_id, adapters in held.items() if adapters}
+
     def load_peer_snapshot(
-        self, peer: str, flights: Sequence[tuple[str, FlightRecord, bool]], *, now: float
+        self,
+        peer: str,
+        flights: Sequence[tuple[str, FlightRecord, bool]],
+        *,
+        now: float,
+        adapters: Mapping[str, Sequence[str]] | None = None,
     ) -> list[Route]:
-        """Replace what is known of ``peer``'s load with its snapshot (:meth:`own_flights` there);
-        returns queued requests it lets through."""
+        """Replace what is known of ``peer``'s load with its snapshot (:meth:`own_flights` there)
+        and, unless adapter sharing is off, take its view of the adapters each worker holds
+        (``adapters``, :meth:`held_adapters` there); returns queued requests it lets through."""
         self.forget_peer(peer, now=now)
         for key, record, prefilling in flights:
             self.apply_peer(PeerChange(op="add", key=key, record=record), peer=peer, now=now)
             if not prefilling:
                 self.sequences.prefill_done(f"{peer}/{key}", now=now)
+        if adapters and self.adapters.settings.shared:
+            for worker_id, held in adapters.items():
+                slot = self.slots.get(worker_id)
+                if slot is not None and worker_id in self.workers:
+                    self.adapters.merge(slot, list(held))
+                elif len(self._peer_held) < MAX_PEER_HELD:
+                    self._peer_held[worker_id] = (peer, list(held))
         return self._drain(now=now)
 
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
         """Drop every charge made by ``peer`` and its queue heads (it stopped or restarted)."""
         self._queue.forget_peer(peer)
         prefix = f"{peer}/"
+        self._peer_held = {worker: held for worker, held in self._peer_held.items() if held[0] != peer}
         for key in self.sequences.keys_with_prefix(prefix):
             self.sequences.free(key, now=now)
+            self.adapters.finished(key)
         return self._drain(now=now)
 
     def expire(self, *, now: float, max_age_s: float) -> list[str]:
@@ -1039,4 +1086,5 @@ class Router:
         expired = self.sequences.expire(now=now, max_age_s=max_age_s)
         for key in expired:
             self._routes.pop(key, None)
+            self.adapters.finished(key)
         return expired

@@ -1,8 +1,9 @@
 """Sharing in-flight load between router replicas over NATS, so they do not herd.
 
 Each replica publishes what it charges workers (request routed: the worker, prompt blocks,
-prefill tokens and time, KV tokens; first token; end) on the deployment's load subject, and
-mirrors what its peers publish into its own load tracker. Replicas also publish a heartbeat;
+prefill tokens and time, KV tokens, its LoRA adapter; first token; end) on the deployment's load
+subject, and mirrors what its peers publish into its own load tracker (and, through the adapter,
+into its mirror of each worker's adapter cache). Replicas also publish a heartbeat;
 a peer silent for ``peer_timeout_s`` is forgotten with everything it charged (it stopped, or
 its messages are not arriving). A peer's prefill backlog decays from when its message arrived.
 
@@ -23,6 +24,11 @@ and every heartbeat does, so that they stay fresh: a replica ignores a peer's he
 for ``Thresholds.peer_queue_max_age_s`` and re-checks its own queue each heartbeat, so a dead
 peer holds nothing back for longer. Heads are whole state, not changes: they apply at once,
 even while the peer's load messages wait for its snapshot.
+
+Replicas of an earlier version refuse fields they do not know. Fields at their default are left
+out of the wire form, changes naming a LoRA adapter travel in messages of their own
+(:func:`batches`), and a snapshot request without :data:`SNAPSHOT_WITH_ADAPTERS` (theirs) is
+answered without the adapter fields: during a roll they lose only the adapters, not the load.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ def snapshot_subject(*, namespace: str, deployment: str, router_id: str) -> str:
     return f"copse.router.snapshot.{scope}.{subject_token(router_id)}"
 
 
+SNAPSHOT_WITH_ADAPTERS = b"adapters"
+"""The body of a snapshot request from a replica that reads adapters; replicas of earlier versions
+send an empty one, and are answered without the adapter fields their schema refuses."""
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -72,6 +83,8 @@ class WireRecord(_Wire):
     """Output tokens expected (absent from replicas of earlier versions)."""
     tenant: str = ""
     priority: int = 0
+    adapter: str = ""
+    """LoRA adapter of the request (absent from replicas of earlier versions, and for the base model)."""
 
 
 class WireChange(_Wire):
@@ -116,6 +129,8 @@ class Snapshot(_Wire):
     seq: int
     """Number of the last load message it had sent when it took the snapshot."""
     flights: list[SnapshotFlight]
+    adapters: dict[str, list[str]] = {}
+    """Per worker id, the LoRA adapters it believes the worker holds, least recently used first."""
 
 
 def _wire(record: FlightRecord) -> WireRecord:
@@ -128,6 +143,7 @@ def _wire(record: FlightRecord) -> WireRecord:
         output_tokens=record.output_tokens,
         tenant=record.tenant,
         priority=record.priority,
+        adapter=record.adapter,
     )
 
 
@@ -141,6 +157,7 @@ def _record(wire: WireRecord) -> FlightRecord:
         output_tokens=wire.output_tokens,
         tenant=wire.tenant,
         priority=wire.priority,
+        adapter=wire.adapter,
     )
 
 
@@ -155,7 +172,10 @@ def encode_changes(
         for change in changes
     ]
     queues = None if heads is None else [WireHead(**dataclasses.asdict(head)) for head in heads]
-    return LoadMessage(router=router_id, seq=seq, changes=wire, queues=queues).model_dump_json().encode()
+    # Fields at their default are left out: a replica of an earlier version, whose schema refuses
+    # fields it does not know, still reads every message that uses none of the newer ones.
+    message = LoadMessage(router=router_id, seq=seq, changes=wire, queues=queues)
+    return message.model_dump_json(exclude_defaults=True).encode()
 
 
 def decode_heads(data: bytes) -> list[QueueHead] | None:
@@ -163,6 +183,24 @@ def decode_heads(data: bytes) -> list[QueueHead] | None:
     malformed one."""
     queues = LoadMessage.model_validate_json(data).queues
     return None if queues is None else [QueueHead(**head.model_dump()) for head in queues]
+
+
+def batches(changes: list[PeerChange]) -> list[list[PeerChange]]:
+    """``changes`` cut, in order, into runs that each carry an adapter or none, one load message
+    each: a replica of an earlier version drops a message naming an adapter (its schema refuses the
+    field), and so loses only those changes, not the frees and base-model charges sent with them
+    (the gap in the numbers then brings it a snapshot it can read)."""
+    runs: list[list[PeerChange]] = []
+    for change in changes:
+        if runs and _carries(runs[-1][0]) == _carries(change):
+            runs[-1].append(change)
+        else:
+            runs.append([change])
+    return runs
+
+
+def _carries(change: PeerChange) -> bool:
+    return change.record is not None and bool(change.record.adapter)
 
 
 def decode_message(data: bytes) -> tuple[str, int, list[PeerChange]]:
@@ -293,30 +331,46 @@ class ReplicaSync(Subscriber):
         changed_heads = heads != self._heads_sent
         if not outbox and not heartbeat and not changed_heads:
             return
-        changes = list(outbox)
+        runs = batches(list(outbox)) or [[]]
         outbox.clear()
-        self._seq += 1
-        nc = self.link.nc
-        if nc is None:
-            return
-        self._heads_sent = heads
-        message = encode_changes(
-            self.router_id, changes, seq=self._seq, heads=heads if heartbeat or changed_heads else None
-        )
-        try:
-            await nc.publish(self.subject, message)
-        except (NatsError, OSError) as exc:
-            log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
+        send_heads = heartbeat or changed_heads
+        for index, changes in enumerate(runs):
+            self._seq += 1
+            nc = self.link.nc
+            if nc is None:
+                continue
+            last = index == len(runs) - 1
+            if last:
+                self._heads_sent = heads
+            message = encode_changes(
+                self.router_id, changes, seq=self._seq, heads=heads if last and send_heads else None
+            )
+            try:
+                await nc.publish(self.subject, message)
+            except (NatsError, OSError) as exc:
+                log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
 
     async def _answer_snapshot(self, msg: Msg) -> None:
         await self.flush()  # what the snapshot holds is then all sent, up to its number
+        # A replica of an earlier version asks with an empty request and refuses the adapter
+        # fields: its answer leaves them out (it still gets every request's load).
+        adapters = msg.data == SNAPSHOT_WITH_ADAPTERS
         flights = [
-            SnapshotFlight(key=key, record=_wire(record), prefilling=prefilling)
+            SnapshotFlight(
+                key=key,
+                record=_wire(record if adapters else dataclasses.replace(record, adapter="")),
+                prefilling=prefilling,
+            )
             for key, record, prefilling in self.service.router.own_flights()
         ]
-        snapshot = Snapshot(router=self.router_id, seq=self._seq, flights=flights)
+        snapshot = Snapshot(
+            router=self.router_id,
+            seq=self._seq,
+            flights=flights,
+            adapters=self.service.router.held_adapters() if adapters else {},
+        )
         with contextlib.suppress(NatsError, OSError):
-            await msg.respond(snapshot.model_dump_json().encode())
+            await msg.respond(snapshot.model_dump_json(exclude_defaults=True).encode())
 
     # -- mirroring ----------------------------------------------------------------------------
 
@@ -387,7 +441,9 @@ class ReplicaSync(Subscriber):
         base = 0
         if snapshot is not None:
             flights = [(flight.key, _record(flight.record), flight.prefilling) for flight in snapshot.flights]
-            self.service.released(self.service.router.load_peer_snapshot(peer, flights, now=now))
+            self.service.released(
+                self.service.router.load_peer_snapshot(peer, flights, now=now, adapters=snapshot.adapters)
+            )
             base = snapshot.seq
             self.service.metrics.peer_snapshots.labels(result="loaded").inc()
         else:
@@ -407,7 +463,7 @@ class ReplicaSync(Subscriber):
             return None
         subject = snapshot_subject(namespace=self.namespace, deployment=self.deployment, router_id=peer)
         try:
-            reply = await nc.request(subject, b"", timeout=self._snapshot_timeout_s)
+            reply = await nc.request(subject, SNAPSHOT_WITH_ADAPTERS, timeout=self._snapshot_timeout_s)
             snapshot = Snapshot.model_validate_json(reply.data)
         except (NatsError, OSError, TimeoutError, ValidationError) as exc:
             log.warning(

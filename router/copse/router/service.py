@@ -433,7 +433,7 @@ class RoutingService:
                 max_loras=max_loras if isinstance(max_loras, int) and max_loras > 0 else None,
                 loras=tuple(name for name in loras if isinstance(name, str))
                 if isinstance(loras, list)
-                else (),
+                else None,
             ),
             now=self.now(),
         )

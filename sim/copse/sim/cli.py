@@ -481,7 +481,13 @@ def _twin_summary(report: TwinReport, *, ttft_ms: float, itl_ms: float) -> str:
         f"GPU-hours {report.gpu_hours:,.2f} (mean {report.mean_replicas:.2f} replicas, peak "
         f"{report.peak_replicas}){pools}",
         f"{report.scaling_events} scaling events ({report.scaling_events / report.window_h:.1f} per hour), "
-        f"{report.flaps} flaps (up-down-up within the {report.scale_down_delay_s:g} s scale-down delay)",
+        f"{report.flaps} flaps (up-down-up within the {report.scale_down_delay_s:g} s scale-down delay)"
+        + (
+            "; scale-ups by trigger: "
+            + ", ".join(f"{name} {count}" for name, count in report.scale_ups.items())
+            if report.scale_ups
+            else ""
+        ),
         f"TTFT ms p50 {report.ttft_ms.p50:,.0f} p99 {report.ttft_ms.p99:,.0f}; "
         f"ITL ms p50 {report.itl_ms.p50:,.1f} p99 {report.itl_ms.p99:,.1f}",
         f"simulated {report.simulated_s:,.0f} s in {report.wall_s:,.1f} s",

@@ -222,14 +222,7 @@ def run_frontier(
             reports[n] = report
             if on_static is not None:
                 on_static(n, report)
-            points.append(
-                StaticPoint(
-                    replicas=n,
-                    slo_attainment=report.slo_attainment,
-                    gpu_hours=report.gpu_hours,
-                    pools={role.value: count for role, count in pools.items()},
-                )
-            )
+            points.append(static_point(n, pools=pools, report=report))
         return points
 
     mean = sorted(p.pools[walked].mean_replicas for p in planners)[len(planners) // 2]
@@ -243,6 +236,16 @@ def run_frontier(
         width=pool.jobs,
     )
     return dataclasses.replace(frontier, goal=goal), reports
+
+
+def static_point(size: int, *, pools: Mapping[Role, int], report: TwinReport) -> StaticPoint:
+    """The frontier's point of a static run of ``pools`` (walked as ``size``)."""
+    return StaticPoint(
+        replicas=size,
+        slo_attainment=report.slo_attainment,
+        gpu_hours=report.gpu_hours,
+        pools={role.value: count for role, count in pools.items()},
+    )
 
 
 def start_size(mean_replicas: float, *, max_replicas: int) -> int:

@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import numpy as np
 import uvloop
 import yaml
 
+from copse.sim.gateway import envoy_gateway
 from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
 from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.metrics import MOCK_STEP_LAG_SECONDS
@@ -50,7 +52,7 @@ def _nats() -> Iterator[str]:
 
 
 async def _engines(
-    settings: ReplaySettings, *, block_size: int, nats_url: str
+    settings: ReplaySettings, *, block_size: int, nats_url: str, extra: Sequence[str] = ()
 ) -> tuple[asyncio.subprocess.Process, list[str]]:
     config = settings.engines.config
     base = free_port_range(settings.workers)
@@ -72,6 +74,7 @@ async def _engines(
     ]  # fmt: skip
     if config.num_blocks is not None:
         args += ["--num-blocks", str(config.num_blocks)]
+    args += extra
     process = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
     assert process.stdout is not None
     line = await asyncio.wait_for(process.stdout.readline(), timeout=60)
@@ -80,65 +83,81 @@ async def _engines(
     return process, [f"http://127.0.0.1:{base + i}" for i in range(settings.workers)]
 
 
-async def _send(
+class Answer(NamedTuple):
+    """What the client saw of one streamed completion (times in s, NaN where they did not happen)."""
+
+    status: int
+    """HTTP status of the answer (0: none, the connection failed)."""
+    retry_after: str | None
+    """The ``Retry-After`` header of a refused request."""
+    ttft_s: float
+    itl_s: float
+    """Mean gap between the streamed tokens."""
+    e2e_s: float
+    """Until the last token; NaN unless the stream completed."""
+    cached: int
+    """Prompt tokens the engine found cached."""
+    outputs: int
+
+
+async def send(
     http: aiohttp.ClientSession,
     url: str,
     *,
     tokens: list[int],
     max_tokens: int,
-) -> tuple[float, float, float, int, int]:
-    """(ttft s, mean itl s, e2e s, cached tokens, output tokens); NaNs when it failed."""
+    headers: Mapping[str, str] | None = None,
+    model: str = MODEL,
+) -> Answer:
+    """Stream a completion of ``tokens`` from ``url`` and time it at this client."""
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": tokens,
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    try:
-        return await _stream(http, url, body, time.monotonic())
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError):
-        return math.nan, math.nan, math.nan, 0, 0
-
-
-async def _stream(
-    http: aiohttp.ClientSession, url: str, body: dict[str, object], start: float
-) -> tuple[float, float, float, int, int]:
+    start = time.monotonic()
+    status = 0
+    retry_after = None
     first = last = math.nan
     count = cached = 0
-    async with http.post(f"{url}/v1/completions", json=body) as response:
-        if response.status != 200:
-            return math.nan, math.nan, math.nan, 0, 0
-        async for line in response.content:
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                return math.nan, math.nan, math.nan, 0, 0
-            if event.get("choices"):
-                now = time.monotonic()
-                if count == 0:
-                    first = now
-                last = now
-                count += 1
-            usage = event.get("usage")
-            if usage and usage.get("prompt_tokens_details"):
-                cached = int(usage["prompt_tokens_details"].get("cached_tokens", 0))
+    try:
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
+            status, retry_after = response.status, response.headers.get("Retry-After")
+            if status != 200:
+                await response.read()
+                return Answer(status, retry_after, math.nan, math.nan, math.nan, 0, 0)
+            async for line in response.content:
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    return Answer(status, retry_after, first - start, math.nan, math.nan, cached, count)
+                if event.get("choices"):
+                    now = time.monotonic()
+                    if count == 0:
+                        first = now
+                    last = now
+                    count += 1
+                usage = event.get("usage")
+                if usage and usage.get("prompt_tokens_details"):
+                    cached = int(usage["prompt_tokens_details"].get("cached_tokens", 0))
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError):
+        return Answer(status, retry_after, first - start, math.nan, math.nan, cached, count)
     itl = (last - first) / (count - 1) if count > 1 else math.nan
-    return first - start, itl, last - start, cached, count
+    return Answer(status, retry_after, first - start, itl, last - start, cached, count)
 
 
 async def _router(
-    config: dict[str, Any], *, workdir: Path, workers: int
-) -> tuple[asyncio.subprocess.Process, str]:
-    """``copse router run`` with ``config``, once it lists all ``workers`` as live."""
-    port = free_port_range(1)
+    config: dict[str, Any], *, workdir: Path, workers: int, url: str
+) -> asyncio.subprocess.Process:
+    """``copse router run`` with ``config``, once it lists all ``workers`` as live at ``url``."""
     path = workdir / "router.yaml"
-    path.write_text(yaml.safe_dump({**config, "port": port}))
+    path.write_text(yaml.safe_dump(config))
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "copse.cli", "router", "run", "--config", str(path), "--log-level", "WARNING"
     )
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     try:
         async with aiohttp.ClientSession() as http:
@@ -148,7 +167,7 @@ async def _router(
                 with contextlib.suppress(aiohttp.ClientError):
                     async with http.get(f"{url}/workers") as response:
                         if response.status == 200 and len((await response.json())["workers"]) >= workers:
-                            return process, url
+                            return process
                 if time.monotonic() > deadline:
                     raise RuntimeError("the router did not see every mocked engine healthy within 60 s")
                 await asyncio.sleep(0.1)
@@ -159,40 +178,60 @@ async def _router(
         raise
 
 
-async def _mean_lag_ms(urls: Sequence[str]) -> float:
-    """Mean delivery lag of the engines' steps behind their timeline (``copse_mock_step_lag_seconds``)."""
-    total = count = 0.0
+async def metric_total(urls: Sequence[str], name: str) -> float:
+    """The sum of every sample of metric ``name`` (all label sets) that ``urls`` (Prometheus text
+    pages) expose."""
+    total = 0.0
     async with aiohttp.ClientSession() as http:
         for url in urls:
-            async with http.get(f"{url}/prometheus/metrics") as response:
+            async with http.get(url) as response:
                 for line in (await response.text()).splitlines():
-                    if line.startswith(f"{MOCK_STEP_LAG_SECONDS}_sum"):
+                    if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
                         total += float(line.rsplit(" ", 1)[1])
-                    elif line.startswith(f"{MOCK_STEP_LAG_SECONDS}_count"):
-                        count += float(line.rsplit(" ", 1)[1])
-    return total / count * 1000 if count else 0.0
+    return total
 
 
-async def live_replay(
-    trace: Sequence[TraceRequest],
+async def mean_lag_ms(urls: Sequence[str]) -> float:
+    """Mean delivery lag of the engines' steps behind their timeline (``copse_mock_step_lag_seconds``)."""
+    pages = [f"{url}/prometheus/metrics" for url in urls]
+    count = await metric_total(pages, f"{MOCK_STEP_LAG_SECONDS}_count")
+    return await metric_total(pages, f"{MOCK_STEP_LAG_SECONDS}_sum") / count * 1000 if count else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveFleet:
+    """Mocked engines behind a router process (and Envoy in front of it, as a gateway)."""
+
+    url: str
+    """Where clients send requests: the router, or Envoy asking the router as endpoint picker."""
+    admin_url: str
+    """Where the router serves ``/metrics`` and ``/workers`` (as a picker: its metrics port)."""
+    engine_urls: list[str]
+
+
+@contextlib.asynccontextmanager
+async def live_fleet(
     settings: ReplaySettings,
     *,
-    progress: Callable[[int], object] | None = None,
-) -> ReplayReport:
-    """Replay ``trace`` in wall time through a real router and real mocked engines."""
-    started = time.perf_counter()
+    router: Mapping[str, Any] | None = None,
+    gateway: bool = False,
+    engine_args: Sequence[str] = (),
+) -> AsyncIterator[LiveFleet]:
+    """Start ``settings.workers`` mocked engines (``engine_args`` added to ``copse worker mock``)
+    and ``copse router run`` before them, its config the replay's with ``router`` on top; with
+    ``gateway``, the router serves as endpoint picker too and a real Envoy fronts it
+    (:mod:`copse.sim.gateway`)."""
     engine_config = settings.engine_config()
     block_size = engine_config.block_size
     if settings.trace_block_size % block_size:
         raise ValueError(
             f"engine block_size {block_size} must divide the trace block size {settings.trace_block_size}"
         )
-    synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
     router_perf = settings.router_model.resolve(config=engine_config, perf=settings.engines.perf)
     with _nats() as nats_url, tempfile.TemporaryDirectory(prefix="copse-live-") as workdir:
         profile = Path(workdir) / "router-profile.npz"
         save_profile(router_perf, profile, max_context_length=engine_config.max_model_len)
-        process, urls = await _engines(settings, block_size=block_size, nats_url=nats_url)
+        process, urls = await _engines(settings, block_size=block_size, nats_url=nats_url, extra=engine_args)
         try:
             config = {
                 "model": MODEL,
@@ -203,6 +242,9 @@ async def live_replay(
                 "decode_weight": settings.decode_weight,
                 "block_size": block_size,
                 "queue_size": settings.thresholds.queue_size,
+                "busy_prefill_tokens": settings.thresholds.busy_prefill_tokens,
+                "busy_kv_fraction": settings.thresholds.busy_kv_fraction,
+                "rate_window_s": settings.thresholds.rate_window_s,
                 "nats_url": nats_url,
                 "deployment": DEPLOYMENT,
                 "max_num_batched_tokens": engine_config.max_num_batched_tokens,
@@ -211,19 +253,52 @@ async def live_replay(
                 "health_timeout_s": HEALTH_TIMEOUT_S,
                 "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
                 "seed": settings.seed,
+                **(router or {}),
             }
-            router, url = await _router(config, workdir=Path(workdir), workers=settings.workers)
+            port = free_port_range(3 if gateway else 1)
+            config["port"] = port
+            router_url = admin_url = f"http://127.0.0.1:{port}"
+            if gateway:
+                # The picker serves /workers on its metrics port, not on the router's.
+                config["epp"] = {"grpc_port": port + 1, "health_port": None, "metrics_port": port + 2}
+                admin_url = f"http://127.0.0.1:{port + 2}"
+            router_process = await _router(
+                config, workdir=Path(workdir), workers=settings.workers, url=admin_url
+            )
             try:
-                results = await _drive(url, trace, settings, synth, progress)
+                if not gateway:
+                    yield LiveFleet(url=router_url, admin_url=admin_url, engine_urls=urls)
+                else:
+                    with envoy_gateway(
+                        picker=f"127.0.0.1:{port + 1}",
+                        upstream="original_dst",
+                        engines=urls,
+                        scratch=Path(workdir),
+                    ) as url:
+                        yield LiveFleet(url=url, admin_url=admin_url, engine_urls=urls)
             finally:
-                router.terminate()
-                await router.wait()
-            lag_ms = await _mean_lag_ms(urls)
+                router_process.terminate()
+                await router_process.wait()
         finally:
             process.terminate()
             await process.wait()
+
+
+async def live_replay(
+    trace: Sequence[TraceRequest],
+    settings: ReplaySettings,
+    *,
+    progress: Callable[[int], object] | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` in wall time through a real router and real mocked engines."""
+    started = time.perf_counter()
+    synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
+    async with live_fleet(settings) as fleet:
+        answers = await drive(fleet.url, trace, speedup=settings.speedup, synth=synth, progress=progress)
+        lag_ms = await mean_lag_ms(fleet.engine_urls)
     ttft, itl, e2e, cached, outputs = (
-        np.array(column, dtype=np.float64) for column in zip(*results, strict=True)
+        np.array(column, dtype=np.float64)
+        for column in zip(*((a.ttft_s, a.itl_s, a.e2e_s, a.cached, a.outputs) for a in answers), strict=True)
     )
     done = ~np.isnan(e2e)
     prompts = np.array([r.input_length for r in trace], dtype=np.float64)
@@ -245,25 +320,37 @@ async def live_replay(
     )
 
 
-async def _drive(
+async def drive(
     url: str,
     trace: Sequence[TraceRequest],
-    settings: ReplaySettings,
+    *,
+    speedup: float,
     synth: TokenSynth,
-    progress: Callable[[int], object] | None,
-) -> list[tuple[float, float, float, int, int]]:
+    headers: Sequence[Mapping[str, str] | None] | None = None,
+    models: Sequence[str] | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> list[Answer]:
+    """Send every request of ``trace`` to ``url`` at its arrival time (divided by ``speedup``),
+    the ``i``-th with ``headers[i]`` for model ``models[i]`` (a LoRA adapter, say); the answers in
+    trace order."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         loop = asyncio.get_running_loop()
         origin = loop.time()
         tasks = []
-        for request in trace:
-            delay = origin + request.timestamp_ms / 1000 / settings.speedup - loop.time()
+        for index, request in enumerate(trace):
+            delay = origin + request.timestamp_ms / 1000 / speedup - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             tokens = synth.tokens(request.hash_ids, request.input_length).tolist()
+            extra = headers[index] if headers is not None else None
+            model = models[index] if models is not None else MODEL
             tasks.append(
-                asyncio.create_task(_send(http, url, tokens=tokens, max_tokens=request.output_length))
+                asyncio.create_task(
+                    send(
+                        http, url, tokens=tokens, max_tokens=request.output_length, headers=extra, model=model
+                    )
+                )
             )
             if progress is not None:
                 progress(1)

