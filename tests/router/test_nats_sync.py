@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import nats
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
@@ -23,6 +24,8 @@ from copse.router.replica_sync import (
     decode_changes,
     decode_heads,
     encode_changes,
+    encode_heads,
+    load_subject,
     snapshot_subject,
 )
 from copse.router.server import RunningRouter, start_router
@@ -204,10 +207,9 @@ def test_load_messages_round_trip() -> None:
     router_id, decoded = decode_changes(encode_changes("me", changes))
     assert router_id == "me"
     assert decoded == changes
-    assert decode_heads(encode_changes("me", changes)) is None, "no heads: unchanged, or an older sender"
     heads = [QueueHead(priority=100, start=12.5, tenant="t", virtual=3.0)]
-    assert decode_heads(encode_changes("me", [], heads=heads)) == heads
-    assert decode_heads(encode_changes("me", [], heads=[])) == [], "nothing waits there"
+    assert decode_heads(encode_heads("me", heads)) == ("me", heads)
+    assert decode_heads(encode_heads("me", [])) == ("me", []), "nothing waits there"
 
 
 @contextlib.asynccontextmanager
@@ -249,12 +251,54 @@ async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
         await eventually(lambda: mirror.sequences.requests[slot] == 0)
 
 
+class _OldWire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _OldRecord(_OldWire):
+    worker_id: str
+    hashes: list[int]
+    prefill_tokens: int
+    prefill_ms: float
+    kv_tokens: float
+    output_tokens: int = 0
+    tenant: str = ""
+    priority: int = 0
+    adapter: str = ""
+
+
+class _OldChange(_OldWire):
+    op: str
+    key: str
+    record: _OldRecord | None = None
+
+
+class _OldLoadMessage(_OldWire):
+    """The load message of the version before queue heads (it refuses fields it does not know)."""
+
+    router: str
+    seq: int = 0
+    changes: list[_OldChange]
+
+
 async def test_two_router_replicas_share_their_queue_heads(nats_url: str) -> None:
     """Replica two frees the only worker while replica one has a light tenant's request waiting
     that comes before two's own heavy one: two holds its request back until one has taken the
     capacity (a released request without a client is ended at once, freeing it again)."""
     # one request in flight makes the worker busy
     async with _two_replicas(nats_url, "heads", engines=1, busy_kv_fraction=1e-9) as (one, two):
+        # a replica of the version before queue heads reads every load message (its schema
+        # refuses unknown fields); the heads travel on a subject of their own
+        nc = await nats.connect(nats_url)
+        refused: list[str] = []
+
+        async def read_as_old(msg: Any) -> None:
+            try:
+                _OldLoadMessage.model_validate_json(msg.data)
+            except ValidationError as exc:
+                refused.append(str(exc))
+
+        await nc.subscribe(load_subject(namespace="default", deployment="heads"), cb=read_as_old)
         released: list[str] = []
         for running in (one, two):
             original = running.service.released
@@ -281,6 +325,9 @@ async def test_two_router_replicas_share_their_queue_heads(nats_url: str) -> Non
         assert two.service.router.queued == 1, "held back for one's light request"
         await eventually(lambda: released == ["light-0", "heavy-1"])
         assert one.service.router.queued == two.service.router.queued == 0
+        await nc.flush()
+        await nc.close()
+        assert refused == []
 
 
 async def test_replicas_share_the_adapters_their_requests_load(nats_url: str) -> None:

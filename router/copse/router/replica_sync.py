@@ -19,8 +19,9 @@ snapshots.
 Replicas also share their wait queues' heads (:class:`~copse.router.fairness.QueueHead`: per
 priority band, each waiting tenant's start tag, and the band's virtual time), so that capacity
 a finished request frees goes to the request that comes first across every replica's queue
-(:mod:`copse.router.fairness`). A message carries them whenever they changed since the last one,
-and every heartbeat does, so that they stay fresh: a replica ignores a peer's heads not heard
+(:mod:`copse.router.fairness`). They travel on a subject of their own (:func:`heads_subject`), which
+replicas of earlier versions do not hear, whenever they changed since the last time, and each
+heartbeat, so that they stay fresh: a replica ignores a peer's heads not heard
 for ``Thresholds.peer_queue_max_age_s`` and re-checks its own queue each heartbeat, so a dead
 peer holds nothing back for longer. Heads are whole state, not changes: they apply at once,
 even while the peer's load messages wait for its snapshot.
@@ -58,6 +59,13 @@ def load_subject(*, namespace: str, deployment: str) -> str:
     return f"copse.router.load.{subject_token(namespace)}.{subject_token(deployment)}"
 
 
+def heads_subject(*, namespace: str, deployment: str) -> str:
+    """Subject on which the router replicas of one deployment share their queue heads (apart from
+    the load subject: replicas of earlier versions refuse a load message with fields they do not
+    know)."""
+    return f"{load_subject(namespace=namespace, deployment=deployment)}.heads"
+
+
 def snapshot_subject(*, namespace: str, deployment: str, router_id: str) -> str:
     """Subject on which one router replica answers snapshot requests."""
     scope = f"{subject_token(namespace)}.{subject_token(deployment)}"
@@ -70,7 +78,8 @@ send an empty one, and are answered without the adapter fields their schema refu
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Fields a later version adds are ignored, not refused.
+    model_config = ConfigDict(extra="ignore")
 
 
 class WireRecord(_Wire):
@@ -111,9 +120,15 @@ class LoadMessage(_Wire):
     """Its number among the sender's messages (1, 2, ...); 0 from a sender that does not number."""
     changes: list[WireChange]
     """Empty for a heartbeat."""
-    queues: list[WireHead] | None = None
-    """The sender's queue heads, all of them (empty: nothing waits there); absent when unchanged
-    since its last message, or from replicas of earlier versions."""
+
+
+class HeadsMessage(_Wire):
+    """One message on the heads subject."""
+
+    router: str
+    """Id of the replica that sent it."""
+    queues: list[WireHead]
+    """The sender's queue heads, all of them (empty: nothing waits there)."""
 
 
 class SnapshotFlight(_Wire):
@@ -161,28 +176,30 @@ def _record(wire: WireRecord) -> FlightRecord:
     )
 
 
-def encode_changes(
-    router_id: str, changes: list[PeerChange], *, seq: int = 0, heads: list[QueueHead] | None = None
-) -> bytes:
-    """The wire form of ``changes`` (and of the queue ``heads``, when given)."""
+def encode_changes(router_id: str, changes: list[PeerChange], *, seq: int = 0) -> bytes:
+    """The wire form of ``changes``."""
     wire = [
         WireChange(
             op=change.op, key=change.key, record=None if change.record is None else _wire(change.record)
         )
         for change in changes
     ]
-    queues = None if heads is None else [WireHead(**dataclasses.asdict(head)) for head in heads]
     # Fields at their default are left out: a replica of an earlier version, whose schema refuses
     # fields it does not know, still reads every message that uses none of the newer ones.
-    message = LoadMessage(router=router_id, seq=seq, changes=wire, queues=queues)
+    message = LoadMessage(router=router_id, seq=seq, changes=wire)
     return message.model_dump_json(exclude_defaults=True).encode()
 
 
-def decode_heads(data: bytes) -> list[QueueHead] | None:
-    """The queue heads a message carries (``None``: it carries none); ``ValidationError`` for a
-    malformed one."""
-    queues = LoadMessage.model_validate_json(data).queues
-    return None if queues is None else [QueueHead(**head.model_dump()) for head in queues]
+def encode_heads(router_id: str, heads: list[QueueHead]) -> bytes:
+    """The wire form of a replica's queue ``heads`` (all of them)."""
+    queues = [WireHead(**dataclasses.asdict(head)) for head in heads]
+    return HeadsMessage(router=router_id, queues=queues).model_dump_json().encode()
+
+
+def decode_heads(data: bytes) -> tuple[str, list[QueueHead]]:
+    """``(router id, queue heads)`` of a heads message; ``ValidationError`` for a malformed one."""
+    message = HeadsMessage.model_validate_json(data)
+    return message.router, [QueueHead(**head.model_dump()) for head in message.queues]
 
 
 def batches(changes: list[PeerChange]) -> list[list[PeerChange]]:
@@ -257,6 +274,7 @@ class ReplicaSync(Subscriber):
         if service.router.outbox is None:
             raise ValueError("replica sync needs a router built with share_load=True")
         super().__init__(link, subject=load_subject(namespace=namespace, deployment=deployment))
+        self._heads_subject = heads_subject(namespace=namespace, deployment=deployment)
         self.service = service
         self.router_id = router_id
         self.namespace = namespace
@@ -290,6 +308,7 @@ class ReplicaSync(Subscriber):
             namespace=self.namespace, deployment=self.deployment, router_id=self.router_id
         )
         await nc.subscribe(subject, cb=self._answer_snapshot)
+        await nc.subscribe(self._heads_subject, cb=self._on_heads)
         if self._listen_until is None:
             self._listen_until = self.service.now() + 2 * self._heartbeat_s
 
@@ -327,28 +346,25 @@ class ReplicaSync(Subscriber):
         router = self.service.router
         outbox = router.outbox
         assert outbox is not None
+        if outbox or heartbeat:
+            runs = batches(list(outbox)) or [[]]
+            outbox.clear()
+            for changes in runs:
+                self._seq += 1
+                nc = self.link.nc
+                if nc is None:
+                    continue
+                try:
+                    await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=self._seq))
+                except (NatsError, OSError) as exc:
+                    log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
         heads = router.queue_heads(now=self.service.now())
-        changed_heads = heads != self._heads_sent
-        if not outbox and not heartbeat and not changed_heads:
+        nc = self.link.nc
+        if nc is None or not (heartbeat or heads != self._heads_sent):
             return
-        runs = batches(list(outbox)) or [[]]
-        outbox.clear()
-        send_heads = heartbeat or changed_heads
-        for index, changes in enumerate(runs):
-            self._seq += 1
-            nc = self.link.nc
-            if nc is None:
-                continue
-            last = index == len(runs) - 1
-            if last:
-                self._heads_sent = heads
-            message = encode_changes(
-                self.router_id, changes, seq=self._seq, heads=heads if last and send_heads else None
-            )
-            try:
-                await nc.publish(self.subject, message)
-            except (NatsError, OSError) as exc:
-                log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
+        self._heads_sent = heads
+        with contextlib.suppress(NatsError, OSError):
+            await nc.publish(self._heads_subject, encode_heads(self.router_id, heads))
 
     async def _answer_snapshot(self, msg: Msg) -> None:
         await self.flush()  # what the snapshot holds is then all sent, up to its number
@@ -401,9 +417,6 @@ class ReplicaSync(Subscriber):
             self.service.metrics.peers.set(len(self.peers))
             self._start_sync(peer, state)
         state.heard = now
-        heads = decode_heads(msg.data)
-        if heads is not None:
-            self.service.released(self.service.router.apply_peer_queue(peer, heads, now=now))
         if not state.synced:
             state.held.append((seq, changes))
             return
@@ -422,6 +435,17 @@ class ReplicaSync(Subscriber):
             return
         state.seq = seq
         self._apply(peer, changes, now=now)
+
+    async def _on_heads(self, msg: Msg) -> None:
+        try:
+            peer, heads = decode_heads(msg.data)
+        except ValidationError as exc:
+            log.warning("ignoring a malformed queue heads message: %s", exc)
+            return
+        if peer == self.router_id:
+            return
+        now = self.service.now()
+        self.service.released(self.service.router.apply_peer_queue(peer, heads, now=now))
 
     def _apply(self, peer: str, changes: list[PeerChange], *, now: float) -> None:
         router = self.service.router
