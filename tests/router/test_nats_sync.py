@@ -208,8 +208,8 @@ def test_load_messages_round_trip() -> None:
     assert router_id == "me"
     assert decoded == changes
     heads = [QueueHead(priority=100, start=12.5, tenant="t", virtual=3.0)]
-    assert decode_heads(encode_heads("me", heads)) == ("me", heads)
-    assert decode_heads(encode_heads("me", [])) == ("me", []), "nothing waits there"
+    assert decode_heads(encode_heads("me", heads, seq=3)) == ("me", 3, heads)
+    assert decode_heads(encode_heads("me", [], seq=0)) == ("me", 0, []), "nothing waits there"
 
 
 @contextlib.asynccontextmanager

@@ -14,12 +14,15 @@ from nats.aio.msg import Msg
 
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
+from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import (
     Snapshot,
     SnapshotFlight,
     WireRecord,
     encode_changes,
+    encode_heads,
+    heads_subject,
     load_subject,
     snapshot_subject,
 )
@@ -269,4 +272,54 @@ async def test_a_draining_router_is_not_ready_and_finishes_its_streams() -> None
                 assert rest.rstrip().endswith(b"data: [DONE]")
             await asyncio.wait_for(drain, 5)
         finally:
+            await running.close()
+
+
+async def test_a_peers_queue_heads_apply_after_the_changes_sent_before_them(nats_url: str) -> None:
+    """A peer routes tenant t's request (its charge in load message 2) and then sends its queue
+    heads (t's tag after that charge); the heads arrive first. Applied at once they would raise t's
+    tag to the post-charge one, and the charge would then count a second time."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await start_router(_config(fleet.urls, nats_url, "order"), router_id="me")
+        nc = await nats.connect(nats_url)
+        try:
+            await eventually(lambda: len(running.service.router.workers) == 1)
+            (worker,) = running.service.router.workers
+
+            async def answer(msg: Msg) -> None:
+                await msg.respond(Snapshot(router="fake", seq=1, flights=[]).model_dump_json().encode())
+
+            await nc.subscribe(
+                snapshot_subject(namespace="default", deployment="order", router_id="fake"), cb=answer
+            )
+            subject = load_subject(namespace="default", deployment="order")
+            await nc.publish(subject, encode_changes("fake", [], seq=1))
+            sync = running.replica_sync
+            assert sync is not None
+            await eventually(lambda: "fake" in sync.peers and sync.peers["fake"].synced)
+            hashes = block_hashes(PROMPT, block_size=32)
+            record = FlightRecord(
+                worker_id=worker,
+                hashes=hashes,
+                prefill_tokens=640,
+                prefill_ms=9.0,
+                kv_tokens=8.0,
+                output_tokens=5,
+                tenant="t",
+            )
+            charged = len(hashes) * 32 + 8.0
+            heads = [QueueHead(priority=0, start=charged, tenant="t", virtual=0.0)]
+            await nc.publish(
+                heads_subject(namespace="default", deployment="order"), encode_heads("fake", heads, seq=2)
+            )
+            await nc.flush()
+            await nc.publish(
+                subject, encode_changes("fake", [PeerChange(op="add", key="a", record=record)], seq=2)
+            )
+            await eventually(lambda: "fake/a" in running.service.router.sequences)
+            queue = running.service.router._queue
+            await eventually(lambda: "fake" in queue._peers and list(queue._peers["fake"].heads) == heads)
+            assert queue._bands[0].served["t"] == charged, "charged once"
+        finally:
+            await nc.drain()
             await running.close()

@@ -21,10 +21,10 @@ priority band, each waiting tenant's start tag, and the band's virtual time), so
 a finished request frees goes to the request that comes first across every replica's queue
 (:mod:`copse.router.fairness`). They travel on a subject of their own (:func:`heads_subject`), which
 replicas of earlier versions do not hear, whenever they changed since the last time, and each
-heartbeat, so that they stay fresh: a replica ignores a peer's heads not heard
+heartbeat, so that they stay fresh; each names the last load message sent before it, and applies
+once that message's changes are (a head's tag already counts them): a replica ignores a peer's heads not heard
 for ``Thresholds.peer_queue_max_age_s`` and re-checks its own queue each heartbeat, so a dead
-peer holds nothing back for longer. Heads are whole state, not changes: they apply at once,
-even while the peer's load messages wait for its snapshot.
+peer holds nothing back for longer. Heads are whole state, not changes: only the latest waits.
 
 Replicas of an earlier version refuse fields they do not know. Fields at their default are left
 out of the wire form, changes naming a LoRA adapter travel in messages of their own
@@ -127,6 +127,9 @@ class HeadsMessage(_Wire):
 
     router: str
     """Id of the replica that sent it."""
+    seq: int
+    """Number of the last load message the sender had sent before it: its heads apply once those
+    changes are (a head's tag already counts the charges they carry)."""
     queues: list[WireHead]
     """The sender's queue heads, all of them (empty: nothing waits there)."""
 
@@ -190,16 +193,17 @@ def encode_changes(router_id: str, changes: list[PeerChange], *, seq: int = 0) -
     return message.model_dump_json(exclude_defaults=True).encode()
 
 
-def encode_heads(router_id: str, heads: list[QueueHead]) -> bytes:
-    """The wire form of a replica's queue ``heads`` (all of them)."""
+def encode_heads(router_id: str, heads: list[QueueHead], *, seq: int) -> bytes:
+    """The wire form of a replica's queue ``heads`` (all of them), sent after its load message
+    ``seq``."""
     queues = [WireHead(**dataclasses.asdict(head)) for head in heads]
-    return HeadsMessage(router=router_id, queues=queues).model_dump_json().encode()
+    return HeadsMessage(router=router_id, seq=seq, queues=queues).model_dump_json().encode()
 
 
-def decode_heads(data: bytes) -> tuple[str, list[QueueHead]]:
-    """``(router id, queue heads)`` of a heads message; ``ValidationError`` for a malformed one."""
+def decode_heads(data: bytes) -> tuple[str, int, list[QueueHead]]:
+    """``(router id, seq, queue heads)`` of a heads message; ``ValidationError`` for a malformed one."""
     message = HeadsMessage.model_validate_json(data)
-    return message.router, [QueueHead(**head.model_dump()) for head in message.queues]
+    return message.router, message.seq, [QueueHead(**head.model_dump()) for head in message.queues]
 
 
 def batches(changes: list[PeerChange]) -> list[list[PeerChange]]:
@@ -254,6 +258,9 @@ class _Peer:
     synced: bool = False
     """Its snapshot was loaded (else its messages are held)."""
     held: list[tuple[int, list[PeerChange]]] = dataclasses.field(default_factory=list)
+    heads: tuple[int, list[QueueHead]] | None = None
+    """Its latest queue heads not applied yet, with the number of the load message sent before
+    them: they wait until that message's changes are applied."""
 
 
 class ReplicaSync(Subscriber):
@@ -364,7 +371,7 @@ class ReplicaSync(Subscriber):
             return
         self._heads_sent = heads
         with contextlib.suppress(NatsError, OSError):
-            await nc.publish(self._heads_subject, encode_heads(self.router_id, heads))
+            await nc.publish(self._heads_subject, encode_heads(self.router_id, heads, seq=self._seq))
 
     async def _answer_snapshot(self, msg: Msg) -> None:
         await self.flush()  # what the snapshot holds is then all sent, up to its number
@@ -435,15 +442,26 @@ class ReplicaSync(Subscriber):
             return
         state.seq = seq
         self._apply(peer, changes, now=now)
+        self._apply_heads(peer, state)
 
     async def _on_heads(self, msg: Msg) -> None:
         try:
-            peer, heads = decode_heads(msg.data)
+            peer, seq, heads = decode_heads(msg.data)
         except ValidationError as exc:
             log.warning("ignoring a malformed queue heads message: %s", exc)
             return
-        if peer == self.router_id:
+        state = self.peers.get(peer)
+        if state is None:
+            return  # not heard on the load subject yet: its next heartbeat repeats them
+        state.heads = (seq, heads)
+        self._apply_heads(peer, state)
+
+    def _apply_heads(self, peer: str, state: _Peer) -> None:
+        """Apply ``peer``'s pending queue heads once the changes sent before them are applied."""
+        if state.heads is None or not state.synced or state.seq < state.heads[0]:
             return
+        _seq, heads = state.heads
+        state.heads = None
         now = self.service.now()
         self.service.released(self.service.router.apply_peer_queue(peer, heads, now=now))
 
@@ -480,6 +498,9 @@ class ReplicaSync(Subscriber):
             self._apply(peer, changes, now=now)
             state.seq = max(state.seq, seq)
         state.synced = True
+        if state.heads is not None and snapshot is None:
+            state.heads = (state.seq, state.heads[1])  # the changes before them are lost for good
+        self._apply_heads(peer, state)
 
     async def _request_snapshot(self, peer: str) -> Snapshot | None:
         nc = self.link.nc
