@@ -415,6 +415,28 @@ def test_peer_changes_are_published_and_mirrored() -> None:
     assert mirror.sequences.requests[slot] == 0
 
 
+def test_a_peers_snapshot_charges_no_tenant_and_counts_no_routed_tokens() -> None:
+    """A snapshot is the peer's in-flight state, sent again at every sequence gap: its requests
+    were charged and counted when their messages arrived (or before this replica started), so a
+    reload moves no tenant's tag and adds nothing to the routed rate admission divides by."""
+    peer = _router(workers=1, share_load=True)
+    mirror = _router(workers=1)
+    assert peer.submit(_classed("r", priority=0, tenant="t"), now=0.0) is not None
+    assert peer.outbox is not None
+    for change in peer.outbox:
+        mirror.apply_peer(change, peer="A", now=0.0)
+    later = mirror.thresholds.rate_window_s * 0.75  # a rate is known after half a window
+    rate = mirror.routed_tokens_per_s(now=later)
+    assert rate is not None
+    tags = dict(mirror._queue._bands[0].served)
+    for _ in range(2):
+        mirror.load_peer_snapshot("A", peer.own_flights(), now=later)
+    slot = mirror.slots.slot("w0")
+    assert mirror.sequences.requests[slot] == 1
+    assert mirror.routed_tokens_per_s(now=later) == rate
+    assert mirror._queue._bands[0].served == tags
+
+
 def _classed(rid: str, *, priority: int, tenant: str = "", ttft_slo_ms: float | None = None) -> RouteRequest:
     return dataclasses.replace(
         _request(rid, PROMPT[:1000], max_tokens=1000),

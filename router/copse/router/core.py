@@ -964,27 +964,11 @@ class Router:
         key = f"{peer}/{change.key}"
         if change.op == "add":
             record = change.record
-            if record is None or record.worker_id not in self.workers:
-                return []
-            slot = self.slots.get(record.worker_id)
-            if slot is None:
-                return []
-            self.sequences.add(
-                key,
-                slot=slot,
-                hashes=record.hashes,
-                prefill_tokens=record.prefill_tokens,
-                prefill_ms=record.prefill_ms,
-                kv_tokens=record.kv_tokens,
-                now=now,
-                output_tokens=record.output_tokens,
-            )
-            if record.output_tokens:  # the request's main charge: what the peer served it
+            if record is not None and self._mirror_add(key, record, now=now) and record.output_tokens:
+                # the request's main charge: what the peer served it
                 served = len(record.hashes) * self.settings.block_size + record.kv_tokens
                 self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
                 self._count_routed(served, priority=record.priority, now=now)
-            if record.adapter and self.adapters.settings.shared:
-                self.adapters.routed(key, slots=(slot,), adapter=record.adapter, peer=True)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)
@@ -992,6 +976,28 @@ class Router:
             self.sequences.free(key, now=now)
             self.adapters.finished(key)
         return self._drain(now=now)
+
+    def _mirror_add(self, key: str, record: FlightRecord, *, now: float) -> bool:
+        """Charge ``record`` (a peer's) under ``key`` to its worker; ``False`` when this router
+        does not know the worker."""
+        if record.worker_id not in self.workers:
+            return False
+        slot = self.slots.get(record.worker_id)
+        if slot is None:
+            return False
+        self.sequences.add(
+            key,
+            slot=slot,
+            hashes=record.hashes,
+            prefill_tokens=record.prefill_tokens,
+            prefill_ms=record.prefill_ms,
+            kv_tokens=record.kv_tokens,
+            now=now,
+            output_tokens=record.output_tokens,
+        )
+        if record.adapter and self.adapters.settings.shared:
+            self.adapters.routed(key, slots=(slot,), adapter=record.adapter, peer=True)
+        return True
 
     def held_back_by(self, *, now: float) -> str | None:
         """The peer replica whose queue head this router's queue waits for (``None``: none)."""
@@ -1058,7 +1064,10 @@ class Router:
         (``adapters``, :meth:`held_adapters` there); returns queued requests it lets through."""
         self.forget_peer(peer, now=now)
         for key, record, prefilling in flights:
-            self.apply_peer(PeerChange(op="add", key=key, record=record), peer=peer, now=now)
+            # In flight, not new: its tenant was charged and its tokens counted when it was routed
+            # (a snapshot comes again at every gap in the peer's messages).
+            if not self._mirror_add(f"{peer}/{key}", record, now=now):
+                continue
             if not prefilling:
                 self.sequences.prefill_done(f"{peer}/{key}", now=now)
         if adapters and self.adapters.settings.shared:
