@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from copse.router.fairness import FairQueue, QueueHead, precedes
+from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, QueueHead, precedes
 
 
 def _drain(queue: FairQueue[str]) -> list[str]:
@@ -219,3 +219,18 @@ def test_two_replicas_never_hold_each_other_back() -> None:
     assert [head.start for head in b.heads(now=5.0) if head.tenant == "light"] == [50.0]
     assert a.peer_ahead(now=5.0) == "b", "b's heavy request has waited longer"
     assert b.peer_ahead(now=5.0) is None
+
+
+def test_the_virtual_times_of_tenants_waiting_nowhere_are_bounded() -> None:
+    """Tenant names come from a request header: however many tenants are served while nothing
+    waits, a band keeps the tags of at most MAX_IDLE_TAGS of them, those furthest past V."""
+    queue: FairQueue[str] = FairQueue(weight=lambda tenant: 1.0)
+    queue.charge(priority=0, tenant="heavy", tokens=100_000.0)
+    for i in range(10 * MAX_IDLE_TAGS):
+        queue.charge(priority=0, tenant=f"t{i}", tokens=100.0)
+    served = queue._bands[0].served
+    assert len(served) <= 2 * MAX_IDLE_TAGS + 1
+    assert "heavy" in served, "the largest debt is kept"
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100.0)
+    queue.push("n", "new", priority=0, tenant="new", tokens=100.0)
+    assert _drain(queue) == ["new", "heavy"]

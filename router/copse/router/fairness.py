@@ -43,6 +43,12 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
+MAX_IDLE_TAGS = 256
+"""Per band, at most this many virtual times of tenants waiting nowhere are kept (those served
+furthest past ``V``): tenant names come from a request header, and while nothing waits ``V`` does
+not move, so tags past it would otherwise pile up without limit. A tenant forgotten starts at
+``V`` again: it loses the least debt of those kept."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueueHead:
@@ -177,15 +183,20 @@ class FairQueue(Generic[T]):
 
     def _prune(self, band: _Band[T], priority: int) -> None:
         """Forget the virtual times at or below ``V`` of tenants waiting nowhere, once they
-        outnumber the waiting ones (amortised: the sweep halves what it looks at)."""
-        if len(band.served) > 2 * (len(band.tenants) + len(self._waiting_at_peers)) + 16:
-            band.served = {
-                tenant: served
-                for tenant, served in band.served.items()
-                if served > band.virtual
-                or tenant in band.tenants
-                or (priority, tenant) in self._waiting_at_peers
-            }
+        outnumber the waiting ones, and of those above ``V`` all but the :data:`MAX_IDLE_TAGS` / 2
+        furthest past it (amortised: the sweep halves what it looks at)."""
+        if len(band.served) <= 2 * (len(band.tenants) + len(self._waiting_at_peers)) + MAX_IDLE_TAGS:
+            return
+        kept = {
+            tenant: served
+            for tenant, served in band.served.items()
+            if tenant in band.tenants or (priority, tenant) in self._waiting_at_peers
+        }
+        idle = [(served, tenant) for tenant, served in band.served.items() if tenant not in kept]
+        for served, tenant in heapq.nlargest(MAX_IDLE_TAGS // 2, idle):
+            if served > band.virtual:
+                kept[tenant] = served
+        band.served = kept
 
     def _head(self, band: _Band[T]) -> _Waiting[T] | None:
         heads = band.heads
