@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import nats
+import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.config import RouterConfig, parse_config
@@ -29,6 +30,7 @@ from copse.router.replica_sync import (
     snapshot_subject,
 )
 from copse.router.server import RunningRouter, start_router
+from copse.router.service import Overloaded
 from copse.workers.mocker import EngineConfig
 from copse.workers.nats_io import KvEventPublisher
 from copse.workers.protocol import (
@@ -407,3 +409,28 @@ def test_changes_naming_an_adapter_travel_in_messages_of_their_own() -> None:
     readable = [run for run in runs if b"adapter" not in encode_changes("me", run, seq=1)]
     assert [[change.key for change in run] for run in readable] == [["a"], ["b", "a"]]
     assert batches([]) == []
+
+
+async def test_a_request_starting_or_ending_its_wait_wakes_replica_sync(nats_url: str) -> None:
+    """Peers learn of a new queue head, and of one gone at its queue timeout, at once, not at the
+    next heartbeat: both wake replica sync."""
+    async with mock_fleet(engines=1, nats_url=nats_url, deployment="wake") as fleet:
+        config = _config(fleet.urls, nats_url, "wake", busy_kv_fraction=1e-9, queue_timeout_s=0.3)
+        running = await start_router(config, router_id="one")
+        try:
+            router = running.service.router
+            await eventually(lambda: len(router.workers) == 1)
+            hashes = block_hashes(PROMPT, block_size=32)
+
+            def request(rid: str) -> RouteRequest:
+                return RouteRequest(request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5)
+
+            assert router.submit(request("busy"), now=time.monotonic()) is not None
+            wakes: list[int] = []
+            running.service.on_changes.append(lambda: wakes.append(router.queued))
+            with pytest.raises(Overloaded):
+                await running.service._route(request("waits"), frozenset())
+            assert wakes == [1, 0]
+            running.service.released(router.finish("busy", now=time.monotonic()))
+        finally:
+            await running.close()

@@ -334,8 +334,11 @@ class ReplicaSync(Subscriber):
         loop = asyncio.get_running_loop()
         next_beat = loop.time()
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, next_beat - loop.time()))
+            # (asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation
+            # that arrives as the wake-up does, and the router's close then waits forever)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, next_beat - loop.time())):
+                    await self._wake.wait()
             self._wake.clear()
             beat = loop.time() >= next_beat
             await self.flush(heartbeat=beat)

@@ -508,11 +508,12 @@ class RoutingService:
         if route is None:
             future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
             self._waiting[request.request_id] = future
+            self._changed()  # a new queue head, maybe: peer replicas hear of it now
             try:
                 route = await asyncio.wait_for(future, timeout=self.config.queue_timeout_s)
             except TimeoutError as exc:
                 self._waiting.pop(request.request_id, None)
-                self.router.finish(request.request_id, now=self.now())
+                self.released(self.router.finish(request.request_id, now=self.now()))
                 self.metrics.shed(request, reason="QueueTimeout")
                 raise Overloaded(
                     f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)",
