@@ -234,3 +234,19 @@ def test_the_virtual_times_of_tenants_waiting_nowhere_are_bounded() -> None:
     queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100.0)
     queue.push("n", "new", priority=0, tenant="new", tokens=100.0)
     assert _drain(queue) == ["new", "heavy"]
+
+
+def test_a_peer_head_sent_unchanged_for_longer_than_the_cap_holds_nothing_back() -> None:
+    """A peer that keeps heartbeating a head it cannot route (no worker it may use takes it) holds
+    this queue back only for max_hold_s, not for as long as the peer lives."""
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.charge(priority=0, tenant="heavy", tokens=500)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
+    stuck = [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)]
+    for t in (10.0, 11.0, 12.0, 13.0):
+        queue.observe_peer("B", stuck, now=t)
+    assert queue.peer_ahead(now=12.9, max_hold_s=3.0) == "B", "sent 2.9 s ago first: still holds"
+    assert queue.peer_ahead(now=13.1, max_hold_s=3.0) is None, "the same head for longer: ignored"
+    moved = [QueueHead(priority=0, start=0.0, tenant="other", virtual=0.0)]
+    queue.observe_peer("B", moved, now=13.2)
+    assert queue.peer_ahead(now=13.3, max_hold_s=3.0) == "B", "a new head holds again"

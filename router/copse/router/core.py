@@ -566,7 +566,12 @@ class Router:
     def _peer_ahead(self, request: RouteRequest, *, now: float) -> bool:
         """Whether a peer replica's queue head comes before a new ``request`` (it then waits)."""
         self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
-        ahead = self._queue.peer_ahead(now=now, priority=request.priority, tenant=request.tenant)
+        ahead = self._queue.peer_ahead(
+            now=now,
+            priority=request.priority,
+            tenant=request.tenant,
+            max_hold_s=self.thresholds.peer_queue_max_age_s,
+        )
         return ahead is not None
 
     def drain(self, *, now: float) -> list[Route]:
@@ -581,7 +586,7 @@ class Router:
         routed: list[Route] = []
         self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
         while (head := self._queue.peek()) is not None:
-            if self._queue.peer_ahead(now=now) is not None:
+            if self._queue.peer_ahead(now=now, max_hold_s=self.thresholds.peer_queue_max_age_s) is not None:
                 break  # a peer replica's head comes first: the capacity is its to take
             key, (request, exclude) = head
             route = self._try_route(request, now=now, exclude=exclude)
@@ -1002,7 +1007,7 @@ class Router:
     def held_back_by(self, *, now: float) -> str | None:
         """The peer replica whose queue head this router's queue waits for (``None``: none)."""
         self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
-        return self._queue.peer_ahead(now=now)
+        return self._queue.peer_ahead(now=now, max_hold_s=self.thresholds.peer_queue_max_age_s)
 
     def queue_heads(self, *, now: float) -> list[QueueHead]:
         """Per priority band and waiting tenant, the request this replica's queue serves next, at

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -114,6 +115,13 @@ class _Band(Generic[T]):
 class _PeerHeads:
     heads: tuple[QueueHead, ...]
     heard: float
+    since: dict[tuple[int, str, float], float]
+    """Per head (band, tenant, start tag), when the peer first sent it: a head the peer keeps
+    sending unchanged is stuck there (it cannot be routed), and holds nothing back for long."""
+
+
+def _key(head: QueueHead) -> tuple[int, str, float]:
+    return (head.priority, head.tenant, head.start)
 
 
 class FairQueue(Generic[T]):
@@ -270,7 +278,9 @@ class FairQueue(Generic[T]):
                 self._requeue(band, head.tenant)
         known = self._peers.get(peer)
         fresh = tuple(heads)
-        self._peers[peer] = _PeerHeads(heads=fresh, heard=now)
+        before = {} if known is None else known.since
+        since = {_key(head): before.get(_key(head), now) for head in fresh}
+        self._peers[peer] = _PeerHeads(heads=fresh, heard=now, since=since)
         if known is not None and known.heads == fresh:
             return False
         self._waiting_at_peers = {
@@ -290,9 +300,13 @@ class FairQueue(Generic[T]):
         for peer in [peer for peer, state in self._peers.items() if now - state.heard > max_age_s]:
             self.forget_peer(peer)
 
-    def peer_ahead(self, *, now: float, priority: int | None = None, tenant: str = "") -> str | None:
+    def peer_ahead(
+        self, *, now: float, priority: int | None = None, tenant: str = "", max_hold_s: float = math.inf
+    ) -> str | None:
         """The peer holding a head that precedes this queue's head at ``now`` (or, given
-        ``priority``, a new request of ``tenant`` there); ``None`` when this one may go."""
+        ``priority``, a new request of ``tenant`` there); ``None`` when this one may go. A head the
+        peer has sent unchanged for over ``max_hold_s`` is ignored: it is stuck there (no worker
+        that peer may use takes it) and would hold this queue back for as long as it lives."""
         if not self._peers:
             return None
         if priority is None:
@@ -310,7 +324,10 @@ class FairQueue(Generic[T]):
             mine = (-priority, start, -0.0)
         for peer, state in self._peers.items():
             aged_s = now - state.heard
-            if any(_order(theirs, aged_s=aged_s) < mine for theirs in state.heads):
+            if any(
+                _order(theirs, aged_s=aged_s) < mine and now - state.since[_key(theirs)] <= max_hold_s
+                for theirs in state.heads
+            ):
                 return peer
         return None
 
