@@ -576,6 +576,16 @@ def test_capacity_a_replica_frees_goes_to_the_peers_head_when_that_comes_first()
     assert _exchange((a, b), now=3.0) == ["light-1"]
 
 
+def test_a_peers_snapshot_keeps_its_queue_heads() -> None:
+    """A snapshot (at a gap in the peer's messages) replaces the peer's load, not its queue heads,
+    which it does not carry: b still holds its request back for a's light one."""
+    a, b = _held_back(
+        _classed("light-0", priority=0, tenant="light"), _classed("heavy-1", priority=0, tenant="heavy")
+    )
+    assert b.load_peer_snapshot("a", a.own_flights(), now=1.0) == []
+    assert b.held_back_by(now=1.0) == "a"
+
+
 def test_a_lower_band_at_one_replica_never_overtakes_a_higher_one_at_the_other() -> None:
     a, b = _held_back(
         _classed("premium", priority=100, tenant="t"), _classed("batch", priority=0, tenant="u")

@@ -1067,7 +1067,7 @@ class Router:
         """Replace what is known of ``peer``'s load with its snapshot (:meth:`own_flights` there)
         and, unless adapter sharing is off, take its view of the adapters each worker holds
         (``adapters``, :meth:`held_adapters` there); returns queued requests it lets through."""
-        self.forget_peer(peer, now=now)
+        self._forget_peer_load(peer, now=now)  # its queue heads stay: they are not in a snapshot
         for key, record, prefilling in flights:
             # In flight, not new: its tenant was charged and its tokens counted when it was routed
             # (a snapshot comes again at every gap in the peer's messages).
@@ -1087,12 +1087,15 @@ class Router:
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
         """Drop every charge made by ``peer`` and its queue heads (it stopped or restarted)."""
         self._queue.forget_peer(peer)
+        self._forget_peer_load(peer, now=now)
+        return self._drain(now=now)
+
+    def _forget_peer_load(self, peer: str, *, now: float) -> None:
         prefix = f"{peer}/"
         self._peer_held = {worker: held for worker, held in self._peer_held.items() if held[0] != peer}
         for key in self.sequences.keys_with_prefix(prefix):
             self.sequences.free(key, now=now)
             self.adapters.finished(key)
-        return self._drain(now=now)
 
     def expire(self, *, now: float, max_age_s: float) -> list[str]:
         """Free in-flight entries older than ``max_age_s`` whose end was never reported (lost peer
