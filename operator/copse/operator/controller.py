@@ -369,17 +369,7 @@ class Controller:
         ok, reason, message = multinode.nvlink_check(
             deployment, groups=decision.status["groups"], pods=own_pods, served=self.compute_domains_served
         )
-        decision.status["conditions"].append(
-            condition(
-                multinode.CONDITION,
-                ok,
-                reason=reason,
-                message=message,
-                generation=body["metadata"].get("generation"),
-                now=datetime.now(UTC),
-                previous=body.get("status", {}).get("conditions", []),
-            )
-        )
+        _add_condition(decision, body, multinode.CONDITION, ok, reason=reason, message=message)
         route_retry = await self._gateway_route(body, deployment, decision, namespace=namespace)
         await self._execute(body=body, deployment=deployment, decision=decision, namespace=namespace)
         if route_retry:
@@ -445,17 +435,7 @@ class Controller:
             await self.kube.post_event(
                 owner=body, type="Normal" if ok else "Warning", reason=reason, message=message
             )
-        decision.status["conditions"].append(
-            condition(
-                gateway.CONDITION,
-                ok,
-                reason=reason,
-                message=message,
-                generation=body["metadata"].get("generation"),
-                now=datetime.now(UTC),
-                previous=previous,
-            )
-        )
+        _add_condition(decision, body, gateway.CONDITION, ok, reason=reason, message=message)
         return retry
 
     async def _remove_route(
@@ -860,3 +840,21 @@ def _annotate(obj: Mapping[str, Any], annotations: Mapping[str, str]) -> list[di
 
 def _changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
     return any(before.get(key) != value for key, value in after.items())
+
+
+def _add_condition(
+    decision: Decision, body: Mapping[str, Any], kind: str, ok: bool, *, reason: str, message: str
+) -> None:
+    """Add condition ``kind`` to the status this pass writes (its transition time carried over from
+    the ``body``'s conditions while its status stays)."""
+    decision.status["conditions"].append(
+        condition(
+            kind,
+            ok,
+            reason=reason,
+            message=message,
+            generation=body["metadata"].get("generation"),
+            now=datetime.now(UTC),
+            previous=body.get("status", {}).get("conditions", []),
+        )
+    )
