@@ -583,7 +583,7 @@ def test_a_peers_snapshot_keeps_its_queue_heads() -> None:
         _classed("light-0", priority=0, tenant="light"), _classed("heavy-1", priority=0, tenant="heavy")
     )
     assert b.load_peer_snapshot("a", a.own_flights(), now=1.0) == []
-    assert b.held_back_by(now=1.0) == "a"
+    assert b.hold_ends(now=1.0) == 0.1 + b.thresholds.peer_queue_max_age_s, "a's head, first sent at 0.1 s"
 
 
 def test_a_lower_band_at_one_replica_never_overtakes_a_higher_one_at_the_other() -> None:
@@ -665,3 +665,45 @@ def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
     )
     assert retried is not None
     assert retried.worker_id != first.worker_id
+    assert router._queue._bands[0].served["a"] == 2000.0, "charged once, for the first route"
+
+
+def test_a_retry_that_waits_in_the_queue_is_not_charged_to_the_tenant_again() -> None:
+    """A retry (its first worker excluded) that has to wait is charged neither when it waits nor
+    when the queue serves it: its tenant was charged when it was first routed."""
+    router = _router(workers=2, thresholds=Thresholds(busy_prefill_tokens=500))
+    first = router.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
+    assert first is not None
+    assert router.submit(_classed("b1", priority=0, tenant="b"), now=0.0) is not None
+    router.finish("a1", now=0.1)  # it failed before its first token: the service retries it
+    retry = _classed("a1", priority=0, tenant="a")
+    assert router.submit(retry, now=0.1, exclude=frozenset({first.worker_id})) is None, "b1 holds the other"
+    served = router._queue._bands[0].served
+    assert served["a"] == 2000.0
+    assert [route.request_id for route in router.finish("b1", now=0.2)] == ["a1"]
+    assert served["a"] == 2000.0, "charged once, for the first route"
+
+
+def test_one_router_charges_what_it_routes_at_once_so_the_queue_serves_the_tenant_served_least() -> None:
+    """With one router, a request routed at once (a worker was free) counts against its tenant's
+    share as much as one the queue served: a tenant that had the fleet to itself while the others
+    sent nothing waits behind them once the fleet is saturated (until the others caught up), in
+    whatever order they arrived."""
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500))
+    for i in range(3):  # the heavy tenant alone: each request routed at once, 2,000 tokens
+        assert router.submit(_classed(f"heavy-{i}", priority=0, tenant="heavy"), now=float(i)) is not None
+        if i < 2:
+            router.finish(f"heavy-{i}", now=i + 0.5)
+    # the worker is busy with heavy-2: everything now waits, heavy's first
+    assert router.submit(_classed("heavy-3", priority=0, tenant="heavy"), now=2.1) is None
+    assert router.submit(_classed("light-0", priority=0, tenant="light"), now=2.2) is None
+    assert router.submit(_classed("light-1", priority=0, tenant="light"), now=2.3) is None
+    served: list[str] = []
+    for t in range(3, 6):
+        served += [
+            route.request_id for route in router.finish(served[-1] if served else "heavy-2", now=float(t))
+        ]
+    # heavy's tag counts its 6,000 tokens, 2,000 past V (the start of heavy-2); light starts at
+    # V, goes first and then ties with heavy at 6,000, where heavy-3, queued earlier, goes first
+    # (were direct routes not charged, heavy-3 would tie with light-0 at 0 and go first)
+    assert served == ["light-0", "heavy-3", "light-1"]

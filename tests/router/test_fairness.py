@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, QueueHead, precedes
+from collections.abc import Callable
+from typing import Any
+
+from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, QueueHead
 
 
 def _drain(queue: FairQueue[str]) -> list[str]:
@@ -14,21 +17,30 @@ def _drain(queue: FairQueue[str]) -> list[str]:
     return served
 
 
+HOLD_S = 60.0
+"""How long a peer's head holds this queue back after it was first sent (tests of the cap say)."""
+
+
+def _held(queue: FairQueue[str], **request: Any) -> bool:
+    """Whether peers' heads hold back ``queue``'s head (or the new request ``request`` names)."""
+    return queue.held_until(max_hold_s=HOLD_S, **request) is not None
+
+
 def test_a_higher_priority_band_is_served_first_whatever_the_arrival_order() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
-    queue.push("b1", "batch-1", priority=0, tenant="t", tokens=10)
-    queue.push("p1", "premium-1", priority=100, tenant="t", tokens=10)
-    queue.push("b2", "batch-2", priority=0, tenant="t", tokens=10)
-    queue.push("p2", "premium-2", priority=100, tenant="u", tokens=10)
+    queue.push("b1", "batch-1", priority=0, tenant="t", tokens=10, now=0.0)
+    queue.push("p1", "premium-1", priority=100, tenant="t", tokens=10, now=0.0)
+    queue.push("b2", "batch-2", priority=0, tenant="t", tokens=10, now=0.0)
+    queue.push("p2", "premium-2", priority=100, tenant="u", tokens=10, now=0.0)
     assert _drain(queue) == ["premium-1", "premium-2", "batch-1", "batch-2"]
 
 
 def test_a_tenant_sending_ten_times_the_requests_gets_the_same_tokens() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     for i in range(20):
-        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100)
-    queue.push("light0", "light", priority=0, tenant="light", tokens=100)
-    queue.push("light1", "light", priority=0, tenant="light", tokens=100)
+        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
+    queue.push("light0", "light", priority=0, tenant="light", tokens=100, now=0.0)
+    queue.push("light1", "light", priority=0, tenant="light", tokens=100, now=0.0)
     served = _drain(queue)
     assert served[:4].count("light") == 2, "the light tenant's requests alternate with the heavy one's"
 
@@ -36,8 +48,8 @@ def test_a_tenant_sending_ten_times_the_requests_gets_the_same_tokens() -> None:
 def test_shares_are_in_tokens_not_requests() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     for i in range(10):
-        queue.push(f"long{i}", "long", priority=0, tenant="long", tokens=1000)
-        queue.push(f"short{i}", "short", priority=0, tenant="short", tokens=100)
+        queue.push(f"long{i}", "long", priority=0, tenant="long", tokens=1000, now=0.0)
+        queue.push(f"short{i}", "short", priority=0, tenant="short", tokens=100, now=0.0)
     first = _drain(queue)[:11]
     assert first.count("short") == 10, "ten 100-token requests for one of 1,000 tokens"
 
@@ -45,8 +57,8 @@ def test_shares_are_in_tokens_not_requests() -> None:
 def test_weights_scale_a_tenants_share() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda tenant: 3.0 if tenant == "gold" else 1.0)
     for i in range(30):
-        queue.push(f"gold{i}", "gold", priority=0, tenant="gold", tokens=100)
-        queue.push(f"std{i}", "std", priority=0, tenant="std", tokens=100)
+        queue.push(f"gold{i}", "gold", priority=0, tenant="gold", tokens=100, now=0.0)
+        queue.push(f"std{i}", "std", priority=0, tenant="std", tokens=100, now=0.0)
     first = _drain(queue)[:20]
     assert first.count("gold") == 15
 
@@ -54,22 +66,22 @@ def test_weights_scale_a_tenants_share() -> None:
 def test_an_idle_tenant_gets_no_credit_for_the_time_it_sent_nothing() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     for i in range(10):
-        queue.push(f"a{i}", "a", priority=0, tenant="a", tokens=100)
+        queue.push(f"a{i}", "a", priority=0, tenant="a", tokens=100, now=0.0)
     for _ in range(6):
         head = queue.peek()
         assert head is not None
         queue.pop(head[0])
     for i in range(5):
-        queue.push(f"b{i}", "b", priority=0, tenant="b", tokens=100)
+        queue.push(f"b{i}", "b", priority=0, tenant="b", tokens=100, now=0.0)
     assert _drain(queue)[:4] == ["b", "a", "b", "a"], "the newcomer alternates, no catching up"
 
 
 def test_removed_requests_are_not_served_and_counts_go_by_priority_and_tenant() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
-    queue.push("p", "premium", priority=100, tenant="t", tokens=10)
-    queue.push("b1", "batch-1", priority=0, tenant="t", tokens=10)
-    queue.push("b2", "batch-2", priority=0, tenant="t", tokens=10)
-    queue.push("u1", "other", priority=0, tenant="u", tokens=10)
+    queue.push("p", "premium", priority=100, tenant="t", tokens=10, now=0.0)
+    queue.push("b1", "batch-1", priority=0, tenant="t", tokens=10, now=0.0)
+    queue.push("b2", "batch-2", priority=0, tenant="t", tokens=10, now=0.0)
+    queue.push("u1", "other", priority=0, tenant="u", tokens=10, now=0.0)
     assert queue.count_at_or_above(100) == 1
     assert queue.count_at_or_above(0) == 4
     assert queue.holds_its_share(priority=0, tenant="t")
@@ -85,8 +97,8 @@ def test_removed_requests_are_not_served_and_counts_go_by_priority_and_tenant() 
 def test_the_tokens_ahead_of_a_new_request_count_other_tenants_only_up_to_their_share() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     for i in range(50):
-        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100)
-    queue.push("p", "premium", priority=100, tenant="x", tokens=300)
+        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
+    queue.push("p", "premium", priority=100, tenant="x", tokens=300, now=0.0)
     assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 100 + 100
     assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 5100
     assert queue.tokens_ahead(priority=100, tenant="y", tokens=100) == 100 + 100, "x and y alternate"
@@ -94,66 +106,91 @@ def test_the_tokens_ahead_of_a_new_request_count_other_tenants_only_up_to_their_
 
 def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
-    queue.push("a0", "a", priority=0, tenant="a", tokens=100)
+    queue.push("a0", "a", priority=0, tenant="a", tokens=100, now=0.0)
     queue.charge(priority=0, tenant="b", tokens=500)  # b was served 500 tokens by a peer
     for i in range(1, 6):
-        queue.push(f"a{i}", "a", priority=0, tenant="a", tokens=100)
-    queue.push("b0", "b", priority=0, tenant="b", tokens=100)
+        queue.push(f"a{i}", "a", priority=0, tenant="a", tokens=100, now=0.0)
+    queue.push("b0", "b", priority=0, tenant="b", tokens=100, now=0.0)
     assert _drain(queue) == ["a"] * 5 + ["b", "a"], "b waits until a has had the 500 tokens b got elsewhere"
     queue.charge(priority=0, tenant="idle", tokens=100)
     assert queue.tokens_ahead(priority=0, tenant="idle", tokens=1) == 1, "an empty band keeps no state"
 
 
-def test_a_peer_head_precedes_by_band_then_start_tag_then_wait() -> None:
-    def head(priority: int, start: float, tenant: str, waited_s: float = 0.0) -> QueueHead:
-        return QueueHead(priority=priority, start=start, tenant=tenant, virtual=0.0, waited_s=waited_s)
+def test_a_peer_head_holds_this_one_back_by_band_then_start_tag_then_wait_for_the_same_workers() -> None:
+    def held_by(
+        theirs: QueueHead,
+        *,
+        priority: int = 0,
+        start: float = 0.0,
+        waited_s: float = 0.0,
+        model: str = "",
+        serves: Callable[[str], bool] = lambda _model: True,
+    ) -> bool:
+        """Whether ``theirs``, heard at 10 s, holds back a head of tenant "mine" here."""
+        queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0, serves=serves)
+        if start:
+            queue.charge(priority=priority, tenant="mine", tokens=start)
+        queue.push("m", "m", priority=priority, tenant="mine", tokens=1, now=10.0 - waited_s, model=model)
+        queue.observe_peer("B", [theirs], now=10.0)
+        return _held(queue, now=10.0)
 
-    assert precedes(head(100, 900.0, "a"), head(0, 0.0, "b")), "a higher band goes first whatever its tag"
-    assert not precedes(head(0, 0.0, "b"), head(100, 900.0, "a")), "a lower band never overtakes"
-    assert precedes(head(0, 100.0, "a"), head(0, 200.0, "b"))
-    assert not precedes(head(0, 200.0, "b"), head(0, 100.0, "a"))
-    assert precedes(head(0, 100.0, "a", waited_s=5.0), head(0, 100.0, "a", waited_s=1.0)), (
-        "one start tag: the longer wait goes first"
-    )
-    assert not precedes(head(0, 100.0, "a", 2.0), head(0, 100.0, "b", 2.0)), "a tie: neither replica waits"
+    def head(priority: int, start: float, *, waited_s: float = 0.0, model: str = "") -> QueueHead:
+        return QueueHead(
+            priority=priority, start=start, tenant="a", virtual=0.0, waited_s=waited_s, model=model
+        )
+
+    assert held_by(head(100, 900.0), priority=0), "a higher band goes first whatever its tag"
+    assert not held_by(head(0, 0.0), priority=100, start=900.0), "a lower band never overtakes"
+    assert held_by(head(0, 100.0), start=200.0)
+    assert not held_by(head(0, 200.0), start=100.0)
+    assert held_by(head(0, 100.0, waited_s=5.0), start=100.0, waited_s=1.0), "one tag: the longer wait first"
+    assert not held_by(head(0, 100.0, waited_s=1.0), start=100.0, waited_s=5.0)
+    assert not held_by(head(0, 100.0, waited_s=2.0), start=100.0, waited_s=2.0), "a tie: neither waits"
+    # only a request that may go to the same workers holds this one back
+    assert not held_by(head(0, 0.0, model="x"), start=100.0, model="y"), "another model's workers"
+    assert held_by(head(0, 0.0, model="x"), start=100.0, model="x")
+    assert held_by(head(0, 0.0, model="x"), start=100.0), "this one may go to any worker"
+    assert held_by(head(0, 0.0), start=100.0, model="y"), "that one may go to any worker"
+    no_x = held_by(head(0, 0.0, model="x"), start=100.0, serves=lambda model: model != "x")
+    assert not no_x, "no worker here serves its model"
 
 
 def test_this_queue_holds_its_head_back_while_a_peer_head_comes_first() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     queue.charge(priority=0, tenant="heavy", tokens=500)  # heavy was served 500 tokens already
-    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
-    assert queue.peer_ahead(now=3.0) is None, "no peer: the head goes"
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
+    assert not _held(queue, now=3.0), "no peer: the head goes"
     # a peer has the light tenant waiting, served nothing yet: it comes first
     assert queue.observe_peer("B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=1.0)
-    assert queue.peer_ahead(now=3.0) == "B"
-    assert queue.peer_ahead(now=3.0, priority=0, tenant="heavy") == "B", "so does a new heavy request"
-    assert queue.peer_ahead(now=3.0, priority=100, tenant="heavy") is None, "a higher band does not wait"
+    assert _held(queue, now=3.0)
+    assert _held(queue, now=3.0, priority=0, tenant="heavy"), "so does a new heavy request"
+    assert not _held(queue, now=3.0, priority=100, tenant="heavy"), "a higher band does not wait"
     assert not queue.observe_peer(
         "B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=1.5
     ), "heard again, unchanged"
     # the peer served it: the light tenant's virtual time moves past heavy's, and its next head is later
     queue.charge(priority=0, tenant="light", tokens=700)
     assert queue.observe_peer("B", [QueueHead(priority=0, start=700.0, tenant="light", virtual=0.0)], now=2.0)
-    assert queue.peer_ahead(now=3.0) is None
+    assert not _held(queue, now=3.0)
     assert queue.heads(now=3.0) == [
         QueueHead(priority=0, start=500.0, tenant="heavy", virtual=0.0, tokens=100.0)
     ]
     # a premium request waiting at the peer holds back every band below it
     queue.observe_peer("B", [QueueHead(priority=100, start=0.0, tenant="x", virtual=0.0)], now=2.5)
-    assert queue.peer_ahead(now=3.0) == "B"
+    assert _held(queue, now=3.0)
     queue.forget_peer("B")
-    assert queue.peer_ahead(now=3.0) is None
+    assert not _held(queue, now=3.0)
 
 
 def test_a_silent_peers_heads_stop_holding_dispatch_back_after_the_timeout() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     queue.charge(priority=0, tenant="heavy", tokens=500)
-    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
     queue.observe_peer("B", [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)], now=10.0)
     queue.forget_stale_peers(now=12.9, max_age_s=3.0)
-    assert queue.peer_ahead(now=12.9) == "B", "heard 2.9 s ago: still holds"
+    assert _held(queue, now=12.9), "heard 2.9 s ago: still holds"
     queue.forget_stale_peers(now=13.1, max_age_s=3.0)
-    assert queue.peer_ahead(now=13.1) is None, "silent for longer than the timeout: ignored"
+    assert not _held(queue, now=13.1), "silent for longer than the timeout: ignored"
 
 
 def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_waiting_here() -> None:
@@ -162,9 +199,9 @@ def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_wai
     queue.charge(priority=0, tenant="b", tokens=100)
     queue.charge(priority=0, tenant="a", tokens=100)  # V 1,000
     queue.observe_peer("B", [QueueHead(priority=0, start=100.0, tenant="b", virtual=1000.0)], now=0.0)
-    queue.push("b", "b", priority=0, tenant="b", tokens=10)
+    queue.push("b", "b", priority=0, tenant="b", tokens=10, now=0.0)
     assert queue.heads(now=3.0)[0].start == 100.0, "b waits at the peer: not lifted to V here"
-    queue.push("c", "c", priority=0, tenant="c", tokens=10)
+    queue.push("c", "c", priority=0, tenant="c", tokens=10, now=0.0)
     assert queue.heads(now=3.0)[1] == QueueHead(
         priority=0, start=1000.0, tenant="c", virtual=1000.0, tokens=10.0
     ), "c waits nowhere: it starts at V"
@@ -172,7 +209,7 @@ def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_wai
 
 def test_the_tokens_ahead_count_what_waits_at_peer_replicas_too() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
-    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
     peer = [
         QueueHead(priority=100, start=0.0, tenant="x", virtual=0.0, tokens=300.0),
         QueueHead(priority=0, start=0.0, tenant="heavy", virtual=0.0, tokens=5000.0),
@@ -191,13 +228,13 @@ def test_of_one_tenants_requests_at_two_replicas_the_one_that_waited_longer_goes
     queue.observe_peer(
         "B", [QueueHead(priority=0, start=0.0, tenant="heavy", virtual=0.0, waited_s=4.0)], now=11.0
     )
-    assert queue.peer_ahead(now=12.0) == "B"
-    assert queue.peer_ahead(now=12.0, priority=0, tenant="heavy") == "B", "so does a new heavy request"
+    assert _held(queue, now=12.0)
+    assert _held(queue, now=12.0, priority=0, tenant="heavy"), "so does a new heavy request"
     # heard again: it had waited 1 s (a newer request), queued at 11.5 s, after ours
     assert not queue.observe_peer(
         "B", [QueueHead(priority=0, start=0.0, tenant="heavy", virtual=0.0, waited_s=1.0)], now=12.5
     ), "the same head, aged: no change"
-    assert queue.peer_ahead(now=13.0) is None
+    assert not _held(queue, now=13.0)
 
 
 def test_two_replicas_never_hold_each_other_back() -> None:
@@ -217,8 +254,8 @@ def test_two_replicas_never_hold_each_other_back() -> None:
     a.observe_peer("b", b.heads(now=5.0), now=5.0)
     b.observe_peer("a", a.heads(now=5.0), now=5.0)
     assert [head.start for head in b.heads(now=5.0) if head.tenant == "light"] == [50.0]
-    assert a.peer_ahead(now=5.0) == "b", "b's heavy request has waited longer"
-    assert b.peer_ahead(now=5.0) is None
+    assert _held(a, now=5.0), "b's heavy request has waited longer"
+    assert not _held(b, now=5.0)
 
 
 def test_the_virtual_times_of_tenants_waiting_nowhere_are_bounded() -> None:
@@ -231,8 +268,8 @@ def test_the_virtual_times_of_tenants_waiting_nowhere_are_bounded() -> None:
     served = queue._bands[0].served
     assert len(served) <= 2 * MAX_IDLE_TAGS + 1
     assert "heavy" in served, "the largest debt is kept"
-    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100.0)
-    queue.push("n", "new", priority=0, tenant="new", tokens=100.0)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100.0, now=0.0)
+    queue.push("n", "new", priority=0, tenant="new", tokens=100.0, now=0.0)
     assert _drain(queue) == ["new", "heavy"]
 
 
@@ -241,12 +278,12 @@ def test_a_peer_head_sent_unchanged_for_longer_than_the_cap_holds_nothing_back()
     this queue back only for max_hold_s, not for as long as the peer lives."""
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     queue.charge(priority=0, tenant="heavy", tokens=500)
-    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
     stuck = [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)]
     for t in (10.0, 11.0, 12.0, 13.0):
         queue.observe_peer("B", stuck, now=t)
-    assert queue.peer_ahead(now=12.9, max_hold_s=3.0) == "B", "sent 2.9 s ago first: still holds"
-    assert queue.peer_ahead(now=13.1, max_hold_s=3.0) is None, "the same head for longer: ignored"
+    assert queue.held_until(now=12.9, max_hold_s=3.0) == 13.0, "first sent 2.9 s ago: holds until 13 s"
+    assert queue.held_until(now=13.1, max_hold_s=3.0) is None, "the same head for longer: ignored"
     moved = [QueueHead(priority=0, start=0.0, tenant="other", virtual=0.0)]
     queue.observe_peer("B", moved, now=13.2)
-    assert queue.peer_ahead(now=13.3, max_hold_s=3.0) == "B", "a new head holds again"
+    assert queue.held_until(now=13.3, max_hold_s=3.0) == 16.2, "a new head holds again"

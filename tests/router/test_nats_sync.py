@@ -321,7 +321,7 @@ async def test_two_router_replicas_share_their_queue_heads(nats_url: str) -> Non
         assert one.service.router.submit(request("light-0", "light"), now=time.monotonic()) is None
         one.service.released([])
         assert two.service.router.submit(request("heavy-1", "heavy"), now=time.monotonic()) is None
-        await eventually(lambda: two.service.router.held_back_by(now=time.monotonic()) == "one")
+        await eventually(lambda: two.service.router.hold_ends(now=time.monotonic()) is not None)
         two.service.router.finish("heavy-0", now=time.monotonic())
         two.service.released(two.service.router.drain(now=time.monotonic()))
         assert two.service.router.queued == 1, "held back for one's light request"

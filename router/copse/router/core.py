@@ -284,8 +284,10 @@ class Router:
         # Role -> (versions it was built at, its free workers or None): valid until a worker joins,
         # leaves or crosses a busy threshold.
         self._free_cache: dict[Role, tuple[tuple[int, int], _Eligible | None]] = {}
+        self.adapters = AdapterTracker(adapters)
+        """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
         self._queue: FairQueue[tuple[RouteRequest, frozenset[str]]] = FairQueue(
-            weight=tenant_weight or (lambda _tenant: 1.0)
+            weight=tenant_weight or (lambda _tenant: 1.0), serves=self.adapters.serves
         )
         self._routes: dict[str, Route] = {}
         self._guards: dict[int, Counter[tuple[int, float]]] = {}
@@ -305,8 +307,6 @@ class Router:
         """Prompt tokens of every routed request (for the predicted hit rate)."""
         self.cached_tokens_routed = 0
         """Prompt tokens the chosen workers were predicted to hold."""
-        self.adapters = AdapterTracker(adapters)
-        """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
         self._peer_held: dict[str, tuple[str, list[str]]] = {}
         """Worker id -> (the peer, the adapters its snapshot said the worker holds), for workers
         this router has not registered yet: taken when they register, unless their engine reports
@@ -499,6 +499,7 @@ class Router:
             tenant=request.tenant,
             tokens=float(request.prompt_tokens + request.max_tokens),
             now=now,
+            model=request.model,
         )
 
     def prefill_done(self, request_id: str, *, now: float) -> list[Route]:
@@ -565,18 +566,27 @@ class Router:
 
     def _peer_ahead(self, request: RouteRequest, *, now: float) -> bool:
         """Whether a peer replica's queue head comes before a new ``request`` (it then waits)."""
-        self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
-        ahead = self._queue.peer_ahead(
+        max_age_s = self.thresholds.peer_queue_max_age_s
+        self._queue.forget_stale_peers(now=now, max_age_s=max_age_s)
+        held = self._queue.held_until(
             now=now,
+            max_hold_s=max_age_s,
             priority=request.priority,
             tenant=request.tenant,
-            max_hold_s=self.thresholds.peer_queue_max_age_s,
+            model=request.model,
         )
-        return ahead is not None
+        return held is not None
+
+    def hold_ends(self, *, now: float) -> float | None:
+        """When the hold peer replicas' queue heads put on this router's queue lapses (it may then
+        route what waits: :meth:`drain`); ``None`` when nothing holds it back."""
+        max_age_s = self.thresholds.peer_queue_max_age_s
+        self._queue.forget_stale_peers(now=now, max_age_s=max_age_s)
+        return self._queue.held_until(now=now, max_hold_s=max_age_s)
 
     def drain(self, *, now: float) -> list[Route]:
-        """Route what the queue may route now; returns the routes (what a replica calls when its
-        peers' queue heads may have gone stale)."""
+        """Route what the queue may route now; returns the routes (what a replica calls when the
+        hold of its peers' queue heads lapsed)."""
         return self._drain(now=now)
 
     def _drain(self, *, now: float) -> list[Route]:
@@ -584,15 +594,19 @@ class Router:
         # so that a decision only pays for its own change.
         self.costs.refresh()
         routed: list[Route] = []
-        self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
+        max_age_s = self.thresholds.peer_queue_max_age_s
+        self._queue.forget_stale_peers(now=now, max_age_s=max_age_s)
         while (head := self._queue.peek()) is not None:
-            if self._queue.peer_ahead(now=now, max_hold_s=self.thresholds.peer_queue_max_age_s) is not None:
+            if self._queue.held_until(now=now, max_hold_s=max_age_s) is not None:
                 break  # a peer replica's head comes first: the capacity is its to take
             key, (request, exclude) = head
             route = self._try_route(request, now=now, exclude=exclude)
             if route is None:
                 break
-            self._queue.pop(key)
+            if exclude:
+                self._queue.remove(key)  # a retry: its tenant was charged when it was first routed
+            else:
+                self._queue.pop(key)
             routed.append(route)
         return routed
 
@@ -1004,10 +1018,10 @@ class Router:
             self.adapters.routed(key, slots=(slot,), adapter=record.adapter, peer=True)
         return True
 
-    def held_back_by(self, *, now: float) -> str | None:
-        """The peer replica whose queue head this router's queue waits for (``None``: none)."""
-        self._queue.forget_stale_peers(now=now, max_age_s=self.thresholds.peer_queue_max_age_s)
-        return self._queue.peer_ahead(now=now, max_hold_s=self.thresholds.peer_queue_max_age_s)
+    @property
+    def queue_version(self) -> int:
+        """Moves whenever :meth:`queue_heads` may have changed (other than by ageing)."""
+        return self._queue.version
 
     def queue_heads(self, *, now: float) -> list[QueueHead]:
         """Per priority band and waiting tenant, the request this replica's queue serves next, at

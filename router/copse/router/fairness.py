@@ -21,15 +21,17 @@ Because ``T`` counts what a tenant was *served*, not what it queued, replicas sh
 keep the same ``T``: each counts what it serves itself and what its peers say they served
 (:meth:`FairQueue.charge`), so start tags mean the same at every replica. On that ground the
 replicas share their queues' heads (:class:`QueueHead`: per band and waiting tenant, its start
-tag, its waiting tokens and how long its oldest request has waited, and the band's ``V``). A
-replica catches its ``V`` and its tenants' ``T`` up with what its peers send (a tenant lifted
-where it started waiting is lifted everywhere), and holds back its head while a peer's fresh head
-comes first in one order shared by every replica (:func:`precedes`: a higher band, then the lower
-start tag, then the longer wait), so capacity a finished request frees goes to the request first
-across all replicas, not to the replica that dispatches first. Each replica serves its own part
-of that order in that order, so the replica holding its first request never waits. A peer's
-heads count for ``max_age_s`` after they were heard: a dead or cut-off replica never holds
-dispatch back for longer.
+tag, its waiting tokens, how long its oldest request has waited and the model it asks for, and the
+band's ``V``). A replica catches its ``V`` and its tenants' ``T`` up with what its peers send (a
+tenant lifted where it started waiting is lifted everywhere), and holds back its head while a
+peer's head that competes for the same workers comes first in one order shared by every replica
+(:func:`_order`: a higher band, then the lower start tag, then the longer wait), so capacity a
+finished request frees goes to the request first across all replicas, not to the replica that
+dispatches first. Each replica serves its own part of that order in that order, so the replica
+holding its first request never waits. A head holds others back for at most ``max_hold_s``
+after its peer first sent it (:meth:`FairQueue.held_until` says when that hold lapses): a head a
+peer cannot route, or a dead or cut-off peer, never holds dispatch back for longer. A head for
+another model, or for a model no worker of this replica serves, holds nothing back here.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -68,20 +69,23 @@ class QueueHead:
     """How long the request had waited when the replica sent it (an age, not a time: replicas'
     clocks need not agree); a tenant's older request goes first, wherever it waits. Not part of
     equality: heads that only aged are the same heads."""
+    model: str = ""
+    """The base model the request asks for ("": any worker): a head competes only with requests
+    that may go to the same workers."""
 
 
-def _order(head: QueueHead, *, aged_s: float = 0.0) -> tuple[int, float, float]:
-    """Where ``head`` stands in the order every replica serves in, ``aged_s`` after it was sent."""
-    return (-head.priority, head.start, -(head.waited_s + aged_s))
+def _order(*, priority: int, start: float, waited_s: float) -> tuple[int, float, float]:
+    """Where a request stands in the one order every replica serves in: a higher priority never
+    waits for a lower one; within a band the lower start tag goes first, then the request that has
+    waited longer (one tenant's requests at two replicas share its start tag). Each replica serves
+    its own part of that order in that order, so no two replicas ever wait for each other; a tie
+    holds neither back."""
+    return (-priority, start, -waited_s)
 
 
-def precedes(first: QueueHead, second: QueueHead) -> bool:
-    """Whether ``first`` is served before ``second`` wherever both wait (their ``waited_s``
-    taken at the same moment): a higher priority never waits for a lower one; within a band the
-    lower start tag goes first, then the request that has waited longer (one tenant's requests at
-    two replicas share its start tag). One order for every replica, and each serves its own part
-    of it in that order, so no two replicas ever wait for each other; a tie precedes neither."""
-    return _order(first) < _order(second)
+def _competes(theirs: str, mine: str) -> bool:
+    """Whether requests for the models ``theirs`` and ``mine`` may go to the same workers."""
+    return not theirs or not mine or theirs == mine
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,6 +96,7 @@ class _Waiting(Generic[T]):
     tokens: float
     queued: float
     """When it was queued (the caller's clock)."""
+    model: str
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,6 +114,8 @@ class _Band(Generic[T]):
     the band serves the lowest start, then the longest waiting; stale entries are skipped."""
     tokens: float = 0.0
     """Tokens of the requests waiting in the band."""
+    tenant_tokens: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per waiting tenant, the tokens of its requests waiting in the band."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,9 +135,15 @@ class FairQueue(Generic[T]):
     """Waiting requests by priority band, fair between tenants within a band and across router
     replicas (see the module)."""
 
-    def __init__(self, *, weight: Callable[[str], float]) -> None:
-        """``weight(tenant)``: the tenant's share weight (> 0)."""
+    def __init__(
+        self, *, weight: Callable[[str], float], serves: Callable[[str], bool] = lambda _model: True
+    ) -> None:
+        """``weight(tenant)``: the tenant's share weight (> 0); ``serves(model)``: whether a worker
+        this replica routes to serves ``model`` (a peer's head for another holds nothing back)."""
         self._weight = weight
+        self._serves = serves
+        self.version = 0
+        """Moves whenever what :meth:`heads` returns may have changed (other than by ageing)."""
         self._bands: dict[int, _Band[T]] = {}
         self._where: dict[str, tuple[int, _Waiting[T]]] = {}
         self._order = itertools.count()
@@ -150,10 +163,12 @@ class FairQueue(Generic[T]):
             band = self._bands[priority] = _Band()
         return band
 
-    def push(self, key: str, item: T, *, priority: int, tenant: str, tokens: float, now: float = 0.0) -> None:
-        """Queue ``item`` under the unique ``key`` at ``now``."""
+    def push(
+        self, key: str, item: T, *, priority: int, tenant: str, tokens: float, now: float, model: str = ""
+    ) -> None:
+        """Queue ``item`` (a request for ``model``, "": any worker) under the unique ``key`` at ``now``."""
         band = self._band(priority)
-        waiting = _Waiting(key=key, item=item, tenant=tenant, tokens=tokens, queued=now)
+        waiting = _Waiting(key=key, item=item, tenant=tenant, tokens=tokens, queued=now, model=model)
         fifo = band.tenants.get(tenant)
         if fifo is None:
             fifo = band.tenants[tenant] = deque()
@@ -161,7 +176,9 @@ class FairQueue(Generic[T]):
             heapq.heappush(band.heads, (start, now, next(self._order), tenant))
         fifo.append(waiting)
         band.tokens += tokens
+        band.tenant_tokens[tenant] = band.tenant_tokens.get(tenant, 0.0) + tokens
         self._where[key] = (priority, waiting)
+        self.version += 1
 
     def charge(self, *, priority: int, tenant: str, tokens: float) -> None:
         """``tenant`` was served ``tokens`` at ``priority``: by a peer router replica sharing the
@@ -172,6 +189,8 @@ class FairQueue(Generic[T]):
         start = self._start(band, priority, tenant)
         band.virtual = max(band.virtual, start)
         band.served[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
+        if band.tenants:  # the heads carry the band's V and the waiting tenants' tags
+            self.version += 1
         self._requeue(band, tenant)
         self._prune(band, priority)
 
@@ -232,7 +251,8 @@ class FairQueue(Generic[T]):
         return item
 
     def remove(self, key: str) -> T:
-        """Take ``key`` out of the queue without serving it (cancelled, shed); ``KeyError`` if absent."""
+        """Take ``key`` out of the queue without charging its tenant (cancelled, shed, or served
+        again after its tenant was charged for it once); ``KeyError`` if absent."""
         priority, waiting = self._where.pop(key)
         band = self._bands[priority]
         fifo = band.tenants[waiting.tenant]
@@ -240,10 +260,13 @@ class FairQueue(Generic[T]):
         band.tokens -= waiting.tokens
         if not fifo:
             del band.tenants[waiting.tenant]
+            del band.tenant_tokens[waiting.tenant]
         else:
+            band.tenant_tokens[waiting.tenant] -= waiting.tokens
             self._requeue(band, waiting.tenant)
         if not band.tenants:
             band.heads.clear()
+        self.version += 1
         return waiting.item
 
     # -- heads shared with peer replicas --------------------------------------------------------
@@ -256,8 +279,9 @@ class FairQueue(Generic[T]):
                 start=band.served[tenant],
                 tenant=tenant,
                 virtual=band.virtual,
-                tokens=sum(waiting.tokens for waiting in fifo),
+                tokens=band.tenant_tokens[tenant],
                 waited_s=now - fifo[0].queued,
+                model=fifo[0].model,
             )
             for priority in sorted(self._bands, reverse=True)
             for band in (self._bands[priority],)
@@ -272,6 +296,10 @@ class FairQueue(Generic[T]):
         last heard (what this queue held back for may be gone)."""
         for head in heads:
             band = self._band(head.priority)
+            if band.tenants and (
+                head.virtual > band.virtual or head.start > band.served.get(head.tenant, band.virtual)
+            ):
+                self.version += 1  # the band's V or a waiting tenant's tag moves: so do the heads
             band.virtual = max(band.virtual, head.virtual)
             if head.start > band.served.get(head.tenant, band.virtual):
                 band.served[head.tenant] = head.start
@@ -300,13 +328,16 @@ class FairQueue(Generic[T]):
         for peer in [peer for peer, state in self._peers.items() if now - state.heard > max_age_s]:
             self.forget_peer(peer)
 
-    def peer_ahead(
-        self, *, now: float, priority: int | None = None, tenant: str = "", max_hold_s: float = math.inf
-    ) -> str | None:
-        """The peer holding a head that precedes this queue's head at ``now`` (or, given
-        ``priority``, a new request of ``tenant`` there); ``None`` when this one may go. A head the
-        peer has sent unchanged for over ``max_hold_s`` is ignored: it is stuck there (no worker
-        that peer may use takes it) and would hold this queue back for as long as it lives."""
+    def held_until(
+        self, *, now: float, max_hold_s: float, priority: int | None = None, tenant: str = "", model: str = ""
+    ) -> float | None:
+        """When the hold that peers' heads put at ``now`` on this queue's head (or, given
+        ``priority``, on a new request there of ``tenant`` for ``model``) lapses; ``None`` when
+        nothing holds it back. A peer's head holds it back while it comes first in the order every
+        replica serves in and competes for the same workers (its model is the same, or either asks
+        for any worker, and a worker here serves it), for at most ``max_hold_s`` after the peer
+        first sent it: a head a peer keeps sending unchanged is stuck there (no worker that peer may
+        use takes it), and would otherwise hold this queue back for as long as the peer lives."""
         if not self._peers:
             return None
         if priority is None:
@@ -314,32 +345,38 @@ class FairQueue(Generic[T]):
                 band = self._bands[level]
                 head = self._head(band)
                 if head is not None:
-                    mine = (-level, band.served[head.tenant], -(now - head.queued))
+                    model = head.model
+                    mine = _order(priority=level, start=band.served[head.tenant], waited_s=now - head.queued)
                     break
             else:
                 return None
         else:
-            level_band = self._bands.get(priority)
-            start = 0.0 if level_band is None else self._start(level_band, priority, tenant)
-            mine = (-priority, start, -0.0)
-        for peer, state in self._peers.items():
+            band = self._band(priority)
+            mine = _order(priority=priority, start=self._start(band, priority, tenant), waited_s=0.0)
+        until: float | None = None
+        for state in self._peers.values():
             aged_s = now - state.heard
-            if any(
-                _order(theirs, aged_s=aged_s) < mine and now - state.since[_key(theirs)] <= max_hold_s
-                for theirs in state.heads
-            ):
-                return peer
-        return None
+            for theirs in state.heads:
+                lapses = state.since[_key(theirs)] + max_hold_s
+                if (
+                    lapses >= now
+                    and (until is None or lapses > until)
+                    and _order(
+                        priority=theirs.priority, start=theirs.start, waited_s=theirs.waited_s + aged_s
+                    )
+                    < mine
+                    and _competes(theirs.model, model)
+                    and (not theirs.model or self._serves(theirs.model))
+                ):
+                    until = lapses
+        return until
 
     # -- what admission asks ----------------------------------------------------------------------
 
     def _waiting_tokens(self, priority: int) -> dict[str, float]:
         """Per tenant, the tokens waiting in the band of ``priority`` here and at the peers."""
         band = self._bands.get(priority)
-        tokens: dict[str, float] = {}
-        if band is not None:
-            for tenant, fifo in band.tenants.items():
-                tokens[tenant] = sum(waiting.tokens for waiting in fifo)
+        tokens = {} if band is None else dict(band.tenant_tokens)
         for state in self._peers.values():
             for head in state.heads:
                 if head.priority == priority:

@@ -109,6 +109,7 @@ class WireHead(_Wire):
     virtual: float
     tokens: float = 0.0
     waited_s: float = 0.0
+    model: str = ""
 
 
 class LoadMessage(_Wire):
@@ -294,6 +295,8 @@ class ReplicaSync(Subscriber):
         """Number of the last load message sent (or dropped while disconnected)."""
         self._heads_sent: list[QueueHead] | None = None
         """The queue heads this replica last published (``None``: none yet)."""
+        self._heads_version = -1
+        """The router's :attr:`~copse.router.core.Router.queue_version` when they were built."""
         self._listen_until: float | None = None
         """End of the first listening window for peers (``None`` before the first connection)."""
         self._wake = asyncio.Event()
@@ -333,11 +336,12 @@ class ReplicaSync(Subscriber):
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         next_beat = loop.time()
+        hold_ends: float | None = None  # when peers' queue heads stop holding this queue back
         while True:
             # (asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation
             # that arrives as the wake-up does, and the router's close then waits forever)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, next_beat - loop.time())):
+                async with asyncio.timeout_at(next_beat if hold_ends is None else min(next_beat, hold_ends)):
                     await self._wake.wait()
             self._wake.clear()
             beat = loop.time() >= next_beat
@@ -345,14 +349,17 @@ class ReplicaSync(Subscriber):
             if beat:
                 next_beat = loop.time() + self._heartbeat_s
                 self._forget_silent_peers()
-                router = self.service.router
-                if router.queued:  # a silent peer's queue heads may have gone stale
-                    self.service.released(router.drain(now=self.service.now()))
+            router = self.service.router
+            now = self.service.now()
+            if router.queued and (beat or (hold_ends is not None and loop.time() >= hold_ends)):
+                self.service.released(router.drain(now=now))  # the hold lapsed (or a peer went silent)
+            ends = router.hold_ends(now=now) if router.queued else None
+            hold_ends = None if ends is None else loop.time() + (ends - now)
 
     async def flush(self, *, heartbeat: bool = False) -> None:
-        """Publish pending changes and the queue heads when they changed (or a heartbeat, which
-        always carries the heads). Without a connection they are dropped, numbered all the same:
-        peers see the gap and ask for a snapshot."""
+        """Publish pending changes, and the queue heads when they changed while peers listen (or
+        a heartbeat, which always carries the heads). Without a connection they are dropped,
+        numbered all the same: peers see the gap and ask for a snapshot."""
         router = self.service.router
         outbox = router.outbox
         assert outbox is not None
@@ -368,9 +375,13 @@ class ReplicaSync(Subscriber):
                     await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=self._seq))
                 except (NatsError, OSError) as exc:
                     log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
-        heads = router.queue_heads(now=self.service.now())
         nc = self.link.nc
-        if nc is None or not (heartbeat or heads != self._heads_sent):
+        version = router.queue_version
+        if nc is None or not (heartbeat or (self.peers and version != self._heads_version)):
+            return
+        self._heads_version = version
+        heads = router.queue_heads(now=self.service.now())
+        if not heartbeat and heads == self._heads_sent:
             return
         self._heads_sent = heads
         with contextlib.suppress(NatsError, OSError):
@@ -467,6 +478,7 @@ class ReplicaSync(Subscriber):
         state.heads = None
         now = self.service.now()
         self.service.released(self.service.router.apply_peer_queue(peer, heads, now=now))
+        self._wake.set()  # a hold on this replica's queue may begin or end: when it lapses
 
     def _apply(self, peer: str, changes: list[PeerChange], *, now: float) -> None:
         router = self.service.router
