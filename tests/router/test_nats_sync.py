@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -14,18 +15,21 @@ import nats
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from copse.router import server
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
 from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import (
     SNAPSHOT_WITH_ADAPTERS,
+    ReplicaSync,
     Snapshot,
     batches,
     decode_changes,
     decode_heads,
     encode_changes,
     encode_heads,
+    heads_subject,
     load_subject,
     snapshot_subject,
 )
@@ -434,3 +438,160 @@ async def test_a_request_starting_or_ending_its_wait_wakes_replica_sync(nats_url
             running.service.released(router.finish("busy", now=time.monotonic()))
         finally:
             await running.close()
+
+
+def _stop_replica_sync_loop(running: RunningRouter) -> None:
+    """Cancel ``running``'s replica sync loop (heartbeats and wake-ups): the test flushes itself."""
+    for task in running.service._tasks:
+        if task.get_name() == "replica-sync":
+            task.cancel()
+
+
+async def test_queue_heads_are_rebuilt_only_when_they_changed_and_a_peer_listens(nats_url: str) -> None:
+    """A flush builds the queue heads only when the queue changed since they were last built and a
+    peer listens (a heartbeat always carries them): a lone router, and a flush with nothing new,
+    pay nothing for them."""
+    hashes = block_hashes(PROMPT, block_size=32)
+
+    def request(rid: str) -> RouteRequest:
+        return RouteRequest(request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant=rid)
+
+    def counted(running: RunningRouter) -> list[float]:
+        builds: list[float] = []
+        router = running.service.router
+        original = router.queue_heads
+
+        def queue_heads(*, now: float) -> list[QueueHead]:
+            builds.append(now)
+            return original(now=now)
+
+        router.queue_heads = queue_heads  # type: ignore[method-assign]
+        return builds
+
+    async with mock_fleet(engines=1, nats_url=nats_url, deployment="alone") as fleet:
+        alone = await start_router(
+            _config(fleet.urls, nats_url, "alone", busy_kv_fraction=1e-9), router_id="alone"
+        )
+        try:
+            sync = alone.replica_sync
+            assert sync is not None
+            await eventually(lambda: len(alone.service.router.workers) == 1)
+            _stop_replica_sync_loop(alone)
+            builds = counted(alone)
+            router = alone.service.router
+            assert router.submit(request("busy"), now=time.monotonic()) is not None
+            assert router.submit(request("waits"), now=time.monotonic()) is None
+            await sync.flush()
+            assert builds == [], "no peer listens"
+            await sync.flush(heartbeat=True)
+            assert len(builds) == 1
+        finally:
+            await alone.close()
+    async with _two_replicas(nats_url, "cheap", engines=1, busy_kv_fraction=1e-9) as (one, _two):
+        sync = one.replica_sync
+        assert sync is not None
+        _stop_replica_sync_loop(one)
+        builds = counted(one)
+        router = one.service.router
+        assert router.submit(request("busy"), now=time.monotonic()) is not None
+        await sync.flush()
+        assert builds == [], "nothing waits, as before"
+        assert router.submit(request("waits"), now=time.monotonic()) is None
+        await sync.flush()
+        assert len(builds) == 1, "a new head, and a peer listens"
+        await sync.flush()
+        assert len(builds) == 1, "nothing changed"
+        await sync.flush(heartbeat=True)
+        assert len(builds) == 2
+
+
+async def test_a_replica_routes_what_a_peers_head_held_back_as_soon_as_the_hold_lapses(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer (played by the test) sends a head once and never again (it cannot route it): the
+    replica it held back routes its own request when the hold lapses (peer_queue_max_age_s after
+    the head was first sent), not at its next heartbeat (a minute here)."""
+    monkeypatch.setattr(server, "ReplicaSync", functools.partial(ReplicaSync, heartbeat_s=60.0))
+    async with mock_fleet(engines=1, nats_url=nats_url, deployment="lapse") as fleet:
+        config = _config(fleet.urls, nats_url, "lapse", busy_kv_fraction=1e-9, peer_queue_max_age_s=2.0)
+        running = await start_router(config, router_id="two")
+        nc = await nats.connect(nats_url)
+        try:
+            sync = running.replica_sync
+            assert sync is not None
+            router = running.service.router
+            await eventually(lambda: len(router.workers) == 1)
+            await eventually(lambda: running.service.metrics.nats_connected._value.get() == 1)
+
+            async def answer(msg: Any) -> None:
+                await msg.respond(Snapshot(router="one", seq=1, flights=[]).model_dump_json().encode())
+
+            await nc.subscribe(
+                snapshot_subject(namespace="default", deployment="lapse", router_id="one"), cb=answer
+            )
+            await nc.publish(
+                load_subject(namespace="default", deployment="lapse"), encode_changes("one", [], seq=1)
+            )
+            await eventually(lambda: "one" in sync.peers and sync.peers["one"].synced)
+            hashes = block_hashes(PROMPT, block_size=32)
+
+            def request(rid: str) -> RouteRequest:
+                return RouteRequest(
+                    request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant="heavy"
+                )
+
+            assert router.submit(request("busy"), now=time.monotonic()) is not None
+            assert router.submit(request("heavy-1"), now=time.monotonic()) is None
+            light = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
+            heads = heads_subject(namespace="default", deployment="lapse")
+            await nc.publish(heads, encode_heads("one", [light], seq=1))
+            await eventually(lambda: router.hold_ends(now=time.monotonic()) is not None)
+            running.service.released(router.finish("busy", now=time.monotonic()))
+            assert router.queued == 1, "held back for the peer's light request"
+            await eventually(lambda: router.queued == 0)
+        finally:
+            await nc.close()
+            await running.close()
+
+
+async def test_two_replicas_holding_each_others_heads_back_route_every_request(nats_url: str) -> None:
+    """Two replicas share one worker that takes one request at a time; each has both tenants'
+    requests waiting, so each holds its head back for the other's at times. With a hold cap too
+    long to matter, every request is still routed and answered: the replicas share one order and
+    the one holding the first request never waits."""
+    async with _two_replicas(
+        nats_url, "live", engines=1, busy_kv_fraction=1e-9, peer_queue_max_age_s=600.0, queue_timeout_s=600.0
+    ) as (one, two):
+        held: dict[str, int] = {"one": 0, "two": 0}
+        for name, running in (("one", one), ("two", two)):
+            router = running.service.router
+            original = router.hold_ends
+
+            def hold_ends(*, now: float, name: str = name, original: Any = original) -> float | None:
+                ends: float | None = original(now=now)
+                held[name] += ends is not None
+                return ends
+
+            router.hold_ends = hold_ends  # type: ignore[method-assign]
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}
+
+        async def send(http: aiohttp.ClientSession, running: RunningRouter, tenant: str) -> int:
+            headers = {"x-gateway-inference-fairness-id": tenant}
+            async with http.post(f"{running.url}/v1/completions", json=body, headers=headers) as response:
+                await response.read()
+                return response.status
+
+        async with aiohttp.ClientSession() as http:
+            sends = [
+                send(http, running, tenant)
+                for running, mix in (
+                    (one, ("heavy",) * 4 + ("light",) * 2),
+                    (two, ("light",) * 4 + ("heavy",) * 2),
+                )
+                for tenant in mix
+            ]
+            statuses = await asyncio.gather(*sends)
+        assert statuses == [200] * 12
+        assert held["one"] > 0, "each replica held its head back for the other's at times"
+        assert held["two"] > 0
+        assert one.service.router.queued == two.service.router.queued == 0
