@@ -55,7 +55,7 @@ MODEL = "mock-model"
 PROMPT = list(range(1000, 1000 + 640))
 
 
-def _config(urls: list[str], nats_url: str, deployment: str, **extra: Any) -> RouterConfig:
+def _config(urls: list[str], nats_url: str | None, deployment: str, **extra: Any) -> RouterConfig:
     raw: dict[str, Any] = {
         "model": MODEL,
         "engine": "mock",
@@ -595,3 +595,21 @@ async def test_two_replicas_holding_each_others_heads_back_route_every_request(n
         assert held["one"] > 0, "each replica held its head back for the other's at times"
         assert held["two"] > 0
         assert one.service.router.queued == two.service.router.queued == 0
+
+
+async def test_closing_a_router_as_its_probes_are_woken_ends_the_probe_loop() -> None:
+    """The health probe loop cancelled at close while a worker change wakes it ends (Python 3.11's
+    wait_for returned normally then, and the loop, and the router's close, went on forever)."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await start_router(_config(fleet.urls, None, "probes", health_interval_s=600.0))
+        try:
+            await eventually(lambda: len(running.service.router.workers) == 1)
+            (task,) = [task for task in running.service._tasks if task.get_name() == "health-probes"]
+            for _ in range(3):  # the loop reaches its wait after the first round of probes
+                await asyncio.sleep(0)
+            running.service._probe_wake.set()
+            task.cancel()
+            await asyncio.wait({task}, timeout=60.0)
+            assert task.cancelled()
+        finally:
+            await running.close()
