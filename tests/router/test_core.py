@@ -459,6 +459,17 @@ def _saturated(**kwargs: Any) -> Router:
     return router
 
 
+def _finish_in_turn(router: Router, running: str, *, times: range) -> list[str]:
+    """At each of ``times`` (s), ``running`` ends, then each request the queue released in its
+    place; returns those, in order."""
+    served: list[str] = []
+    for t in times:
+        served += [
+            route.request_id for route in router.finish(served[-1] if served else running, now=float(t))
+        ]
+    return served
+
+
 def test_the_queue_serves_the_higher_priority_first() -> None:
     router = _saturated()
     assert router.submit(_classed("batch", priority=0), now=5.0) is None
@@ -506,11 +517,7 @@ def test_a_peer_replicas_service_to_a_tenant_moves_it_back_in_this_replicas_queu
         router.apply_peer(change, peer="peer", now=5.0)
     assert router.submit(_classed("heavy-late", priority=0, tenant="heavy"), now=5.0) is None
     assert router.submit(_classed("light-late", priority=0, tenant="light"), now=5.0) is None
-    served: list[str] = []
-    for t in range(6, 11):
-        served += [
-            route.request_id for route in router.finish(served[-1] if served else "running", now=float(t))
-        ]
+    served = _finish_in_turn(router, "running", times=range(6, 11))
     # The heavy tenant waiting here was served 6,000 tokens elsewhere meanwhile: the light one
     # catches up (three 2,000-token requests) before heavy-here goes.
     assert served == ["light", "light-2", "light-late", "heavy-here", "heavy-late"]
@@ -698,11 +705,7 @@ def test_one_router_charges_what_it_routes_at_once_so_the_queue_serves_the_tenan
     assert router.submit(_classed("heavy-3", priority=0, tenant="heavy"), now=2.1) is None
     assert router.submit(_classed("light-0", priority=0, tenant="light"), now=2.2) is None
     assert router.submit(_classed("light-1", priority=0, tenant="light"), now=2.3) is None
-    served: list[str] = []
-    for t in range(3, 6):
-        served += [
-            route.request_id for route in router.finish(served[-1] if served else "heavy-2", now=float(t))
-        ]
+    served = _finish_in_turn(router, "heavy-2", times=range(3, 6))
     # heavy's tag counts its 6,000 tokens, 2,000 past V (the start of heavy-2); light starts at
     # V, goes first and then ties with heavy at 6,000, where heavy-3, queued earlier, goes first
     # (were direct routes not charged, heavy-3 would tie with light-0 at 0 and go first)
