@@ -305,9 +305,10 @@ class RouterConfig(_Model):
     peer_timeout_s: float = Field(default=5.0, gt=0)
     """A peer router silent this long is considered gone and its load forgotten."""
     peer_queue_max_age_s: float = Field(default=Thresholds().peer_queue_max_age_s, gt=0)
-    """How long a peer router's queue heads, once heard, hold this router's dispatch back (a request
-    waiting at a peer that comes first in the fair order takes freed capacity first); peers re-send
-    them every second, so a dead or cut-off peer stops holding anything back after this."""
+    """How long a peer router's queue head holds this router's dispatch back at most, from when the
+    peer first sent it (a request waiting at a peer that comes first in the fair order takes freed
+    capacity first); peers re-send their heads every second, so a dead or cut-off peer, or a head
+    its peer cannot route, stops holding anything back after this."""
     nats_reconnect_max_s: float = Field(default=8.0, gt=0)
     """Longest wait between attempts to reach NATS (the wait doubles from 0.25 s up to it)."""
     recovery_timeout_s: float = Field(default=15.0, gt=0)

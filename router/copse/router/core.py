@@ -115,11 +115,13 @@ class Thresholds:
     """Window over which the router measures the tokens per second it routes, which is how fast
     its queue drains while the fleet is saturated (what admission predicts waits with)."""
     peer_queue_max_age_s: float = 3.0
-    """How long a peer replica's queue heads hold this replica's dispatch back after they were
-    heard (:mod:`copse.router.fairness`). Replicas re-send their heads with every heartbeat (1 s),
-    so three missed heartbeats mean the peer is gone or cut off: a dead or silent replica must
-    never stall dispatch, and it holds capacity idle at most this long. Shorter than the 5 s after
-    which its load is forgotten, so its heads stop counting first."""
+    """How long a peer replica's queue head holds this replica's dispatch back at most, from when
+    the peer first sent it (:mod:`copse.router.fairness`); a peer's heads not heard for this long
+    are forgotten. Replicas re-send their heads with every heartbeat (1 s), so three missed
+    heartbeats mean the peer is gone or cut off, and a head sent unchanged for this long is stuck
+    there: a dead replica, or a head its replica cannot route, must never stall dispatch, and holds
+    capacity idle at most this long. Shorter than the 5 s after which a peer's load is forgotten,
+    so its heads stop counting first."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

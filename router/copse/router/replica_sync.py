@@ -20,11 +20,13 @@ Replicas also share their wait queues' heads (:class:`~copse.router.fairness.Que
 priority band, each waiting tenant's start tag, and the band's virtual time), so that capacity
 a finished request frees goes to the request that comes first across every replica's queue
 (:mod:`copse.router.fairness`). They travel on a subject of their own (:func:`heads_subject`), which
-replicas of earlier versions do not hear, whenever they changed since the last time, and each
-heartbeat, so that they stay fresh; each names the last load message sent before it, and applies
-once that message's changes are (a head's tag already counts them): a replica ignores a peer's heads not heard
-for ``Thresholds.peer_queue_max_age_s`` and re-checks its own queue each heartbeat, so a dead
-peer holds nothing back for longer. Heads are whole state, not changes: only the latest waits.
+replicas of earlier versions do not hear, when they changed since last built and a peer listens,
+and with each heartbeat, so that they stay fresh; each names the last load message sent before
+it, and applies once that message's changes are (a head's tag already counts them). A peer's head
+holds nothing back for longer than ``Thresholds.peer_queue_max_age_s`` after it was first sent,
+and the replica routes what it held back as soon as that lapses (a wake-up at that moment), so a
+dead peer, or a head its peer cannot route, holds nothing back for longer. Heads are whole state,
+not changes: only the latest waits.
 
 Replicas of an earlier version refuse fields they do not know. Fields at their default are left
 out of the wire form, changes naming a LoRA adapter travel in messages of their own
