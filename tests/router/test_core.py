@@ -20,6 +20,7 @@ from copse.router.core import (
     Thresholds,
     WorkerInfo,
 )
+from copse.router.fairness import QueueHead
 from copse.router.limits import TenantLimits
 from copse.router.policies import POLICIES, RouteRequest, RoutingObjective, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
@@ -710,3 +711,21 @@ def test_one_router_charges_what_it_routes_at_once_so_the_queue_serves_the_tenan
     # V, goes first and then ties with heavy at 6,000, where heavy-3, queued earlier, goes first
     # (were direct routes not charged, heavy-3 would tie with light-0 at 0 and go first)
     assert served == ["light-0", "heavy-3", "light-1"]
+
+
+def test_a_peers_head_for_a_model_no_worker_here_serves_holds_nothing_back() -> None:
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500))
+    assert router.submit(_classed("heavy-0", priority=0, tenant="heavy"), now=0.0) is not None
+    router.finish("heavy-0", now=0.5)  # the heavy tenant was served 2,000 tokens: light comes first
+
+    def light_waits_at_a(model: str, *, now: float) -> None:
+        head = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0, model=model)
+        router.apply_peer_queue("a", [head], now=now)
+
+    light_waits_at_a("other", now=1.0)
+    assert router.submit(_classed("heavy-1", priority=0, tenant="heavy"), now=1.0) is not None, (
+        "no worker here serves 'other': that request will never take this capacity"
+    )
+    router.finish("heavy-1", now=1.5)
+    light_waits_at_a("", now=2.0)
+    assert router.submit(_classed("heavy-2", priority=0, tenant="heavy"), now=2.0) is None, "held back"
