@@ -676,6 +676,29 @@ def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
     assert router._queue._bands[0].served["a"] == 2000.0, "charged once, for the first route"
 
 
+def test_a_retry_is_charged_to_its_tenant_and_counted_once_at_the_peer_replica_too() -> None:
+    """A peer mirrors a retry's load on its new worker but charges its tenant, and counts its
+    tokens in the routed rate, only for the first route: both replicas hold the tenant at 2,000."""
+    a = _router(workers=2, share_load=True)
+    b = _router(workers=2)
+    first = a.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
+    assert first is not None
+    a.finish("a1", now=0.1)
+    retried = a.submit(_classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id}))
+    assert retried is not None
+    assert a.outbox is not None
+    changes = list(a.outbox)
+    assert [change.op for change in changes] == ["add", "free", "add"]
+    for change in changes:
+        b.apply_peer(change, peer="a", now=0.1)
+    assert b.sequences.requests[b.slots.slot(retried.worker_id)] == 1, "the retry's load is mirrored"
+    assert a._queue._bands[0].served["a"] == 2000.0
+    assert b._queue._bands[0].served["a"] == 2000.0, "charged once, for the first route"
+    later = a.thresholds.rate_window_s * 0.75  # a rate is known after half a window
+    rate = 2000.0 / a.thresholds.rate_window_s
+    assert a.routed_tokens_per_s(now=later) == b.routed_tokens_per_s(now=later) == rate
+
+
 def test_a_retry_that_waits_in_the_queue_is_not_charged_to_the_tenant_again() -> None:
     """A retry (its first worker excluded) that has to wait is charged neither when it waits nor
     when the queue serves it: its tenant was charged when it was first routed."""

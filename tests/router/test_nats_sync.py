@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -209,7 +210,12 @@ async def test_behind_a_relay_started_late_the_router_guesses_then_knows_and_nev
 
 def test_load_messages_round_trip() -> None:
     record = FlightRecord(worker_id="w", hashes=[1, 2], prefill_tokens=64, prefill_ms=3.5, kv_tokens=10.0)
-    changes = [PeerChange(op="add", key="k", record=record), PeerChange(op="free", key="k")]
+    retry = dataclasses.replace(record, retry=True)
+    changes = [
+        PeerChange(op="add", key="k", record=record),
+        PeerChange(op="free", key="k"),
+        PeerChange(op="add", key="k", record=retry),
+    ]
     router_id, decoded = decode_changes(encode_changes("me", changes))
     assert router_id == "me"
     assert decoded == changes
@@ -377,7 +383,7 @@ async def test_replicas_share_the_adapters_their_requests_load(nats_url: str) ->
 
 def test_load_messages_leave_out_fields_at_their_default() -> None:
     """A replica of an earlier version refuses fields it does not know: a request through the base
-    model sends none of the newer ones (tenant, priority, adapter)."""
+    model at its first route sends none of the newer ones (tenant, priority, adapter, retry)."""
     record = FlightRecord(worker_id="w", hashes=[1], prefill_tokens=8, prefill_ms=1.0, kv_tokens=0.0)
     sent = json.loads(encode_changes("me", [PeerChange(op="add", key="k", record=record)], seq=4))
     assert set(sent["changes"][0]["record"]) == {

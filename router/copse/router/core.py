@@ -203,6 +203,9 @@ class FlightRecord:
     """Priority of the request's objective."""
     adapter: str = ""
     """LoRA adapter the request runs through (peers mirror the worker's adapter cache)."""
+    retry: bool = False
+    """The request was routed before (a retry on another worker, or a gateway's fallback): peers
+    mirror the worker's load but charge its tenant and count its tokens only at its first route."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -671,7 +674,9 @@ class Router:
                 # Only prefill workers of a revision that has a free decode worker.
                 prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
             if prefill_free is not None:
-                return self._route_disaggregated(request, prefill_free, decode_free, now=now)
+                return self._route_disaggregated(
+                    request, prefill_free, decode_free, retry=bool(exclude), now=now
+                )
             # No prefill worker available: decode workers serve whole requests.
             worker_free = (
                 decode_free if worker_free is None else _Eligible.of(worker_free.mask | decode_free.mask)
@@ -681,7 +686,7 @@ class Router:
         guarded = self._within_guards(self._selection(request, worker_free, now=now))
         if guarded is None:
             return None
-        return self._commit_aggregated(guarded, self.policy.choose(guarded), now=now)
+        return self._commit_aggregated(guarded, self.policy.choose(guarded), retry=bool(exclude), now=now)
 
     def steps_ms_with(self, request: RouteRequest, *, new_tokens: FloatArray) -> FloatArray:
         """Predicted step time of each worker once it holds ``request`` too, whose prompt has
@@ -789,9 +794,11 @@ class Router:
         self.costs.refresh()
         only = np.zeros(self.sequences.size, dtype=bool)
         only[slot] = True
-        return self._commit_aggregated(self._selection(request, _Eligible.of(only), now=now), slot, now=now)
+        selection = self._selection(request, _Eligible.of(only), now=now)
+        # a move, not a new request: its tenant was charged where it was first routed
+        return self._commit_aggregated(selection, slot, retry=True, now=now)
 
-    def _commit_aggregated(self, selection: Selection, slot: int, *, now: float) -> Route:
+    def _commit_aggregated(self, selection: Selection, slot: int, *, retry: bool, now: float) -> Route:
         request = selection.request
         cached = selection.cached_tokens(slot)
         ttft = selection.ttft_ms().item(slot)  # before charging changes the load
@@ -803,6 +810,7 @@ class Router:
             onboard_ms=onboard_ms,
             output=True,
             key=request.request_id,
+            retry=retry,
             now=now,
         )
         self._guard(request, slot)
@@ -833,7 +841,13 @@ class Router:
         return eligible if np.array_equal(mask, eligible.mask) else _Eligible.of(mask)
 
     def _route_disaggregated(
-        self, request: RouteRequest, prefill_free: _Eligible, decode_free: _Eligible, *, now: float
+        self,
+        request: RouteRequest,
+        prefill_free: _Eligible,
+        decode_free: _Eligible,
+        *,
+        retry: bool,
+        now: float,
     ) -> Route:
         prefill = self._selection(request, prefill_free, now=now)
         p_slot = self.policy.choose(prefill)
@@ -871,7 +885,7 @@ class Router:
         )
         if local_compute <= transfer[d_slot]:
             # Moving the KV would cost more than computing it within the decode worker's next step.
-            return self._commit_aggregated(decode, d_slot, now=now)
+            return self._commit_aggregated(decode, d_slot, retry=retry, now=now)
         remote_ttft = float(prefill.ttft_ms()[p_slot] + transfer[d_slot])
 
         cached = prefill.cached_tokens(p_slot)
@@ -884,6 +898,7 @@ class Router:
             onboard_ms=onboard_ms,
             output=False,
             key=prefill_key,
+            retry=retry,
             now=now,
         )
         self._charge(
@@ -893,6 +908,7 @@ class Router:
             onboard_ms=0.0,
             output=True,
             key=request.request_id,
+            retry=retry,
             now=now,
         )
         self._guard(request, d_slot)
@@ -932,11 +948,13 @@ class Router:
         onboard_ms: float,
         output: bool,
         key: str,
+        retry: bool,
         now: float,
     ) -> None:
         """Account ``request`` on ``slot`` under ``key``: prefill the uncached tokens after onboarding
         the cached blocks kept below the GPU (``onboard_ms``), hold the prompt's KV (and the output's,
-        where it decodes); tell peer routers."""
+        where it decodes); tell peer routers. A ``retry`` (routed before) adds nothing to the routed
+        rate, here or at the peers: its tokens were counted at its first route."""
         bs = self.settings.block_size
         new_tokens = request.prompt_tokens - cached_tokens
         prefill_ms = onboard_ms
@@ -954,7 +972,7 @@ class Router:
             now=now,
             output_tokens=request.max_tokens if output else 0,
         )
-        if output:
+        if output and not retry:
             self._count_routed(
                 float(request.prompt_tokens + request.max_tokens), priority=request.priority, now=now
             )
@@ -974,6 +992,7 @@ class Router:
                 tenant=request.tenant,
                 priority=request.priority,
                 adapter=request.adapter,
+                retry=retry,
             )
             self.outbox.append(PeerChange(op="add", key=key, record=record))
 
@@ -985,8 +1004,9 @@ class Router:
         key = f"{peer}/{change.key}"
         if change.op == "add":
             record = change.record
-            if record is not None and self._mirror_add(key, record, now=now) and record.output_tokens:
-                # the request's main charge: what the peer served it
+            mirrored = record is not None and self._mirror_add(key, record, now=now)
+            if record is not None and mirrored and record.output_tokens and not record.retry:
+                # the request's main charge, at its first route: what the peer served it
                 served = len(record.hashes) * self.settings.block_size + record.kv_tokens
                 self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
                 self._count_routed(served, priority=record.priority, now=now)

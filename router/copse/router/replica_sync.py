@@ -96,6 +96,9 @@ class WireRecord(_Wire):
     priority: int = 0
     adapter: str = ""
     """LoRA adapter of the request (absent from replicas of earlier versions, and for the base model)."""
+    retry: bool = False
+    """The request was routed before (absent at its first route, and from replicas of earlier
+    versions): a peer mirrors its load but charges its tenant only once."""
 
 
 class WireChange(_Wire):
@@ -165,6 +168,7 @@ def _wire(record: FlightRecord) -> WireRecord:
         tenant=record.tenant,
         priority=record.priority,
         adapter=record.adapter,
+        retry=record.retry,
     )
 
 
@@ -179,6 +183,7 @@ def _record(wire: WireRecord) -> FlightRecord:
         tenant=wire.tenant,
         priority=wire.priority,
         adapter=wire.adapter,
+        retry=wire.retry,
     )
 
 
