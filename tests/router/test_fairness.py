@@ -279,11 +279,36 @@ def test_a_peer_head_sent_unchanged_for_longer_than_the_cap_holds_nothing_back()
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     queue.charge(priority=0, tenant="heavy", tokens=500)
     queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
-    stuck = [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)]
     for t in (10.0, 11.0, 12.0, 13.0):
+        stuck = [QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0, waited_s=t - 10.0)]
         queue.observe_peer("B", stuck, now=t)
     assert queue.held_until(now=12.9, max_hold_s=3.0) == 13.0, "first sent 2.9 s ago: holds until 13 s"
     assert queue.held_until(now=13.1, max_hold_s=3.0) is None, "the same head for longer: ignored"
     moved = [QueueHead(priority=0, start=0.0, tenant="other", virtual=0.0)]
     queue.observe_peer("B", moved, now=13.2)
     assert queue.held_until(now=13.3, max_hold_s=3.0) == 16.2, "a new head holds again"
+
+
+def test_a_stuck_peer_head_holds_nothing_back_past_the_cap_though_its_tenant_is_served_meanwhile() -> None:
+    """The cap runs from when the peer first sent its request, not its start tag: the tag moves
+    each time the fleet serves the tenant, and the same stuck request would hold this queue back
+    anew each time (for 3 s from 4.1 s here) were it a new head."""
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.charge(priority=0, tenant="heavy", tokens=5000)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
+
+    def b_sends(*, start: float, now: float) -> None:
+        head = QueueHead(priority=0, start=start, tenant="light", virtual=0.0, waited_s=now)
+        queue.observe_peer("B", [head], now=now)
+
+    b_sends(start=0.0, now=0.0)
+    b_sends(start=0.0, now=1.0)
+    assert queue.held_until(now=2.9, max_hold_s=3.0) == 3.0
+    b_sends(start=0.0, now=4.0)
+    assert queue.held_until(now=4.0, max_hold_s=3.0) is None, "the same request for longer: ignored"
+    queue.charge(priority=0, tenant="light", tokens=2000)  # this replica routed one of light's
+    b_sends(start=2000.0, now=4.1)  # B still holds the same request, its tag moved on
+    assert queue.held_until(now=4.2, max_hold_s=3.0) is None, "still the same request"
+    head = QueueHead(priority=0, start=2000.0, tenant="light", virtual=0.0, waited_s=0.5)
+    queue.observe_peer("B", [head], now=6.0)  # B routed it; light's next request, queued at 5.5 s
+    assert queue.held_until(now=6.1, max_hold_s=3.0) == 9.0, "a new request holds again"

@@ -116,12 +116,13 @@ class Thresholds:
     its queue drains while the fleet is saturated (what admission predicts waits with)."""
     peer_queue_max_age_s: float = 3.0
     """How long a peer replica's queue head holds this replica's dispatch back at most, from when
-    the peer first sent it (:mod:`copse.router.fairness`); a peer's heads not heard for this long
-    are forgotten. Replicas re-send their heads with every heartbeat (1 s), so three missed
-    heartbeats mean the peer is gone or cut off, and a head sent unchanged for this long is stuck
-    there: a dead replica, or a head its replica cannot route, must never stall dispatch, and holds
-    capacity idle at most this long. Shorter than the 5 s after which a peer's load is forgotten,
-    so its heads stop counting first."""
+    the peer first sent its request (whatever its start tag became since:
+    :mod:`copse.router.fairness`); a peer's heads not heard for this long are forgotten. Replicas
+    re-send their heads with every heartbeat (1 s), so three missed heartbeats mean the peer is
+    gone or cut off, and a request sent as a head for this long is stuck there: a dead replica, or
+    a head its replica cannot route, must never stall dispatch, and holds capacity idle at most
+    this long (a head merely slow to go is let past too). Shorter than the 5 s after which a
+    peer's load is forgotten, so its heads stop counting first."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

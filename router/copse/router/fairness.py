@@ -29,8 +29,10 @@ peer's head that competes for the same workers comes first in one order shared b
 finished request frees goes to the request first across all replicas, not to the replica that
 dispatches first. Each replica serves its own part of that order in that order, so the replica
 holding its first request never waits. A head holds others back for at most ``max_hold_s``
-after its peer first sent it (:meth:`FairQueue.held_until` says when that hold lapses): a head a
-peer cannot route, or a dead or cut-off peer, never holds dispatch back for longer. A head for
+after its peer first sent its request, whatever its start tag became since
+(:meth:`FairQueue.held_until` says when that hold lapses): a head a peer cannot route, or a dead
+or cut-off peer, never holds dispatch back for longer (nor does a head that is merely slow to
+go: the cap ends any hold). A head for
 another model, or for a model no worker of this replica serves, holds nothing back here.
 """
 
@@ -118,17 +120,40 @@ class _Band(Generic[T]):
     """Per waiting tenant, the tokens of its requests waiting in the band."""
 
 
+SAME_REQUEST_S = 0.25
+"""Two heads of one tenant and band a peer sent are its same request when their arrivals (when
+heard less how long it had waited) differ by at most this much, s: what delivery delays vary by.
+Its start tag is no mark of it, as it moves whenever the fleet serves the tenant."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sent:
+    arrived: float
+    """When the request arrived at the peer, on this replica's clock (heard less waited)."""
+    first: float
+    """When the peer first sent it: it holds nothing back past that plus the cap."""
+
+
 @dataclasses.dataclass(slots=True)
 class _PeerHeads:
     heads: tuple[QueueHead, ...]
     heard: float
-    since: dict[tuple[int, str, float], float]
-    """Per head (band, tenant, start tag), when the peer first sent it: a head the peer keeps
-    sending unchanged is stuck there (it cannot be routed), and holds nothing back for long."""
+    since: dict[tuple[int, str], _Sent]
+    """Per head (band, tenant), the request it names and when the peer first sent it: a request
+    the peer keeps sending is stuck there (it cannot be routed), and holds nothing back for long,
+    however often the fleet serves its tenant meanwhile."""
 
 
-def _key(head: QueueHead) -> tuple[int, str, float]:
-    return (head.priority, head.tenant, head.start)
+def _key(head: QueueHead) -> tuple[int, str]:
+    return (head.priority, head.tenant)
+
+
+def _sent(head: QueueHead, before: _Sent | None, *, now: float) -> _Sent:
+    """``head`` heard at ``now``: the same request as ``before`` (its first sending kept), or a new one."""
+    arrived = now - head.waited_s
+    if before is not None and abs(before.arrived - arrived) <= SAME_REQUEST_S:
+        return before
+    return _Sent(arrived=arrived, first=now)
 
 
 class FairQueue(Generic[T]):
@@ -307,7 +332,7 @@ class FairQueue(Generic[T]):
         known = self._peers.get(peer)
         fresh = tuple(heads)
         before = {} if known is None else known.since
-        since = {_key(head): before.get(_key(head), now) for head in fresh}
+        since = {_key(head): _sent(head, before.get(_key(head)), now=now) for head in fresh}
         self._peers[peer] = _PeerHeads(heads=fresh, heard=now, since=since)
         if known is not None and known.heads == fresh:
             return False
@@ -336,8 +361,9 @@ class FairQueue(Generic[T]):
         nothing holds it back. A peer's head holds it back while it comes first in the order every
         replica serves in and competes for the same workers (its model is the same, or either asks
         for any worker, and a worker here serves it), for at most ``max_hold_s`` after the peer
-        first sent it: a head a peer keeps sending unchanged is stuck there (no worker that peer may
-        use takes it), and would otherwise hold this queue back for as long as the peer lives."""
+        first sent its request (:data:`SAME_REQUEST_S`): a request a peer keeps sending is stuck
+        there (no worker that peer may use takes it), and would otherwise hold this queue back for
+        as long as the peer lives (with a new tag each time the fleet serves its tenant)."""
         if not self._peers:
             return None
         if priority is None:
@@ -357,7 +383,7 @@ class FairQueue(Generic[T]):
         for state in self._peers.values():
             aged_s = now - state.heard
             for theirs in state.heads:
-                lapses = state.since[_key(theirs)] + max_hold_s
+                lapses = state.since[_key(theirs)].first + max_hold_s
                 if (
                     lapses >= now
                     and (until is None or lapses > until)

@@ -23,8 +23,8 @@ a finished request frees goes to the request that comes first across every repli
 replicas of earlier versions do not hear, when they changed since last built and a peer listens,
 and with each heartbeat, so that they stay fresh; each names the last load message sent before
 it, and applies once that message's changes are (a head's tag already counts them). A peer's head
-holds nothing back for longer than ``Thresholds.peer_queue_max_age_s`` after it was first sent,
-and the replica routes what it held back as soon as that lapses (a wake-up at that moment), so a
+holds nothing back for longer than ``Thresholds.peer_queue_max_age_s`` after its request was first
+sent, and the replica routes what it held back as soon as that lapses (a wake-up at that moment), so a
 dead peer, or a head its peer cannot route, holds nothing back for longer. Heads are whole state,
 not changes: only the latest waits.
 
