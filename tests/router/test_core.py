@@ -663,6 +663,18 @@ def test_a_queue_one_tenant_filled_still_takes_another_tenants_request() -> None
         router.submit(_classed("light-2", priority=0, tenant="third"), now=0.0)
 
 
+def test_the_routed_token_log_keeps_only_the_rate_window_while_nothing_queues() -> None:
+    """The routed rate is read only when a request queues: routing alone drops what falls out of
+    the window, so the log does not grow with every request of a fleet that is never saturated."""
+    router = _router(workers=1)
+    window = router.thresholds.rate_window_s
+    for i in range(100):
+        assert router.submit(_classed(f"r{i}", priority=0), now=float(i)) is not None
+        router.finish(f"r{i}", now=i + 0.5)
+    assert len(router._routed_tokens) == window + 1, "one a second, over the window and its ends"
+    assert router.routed_tokens_per_s(now=99.0) == 2000.0 * (window + 1) / window
+
+
 def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
     router = _router(workers=2, limits=TenantLimits(tokens_per_minute={"a": 2000.0}))
     first = router.submit(_classed("a1", priority=0, tenant="a"), now=0.0)

@@ -431,20 +431,28 @@ class Router:
         how fast the queues, its own and its peers', drain while the fleet is saturated; ``None``
         before a window's worth of history."""
         window = self.thresholds.rate_window_s
+        self._forget_routed(now=now)
         recent = self._routed_tokens
-        by_priority = self._routed_by_priority
-        while recent and recent[0][0] < now - window:
-            _, tokens, priority = recent.popleft()
-            self._routed_sum -= tokens
-            by_priority[priority] -= tokens
         if not recent or now - recent[0][0] < window / 2:
             return None
         if at_or_below is None:
             return self._routed_sum / window
+        by_priority = self._routed_by_priority
         return sum(tokens for priority, tokens in by_priority.items() if priority <= at_or_below) / window
 
+    def _forget_routed(self, *, now: float) -> None:
+        """Drop the routed tokens older than ``rate_window_s`` at ``now``."""
+        recent = self._routed_tokens
+        by_priority = self._routed_by_priority
+        while recent and recent[0][0] < now - self.thresholds.rate_window_s:
+            _, tokens, priority = recent.popleft()
+            self._routed_sum -= tokens
+            by_priority[priority] -= tokens
+
     def _count_routed(self, tokens: float, *, priority: int, now: float) -> None:
-        """``tokens`` of ``priority`` were routed at ``now``, here or by a peer replica."""
+        """``tokens`` of ``priority`` were routed at ``now``, here or by a peer replica (and those
+        older than the window are dropped: the rate is read only while requests queue)."""
+        self._forget_routed(now=now)
         self._routed_tokens.append((now, tokens, priority))
         self._routed_sum += tokens
         by_priority = self._routed_by_priority
