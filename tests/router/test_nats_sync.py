@@ -511,6 +511,40 @@ async def test_queue_heads_are_rebuilt_only_when_they_changed_and_a_peer_listens
         assert len(builds) == 2
 
 
+async def test_a_flush_builds_the_queue_heads_before_it_sends_anything(nats_url: str) -> None:
+    """A request routed while a flush awaits its publishes is charged in a load message sent after
+    the heads: were they built after that await, their tags would count a charge the load message
+    they name does not carry, and peers would charge it again when it came."""
+    hashes = block_hashes(PROMPT, block_size=32)
+    async with _two_replicas(nats_url, "ordered", engines=1, busy_kv_fraction=1e-9) as (one, _two):
+        sync = one.replica_sync
+        assert sync is not None
+        nc = sync.link.nc
+        assert nc is not None
+        _stop_replica_sync_loop(one)
+        router = one.service.router
+        events: list[str] = []
+        original_heads, original_publish = router.queue_heads, nc.publish
+
+        def queue_heads(*, now: float) -> list[QueueHead]:
+            events.append("heads built")
+            return original_heads(now=now)
+
+        async def publish(subject: str, payload: bytes = b"", **kwargs: Any) -> None:
+            events.append("heads sent" if subject.endswith(".heads") else "load sent")
+            await original_publish(subject, payload, **kwargs)
+
+        router.queue_heads = queue_heads  # type: ignore[method-assign]
+        nc.publish = publish  # type: ignore[method-assign,assignment]
+        for rid in ("busy", "waits"):
+            router.submit(
+                RouteRequest(request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant="t"),
+                now=time.monotonic(),
+            )
+        await sync.flush()
+        assert events == ["heads built", "load sent", "heads sent"]
+
+
 async def test_a_replica_routes_what_a_peers_head_held_back_as_soon_as_the_hold_lapses(
     nats_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

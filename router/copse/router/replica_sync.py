@@ -367,32 +367,41 @@ class ReplicaSync(Subscriber):
         """Publish pending changes, and the queue heads when they changed while peers listen (or
         a heartbeat, which always carries the heads). Without a connection they are dropped,
         numbered all the same: peers see the gap and ask for a snapshot."""
-        router = self.service.router
-        outbox = router.outbox
+        outbox = self.service.router.outbox
         assert outbox is not None
-        if outbox or heartbeat:
-            runs = batches(list(outbox)) or [[]]
-            outbox.clear()
-            for changes in runs:
-                self._seq += 1
-                nc = self.link.nc
-                if nc is None:
-                    continue
-                try:
-                    await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=self._seq))
-                except (NatsError, OSError) as exc:
-                    log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
+        runs = (batches(list(outbox)) or [[]]) if outbox or heartbeat else []
+        outbox.clear()
+        first = self._seq + 1
+        self._seq += len(runs)
+        # The heads are built before any await: routed meanwhile, a request's charge would count in
+        # their tags before the message carrying it is sent, and peers would charge it twice.
+        heads = self._heads_to_send(heartbeat=heartbeat)
+        for seq, changes in enumerate(runs, start=first):
+            nc = self.link.nc
+            if nc is None:
+                continue
+            try:
+                await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=seq))
+            except (NatsError, OSError) as exc:
+                log.info("load message %d not sent (%r); peers will ask for a snapshot", seq, exc)
         nc = self.link.nc
+        if heads is not None and nc is not None:
+            with contextlib.suppress(NatsError, OSError):
+                await nc.publish(self._heads_subject, heads)
+
+    def _heads_to_send(self, *, heartbeat: bool) -> bytes | None:
+        """The wire form of the queue heads, when they are to be sent now (they changed while
+        peers listen, or a heartbeat), naming the last load message numbered; else ``None``."""
+        router = self.service.router
         version = router.queue_version
-        if nc is None or not (heartbeat or (self.peers and version != self._heads_version)):
-            return
+        if self.link.nc is None or not (heartbeat or (self.peers and version != self._heads_version)):
+            return None
         self._heads_version = version
         heads = router.queue_heads(now=self.service.now())
         if not heartbeat and heads == self._heads_sent:
-            return
+            return None
         self._heads_sent = heads
-        with contextlib.suppress(NatsError, OSError):
-            await nc.publish(self._heads_subject, encode_heads(self.router_id, heads, seq=self._seq))
+        return encode_heads(self.router_id, heads, seq=self._seq)
 
     async def _answer_snapshot(self, msg: Msg) -> None:
         await self.flush()  # what the snapshot holds is then all sent, up to its number
