@@ -598,10 +598,19 @@ async def test_two_replicas_holding_each_others_heads_back_route_every_request(n
     """Two replicas share one worker that takes one request at a time; each has both tenants'
     requests waiting, so each holds its head back for the other's at times. With a hold cap too
     long to matter, every request is still routed and answered: the replicas share one order and
-    the one holding the first request never waits."""
-    async with _two_replicas(
-        nats_url, "live", engines=1, busy_kv_fraction=1e-9, peer_queue_max_age_s=600.0, queue_timeout_s=600.0
-    ) as (one, two):
+    the one holding the first request never waits (a deadlock fails the test after a minute,
+    instead of hanging it)."""
+    async with (
+        asyncio.timeout(60.0),
+        _two_replicas(
+            nats_url,
+            "live",
+            engines=1,
+            busy_kv_fraction=1e-9,
+            peer_queue_max_age_s=600.0,
+            queue_timeout_s=600.0,
+        ) as (one, two),
+    ):
         held: dict[str, int] = {"one": 0, "two": 0}
         for name, running in (("one", one), ("two", two)):
             router = running.service.router
