@@ -56,8 +56,9 @@ async def test_the_reconcile_loop_ends_when_it_is_cancelled_as_work_arrives() ->
     controller = Controller(kube=FakeKube(), stalled_after_s=30.0)
     controller.mark(("serving", "later"), after_s=600.0)  # the loop waits for it, or a wake-up
     task = asyncio.create_task(controller.run())
-    for _ in range(3):  # the loop reaches its wait
-        await asyncio.sleep(0)
+    async with asyncio.timeout(60.0):
+        while not controller._wakeup._waiters:  # the loop reaches its wait
+            await asyncio.sleep(0)
     controller.mark(("serving", "llama"), after_s=600.0)
     task.cancel()
     await asyncio.wait({task}, timeout=60.0)

@@ -654,9 +654,9 @@ async def test_closing_a_router_as_its_probes_are_woken_ends_the_probe_loop() ->
         try:
             await eventually(lambda: len(running.service.router.workers) == 1)
             (task,) = [task for task in running.service._tasks if task.get_name() == "health-probes"]
-            for _ in range(3):  # the loop reaches its wait after the first round of probes
-                await asyncio.sleep(0)
-            running.service._probe_wake.set()
+            wake = running.service._probe_wake
+            await eventually(lambda: bool(wake._waiters))  # the loop reaches its wait after the probes
+            wake.set()
             task.cancel()
             await asyncio.wait({task}, timeout=60.0)
             assert task.cancelled()

@@ -361,8 +361,9 @@ async def test_stopping_the_engine_as_work_arrives_ends_its_wait() -> None:
     engine = Engine(worker_id="e0", config=EngineConfig(), perf=PolynomialPerfModel())
     engine_server = EngineServer(engine=engine, model_name="mock-model", clock=RealClock())
     task = asyncio.create_task(engine_server._sleep_until_or_work(RealClock().now_ms() + 600_000.0))
-    for _ in range(3):  # the task reaches its wait
-        await asyncio.sleep(0)
+    async with asyncio.timeout(60.0):
+        while not engine_server._work._waiters:  # the task reaches its wait
+            await asyncio.sleep(0)
     engine_server._work.set()
     task.cancel()
     await asyncio.wait({task}, timeout=60.0)
