@@ -323,3 +323,60 @@ async def test_a_peers_queue_heads_apply_after_the_changes_sent_before_them(nats
         finally:
             await nc.drain()
             await running.close()
+
+
+async def test_a_peers_heads_wait_while_another_peers_snapshot_is_pending(nats_url: str) -> None:
+    """Three replicas: c routes tenant t's request (load message 1) while this replica waits for
+    c's snapshot (so holds the message); a applied it and sends its heads (t's tag after that
+    charge). Applied at once they would raise t's tag, and replaying c's message after the
+    snapshot would charge t a second time: they wait until c is synced."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await start_router(_config(fleet.urls, nats_url, "three"), router_id="me")
+        nc = await nats.connect(nats_url)
+        try:
+            await eventually(lambda: len(running.service.router.workers) == 1)
+            (worker,) = running.service.router.workers
+            release_c = asyncio.Event()
+
+            def answers(router: str, *, seq: int, wait: asyncio.Event | None = None) -> Any:
+                async def answer(msg: Msg) -> None:
+                    if wait is not None:
+                        await wait.wait()
+                    await msg.respond(Snapshot(router=router, seq=seq, flights=[]).model_dump_json().encode())
+
+                return answer
+
+            for router, seq, wait in (("a", 1, None), ("c", 0, release_c)):
+                subject = snapshot_subject(namespace="default", deployment="three", router_id=router)
+                await nc.subscribe(subject, cb=answers(router, seq=seq, wait=wait))
+            load = load_subject(namespace="default", deployment="three")
+            sync = running.replica_sync
+            assert sync is not None
+            await nc.publish(load, encode_changes("a", [], seq=1))
+            await eventually(lambda: "a" in sync.peers and sync.peers["a"].synced)
+            hashes = block_hashes(PROMPT, block_size=32)
+            record = FlightRecord(
+                worker_id=worker,
+                hashes=hashes,
+                prefill_tokens=640,
+                prefill_ms=9.0,
+                kv_tokens=8.0,
+                output_tokens=5,
+                tenant="t",
+            )
+            await nc.publish(load, encode_changes("c", [PeerChange(op="add", key="r", record=record)], seq=1))
+            await eventually(lambda: "c" in sync.peers and bool(sync.peers["c"].held))
+            charged = len(hashes) * 32 + 8.0
+            heads = [QueueHead(priority=0, start=charged, tenant="t", virtual=0.0)]
+            queue = running.service.router._queue
+            await nc.publish(
+                heads_subject(namespace="default", deployment="three"), encode_heads("a", heads, seq=1)
+            )
+            await eventually(lambda: sync.peers["a"].heads is not None or "a" in queue._peers)
+            release_c.set()
+            await eventually(lambda: "c/r" in running.service.router.sequences)
+            await eventually(lambda: "a" in queue._peers and list(queue._peers["a"].heads) == heads)
+            assert queue._bands[0].served["t"] == charged, "charged once"
+        finally:
+            await nc.drain()
+            await running.close()

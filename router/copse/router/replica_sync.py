@@ -436,6 +436,7 @@ class ReplicaSync(Subscriber):
                 )
                 del self.peers[peer]
                 self.service.released(self.service.router.forget_peer(peer, now=now))
+                self._apply_pending_heads()  # they may have waited for its snapshot
         self.service.metrics.peers.set(len(self.peers))
 
     async def on_message(self, msg: Msg) -> None:
@@ -487,9 +488,14 @@ class ReplicaSync(Subscriber):
         self._apply_heads(peer, state)
 
     def _apply_heads(self, peer: str, state: _Peer) -> None:
-        """Apply ``peer``'s pending queue heads once the changes sent before them are applied."""
+        """Apply ``peer``'s pending queue heads once the changes sent before them are applied, and
+        while no peer's messages are held (its snapshot pending): ``peer`` may have applied one of
+        those, and its tags count a charge this replica would otherwise count again when it
+        replays the message."""
         if state.heads is None or not state.synced or state.seq < state.heads[0]:
             return
+        if any(not other.synced for other in self.peers.values()):
+            return  # _sync applies them once every peer is synced
         _seq, heads = state.heads
         state.heads = None
         now = self.service.now()
@@ -531,7 +537,12 @@ class ReplicaSync(Subscriber):
         state.synced = True
         if state.heads is not None and snapshot is None:
             state.heads = (state.seq, state.heads[1])  # the changes before them are lost for good
-        self._apply_heads(peer, state)
+        self._apply_pending_heads()
+
+    def _apply_pending_heads(self) -> None:
+        """Apply every peer's pending queue heads that may now be (:meth:`_apply_heads`)."""
+        for peer, state in list(self.peers.items()):
+            self._apply_heads(peer, state)
 
     async def _request_snapshot(self, peer: str) -> Snapshot | None:
         nc = self.link.nc
