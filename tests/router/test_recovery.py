@@ -275,6 +275,21 @@ async def test_a_draining_router_is_not_ready_and_finishes_its_streams() -> None
             await running.close()
 
 
+def _routed_for_t(worker: str) -> tuple[FlightRecord, float]:
+    """A peer's charge of tenant t's request on ``worker``, and the tokens it charges t."""
+    hashes = block_hashes(PROMPT, block_size=32)
+    record = FlightRecord(
+        worker_id=worker,
+        hashes=hashes,
+        prefill_tokens=640,
+        prefill_ms=9.0,
+        kv_tokens=8.0,
+        output_tokens=5,
+        tenant="t",
+    )
+    return record, len(hashes) * 32 + 8.0
+
+
 async def test_a_peers_queue_heads_apply_after_the_changes_sent_before_them(nats_url: str) -> None:
     """A peer routes tenant t's request (its charge in load message 2) and then sends its queue
     heads (t's tag after that charge); the heads arrive first. Applied at once they would raise t's
@@ -297,17 +312,7 @@ async def test_a_peers_queue_heads_apply_after_the_changes_sent_before_them(nats
             sync = running.replica_sync
             assert sync is not None
             await eventually(lambda: "fake" in sync.peers and sync.peers["fake"].synced)
-            hashes = block_hashes(PROMPT, block_size=32)
-            record = FlightRecord(
-                worker_id=worker,
-                hashes=hashes,
-                prefill_tokens=640,
-                prefill_ms=9.0,
-                kv_tokens=8.0,
-                output_tokens=5,
-                tenant="t",
-            )
-            charged = len(hashes) * 32 + 8.0
+            record, charged = _routed_for_t(worker)
             heads = [QueueHead(priority=0, start=charged, tenant="t", virtual=0.0)]
             await nc.publish(
                 heads_subject(namespace="default", deployment="order"), encode_heads("fake", heads, seq=2)
@@ -354,19 +359,9 @@ async def test_a_peers_heads_wait_while_another_peers_snapshot_is_pending(nats_u
             assert sync is not None
             await nc.publish(load, encode_changes("a", [], seq=1))
             await eventually(lambda: "a" in sync.peers and sync.peers["a"].synced)
-            hashes = block_hashes(PROMPT, block_size=32)
-            record = FlightRecord(
-                worker_id=worker,
-                hashes=hashes,
-                prefill_tokens=640,
-                prefill_ms=9.0,
-                kv_tokens=8.0,
-                output_tokens=5,
-                tenant="t",
-            )
+            record, charged = _routed_for_t(worker)
             await nc.publish(load, encode_changes("c", [PeerChange(op="add", key="r", record=record)], seq=1))
             await eventually(lambda: "c" in sync.peers and bool(sync.peers["c"].held))
-            charged = len(hashes) * 32 + 8.0
             heads = [QueueHead(priority=0, start=charged, tenant="t", virtual=0.0)]
             queue = running.service.router._queue
             await nc.publish(
