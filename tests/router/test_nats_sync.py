@@ -396,13 +396,19 @@ def test_load_messages_leave_out_fields_at_their_default() -> None:
     assert decode_changes(json.dumps(sent).encode())[1][0].record == record
 
 
-def test_changes_naming_an_adapter_travel_in_messages_of_their_own() -> None:
-    """A replica of an earlier version drops a whole message naming an adapter: the frees and
-    base-model charges of the same flush go in other messages, in order."""
+def test_changes_naming_an_adapter_or_a_retry_travel_in_messages_of_their_own() -> None:
+    """A replica of an earlier version drops a whole message naming an adapter or a retry: the
+    frees and first-route base-model charges of the same flush go in other messages, in order."""
 
-    def record(adapter: str = "") -> FlightRecord:
+    def record(adapter: str = "", *, retry: bool = False) -> FlightRecord:
         return FlightRecord(
-            worker_id="w", hashes=[1], prefill_tokens=8, prefill_ms=1.0, kv_tokens=0.0, adapter=adapter
+            worker_id="w",
+            hashes=[1],
+            prefill_tokens=8,
+            prefill_ms=1.0,
+            kv_tokens=0.0,
+            adapter=adapter,
+            retry=retry,
         )
 
     changes = [
@@ -412,12 +418,19 @@ def test_changes_naming_an_adapter_travel_in_messages_of_their_own() -> None:
         PeerChange(op="free", key="b"),
         PeerChange(op="prefilled", key="a"),
         PeerChange(op="add", key="d", record=record("sql")),
+        PeerChange(op="free", key="a"),
+        PeerChange(op="add", key="a", record=record(retry=True)),
     ]
     runs = batches(changes)
-    assert [[change.key for change in run] for run in runs] == [["a"], ["b", "c"], ["b", "a"], ["d"]]
+    keys = [["a"], ["b", "c"], ["b", "a"], ["d"], ["a"], ["a"]]
+    assert [[change.key for change in run] for run in runs] == keys
     assert [change for run in runs for change in run] == changes
-    readable = [run for run in runs if b"adapter" not in encode_changes("me", run, seq=1)]
-    assert [[change.key for change in run] for run in readable] == [["a"], ["b", "a"]]
+    readable = [
+        run
+        for run in runs
+        if not any(field in encode_changes("me", run, seq=1) for field in (b"adapter", b"retry"))
+    ]
+    assert [[change.key for change in run] for run in readable] == [["a"], ["b", "a"], ["a"]]
     assert batches([]) == []
 
 

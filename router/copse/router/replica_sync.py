@@ -29,9 +29,10 @@ dead peer, or a head its peer cannot route, holds nothing back for longer. Heads
 not changes: only the latest waits.
 
 Replicas of an earlier version refuse fields they do not know. Fields at their default are left
-out of the wire form, changes naming a LoRA adapter travel in messages of their own
+out of the wire form, changes naming a LoRA adapter or a retry travel in messages of their own
 (:func:`batches`), and a snapshot request without :data:`SNAPSHOT_WITH_ADAPTERS` (theirs) is
-answered without the adapter fields: during a roll they lose only the adapters, not the load.
+answered without the adapter fields: during a roll they lose only the adapters and the retries'
+load (until the gap brings them a snapshot), not the rest of the load.
 """
 
 from __future__ import annotations
@@ -215,10 +216,11 @@ def decode_heads(data: bytes) -> tuple[str, int, list[QueueHead]]:
 
 
 def batches(changes: list[PeerChange]) -> list[list[PeerChange]]:
-    """``changes`` cut, in order, into runs that each carry an adapter or none, one load message
-    each: a replica of an earlier version drops a message naming an adapter (its schema refuses the
-    field), and so loses only those changes, not the frees and base-model charges sent with them
-    (the gap in the numbers then brings it a snapshot it can read)."""
+    """``changes`` cut, in order, into runs that each carry an adapter or a retry, or neither, one
+    load message each: a replica of an earlier version drops a message naming an adapter or a
+    retry (its schema refuses the fields), and so loses only those changes, not the frees and
+    first-route base-model charges sent with them (the gap in the numbers then brings it a
+    snapshot it can read)."""
     runs: list[list[PeerChange]] = []
     for change in changes:
         if runs and _carries(runs[-1][0]) == _carries(change):
@@ -229,7 +231,7 @@ def batches(changes: list[PeerChange]) -> list[list[PeerChange]]:
 
 
 def _carries(change: PeerChange) -> bool:
-    return change.record is not None and bool(change.record.adapter)
+    return change.record is not None and (bool(change.record.adapter) or change.record.retry)
 
 
 def decode_message(data: bytes) -> tuple[str, int, list[PeerChange]]:
