@@ -48,3 +48,18 @@ async def test_health_fails_when_one_pass_hangs() -> None:
     hang.set()
     await task
     assert controller.health()["pass_running_s"] == 0.0
+
+
+async def test_the_reconcile_loop_ends_when_it_is_cancelled_as_work_arrives() -> None:
+    """Losing the lease cancels the loop; a deployment marked at that moment must not keep it
+    running (Python 3.11's wait_for returned normally then, and the loop went on forever)."""
+    controller = Controller(kube=FakeKube(), stalled_after_s=30.0)
+    controller.mark(("serving", "later"), after_s=600.0)  # the loop waits for it, or a wake-up
+    task = asyncio.create_task(controller.run())
+    async with asyncio.timeout(60.0):
+        while not controller._wakeup._waiters:  # the loop reaches its wait
+            await asyncio.sleep(0)
+    controller.mark(("serving", "llama"), after_s=600.0)
+    task.cancel()
+    await asyncio.wait({task}, timeout=60.0)
+    assert task.cancelled()

@@ -20,6 +20,7 @@ from copse.router.core import (
     Thresholds,
     WorkerInfo,
 )
+from copse.router.fairness import QueueHead
 from copse.router.limits import TenantLimits
 from copse.router.policies import POLICIES, RouteRequest, RoutingObjective, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
@@ -415,6 +416,28 @@ def test_peer_changes_are_published_and_mirrored() -> None:
     assert mirror.sequences.requests[slot] == 0
 
 
+def test_a_peers_snapshot_charges_no_tenant_and_counts_no_routed_tokens() -> None:
+    """A snapshot is the peer's in-flight state, sent again at every sequence gap: its requests
+    were charged and counted when their messages arrived (or before this replica started), so a
+    reload moves no tenant's tag and adds nothing to the routed rate admission divides by."""
+    peer = _router(workers=1, share_load=True)
+    mirror = _router(workers=1)
+    assert peer.submit(_classed("r", priority=0, tenant="t"), now=0.0) is not None
+    assert peer.outbox is not None
+    for change in peer.outbox:
+        mirror.apply_peer(change, peer="A", now=0.0)
+    later = mirror.thresholds.rate_window_s * 0.75  # a rate is known after half a window
+    rate = mirror.routed_tokens_per_s(now=later)
+    assert rate is not None
+    tags = dict(mirror._queue._bands[0].served)
+    for _ in range(2):
+        mirror.load_peer_snapshot("A", peer.own_flights(), now=later)
+    slot = mirror.slots.slot("w0")
+    assert mirror.sequences.requests[slot] == 1
+    assert mirror.routed_tokens_per_s(now=later) == rate
+    assert mirror._queue._bands[0].served == tags
+
+
 def _classed(rid: str, *, priority: int, tenant: str = "", ttft_slo_ms: float | None = None) -> RouteRequest:
     return dataclasses.replace(
         _request(rid, PROMPT[:1000], max_tokens=1000),
@@ -435,6 +458,17 @@ def _saturated(**kwargs: Any) -> Router:
     assert router.submit(_classed("running", priority=0), now=5.0) is not None
     assert router.routed_tokens_per_s(now=5.0) == pytest.approx(2500.0)
     return router
+
+
+def _finish_in_turn(router: Router, running: str, *, times: range) -> list[str]:
+    """At each of ``times`` (s), ``running`` ends, then each request the queue released in its
+    place; returns those, in order."""
+    served: list[str] = []
+    for t in times:
+        served += [
+            route.request_id for route in router.finish(served[-1] if served else running, now=float(t))
+        ]
+    return served
 
 
 def test_the_queue_serves_the_higher_priority_first() -> None:
@@ -484,12 +518,97 @@ def test_a_peer_replicas_service_to_a_tenant_moves_it_back_in_this_replicas_queu
         router.apply_peer(change, peer="peer", now=5.0)
     assert router.submit(_classed("heavy-late", priority=0, tenant="heavy"), now=5.0) is None
     assert router.submit(_classed("light-late", priority=0, tenant="light"), now=5.0) is None
-    served: list[str] = []
-    for t in range(6, 11):
-        served += [
-            route.request_id for route in router.finish(served[-1] if served else "running", now=float(t))
-        ]
-    assert served == ["light", "heavy-here", "light-2", "light-late", "heavy-late"]
+    served = _finish_in_turn(router, "running", times=range(6, 11))
+    # The heavy tenant waiting here was served 6,000 tokens elsewhere meanwhile: the light one
+    # catches up (three 2,000-token requests) before heavy-here goes.
+    assert served == ["light", "light-2", "light-late", "heavy-here", "heavy-late"]
+
+
+def _replicas() -> tuple[Router, Router]:
+    """Two router replicas sharing one worker that takes one request at a time."""
+    busy = Thresholds(busy_prefill_tokens=500)
+    return (
+        _router(workers=1, share_load=True, thresholds=busy),
+        _router(workers=1, share_load=True, thresholds=busy),
+    )
+
+
+def _exchange(replicas: tuple[Router, Router], *, now: float) -> list[str]:
+    """What replica sync carries: each replica's load changes and queue heads to the other, until
+    nothing moves; returns the requests the exchange released."""
+    released: list[str] = []
+    a, b = replicas
+    directions: tuple[tuple[str, Router, Router], ...] = (("a", a, b), ("b", b, a))
+    moved = True
+    while moved:
+        moved = False
+        for name, router, peer in directions:
+            assert router.outbox is not None
+            changes, router.outbox[:] = list(router.outbox), []
+            moved = moved or bool(changes)
+            for change in changes:
+                released += [route.request_id for route in peer.apply_peer(change, peer=name, now=now)]
+            routes = peer.apply_peer_queue(name, router.queue_heads(now=now), now=now)
+            released += [route.request_id for route in routes]
+            moved = moved or bool(routes)
+    return released
+
+
+def _held_back(at_a: RouteRequest, at_b: RouteRequest) -> tuple[Router, Router]:
+    """Replicas a and b, both holding a queued request (``at_a``, ``at_b``) when b's heavy-0, on
+    the only worker, ends at 1 s (b has not routed what waits since: its head comes after a's)."""
+    a, b = _replicas()
+    assert b.submit(_classed("heavy-0", priority=0, tenant="heavy"), now=0.0) is not None
+    _exchange((a, b), now=0.0)
+    assert a.submit(at_a, now=0.1) is None, "the worker is busy"
+    assert b.submit(at_b, now=0.1) is None
+    _exchange((a, b), now=0.1)
+    assert b.finish("heavy-0", now=1.0) == [], "b holds its request back"
+    assert b.queued == 1
+    return a, b
+
+
+def test_capacity_a_replica_frees_goes_to_the_peers_head_when_that_comes_first() -> None:
+    # the light tenant, served nothing yet, waits at a; the heavy one was served heavy-0
+    a, b = _held_back(
+        _classed("light-0", priority=0, tenant="light"), _classed("heavy-1", priority=0, tenant="heavy")
+    )
+    assert _exchange((a, b), now=1.0) == ["light-0"], "a takes the capacity b freed"
+    assert a.finish("light-0", now=2.0) == []
+    assert _exchange((a, b), now=2.0) == ["heavy-1"]
+    # a new heavy request at b while the light tenant waits at a, behind it in a's queue
+    assert a.submit(_classed("light-1", priority=0, tenant="light"), now=2.1) is None
+    _exchange((a, b), now=2.1)
+    assert b.submit(_classed("heavy-2", priority=0, tenant="heavy"), now=2.1) is None
+    assert b.finish("heavy-1", now=3.0) == []
+    assert _exchange((a, b), now=3.0) == ["light-1"]
+
+
+def test_a_peers_snapshot_keeps_its_queue_heads() -> None:
+    """A snapshot (at a gap in the peer's messages) replaces the peer's load, not its queue heads,
+    which it does not carry: b still holds its request back for a's light one."""
+    a, b = _held_back(
+        _classed("light-0", priority=0, tenant="light"), _classed("heavy-1", priority=0, tenant="heavy")
+    )
+    assert b.load_peer_snapshot("a", a.own_flights(), now=1.0) == []
+    assert b.hold_ends(now=1.0) == 0.1 + b.thresholds.peer_queue_max_age_s, "a's head, first sent at 0.1 s"
+
+
+def test_a_lower_band_at_one_replica_never_overtakes_a_higher_one_at_the_other() -> None:
+    a, b = _held_back(
+        _classed("premium", priority=100, tenant="t"), _classed("batch", priority=0, tenant="u")
+    )
+    assert _exchange((a, b), now=1.0) == ["premium"]
+
+
+def test_a_silent_peers_queue_head_holds_dispatch_back_no_longer_than_the_timeout() -> None:
+    # a dies with light-0 waiting (last heard at 0.1 s): b's heavy-1 waits for it only while fresh
+    _a, b = _held_back(
+        _classed("light-0", priority=0, tenant="light"), _classed("heavy-1", priority=0, tenant="heavy")
+    )
+    timeout = b.thresholds.peer_queue_max_age_s
+    assert b.drain(now=0.1 + timeout - 0.01) == []
+    assert [route.request_id for route in b.drain(now=0.1 + timeout + 0.01)] == ["heavy-1"]
 
 
 def _loaded(objective: RoutingObjective) -> Router:
@@ -544,6 +663,18 @@ def test_a_queue_one_tenant_filled_still_takes_another_tenants_request() -> None
         router.submit(_classed("light-2", priority=0, tenant="third"), now=0.0)
 
 
+def test_the_routed_token_log_keeps_only_the_rate_window_while_nothing_queues() -> None:
+    """The routed rate is read only when a request queues: routing alone drops what falls out of
+    the window, so the log does not grow with every request of a fleet that is never saturated."""
+    router = _router(workers=1)
+    window = router.thresholds.rate_window_s
+    for i in range(100):
+        assert router.submit(_classed(f"r{i}", priority=0), now=float(i)) is not None
+        router.finish(f"r{i}", now=i + 0.5)
+    assert len(router._routed_tokens) == window + 1, "one a second, over the window and its ends"
+    assert router.routed_tokens_per_s(now=99.0) == 2000.0 * (window + 1) / window
+
+
 def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
     router = _router(workers=2, limits=TenantLimits(tokens_per_minute={"a": 2000.0}))
     first = router.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
@@ -554,3 +685,82 @@ def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
     )
     assert retried is not None
     assert retried.worker_id != first.worker_id
+    assert router._queue._bands[0].served["a"] == 2000.0, "charged once, for the first route"
+
+
+def test_a_retry_is_charged_to_its_tenant_and_counted_once_at_the_peer_replica_too() -> None:
+    """A peer mirrors a retry's load on its new worker but charges its tenant, and counts its
+    tokens in the routed rate, only for the first route: both replicas hold the tenant at 2,000."""
+    a = _router(workers=2, share_load=True)
+    b = _router(workers=2)
+    first = a.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
+    assert first is not None
+    a.finish("a1", now=0.1)
+    retried = a.submit(_classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id}))
+    assert retried is not None
+    assert a.outbox is not None
+    changes = list(a.outbox)
+    assert [change.op for change in changes] == ["add", "free", "add"]
+    for change in changes:
+        b.apply_peer(change, peer="a", now=0.1)
+    assert b.sequences.requests[b.slots.slot(retried.worker_id)] == 1, "the retry's load is mirrored"
+    assert a._queue._bands[0].served["a"] == 2000.0
+    assert b._queue._bands[0].served["a"] == 2000.0, "charged once, for the first route"
+    later = a.thresholds.rate_window_s * 0.75  # a rate is known after half a window
+    rate = 2000.0 / a.thresholds.rate_window_s
+    assert a.routed_tokens_per_s(now=later) == b.routed_tokens_per_s(now=later) == rate
+
+
+def test_a_retry_that_waits_in_the_queue_is_not_charged_to_the_tenant_again() -> None:
+    """A retry (its first worker excluded) that has to wait is charged neither when it waits nor
+    when the queue serves it: its tenant was charged when it was first routed."""
+    router = _router(workers=2, thresholds=Thresholds(busy_prefill_tokens=500))
+    first = router.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
+    assert first is not None
+    assert router.submit(_classed("b1", priority=0, tenant="b"), now=0.0) is not None
+    router.finish("a1", now=0.1)  # it failed before its first token: the service retries it
+    retry = _classed("a1", priority=0, tenant="a")
+    assert router.submit(retry, now=0.1, exclude=frozenset({first.worker_id})) is None, "b1 holds the other"
+    served = router._queue._bands[0].served
+    assert served["a"] == 2000.0
+    assert [route.request_id for route in router.finish("b1", now=0.2)] == ["a1"]
+    assert served["a"] == 2000.0, "charged once, for the first route"
+
+
+def test_one_router_charges_what_it_routes_at_once_so_the_queue_serves_the_tenant_served_least() -> None:
+    """With one router, a request routed at once (a worker was free) counts against its tenant's
+    share as much as one the queue served: a tenant that had the fleet to itself while the others
+    sent nothing waits behind them once the fleet is saturated (until the others caught up), in
+    whatever order they arrived."""
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500))
+    for i in range(3):  # the heavy tenant alone: each request routed at once, 2,000 tokens
+        assert router.submit(_classed(f"heavy-{i}", priority=0, tenant="heavy"), now=float(i)) is not None
+        if i < 2:
+            router.finish(f"heavy-{i}", now=i + 0.5)
+    # the worker is busy with heavy-2: everything now waits, heavy's first
+    assert router.submit(_classed("heavy-3", priority=0, tenant="heavy"), now=2.1) is None
+    assert router.submit(_classed("light-0", priority=0, tenant="light"), now=2.2) is None
+    assert router.submit(_classed("light-1", priority=0, tenant="light"), now=2.3) is None
+    served = _finish_in_turn(router, "heavy-2", times=range(3, 6))
+    # heavy's tag counts its 6,000 tokens, 2,000 past V (the start of heavy-2); light starts at
+    # V, goes first and then ties with heavy at 6,000, where heavy-3, queued earlier, goes first
+    # (were direct routes not charged, heavy-3 would tie with light-0 at 0 and go first)
+    assert served == ["light-0", "heavy-3", "light-1"]
+
+
+def test_a_peers_head_for_a_model_no_worker_here_serves_holds_nothing_back() -> None:
+    router = _router(workers=1, thresholds=Thresholds(busy_prefill_tokens=500))
+    assert router.submit(_classed("heavy-0", priority=0, tenant="heavy"), now=0.0) is not None
+    router.finish("heavy-0", now=0.5)  # the heavy tenant was served 2,000 tokens: light comes first
+
+    def light_waits_at_a(model: str, *, now: float) -> None:
+        head = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0, model=model)
+        router.apply_peer_queue("a", [head], now=now)
+
+    light_waits_at_a("other", now=1.0)
+    assert router.submit(_classed("heavy-1", priority=0, tenant="heavy"), now=1.0) is not None, (
+        "no worker here serves 'other': that request will never take this capacity"
+    )
+    router.finish("heavy-1", now=1.5)
+    light_waits_at_a("", now=2.0)
+    assert router.submit(_classed("heavy-2", priority=0, tenant="heavy"), now=2.0) is None, "held back"

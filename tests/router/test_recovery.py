@@ -6,20 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import nats
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
+from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import (
     Snapshot,
     SnapshotFlight,
     WireRecord,
     encode_changes,
+    encode_heads,
+    heads_subject,
     load_subject,
     snapshot_subject,
 )
@@ -172,70 +177,80 @@ async def test_a_replica_starting_while_another_runs_knows_its_load_before_it_is
             await one.close()
 
 
-async def test_lost_messages_of_a_peer_bring_a_new_snapshot(nats_url: str) -> None:
-    """A fake peer numbers its messages 1, 2, then 5 (3 and 4 lost); its snapshot is the truth."""
+@contextlib.asynccontextmanager
+async def _router_beside_fake_peers(
+    nats_url: str, deployment: str
+) -> AsyncIterator[tuple[RunningRouter, NATS, str]]:
+    """Router "me" over one mocked engine, and a NATS connection on which the test plays its peer
+    replicas; yields them and the engine's worker id."""
     async with mock_fleet(engines=1) as fleet:
-        running = await start_router(_config(fleet.urls, nats_url, "gaps"), router_id="me")
+        running = await start_router(_config(fleet.urls, nats_url, deployment), router_id="me")
         nc = await nats.connect(nats_url)
         try:
             await eventually(lambda: len(running.service.router.workers) == 1)
             (worker,) = running.service.router.workers
-            wire = WireRecord(
-                worker_id=worker,
-                hashes=block_hashes(PROMPT, block_size=32),
-                prefill_tokens=640,
-                prefill_ms=9.0,
-                kv_tokens=8.0,
-            )
-            record = FlightRecord(**wire.model_dump())
-            state: dict[str, SnapshotFlight] = {}  # the fake peer's in-flight charges
-            sent = 0
-            snapshots = 0
-
-            async def answer(msg: Msg) -> None:
-                nonlocal snapshots
-                snapshots += 1
-                snapshot = Snapshot(router="fake", seq=sent, flights=list(state.values()))
-                await msg.respond(snapshot.model_dump_json().encode())
-
-            await nc.subscribe(
-                snapshot_subject(namespace="default", deployment="gaps", router_id="fake"), cb=answer
-            )
-
-            async def send(*changes: PeerChange, seq: int, lost: bool = False) -> None:
-                nonlocal sent
-                for change in changes:
-                    if change.op == "add":
-                        state[change.key] = SnapshotFlight(key=change.key, record=wire, prefilling=True)
-                    else:
-                        state.pop(change.key, None)
-                sent = seq
-                if not lost:
-                    message = encode_changes("fake", list(changes), seq=seq)
-                    await nc.publish(load_subject(namespace="default", deployment="gaps"), message)
-
-            sync = running.replica_sync
-            assert sync is not None
-            held = running.service.router.sequences
-
-            def mirrored() -> list[str]:
-                return sorted(key for key in ("fake/a", "fake/b", "fake/c") if key in held)
-
-            await send(PeerChange(op="add", key="a", record=record), seq=1)
-            await eventually(lambda: "fake" in sync.peers and sync.peers["fake"].synced)
-            assert snapshots == 1  # a peer heard for the first time is asked for its snapshot
-            assert mirrored() == ["fake/a"]
-            await send(PeerChange(op="add", key="b", record=record), seq=2)
-            await eventually(lambda: mirrored() == ["fake/a", "fake/b"])
-            await send(PeerChange(op="free", key="a"), PeerChange(op="free", key="b"), seq=3, lost=True)
-            await send(PeerChange(op="add", key="c", record=record), seq=4, lost=True)
-            await send(seq=5)  # a heartbeat after the gap
-            await eventually(lambda: snapshots == 2)
-            await eventually(lambda: mirrored() == ["fake/c"])
-            assert running.service.metrics.peer_snapshots.labels(result="loaded")._value.get() == 2
+            yield running, nc, worker
         finally:
             await nc.drain()
             await running.close()
+
+
+async def test_lost_messages_of_a_peer_bring_a_new_snapshot(nats_url: str) -> None:
+    """A fake peer numbers its messages 1, 2, then 5 (3 and 4 lost); its snapshot is the truth."""
+    async with _router_beside_fake_peers(nats_url, "gaps") as (running, nc, worker):
+        wire = WireRecord(
+            worker_id=worker,
+            hashes=block_hashes(PROMPT, block_size=32),
+            prefill_tokens=640,
+            prefill_ms=9.0,
+            kv_tokens=8.0,
+        )
+        record = FlightRecord(**wire.model_dump())
+        state: dict[str, SnapshotFlight] = {}  # the fake peer's in-flight charges
+        sent = 0
+        snapshots = 0
+
+        async def answer(msg: Msg) -> None:
+            nonlocal snapshots
+            snapshots += 1
+            snapshot = Snapshot(router="fake", seq=sent, flights=list(state.values()))
+            await msg.respond(snapshot.model_dump_json().encode())
+
+        await nc.subscribe(
+            snapshot_subject(namespace="default", deployment="gaps", router_id="fake"), cb=answer
+        )
+
+        async def send(*changes: PeerChange, seq: int, lost: bool = False) -> None:
+            nonlocal sent
+            for change in changes:
+                if change.op == "add":
+                    state[change.key] = SnapshotFlight(key=change.key, record=wire, prefilling=True)
+                else:
+                    state.pop(change.key, None)
+            sent = seq
+            if not lost:
+                message = encode_changes("fake", list(changes), seq=seq)
+                await nc.publish(load_subject(namespace="default", deployment="gaps"), message)
+
+        sync = running.replica_sync
+        assert sync is not None
+        held = running.service.router.sequences
+
+        def mirrored() -> list[str]:
+            return sorted(key for key in ("fake/a", "fake/b", "fake/c") if key in held)
+
+        await send(PeerChange(op="add", key="a", record=record), seq=1)
+        await eventually(lambda: "fake" in sync.peers and sync.peers["fake"].synced)
+        assert snapshots == 1  # a peer heard for the first time is asked for its snapshot
+        assert mirrored() == ["fake/a"]
+        await send(PeerChange(op="add", key="b", record=record), seq=2)
+        await eventually(lambda: mirrored() == ["fake/a", "fake/b"])
+        await send(PeerChange(op="free", key="a"), PeerChange(op="free", key="b"), seq=3, lost=True)
+        await send(PeerChange(op="add", key="c", record=record), seq=4, lost=True)
+        await send(seq=5)  # a heartbeat after the gap
+        await eventually(lambda: snapshots == 2)
+        await eventually(lambda: mirrored() == ["fake/c"])
+        assert running.service.metrics.peer_snapshots.labels(result="loaded")._value.get() == 2
 
 
 async def test_a_draining_router_is_not_ready_and_finishes_its_streams() -> None:
@@ -270,3 +285,89 @@ async def test_a_draining_router_is_not_ready_and_finishes_its_streams() -> None
             await asyncio.wait_for(drain, 5)
         finally:
             await running.close()
+
+
+def _routed_for_t(worker: str) -> tuple[FlightRecord, float]:
+    """A peer's charge of tenant t's request on ``worker``, and the tokens it charges t."""
+    hashes = block_hashes(PROMPT, block_size=32)
+    record = FlightRecord(
+        worker_id=worker,
+        hashes=hashes,
+        prefill_tokens=640,
+        prefill_ms=9.0,
+        kv_tokens=8.0,
+        output_tokens=5,
+        tenant="t",
+    )
+    return record, len(hashes) * 32 + 8.0
+
+
+async def test_a_peers_queue_heads_apply_after_the_changes_sent_before_them(nats_url: str) -> None:
+    """A peer routes tenant t's request (its charge in load message 2) and then sends its queue
+    heads (t's tag after that charge); the heads arrive first. Applied at once they would raise t's
+    tag to the post-charge one, and the charge would then count a second time."""
+    async with _router_beside_fake_peers(nats_url, "order") as (running, nc, worker):
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(Snapshot(router="fake", seq=1, flights=[]).model_dump_json().encode())
+
+        await nc.subscribe(
+            snapshot_subject(namespace="default", deployment="order", router_id="fake"), cb=answer
+        )
+        subject = load_subject(namespace="default", deployment="order")
+        await nc.publish(subject, encode_changes("fake", [], seq=1))
+        sync = running.replica_sync
+        assert sync is not None
+        await eventually(lambda: "fake" in sync.peers and sync.peers["fake"].synced)
+        record, charged = _routed_for_t(worker)
+        heads = [QueueHead(priority=0, start=charged, tenant="t", virtual=0.0)]
+        await nc.publish(
+            heads_subject(namespace="default", deployment="order"), encode_heads("fake", heads, seq=2)
+        )
+        await nc.flush()
+        await nc.publish(
+            subject, encode_changes("fake", [PeerChange(op="add", key="a", record=record)], seq=2)
+        )
+        await eventually(lambda: "fake/a" in running.service.router.sequences)
+        queue = running.service.router._queue
+        await eventually(lambda: "fake" in queue._peers and list(queue._peers["fake"].heads) == heads)
+        assert queue._bands[0].served["t"] == charged, "charged once"
+
+
+async def test_a_peers_heads_wait_while_another_peers_snapshot_is_pending(nats_url: str) -> None:
+    """Three replicas: c routes tenant t's request (load message 1) while this replica waits for
+    c's snapshot (so holds the message); a applied it and sends its heads (t's tag after that
+    charge). Applied at once they would raise t's tag, and replaying c's message after the
+    snapshot would charge t a second time: they wait until c is synced."""
+    async with _router_beside_fake_peers(nats_url, "three") as (running, nc, worker):
+        release_c = asyncio.Event()
+
+        def answers(router: str, *, seq: int, wait: asyncio.Event | None = None) -> Any:
+            async def answer(msg: Msg) -> None:
+                if wait is not None:
+                    await wait.wait()
+                await msg.respond(Snapshot(router=router, seq=seq, flights=[]).model_dump_json().encode())
+
+            return answer
+
+        for router, seq, wait in (("a", 1, None), ("c", 0, release_c)):
+            subject = snapshot_subject(namespace="default", deployment="three", router_id=router)
+            await nc.subscribe(subject, cb=answers(router, seq=seq, wait=wait))
+        load = load_subject(namespace="default", deployment="three")
+        sync = running.replica_sync
+        assert sync is not None
+        await nc.publish(load, encode_changes("a", [], seq=1))
+        await eventually(lambda: "a" in sync.peers and sync.peers["a"].synced)
+        record, charged = _routed_for_t(worker)
+        await nc.publish(load, encode_changes("c", [PeerChange(op="add", key="r", record=record)], seq=1))
+        await eventually(lambda: "c" in sync.peers and bool(sync.peers["c"].held))
+        heads = [QueueHead(priority=0, start=charged, tenant="t", virtual=0.0)]
+        queue = running.service.router._queue
+        await nc.publish(
+            heads_subject(namespace="default", deployment="three"), encode_heads("a", heads, seq=1)
+        )
+        await eventually(lambda: sync.peers["a"].heads is not None or "a" in queue._peers)
+        release_c.set()
+        await eventually(lambda: "c/r" in running.service.router.sequences)
+        await eventually(lambda: "a" in queue._peers and list(queue._peers["a"].heads) == heads)
+        assert queue._bands[0].served["t"] == charged, "charged once"

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from copse.workers.mocker import Engine, EngineConfig, server
-from copse.workers.mocker.clock import VirtualClock
+from copse.workers.mocker.clock import RealClock, VirtualClock
 from copse.workers.mocker.server import EngineServer, _Stream
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvDump
@@ -353,3 +353,18 @@ async def test_tokens_that_come_while_a_chunk_is_written_are_still_sent() -> Non
     rest = [new async for new in tokens]
     assert [*first, *(t for new in rest for t in new)] == list(request.output)
     assert len(request.output) == 4
+
+
+async def test_stopping_the_engine_as_work_arrives_ends_its_wait() -> None:
+    """A cancellation (stop()) arriving together with new work ends the step loop's wait (Python
+    3.11's wait_for returned normally then, and the loop, and stop(), went on forever)."""
+    engine = Engine(worker_id="e0", config=EngineConfig(), perf=PolynomialPerfModel())
+    engine_server = EngineServer(engine=engine, model_name="mock-model", clock=RealClock())
+    task = asyncio.create_task(engine_server._sleep_until_or_work(RealClock().now_ms() + 600_000.0))
+    async with asyncio.timeout(60.0):
+        while not engine_server._work._waiters:  # the task reaches its wait
+            await asyncio.sleep(0)
+    engine_server._work.set()
+    task.cancel()
+    await asyncio.wait({task}, timeout=60.0)
+    assert task.cancelled()

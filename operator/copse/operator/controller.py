@@ -279,8 +279,11 @@ class Controller:
                 self._wakeup.clear()
                 upcoming = min(self._dirty.values(), default=None)
                 timeout = None if upcoming is None else max(0.0, upcoming - now)
+                # (asyncio.timeout, not wait_for: in Python 3.11 wait_for returns when a wake-up
+                # and the cancellation at a lost lease arrive together, and the loop never ends)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
+                    async with asyncio.timeout(timeout):
+                        await self._wakeup.wait()
                 continue
             for _, key in due:
                 self._dirty.pop(key, None)

@@ -304,6 +304,11 @@ class RouterConfig(_Model):
     """Slow or failed probes in a row before a worker that still accepts connections is dropped."""
     peer_timeout_s: float = Field(default=5.0, gt=0)
     """A peer router silent this long is considered gone and its load forgotten."""
+    peer_queue_max_age_s: float = Field(default=Thresholds().peer_queue_max_age_s, gt=0)
+    """How long a peer router's queue head holds this router's dispatch back at most, from when the
+    peer first sent it (a request waiting at a peer that comes first in the fair order takes freed
+    capacity first); peers re-send their heads every second, so a dead or cut-off peer, or a head
+    its peer cannot route, stops holding anything back after this."""
     nats_reconnect_max_s: float = Field(default=8.0, gt=0)
     """Longest wait between attempts to reach NATS (the wait doubles from 0.25 s up to it)."""
     recovery_timeout_s: float = Field(default=15.0, gt=0)
@@ -497,6 +502,7 @@ class RouterConfig(_Model):
             busy_kv_fraction=self.busy_kv_fraction,
             queue_size=self.queue_size,
             rate_window_s=self.rate_window_s,
+            peer_queue_max_age_s=self.peer_queue_max_age_s,
         )
 
 

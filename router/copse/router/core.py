@@ -30,7 +30,7 @@ from copse.router.adapters import AdapterRouting, AdapterTracker
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
-from copse.router.fairness import FairQueue
+from copse.router.fairness import FairQueue, QueueHead
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
 from copse.router.limits import TenantLimits
 from copse.router.policies import (
@@ -114,6 +114,15 @@ class Thresholds:
     rate_window_s: float = 10.0
     """Window over which the router measures the tokens per second it routes, which is how fast
     its queue drains while the fleet is saturated (what admission predicts waits with)."""
+    peer_queue_max_age_s: float = 3.0
+    """How long a peer replica's queue head holds this replica's dispatch back at most, from when
+    the peer first sent its request (whatever its start tag became since:
+    :mod:`copse.router.fairness`); a peer's heads not heard for this long are forgotten. Replicas
+    re-send their heads with every heartbeat (1 s), so three missed heartbeats mean the peer is
+    gone or cut off, and a request sent as a head for this long is stuck there: a dead replica, or
+    a head its replica cannot route, must never stall dispatch, and holds capacity idle at most
+    this long (a head merely slow to go is let past too). Shorter than the 5 s after which a
+    peer's load is forgotten, so its heads stop counting first."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,6 +204,9 @@ class FlightRecord:
     """Priority of the request's objective."""
     adapter: str = ""
     """LoRA adapter the request runs through (peers mirror the worker's adapter cache)."""
+    retry: bool = False
+    """The request was routed before (a retry on another worker, or a gateway's fallback): peers
+    mirror the worker's load but charge its tenant and count its tokens only at its first route."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -278,8 +290,10 @@ class Router:
         # Role -> (versions it was built at, its free workers or None): valid until a worker joins,
         # leaves or crosses a busy threshold.
         self._free_cache: dict[Role, tuple[tuple[int, int], _Eligible | None]] = {}
+        self.adapters = AdapterTracker(adapters)
+        """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
         self._queue: FairQueue[tuple[RouteRequest, frozenset[str]]] = FairQueue(
-            weight=tenant_weight or (lambda _tenant: 1.0)
+            weight=tenant_weight or (lambda _tenant: 1.0), serves=self.adapters.serves
         )
         self._routes: dict[str, Route] = {}
         self._guards: dict[int, Counter[tuple[int, float]]] = {}
@@ -299,8 +313,6 @@ class Router:
         """Prompt tokens of every routed request (for the predicted hit rate)."""
         self.cached_tokens_routed = 0
         """Prompt tokens the chosen workers were predicted to hold."""
-        self.adapters = AdapterTracker(adapters)
-        """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
         self._peer_held: dict[str, tuple[str, list[str]]] = {}
         """Worker id -> (the peer, the adapters its snapshot said the worker holds), for workers
         this router has not registered yet: taken when they register, unless their engine reports
@@ -402,7 +414,10 @@ class Router:
                     f"{limits.limit(request.tenant):g} tokens per minute",
                     retry_after_s=wait_s,
                 )
-        route = None if self._queue else self._try_route(request, now=now, exclude=exclude)
+        held = self._queue or self._peer_ahead(request, now=now)
+        route = None if held else self._try_route(request, now=now, exclude=exclude)
+        if route is not None and not exclude:
+            self._queue.charge(priority=request.priority, tenant=request.tenant, tokens=tokens)
         if route is None:
             self._admit(request, now=now)
             self._enqueue(request, exclude, now=now)
@@ -411,26 +426,43 @@ class Router:
         return route
 
     def routed_tokens_per_s(self, *, now: float, at_or_below: int | None = None) -> float | None:
-        """Tokens (prompt plus expected output) per second this router routed over the last
-        ``rate_window_s`` (of priority ``at_or_below`` or lower, when given): how fast its queue
-        drains while the fleet is saturated; ``None`` before a window's worth of history."""
+        """Tokens (prompt plus expected output) per second this router and its peer replicas
+        routed over the last ``rate_window_s`` (of priority ``at_or_below`` or lower, when given):
+        how fast the queues, its own and its peers', drain while the fleet is saturated; ``None``
+        before a window's worth of history."""
         window = self.thresholds.rate_window_s
+        self._forget_routed(now=now)
         recent = self._routed_tokens
-        by_priority = self._routed_by_priority
-        while recent and recent[0][0] < now - window:
-            _, tokens, priority = recent.popleft()
-            self._routed_sum -= tokens
-            by_priority[priority] -= tokens
         if not recent or now - recent[0][0] < window / 2:
             return None
         if at_or_below is None:
             return self._routed_sum / window
+        by_priority = self._routed_by_priority
         return sum(tokens for priority, tokens in by_priority.items() if priority <= at_or_below) / window
 
+    def _forget_routed(self, *, now: float) -> None:
+        """Drop the routed tokens older than ``rate_window_s`` at ``now``."""
+        recent = self._routed_tokens
+        by_priority = self._routed_by_priority
+        while recent and recent[0][0] < now - self.thresholds.rate_window_s:
+            _, tokens, priority = recent.popleft()
+            self._routed_sum -= tokens
+            by_priority[priority] -= tokens
+
+    def _count_routed(self, tokens: float, *, priority: int, now: float) -> None:
+        """``tokens`` of ``priority`` were routed at ``now``, here or by a peer replica (and those
+        older than the window are dropped: the rate is read only while requests queue)."""
+        self._forget_routed(now=now)
+        self._routed_tokens.append((now, tokens, priority))
+        self._routed_sum += tokens
+        by_priority = self._routed_by_priority
+        by_priority[priority] = by_priority.get(priority, 0.0) + tokens
+
     def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
-        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queue
-        serves before it is done (higher priorities, and of its own band its tenant's waiting tokens
-        and the other tenants' fair share beside them: :meth:`FairQueue.tokens_ahead`), over the
+        """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queues
+        of this replica and its peers serve before it is done (higher priorities, and of its own
+        band its tenant's waiting tokens and the other tenants' fair share beside them:
+        :meth:`FairQueue.tokens_ahead`), over the
         rate the fleet took tokens of its priority and lower (what higher priorities leave it, and
         what ITL guards let through), else of every priority when none of those were routed;
         ``None`` when no rate is known yet."""
@@ -480,6 +512,8 @@ class Router:
             priority=request.priority,
             tenant=request.tenant,
             tokens=float(request.prompt_tokens + request.max_tokens),
+            now=now,
+            model=request.model,
         )
 
     def prefill_done(self, request_id: str, *, now: float) -> list[Route]:
@@ -544,17 +578,49 @@ class Router:
             or (route.prefill_worker_id == worker_id and _prefill_key(route.request_id) in self.sequences)
         )
 
+    def _peer_ahead(self, request: RouteRequest, *, now: float) -> bool:
+        """Whether a peer replica's queue head comes before a new ``request`` (it then waits)."""
+        max_age_s = self.thresholds.peer_queue_max_age_s
+        self._queue.forget_stale_peers(now=now, max_age_s=max_age_s)
+        held = self._queue.held_until(
+            now=now,
+            max_hold_s=max_age_s,
+            priority=request.priority,
+            tenant=request.tenant,
+            model=request.model,
+        )
+        return held is not None
+
+    def hold_ends(self, *, now: float) -> float | None:
+        """When the hold peer replicas' queue heads put on this router's queue lapses (it may then
+        route what waits: :meth:`drain`); ``None`` when nothing holds it back."""
+        max_age_s = self.thresholds.peer_queue_max_age_s
+        self._queue.forget_stale_peers(now=now, max_age_s=max_age_s)
+        return self._queue.held_until(now=now, max_hold_s=max_age_s)
+
+    def drain(self, *, now: float) -> list[Route]:
+        """Route what the queue may route now; returns the routes (what a replica calls when the
+        hold of its peers' queue heads lapsed)."""
+        return self._drain(now=now)
+
     def _drain(self, *, now: float) -> list[Route]:
         # Whatever changed the load (a first token, an end, a peer) updates the cost terms now,
         # so that a decision only pays for its own change.
         self.costs.refresh()
         routed: list[Route] = []
+        max_age_s = self.thresholds.peer_queue_max_age_s
+        self._queue.forget_stale_peers(now=now, max_age_s=max_age_s)
         while (head := self._queue.peek()) is not None:
+            if self._queue.held_until(now=now, max_hold_s=max_age_s) is not None:
+                break  # a peer replica's head comes first: the capacity is its to take
             key, (request, exclude) = head
             route = self._try_route(request, now=now, exclude=exclude)
             if route is None:
                 break
-            self._queue.pop(key)
+            if exclude:
+                self._queue.remove(key)  # a retry: its tenant was charged when it was first routed
+            else:
+                self._queue.pop(key)
             routed.append(route)
         return routed
 
@@ -617,7 +683,9 @@ class Router:
                 # Only prefill workers of a revision that has a free decode worker.
                 prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
             if prefill_free is not None:
-                return self._route_disaggregated(request, prefill_free, decode_free, now=now)
+                return self._route_disaggregated(
+                    request, prefill_free, decode_free, retry=bool(exclude), now=now
+                )
             # No prefill worker available: decode workers serve whole requests.
             worker_free = (
                 decode_free if worker_free is None else _Eligible.of(worker_free.mask | decode_free.mask)
@@ -627,7 +695,7 @@ class Router:
         guarded = self._within_guards(self._selection(request, worker_free, now=now))
         if guarded is None:
             return None
-        return self._commit_aggregated(guarded, self.policy.choose(guarded), now=now)
+        return self._commit_aggregated(guarded, self.policy.choose(guarded), retry=bool(exclude), now=now)
 
     def steps_ms_with(self, request: RouteRequest, *, new_tokens: FloatArray) -> FloatArray:
         """Predicted step time of each worker once it holds ``request`` too, whose prompt has
@@ -735,9 +803,11 @@ class Router:
         self.costs.refresh()
         only = np.zeros(self.sequences.size, dtype=bool)
         only[slot] = True
-        return self._commit_aggregated(self._selection(request, _Eligible.of(only), now=now), slot, now=now)
+        selection = self._selection(request, _Eligible.of(only), now=now)
+        # a move, not a new request: its tenant was charged where it was first routed
+        return self._commit_aggregated(selection, slot, retry=True, now=now)
 
-    def _commit_aggregated(self, selection: Selection, slot: int, *, now: float) -> Route:
+    def _commit_aggregated(self, selection: Selection, slot: int, *, retry: bool, now: float) -> Route:
         request = selection.request
         cached = selection.cached_tokens(slot)
         ttft = selection.ttft_ms().item(slot)  # before charging changes the load
@@ -749,6 +819,7 @@ class Router:
             onboard_ms=onboard_ms,
             output=True,
             key=request.request_id,
+            retry=retry,
             now=now,
         )
         self._guard(request, slot)
@@ -779,7 +850,13 @@ class Router:
         return eligible if np.array_equal(mask, eligible.mask) else _Eligible.of(mask)
 
     def _route_disaggregated(
-        self, request: RouteRequest, prefill_free: _Eligible, decode_free: _Eligible, *, now: float
+        self,
+        request: RouteRequest,
+        prefill_free: _Eligible,
+        decode_free: _Eligible,
+        *,
+        retry: bool,
+        now: float,
     ) -> Route:
         prefill = self._selection(request, prefill_free, now=now)
         p_slot = self.policy.choose(prefill)
@@ -817,7 +894,7 @@ class Router:
         )
         if local_compute <= transfer[d_slot]:
             # Moving the KV would cost more than computing it within the decode worker's next step.
-            return self._commit_aggregated(decode, d_slot, now=now)
+            return self._commit_aggregated(decode, d_slot, retry=retry, now=now)
         remote_ttft = float(prefill.ttft_ms()[p_slot] + transfer[d_slot])
 
         cached = prefill.cached_tokens(p_slot)
@@ -830,6 +907,7 @@ class Router:
             onboard_ms=onboard_ms,
             output=False,
             key=prefill_key,
+            retry=retry,
             now=now,
         )
         self._charge(
@@ -839,6 +917,7 @@ class Router:
             onboard_ms=0.0,
             output=True,
             key=request.request_id,
+            retry=retry,
             now=now,
         )
         self._guard(request, d_slot)
@@ -878,11 +957,13 @@ class Router:
         onboard_ms: float,
         output: bool,
         key: str,
+        retry: bool,
         now: float,
     ) -> None:
         """Account ``request`` on ``slot`` under ``key``: prefill the uncached tokens after onboarding
         the cached blocks kept below the GPU (``onboard_ms``), hold the prompt's KV (and the output's,
-        where it decodes); tell peer routers."""
+        where it decodes); tell peer routers. A ``retry`` (routed before) adds nothing to the routed
+        rate, here or at the peers: its tokens were counted at its first route."""
         bs = self.settings.block_size
         new_tokens = request.prompt_tokens - cached_tokens
         prefill_ms = onboard_ms
@@ -900,12 +981,10 @@ class Router:
             now=now,
             output_tokens=request.max_tokens if output else 0,
         )
-        if output:
-            tokens = float(request.prompt_tokens + request.max_tokens)
-            self._routed_tokens.append((now, tokens, request.priority))
-            self._routed_sum += tokens
-            by_priority = self._routed_by_priority
-            by_priority[request.priority] = by_priority.get(request.priority, 0.0) + tokens
+        if output and not retry:
+            self._count_routed(
+                float(request.prompt_tokens + request.max_tokens), priority=request.priority, now=now
+            )
         if output and self.experts is not None:
             self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
         self.costs.refresh()
@@ -922,6 +1001,7 @@ class Router:
                 tenant=request.tenant,
                 priority=request.priority,
                 adapter=request.adapter,
+                retry=retry,
             )
             self.outbox.append(PeerChange(op="add", key=key, record=record))
 
@@ -933,26 +1013,12 @@ class Router:
         key = f"{peer}/{change.key}"
         if change.op == "add":
             record = change.record
-            if record is None or record.worker_id not in self.workers:
-                return []
-            slot = self.slots.get(record.worker_id)
-            if slot is None:
-                return []
-            self.sequences.add(
-                key,
-                slot=slot,
-                hashes=record.hashes,
-                prefill_tokens=record.prefill_tokens,
-                prefill_ms=record.prefill_ms,
-                kv_tokens=record.kv_tokens,
-                now=now,
-                output_tokens=record.output_tokens,
-            )
-            if record.output_tokens:  # the request's main charge: what the peer served it
+            mirrored = record is not None and self._mirror_add(key, record, now=now)
+            if record is not None and mirrored and record.output_tokens and not record.retry:
+                # the request's main charge, at its first route: what the peer served it
                 served = len(record.hashes) * self.settings.block_size + record.kv_tokens
                 self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
-            if record.adapter and self.adapters.settings.shared:
-                self.adapters.routed(key, slots=(slot,), adapter=record.adapter, peer=True)
+                self._count_routed(served, priority=record.priority, now=now)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)
@@ -960,6 +1026,46 @@ class Router:
             self.sequences.free(key, now=now)
             self.adapters.finished(key)
         return self._drain(now=now)
+
+    def _mirror_add(self, key: str, record: FlightRecord, *, now: float) -> bool:
+        """Charge ``record`` (a peer's) under ``key`` to its worker; ``False`` when this router
+        does not know the worker."""
+        if record.worker_id not in self.workers:
+            return False
+        slot = self.slots.get(record.worker_id)
+        if slot is None:
+            return False
+        self.sequences.add(
+            key,
+            slot=slot,
+            hashes=record.hashes,
+            prefill_tokens=record.prefill_tokens,
+            prefill_ms=record.prefill_ms,
+            kv_tokens=record.kv_tokens,
+            now=now,
+            output_tokens=record.output_tokens,
+        )
+        if record.adapter and self.adapters.settings.shared:
+            self.adapters.routed(key, slots=(slot,), adapter=record.adapter, peer=True)
+        return True
+
+    @property
+    def queue_version(self) -> int:
+        """Moves whenever :meth:`queue_heads` may have changed (other than by ageing)."""
+        return self._queue.version
+
+    def queue_heads(self, *, now: float) -> list[QueueHead]:
+        """Per priority band and waiting tenant, the request this replica's queue serves next, at
+        ``now`` (for its peers)."""
+        return self._queue.heads(now=now)
+
+    def apply_peer_queue(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> list[Route]:
+        """The queue heads of the router replica ``peer`` (every band it has requests waiting in),
+        heard at ``now``: this replica holds its own head back while one of them comes first
+        (:mod:`copse.router.fairness`). Returns queued requests it lets through."""
+        if not self._queue.observe_peer(peer, heads, now=now):
+            return []
+        return self._drain(now=now) if self._queue else []
 
     def own_flights(self) -> list[tuple[str, FlightRecord, bool]]:
         """What this router itself has charged workers, for a peer replica's snapshot: per charge
@@ -1006,9 +1112,12 @@ class Router:
         """Replace what is known of ``peer``'s load with its snapshot (:meth:`own_flights` there)
         and, unless adapter sharing is off, take its view of the adapters each worker holds
         (``adapters``, :meth:`held_adapters` there); returns queued requests it lets through."""
-        self.forget_peer(peer, now=now)
+        self._forget_peer_load(peer, now=now)  # its queue heads stay: they are not in a snapshot
         for key, record, prefilling in flights:
-            self.apply_peer(PeerChange(op="add", key=key, record=record), peer=peer, now=now)
+            # In flight, not new: its tenant was charged and its tokens counted when it was routed
+            # (a snapshot comes again at every gap in the peer's messages).
+            if not self._mirror_add(f"{peer}/{key}", record, now=now):
+                continue
             if not prefilling:
                 self.sequences.prefill_done(f"{peer}/{key}", now=now)
         if adapters and self.adapters.settings.shared:
@@ -1021,13 +1130,17 @@ class Router:
         return self._drain(now=now)
 
     def forget_peer(self, peer: str, *, now: float) -> list[Route]:
-        """Drop every charge made by ``peer`` (it stopped or restarted)."""
+        """Drop every charge made by ``peer`` and its queue heads (it stopped or restarted)."""
+        self._queue.forget_peer(peer)
+        self._forget_peer_load(peer, now=now)
+        return self._drain(now=now)
+
+    def _forget_peer_load(self, peer: str, *, now: float) -> None:
         prefix = f"{peer}/"
         self._peer_held = {worker: held for worker, held in self._peer_held.items() if held[0] != peer}
         for key in self.sequences.keys_with_prefix(prefix):
             self.sequences.free(key, now=now)
             self.adapters.finished(key)
-        return self._drain(now=now)
 
     def expire(self, *, now: float, max_age_s: float) -> list[str]:
         """Free in-flight entries older than ``max_age_s`` whose end was never reported (lost peer

@@ -1,4 +1,5 @@
-"""The router's wait queue: priority bands, and weighted fair queuing on tokens between tenants.
+"""The router's wait queue: priority bands, and weighted fair queuing on tokens between tenants,
+across router replicas.
 
 Requests wait here while every worker is saturated. The queue serves the highest priority band
 that holds a request (the ``InferenceObjective``'s ``spec.priority``: higher is more important);
@@ -7,12 +8,32 @@ within a band it shares what it serves between tenants by start-time fair queuin
 fleet than one sending short ones, and one sending ten times as many requests gets no more than
 its weight's share while the others have requests waiting.
 
-Start-time fair queuing (Goyal et al., 1996): a band keeps a virtual time ``V``, the start tag of
-the request it served last; a tenant keeps the finish tag ``F`` of its latest request. A request
-of ``tokens`` from a tenant of weight ``w`` gets the start tag ``S = max(V, F)`` and moves the
-tenant's finish tag to ``S + tokens / w``; the band serves the lowest start tag among its tenants'
-oldest requests. A tenant that was idle starts again at ``V``: it gets no credit for the time it
-sent nothing, and a backlogged tenant is never starved by one that returns.
+Start-time fair queuing (Goyal et al., 1996), with the tags kept per tenant: a band keeps a
+virtual time ``V``, the start tag of the request it served last; each tenant keeps a virtual
+time ``T``, the weighted tokens it was served. A tenant's oldest waiting request starts at its
+``T``; the band serves the lowest start, and serving ``tokens`` to a tenant of weight ``w`` moves
+``V`` up to its start and its ``T`` on by ``tokens / w``. A tenant that starts waiting has its
+``T`` lifted to ``V``: it gets no credit for the time it sent nothing, and a backlogged tenant is
+never starved by one that returns. (On one queue this is the textbook algorithm: a backlogged
+tenant's successive requests start where the previous one finished.)
+
+Because ``T`` counts what a tenant was *served*, not what it queued, replicas sharing a fleet
+keep the same ``T``: each counts what it serves itself and what its peers say they served
+(:meth:`FairQueue.charge`), so start tags mean the same at every replica. On that ground the
+replicas share their queues' heads (:class:`QueueHead`: per band and waiting tenant, its start
+tag, its waiting tokens, how long its oldest request has waited and the model it asks for, and the
+band's ``V``). A replica catches its ``V`` and its tenants' ``T`` up with what its peers send (a
+tenant lifted where it started waiting is lifted everywhere), and holds back its head while a
+peer's head that competes for the same workers comes first in one order shared by every replica
+(:func:`_order`: a higher band, then the lower start tag, then the longer wait), so capacity a
+finished request frees goes to the request first across all replicas, not to the replica that
+dispatches first. Each replica serves its own part of that order in that order, so the replica
+holding its first request never waits. A head holds others back for at most ``max_hold_s``
+after its peer first sent its request, whatever its start tag became since
+(:meth:`FairQueue.held_until` says when that hold lapses): a head a peer cannot route, or a dead
+or cut-off peer, never holds dispatch back for longer (nor does a head that is merely slow to
+go: the cap ends any hold). A head for
+another model, or for a model no worker of this replica serves, holds nothing back here.
 """
 
 from __future__ import annotations
@@ -21,10 +42,52 @@ import dataclasses
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+MAX_IDLE_TAGS = 256
+"""Per band, at most this many virtual times of tenants waiting nowhere are kept (those served
+furthest past ``V``): tenant names come from a request header, and while nothing waits ``V`` does
+not move, so tags past it would otherwise pile up without limit. A tenant forgotten starts at
+``V`` again: it loses the least debt of those kept."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueueHead:
+    """The request a replica's queue serves next in one band, as peers see it."""
+
+    priority: int
+    start: float
+    """Its start tag: its tenant's virtual time (weighted tokens served, see the module)."""
+    tenant: str
+    virtual: float
+    """The band's virtual time at the replica (peers catch up to the highest)."""
+    tokens: float = 0.0
+    """Tokens of the tenant's requests waiting in the band at the replica (what peers count
+    ahead of a new request when they predict its wait)."""
+    waited_s: float = dataclasses.field(default=0.0, compare=False)
+    """How long the request had waited when the replica sent it (an age, not a time: replicas'
+    clocks need not agree); a tenant's older request goes first, wherever it waits. Not part of
+    equality: heads that only aged are the same heads."""
+    model: str = ""
+    """The base model the request asks for ("": any worker): a head competes only with requests
+    that may go to the same workers."""
+
+
+def _order(*, priority: int, start: float, waited_s: float) -> tuple[int, float, float]:
+    """Where a request stands in the one order every replica serves in: a higher priority never
+    waits for a lower one; within a band the lower start tag goes first, then the request that has
+    waited longer (one tenant's requests at two replicas share its start tag). Each replica serves
+    its own part of that order in that order, so no two replicas ever wait for each other; a tie
+    holds neither back."""
+    return (-priority, start, -waited_s)
+
+
+def _competes(theirs: str, mine: str) -> bool:
+    """Whether requests for the models ``theirs`` and ``mine`` may go to the same workers."""
+    return not theirs or not mine or theirs == mine
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,8 +95,10 @@ class _Waiting(Generic[T]):
     key: str
     item: T
     tenant: str
-    start: float
     tokens: float
+    queued: float
+    """When it was queued (the caller's clock)."""
+    model: str
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,24 +106,75 @@ class _Band(Generic[T]):
     """One priority's requests, per tenant in arrival order."""
 
     virtual: float = 0.0
-    finish: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Finish tag of each tenant's latest request (kept while the tenant has requests waiting)."""
+    """Start tag of the request served last in this band (here or at a peer)."""
+    served: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each tenant's virtual time; a tenant at or below ``virtual`` that waits nowhere here is
+    left out (it would start at ``virtual`` anyway)."""
     tenants: dict[str, deque[_Waiting[T]]] = dataclasses.field(default_factory=dict)
-    heads: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
-    """(start tag, order, tenant) of each tenant's oldest request; stale entries are skipped."""
+    heads: list[tuple[float, float, int, str]] = dataclasses.field(default_factory=list)
+    """(start tag, when its oldest request was queued, order, tenant) of each waiting tenant:
+    the band serves the lowest start, then the longest waiting; stale entries are skipped."""
     tokens: float = 0.0
     """Tokens of the requests waiting in the band."""
+    tenant_tokens: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per waiting tenant, the tokens of its requests waiting in the band."""
+
+
+SAME_REQUEST_S = 0.25
+"""Two heads of one tenant and band a peer sent are its same request when their arrivals (when
+heard less how long it had waited) differ by at most this much, s: what delivery delays vary by.
+Its start tag is no mark of it, as it moves whenever the fleet serves the tenant."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sent:
+    arrived: float
+    """When the request arrived at the peer, on this replica's clock (heard less waited)."""
+    first: float
+    """When the peer first sent it: it holds nothing back past that plus the cap."""
+
+
+@dataclasses.dataclass(slots=True)
+class _PeerHeads:
+    heads: tuple[QueueHead, ...]
+    heard: float
+    since: dict[tuple[int, str], _Sent]
+    """Per head (band, tenant), the request it names and when the peer first sent it: a request
+    the peer keeps sending is stuck there (it cannot be routed), and holds nothing back for long,
+    however often the fleet serves its tenant meanwhile."""
+
+
+def _key(head: QueueHead) -> tuple[int, str]:
+    return (head.priority, head.tenant)
+
+
+def _sent(head: QueueHead, before: _Sent | None, *, now: float) -> _Sent:
+    """``head`` heard at ``now``: the same request as ``before`` (its first sending kept), or a new one."""
+    arrived = now - head.waited_s
+    if before is not None and abs(before.arrived - arrived) <= SAME_REQUEST_S:
+        return before
+    return _Sent(arrived=arrived, first=now)
 
 
 class FairQueue(Generic[T]):
-    """Waiting requests by priority band, fair between tenants within a band (see the module)."""
+    """Waiting requests by priority band, fair between tenants within a band and across router
+    replicas (see the module)."""
 
-    def __init__(self, *, weight: Callable[[str], float]) -> None:
-        """``weight(tenant)``: the tenant's share weight (> 0)."""
+    def __init__(
+        self, *, weight: Callable[[str], float], serves: Callable[[str], bool] = lambda _model: True
+    ) -> None:
+        """``weight(tenant)``: the tenant's share weight (> 0); ``serves(model)``: whether a worker
+        this replica routes to serves ``model`` (a peer's head for another holds nothing back)."""
         self._weight = weight
+        self._serves = serves
+        self.version = 0
+        """Moves whenever what :meth:`heads` returns may have changed (other than by ageing)."""
         self._bands: dict[int, _Band[T]] = {}
         self._where: dict[str, tuple[int, _Waiting[T]]] = {}
         self._order = itertools.count()
+        self._peers: dict[str, _PeerHeads] = {}
+        self._waiting_at_peers: set[tuple[int, str]] = set()
+        """(priority, tenant) of every tenant waiting in a peer's queue."""
 
     def __len__(self) -> int:
         return len(self._where)
@@ -66,42 +182,82 @@ class FairQueue(Generic[T]):
     def __contains__(self, key: object) -> bool:
         return key in self._where
 
-    def push(self, key: str, item: T, *, priority: int, tenant: str, tokens: float) -> None:
-        """Queue ``item`` under the unique ``key``."""
+    def _band(self, priority: int) -> _Band[T]:
         band = self._bands.get(priority)
         if band is None:
             band = self._bands[priority] = _Band()
-        start = max(band.virtual, band.finish.get(tenant, band.virtual))
-        band.finish[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
-        waiting = _Waiting(key=key, item=item, tenant=tenant, start=start, tokens=tokens)
+        return band
+
+    def push(
+        self, key: str, item: T, *, priority: int, tenant: str, tokens: float, now: float, model: str = ""
+    ) -> None:
+        """Queue ``item`` (a request for ``model``, "": any worker) under the unique ``key`` at ``now``."""
+        band = self._band(priority)
+        waiting = _Waiting(key=key, item=item, tenant=tenant, tokens=tokens, queued=now, model=model)
         fifo = band.tenants.get(tenant)
         if fifo is None:
             fifo = band.tenants[tenant] = deque()
+            start = band.served[tenant] = self._start(band, priority, tenant)
+            heapq.heappush(band.heads, (start, now, next(self._order), tenant))
         fifo.append(waiting)
-        if len(fifo) == 1:
-            heapq.heappush(band.heads, (start, next(self._order), tenant))
         band.tokens += tokens
+        band.tenant_tokens[tenant] = band.tenant_tokens.get(tenant, 0.0) + tokens
         self._where[key] = (priority, waiting)
+        self.version += 1
 
     def charge(self, *, priority: int, tenant: str, tokens: float) -> None:
-        """``tenant`` was served ``tokens`` at ``priority`` elsewhere (by a peer router replica
-        sharing the fleet): its next requests here start that much later, so that the fair share
-        holds across replicas whatever share of a tenant's traffic each one gets. Ignored while
-        the band has nothing waiting here (no order to correct; and no state per idle tenant)."""
-        band = self._bands.get(priority)
-        if band is None or not band.tenants:
+        """``tenant`` was served ``tokens`` at ``priority``: by a peer router replica sharing the
+        fleet, or by this router without waiting here. Its next requests here start that much
+        later, so that the fair share holds across replicas whatever share of a tenant's traffic
+        each one gets."""
+        band = self._band(priority)
+        start = self._start(band, priority, tenant)
+        band.virtual = max(band.virtual, start)
+        band.served[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
+        if band.tenants:  # the heads carry the band's V and the waiting tenants' tags
+            self.version += 1
+        self._requeue(band, tenant)
+        self._prune(band, priority)
+
+    def _requeue(self, band: _Band[T], tenant: str) -> None:
+        """``tenant``'s start or oldest request changed: its place among the band's heads too."""
+        fifo = band.tenants.get(tenant)
+        if fifo:
+            heapq.heappush(band.heads, (band.served[tenant], fifo[0].queued, next(self._order), tenant))
+
+    def _start(self, band: _Band[T], priority: int, tenant: str) -> float:
+        """Where ``tenant``'s next request starts: at its virtual time while it waits here or at a
+        peer (it is backlogged), else at ``V`` at the earliest (no credit for idling)."""
+        served = band.served.get(tenant, band.virtual)
+        if tenant in band.tenants or (priority, tenant) in self._waiting_at_peers:
+            return served
+        return max(band.virtual, served)
+
+    def _prune(self, band: _Band[T], priority: int) -> None:
+        """Forget the virtual times at or below ``V`` of tenants waiting nowhere, once they
+        outnumber the waiting ones, and of those above ``V`` all but the :data:`MAX_IDLE_TAGS` / 2
+        furthest past it (amortised: the sweep halves what it looks at)."""
+        if len(band.served) <= 2 * (len(band.tenants) + len(self._waiting_at_peers)) + MAX_IDLE_TAGS:
             return
-        start = max(band.virtual, band.finish.get(tenant, band.virtual))
-        band.finish[tenant] = start + max(tokens, 1.0) / self._weight(tenant)
+        kept = {
+            tenant: served
+            for tenant, served in band.served.items()
+            if tenant in band.tenants or (priority, tenant) in self._waiting_at_peers
+        }
+        idle = [(served, tenant) for tenant, served in band.served.items() if tenant not in kept]
+        for served, tenant in heapq.nlargest(MAX_IDLE_TAGS // 2, idle):
+            if served > band.virtual:
+                kept[tenant] = served
+        band.served = kept
 
     def _head(self, band: _Band[T]) -> _Waiting[T] | None:
         heads = band.heads
         while heads:
-            start, _, tenant = heads[0]
+            start, queued, _, tenant = heads[0]
             fifo = band.tenants.get(tenant)
-            if fifo and fifo[0].start == start:
+            if fifo and band.served[tenant] == start and fifo[0].queued == queued:
                 return fifo[0]
-            heapq.heappop(heads)  # the tenant's head left (served or removed) since
+            heapq.heappop(heads)  # the tenant was served (here or at a peer) or left since
         return None
 
     def peek(self) -> tuple[str, T] | None:
@@ -113,46 +269,161 @@ class FairQueue(Generic[T]):
         return None
 
     def pop(self, key: str) -> T:
-        """Serve the request ``key`` (normally :meth:`peek`'s): advances its band's virtual time."""
+        """Serve the request ``key`` (normally :meth:`peek`'s): charges its tenant its tokens."""
         priority, waiting = self._where[key]
-        band = self._bands[priority]
-        band.virtual = max(band.virtual, waiting.start)
-        return self.remove(key)
+        item = self.remove(key)
+        self.charge(priority=priority, tenant=waiting.tenant, tokens=waiting.tokens)
+        return item
 
     def remove(self, key: str) -> T:
-        """Take ``key`` out of the queue without serving it (cancelled, shed); ``KeyError`` if absent."""
+        """Take ``key`` out of the queue without charging its tenant (cancelled, shed, or served
+        again after its tenant was charged for it once); ``KeyError`` if absent."""
         priority, waiting = self._where.pop(key)
         band = self._bands[priority]
         fifo = band.tenants[waiting.tenant]
-        was_head = fifo[0] is waiting
         fifo.remove(waiting)
         band.tokens -= waiting.tokens
         if not fifo:
             del band.tenants[waiting.tenant]
-            if band.finish.get(waiting.tenant, 0.0) <= band.virtual:
-                band.finish.pop(waiting.tenant, None)
-        elif was_head:
-            heapq.heappush(band.heads, (fifo[0].start, next(self._order), waiting.tenant))
+            del band.tenant_tokens[waiting.tenant]
+        else:
+            band.tenant_tokens[waiting.tenant] -= waiting.tokens
+            self._requeue(band, waiting.tenant)
         if not band.tenants:
             band.heads.clear()
+        self.version += 1
         return waiting.item
+
+    # -- heads shared with peer replicas --------------------------------------------------------
+
+    def heads(self, *, now: float) -> list[QueueHead]:
+        """Per band, each waiting tenant's oldest request at ``now``: what peers hold back for."""
+        return [
+            QueueHead(
+                priority=priority,
+                start=band.served[tenant],
+                tenant=tenant,
+                virtual=band.virtual,
+                tokens=band.tenant_tokens[tenant],
+                waited_s=now - fifo[0].queued,
+                model=fifo[0].model,
+            )
+            for priority in sorted(self._bands, reverse=True)
+            for band in (self._bands[priority],)
+            for tenant, fifo in band.tenants.items()
+        ]
+
+    def observe_peer(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> bool:
+        """The heads of ``peer``'s queue (all of them: a tenant left out has nothing waiting
+        there), heard at ``now``; catches the bands' virtual times, and the virtual times of the
+        tenants waiting there, up with the peer's (a tenant that started waiting there was lifted
+        there: so its start tag is the same at every replica). Returns whether they changed since
+        last heard (what this queue held back for may be gone)."""
+        for head in heads:
+            band = self._band(head.priority)
+            if band.tenants and (
+                head.virtual > band.virtual or head.start > band.served.get(head.tenant, band.virtual)
+            ):
+                self.version += 1  # the band's V or a waiting tenant's tag moves: so do the heads
+            band.virtual = max(band.virtual, head.virtual)
+            if head.start > band.served.get(head.tenant, band.virtual):
+                band.served[head.tenant] = head.start
+                self._requeue(band, head.tenant)
+        known = self._peers.get(peer)
+        fresh = tuple(heads)
+        before = {} if known is None else known.since
+        since = {_key(head): _sent(head, before.get(_key(head)), now=now) for head in fresh}
+        self._peers[peer] = _PeerHeads(heads=fresh, heard=now, since=since)
+        if known is not None and known.heads == fresh:
+            return False
+        self._waiting_at_peers = {
+            (head.priority, head.tenant) for state in self._peers.values() for head in state.heads
+        }
+        return True
+
+    def forget_peer(self, peer: str) -> None:
+        """``peer`` stopped: its heads hold nothing back any more."""
+        if self._peers.pop(peer, None) is not None:
+            self._waiting_at_peers = {
+                (head.priority, head.tenant) for state in self._peers.values() for head in state.heads
+            }
+
+    def forget_stale_peers(self, *, now: float, max_age_s: float) -> None:
+        """Forget the heads of peers not heard for ``max_age_s`` (dead, or cut off)."""
+        for peer in [peer for peer, state in self._peers.items() if now - state.heard > max_age_s]:
+            self.forget_peer(peer)
+
+    def held_until(
+        self, *, now: float, max_hold_s: float, priority: int | None = None, tenant: str = "", model: str = ""
+    ) -> float | None:
+        """When the hold that peers' heads put at ``now`` on this queue's head (or, given
+        ``priority``, on a new request there of ``tenant`` for ``model``) lapses; ``None`` when
+        nothing holds it back. A peer's head holds it back while it comes first in the order every
+        replica serves in and competes for the same workers (its model is the same, or either asks
+        for any worker, and a worker here serves it), for at most ``max_hold_s`` after the peer
+        first sent its request (:data:`SAME_REQUEST_S`): a request a peer keeps sending is stuck
+        there (no worker that peer may use takes it), and would otherwise hold this queue back for
+        as long as the peer lives (with a new tag each time the fleet serves its tenant)."""
+        if not self._peers:
+            return None
+        if priority is None:
+            for level in sorted(self._bands, reverse=True):
+                band = self._bands[level]
+                head = self._head(band)
+                if head is not None:
+                    model = head.model
+                    mine = _order(priority=level, start=band.served[head.tenant], waited_s=now - head.queued)
+                    break
+            else:
+                return None
+        else:
+            band = self._band(priority)
+            mine = _order(priority=priority, start=self._start(band, priority, tenant), waited_s=0.0)
+        until: float | None = None
+        for state in self._peers.values():
+            aged_s = now - state.heard
+            for theirs in state.heads:
+                lapses = state.since[_key(theirs)].first + max_hold_s
+                if (
+                    lapses >= now
+                    and (until is None or lapses > until)
+                    and _order(
+                        priority=theirs.priority, start=theirs.start, waited_s=theirs.waited_s + aged_s
+                    )
+                    < mine
+                    and _competes(theirs.model, model)
+                    and (not theirs.model or self._serves(theirs.model))
+                ):
+                    until = lapses
+        return until
+
+    # -- what admission asks ----------------------------------------------------------------------
+
+    def _waiting_tokens(self, priority: int) -> dict[str, float]:
+        """Per tenant, the tokens waiting in the band of ``priority`` here and at the peers."""
+        band = self._bands.get(priority)
+        tokens = {} if band is None else dict(band.tenant_tokens)
+        for state in self._peers.values():
+            for head in state.heads:
+                if head.priority == priority:
+                    tokens[head.tenant] = tokens.get(head.tenant, 0.0) + head.tokens
+        return tokens
 
     def tokens_ahead(self, *, priority: int, tenant: str, tokens: float) -> float:
         """Tokens served before a new request of ``tokens`` from ``tenant`` at ``priority`` is
-        done, as the queue would interleave them: every waiting token of higher bands and, of its
-        band, each other tenant's waiting tokens up to that tenant's share of the time the new
-        request's tenant needs for its own waiting tokens and this one."""
+        done, as the queues of this replica and its peers would interleave them: every waiting
+        token of higher bands and, of its band, each other tenant's waiting tokens up to that
+        tenant's share of the time the new request's tenant needs for its own waiting tokens and
+        this one."""
         ahead = sum(band.tokens for level, band in self._bands.items() if level > priority)
-        band = self._bands.get(priority)
-        own = tokens
-        if band is None:
-            return ahead + own
-        fifo = band.tenants.get(tenant)
-        own += sum(waiting.tokens for waiting in fifo) if fifo else 0.0
+        ahead += sum(
+            head.tokens for state in self._peers.values() for head in state.heads if head.priority > priority
+        )
+        waiting = self._waiting_tokens(priority)
+        own = tokens + waiting.pop(tenant, 0.0)
         weight = self._weight(tenant)
-        for other, waiting in band.tenants.items():
-            if other != tenant:
-                ahead += min(sum(w.tokens for w in waiting), own * self._weight(other) / weight)
+        for other, theirs in waiting.items():
+            ahead += min(theirs, own * self._weight(other) / weight)
         return ahead + own
 
     def holds_its_share(self, *, priority: int, tenant: str) -> bool:

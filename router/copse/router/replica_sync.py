@@ -16,10 +16,23 @@ it. So a replica that starts or restarts while others run knows their load befor
 ready (:meth:`ReplicaSync.waiting_for`): it listens two heartbeats for peers and waits for their
 snapshots.
 
+Replicas also share their wait queues' heads (:class:`~copse.router.fairness.QueueHead`: per
+priority band, each waiting tenant's start tag, and the band's virtual time), so that capacity
+a finished request frees goes to the request that comes first across every replica's queue
+(:mod:`copse.router.fairness`). They travel on a subject of their own (:func:`heads_subject`), which
+replicas of earlier versions do not hear, when they changed since last built and a peer listens,
+and with each heartbeat, so that they stay fresh; each names the last load message sent before
+it, and applies once that message's changes are (a head's tag already counts them). A peer's head
+holds nothing back for longer than ``Thresholds.peer_queue_max_age_s`` after its request was first
+sent, and the replica routes what it held back as soon as that lapses (a wake-up at that moment), so a
+dead peer, or a head its peer cannot route, holds nothing back for longer. Heads are whole state,
+not changes: only the latest waits.
+
 Replicas of an earlier version refuse fields they do not know. Fields at their default are left
-out of the wire form, changes naming a LoRA adapter travel in messages of their own
+out of the wire form, changes naming a LoRA adapter or a retry travel in messages of their own
 (:func:`batches`), and a snapshot request without :data:`SNAPSHOT_WITH_ADAPTERS` (theirs) is
-answered without the adapter fields: during a roll they lose only the adapters, not the load.
+answered without the adapter fields: during a roll they lose only the adapters and the retries'
+load (until the gap brings them a snapshot), not the rest of the load.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from nats.errors import Error as NatsError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.core import FlightRecord, PeerChange
+from copse.router.fairness import QueueHead
 from copse.router.nats_link import NatsLink
 from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
@@ -46,6 +60,13 @@ log = logging.getLogger(__name__)
 def load_subject(*, namespace: str, deployment: str) -> str:
     """Subject on which the router replicas of one deployment share their load."""
     return f"copse.router.load.{subject_token(namespace)}.{subject_token(deployment)}"
+
+
+def heads_subject(*, namespace: str, deployment: str) -> str:
+    """Subject on which the router replicas of one deployment share their queue heads (apart from
+    the load subject: replicas of earlier versions refuse a load message with fields they do not
+    know)."""
+    return f"{load_subject(namespace=namespace, deployment=deployment)}.heads"
 
 
 def snapshot_subject(*, namespace: str, deployment: str, router_id: str) -> str:
@@ -60,7 +81,8 @@ send an empty one, and are answered without the adapter fields their schema refu
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Fields a later version adds are ignored, not refused.
+    model_config = ConfigDict(extra="ignore")
 
 
 class WireRecord(_Wire):
@@ -75,12 +97,25 @@ class WireRecord(_Wire):
     priority: int = 0
     adapter: str = ""
     """LoRA adapter of the request (absent from replicas of earlier versions, and for the base model)."""
+    retry: bool = False
+    """The request was routed before (absent at its first route, and from replicas of earlier
+    versions): a peer mirrors its load but charges its tenant only once."""
 
 
 class WireChange(_Wire):
     op: str
     key: str
     record: WireRecord | None = None
+
+
+class WireHead(_Wire):
+    priority: int
+    start: float
+    tenant: str
+    virtual: float
+    tokens: float = 0.0
+    waited_s: float = 0.0
+    model: str = ""
 
 
 class LoadMessage(_Wire):
@@ -92,6 +127,18 @@ class LoadMessage(_Wire):
     """Its number among the sender's messages (1, 2, ...); 0 from a sender that does not number."""
     changes: list[WireChange]
     """Empty for a heartbeat."""
+
+
+class HeadsMessage(_Wire):
+    """One message on the heads subject."""
+
+    router: str
+    """Id of the replica that sent it."""
+    seq: int
+    """Number of the last load message the sender had sent before it: its heads apply once those
+    changes are (a head's tag already counts the charges they carry)."""
+    queues: list[WireHead]
+    """The sender's queue heads, all of them (empty: nothing waits there)."""
 
 
 class SnapshotFlight(_Wire):
@@ -122,6 +169,7 @@ def _wire(record: FlightRecord) -> WireRecord:
         tenant=record.tenant,
         priority=record.priority,
         adapter=record.adapter,
+        retry=record.retry,
     )
 
 
@@ -136,6 +184,7 @@ def _record(wire: WireRecord) -> FlightRecord:
         tenant=wire.tenant,
         priority=wire.priority,
         adapter=wire.adapter,
+        retry=wire.retry,
     )
 
 
@@ -149,16 +198,29 @@ def encode_changes(router_id: str, changes: list[PeerChange], *, seq: int = 0) -
     ]
     # Fields at their default are left out: a replica of an earlier version, whose schema refuses
     # fields it does not know, still reads every message that uses none of the newer ones.
-    return (
-        LoadMessage(router=router_id, seq=seq, changes=wire).model_dump_json(exclude_defaults=True).encode()
-    )
+    message = LoadMessage(router=router_id, seq=seq, changes=wire)
+    return message.model_dump_json(exclude_defaults=True).encode()
+
+
+def encode_heads(router_id: str, heads: list[QueueHead], *, seq: int) -> bytes:
+    """The wire form of a replica's queue ``heads`` (all of them), sent after its load message
+    ``seq``."""
+    queues = [WireHead(**dataclasses.asdict(head)) for head in heads]
+    return HeadsMessage(router=router_id, seq=seq, queues=queues).model_dump_json().encode()
+
+
+def decode_heads(data: bytes) -> tuple[str, int, list[QueueHead]]:
+    """``(router id, seq, queue heads)`` of a heads message; ``ValidationError`` for a malformed one."""
+    message = HeadsMessage.model_validate_json(data)
+    return message.router, message.seq, [QueueHead(**head.model_dump()) for head in message.queues]
 
 
 def batches(changes: list[PeerChange]) -> list[list[PeerChange]]:
-    """``changes`` cut, in order, into runs that each carry an adapter or none, one load message
-    each: a replica of an earlier version drops a message naming an adapter (its schema refuses the
-    field), and so loses only those changes, not the frees and base-model charges sent with them
-    (the gap in the numbers then brings it a snapshot it can read)."""
+    """``changes`` cut, in order, into runs that each carry an adapter or a retry, or neither, one
+    load message each: a replica of an earlier version drops a message naming an adapter or a
+    retry (its schema refuses the fields), and so loses only those changes, not the frees and
+    first-route base-model charges sent with them (the gap in the numbers then brings it a
+    snapshot it can read)."""
     runs: list[list[PeerChange]] = []
     for change in changes:
         if runs and _carries(runs[-1][0]) == _carries(change):
@@ -169,7 +231,7 @@ def batches(changes: list[PeerChange]) -> list[list[PeerChange]]:
 
 
 def _carries(change: PeerChange) -> bool:
-    return change.record is not None and bool(change.record.adapter)
+    return change.record is not None and (bool(change.record.adapter) or change.record.retry)
 
 
 def decode_message(data: bytes) -> tuple[str, int, list[PeerChange]]:
@@ -206,6 +268,9 @@ class _Peer:
     synced: bool = False
     """Its snapshot was loaded (else its messages are held)."""
     held: list[tuple[int, list[PeerChange]]] = dataclasses.field(default_factory=list)
+    heads: tuple[int, list[QueueHead]] | None = None
+    """Its latest queue heads not applied yet, with the number of the load message sent before
+    them: they wait until that message's changes are applied."""
 
 
 class ReplicaSync(Subscriber):
@@ -226,6 +291,7 @@ class ReplicaSync(Subscriber):
         if service.router.outbox is None:
             raise ValueError("replica sync needs a router built with share_load=True")
         super().__init__(link, subject=load_subject(namespace=namespace, deployment=deployment))
+        self._heads_subject = heads_subject(namespace=namespace, deployment=deployment)
         self.service = service
         self.router_id = router_id
         self.namespace = namespace
@@ -236,6 +302,10 @@ class ReplicaSync(Subscriber):
         self.peers: dict[str, _Peer] = {}
         self._seq = 0
         """Number of the last load message sent (or dropped while disconnected)."""
+        self._heads_sent: list[QueueHead] | None = None
+        """The queue heads this replica last published (``None``: none yet)."""
+        self._heads_version = -1
+        """The router's :attr:`~copse.router.core.Router.queue_version` when they were built."""
         self._listen_until: float | None = None
         """End of the first listening window for peers (``None`` before the first connection)."""
         self._wake = asyncio.Event()
@@ -257,6 +327,7 @@ class ReplicaSync(Subscriber):
             namespace=self.namespace, deployment=self.deployment, router_id=self.router_id
         )
         await nc.subscribe(subject, cb=self._answer_snapshot)
+        await nc.subscribe(self._heads_subject, cb=self._on_heads)
         if self._listen_until is None:
             self._listen_until = self.service.now() + 2 * self._heartbeat_s
 
@@ -274,33 +345,65 @@ class ReplicaSync(Subscriber):
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         next_beat = loop.time()
+        hold_ends: float | None = None  # when peers' queue heads stop holding this queue back
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, next_beat - loop.time()))
+            # (asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation
+            # that arrives as the wake-up does, and the router's close then waits forever)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(next_beat if hold_ends is None else min(next_beat, hold_ends)):
+                    await self._wake.wait()
             self._wake.clear()
-            await self.flush(heartbeat=loop.time() >= next_beat)
-            if loop.time() >= next_beat:
+            beat = loop.time() >= next_beat
+            await self.flush(heartbeat=beat)
+            if beat:
                 next_beat = loop.time() + self._heartbeat_s
                 self._forget_silent_peers()
+            router = self.service.router
+            now = self.service.now()
+            if router.queued and (beat or (hold_ends is not None and loop.time() >= hold_ends)):
+                self.service.released(router.drain(now=now))  # the hold lapsed (or a peer went silent)
+            ends = router.hold_ends(now=now) if router.queued else None
+            hold_ends = None if ends is None else loop.time() + (ends - now)
 
     async def flush(self, *, heartbeat: bool = False) -> None:
-        """Publish pending changes (or an empty heartbeat). Without a connection they are dropped,
+        """Publish pending changes, and the queue heads when they changed while peers listen (or
+        a heartbeat, which always carries the heads). Without a connection they are dropped,
         numbered all the same: peers see the gap and ask for a snapshot."""
         outbox = self.service.router.outbox
         assert outbox is not None
-        if not outbox and not heartbeat:
-            return
-        runs = batches(list(outbox)) or [[]]
+        runs = (batches(list(outbox)) or [[]]) if outbox or heartbeat else []
         outbox.clear()
-        for changes in runs:
-            self._seq += 1
+        first = self._seq + 1
+        self._seq += len(runs)
+        # The heads are built before any await: routed meanwhile, a request's charge would count in
+        # their tags before the message carrying it is sent, and peers would charge it twice.
+        heads = self._heads_to_send(heartbeat=heartbeat)
+        for seq, changes in enumerate(runs, start=first):
             nc = self.link.nc
             if nc is None:
                 continue
             try:
-                await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=self._seq))
+                await nc.publish(self.subject, encode_changes(self.router_id, changes, seq=seq))
             except (NatsError, OSError) as exc:
-                log.info("load message %d not sent (%r); peers will ask for a snapshot", self._seq, exc)
+                log.info("load message %d not sent (%r); peers will ask for a snapshot", seq, exc)
+        nc = self.link.nc
+        if heads is not None and nc is not None:
+            with contextlib.suppress(NatsError, OSError):
+                await nc.publish(self._heads_subject, heads)
+
+    def _heads_to_send(self, *, heartbeat: bool) -> bytes | None:
+        """The wire form of the queue heads, when they are to be sent now (they changed while
+        peers listen, or a heartbeat), naming the last load message numbered; else ``None``."""
+        router = self.service.router
+        version = router.queue_version
+        if self.link.nc is None or not (heartbeat or (self.peers and version != self._heads_version)):
+            return None
+        self._heads_version = version
+        heads = router.queue_heads(now=self.service.now())
+        if not heartbeat and heads == self._heads_sent:
+            return None
+        self._heads_sent = heads
+        return encode_heads(self.router_id, heads, seq=self._seq)
 
     async def _answer_snapshot(self, msg: Msg) -> None:
         await self.flush()  # what the snapshot holds is then all sent, up to its number
@@ -335,6 +438,7 @@ class ReplicaSync(Subscriber):
                 )
                 del self.peers[peer]
                 self.service.released(self.service.router.forget_peer(peer, now=now))
+                self._apply_pending_heads()  # they may have waited for its snapshot
         self.service.metrics.peers.set(len(self.peers))
 
     async def on_message(self, msg: Msg) -> None:
@@ -371,6 +475,34 @@ class ReplicaSync(Subscriber):
             return
         state.seq = seq
         self._apply(peer, changes, now=now)
+        self._apply_heads(peer, state)
+
+    async def _on_heads(self, msg: Msg) -> None:
+        try:
+            peer, seq, heads = decode_heads(msg.data)
+        except ValidationError as exc:
+            log.warning("ignoring a malformed queue heads message: %s", exc)
+            return
+        state = self.peers.get(peer)
+        if state is None:
+            return  # not heard on the load subject yet: its next heartbeat repeats them
+        state.heads = (seq, heads)
+        self._apply_heads(peer, state)
+
+    def _apply_heads(self, peer: str, state: _Peer) -> None:
+        """Apply ``peer``'s pending queue heads once the changes sent before them are applied, and
+        while no peer's messages are held (its snapshot pending): ``peer`` may have applied one of
+        those, and its tags count a charge this replica would otherwise count again when it
+        replays the message."""
+        if state.heads is None or not state.synced or state.seq < state.heads[0]:
+            return
+        if any(not other.synced for other in self.peers.values()):
+            return  # _sync applies them once every peer is synced
+        _seq, heads = state.heads
+        state.heads = None
+        now = self.service.now()
+        self.service.released(self.service.router.apply_peer_queue(peer, heads, now=now))
+        self._wake.set()  # a hold on this replica's queue may begin or end: when it lapses
 
     def _apply(self, peer: str, changes: list[PeerChange], *, now: float) -> None:
         router = self.service.router
@@ -405,6 +537,14 @@ class ReplicaSync(Subscriber):
             self._apply(peer, changes, now=now)
             state.seq = max(state.seq, seq)
         state.synced = True
+        if state.heads is not None and snapshot is None:
+            state.heads = (state.seq, state.heads[1])  # the changes before them are lost for good
+        self._apply_pending_heads()
+
+    def _apply_pending_heads(self) -> None:
+        """Apply every peer's pending queue heads that may now be (:meth:`_apply_heads`)."""
+        for peer, state in list(self.peers.items()):
+            self._apply_heads(peer, state)
 
     async def _request_snapshot(self, peer: str) -> Snapshot | None:
         nc = self.link.nc

@@ -362,8 +362,11 @@ class RoutingService:
             endpoints = list(self._endpoints.values())
             if endpoints:
                 await asyncio.gather(*(self._probe(endpoint) for endpoint in endpoints))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._probe_wake.wait(), timeout=self.config.health_interval_s)
+            # (asyncio.timeout, not wait_for: in Python 3.11 wait_for returns when the wake-up and
+            # the cancellation at close arrive together, and the loop then never ends)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.health_interval_s):
+                    await self._probe_wake.wait()
 
     async def _probe(self, endpoint: Endpoint) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
@@ -508,11 +511,12 @@ class RoutingService:
         if route is None:
             future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
             self._waiting[request.request_id] = future
+            self._changed()  # a new queue head, maybe: peer replicas hear of it now
             try:
                 route = await asyncio.wait_for(future, timeout=self.config.queue_timeout_s)
             except TimeoutError as exc:
                 self._waiting.pop(request.request_id, None)
-                self.router.finish(request.request_id, now=self.now())
+                self.released(self.router.finish(request.request_id, now=self.now()))
                 self.metrics.shed(request, reason="QueueTimeout")
                 raise Overloaded(
                     f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)",

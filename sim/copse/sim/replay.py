@@ -49,6 +49,7 @@ from copse.router.core import (
     Thresholds,
     WorkerInfo,
 )
+from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest, RoutingObjective, SelectionSettings
 from copse.sim.profiler import ScaledPerfModel, measure_profile
 from copse.sim.trace import TokenSynth, TraceRequest
@@ -427,9 +428,10 @@ class Fleet:
         """``engines`` serve from the start: a number of aggregated workers, or engines per role
         (prefill and decode for a disaggregated fleet); ``classes``: each request's objective and
         tenant (all of the default class when not given); ``replica_of``: the router replica each
-        request arrives at (one router when not given). Replicas share their in-flight load and
-        the tokens they served each tenant as the real ones do over NATS (their
-        :class:`~copse.router.core.PeerChange` s), delivered at once; each learns the engines'
+        request arrives at (one router when not given). Replicas share their in-flight load, the
+        tokens they served each tenant and their queues' heads as the real ones do over NATS
+        (their :class:`~copse.router.core.PeerChange` s and
+        :class:`~copse.router.fairness.QueueHead` s), delivered at once; each learns the engines'
         caches from the same KV events. Raises ``ValueError`` for unusable settings."""
         pools = {Role.WORKER: engines} if isinstance(engines, int) else dict(engines)
         if set(pools) not in ({Role.WORKER}, {Role.PREFILL, Role.DECODE}):
@@ -462,6 +464,8 @@ class Fleet:
         """The router replicas (one unless ``replica_of`` names more)."""
         self.router = self.routers[0]
         """The first replica (the only one by default)."""
+        self._heads_sent: list[list[QueueHead]] = [[] for _ in self.routers]
+        """Each replica's queue heads as its peers last heard them."""
         self._owner: dict[str, int] = {}
         """Request id -> the replica that routes it."""
         self.simulator = Simulator([], on_step=self._on_step, fuse_until_submit=True)
@@ -660,19 +664,26 @@ class Fleet:
         return self.routers[self._owner.get(request_id, 0)]
 
     def _sync(self) -> None:
-        """Hand every replica's load changes to the others (and route what they let through)."""
+        """Hand every replica's load changes and queue heads to the others (and route what they
+        let through), until nothing changes."""
         if len(self.routers) == 1:
             return
         now = self.now_ms / 1000.0
-        while any(router.outbox for router in self.routers):
+        moved = True
+        while moved:
+            moved = False
             for source, router in enumerate(self.routers):
                 assert router.outbox is not None
                 changes = list(router.outbox)
                 router.outbox.clear()
+                heads = router.queue_heads(now=now)
+                moved = moved or bool(changes) or heads != self._heads_sent[source]
+                self._heads_sent[source] = heads
                 for peer in self.routers:
                     if peer is not router:
                         for change in changes:
                             self._dispatch(peer.apply_peer(change, peer=str(source), now=now))
+                        self._dispatch(peer.apply_peer_queue(str(source), heads, now=now))
 
     def _apply_events(self, index: int, events: list[KvEvent]) -> None:
         engine = self.simulator.engines[index]

@@ -245,8 +245,11 @@ class EngineServer:
             await self.clock.sleep_until(t_ms)
             return
         self._work.clear()
+        # (asyncio.timeout, not wait_for: in Python 3.11 wait_for returns when work and the
+        # cancellation at stop() arrive together, and the step loop then never ends)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._work.wait(), max(0.0, (t_ms - self.clock.now_ms()) / 1000.0))
+            async with asyncio.timeout(max(0.0, (t_ms - self.clock.now_ms()) / 1000.0)):
+                await self._work.wait()
 
     def _deliver(self, output: StepOutput) -> None:
         metrics = self.metrics
