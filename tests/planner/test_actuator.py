@@ -108,6 +108,7 @@ def decision(target: dict[Role, int], current: dict[Role, int]) -> Decision:
         corrections=Corrections(),
         reasons=(),
         margin=1.0,
+        goal=0.99,
     )
 
 

@@ -439,3 +439,50 @@ def test_the_itl_tail_factor_reads_the_routers_misses_against_the_model() -> Non
     plan.observe(seen(11, 50 * modelled, ttft_missed=0.05 * judged), replicas={W: 8})  # a burst
     plan.observe(seen(12, 50 * modelled, queue_depth=20.0), replicas={W: 8})  # 20 waiting on 8 engines
     assert plan.corrections.itl_tail == factor
+
+
+def test_the_error_budget_paces_the_goal_each_interval_is_sized_for() -> None:
+    """Two hours (at a half-life of one) in which the router counts no misses leave the budget
+    unspent: the same load is sized for 97 % (the spend's top, 3x the 1 % budget) on fewer
+    replicas; two hours at three times the budget size it for 99.5 % on more. Without the router's
+    counts, or with pacing off, the goal stays 99 %."""
+    capacity = CapacityModel(PolynomialPerfModel())
+    lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=2000.0, itl_ms=50.0, max_num_seqs=256)
+    shape = {"isl": 8000.0, "osl": 300.0, "isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3}
+
+    def seen(step: int, missed_share: float | None) -> Observation:
+        judged = 12.0 * INTERVAL
+        counts = (
+            {}
+            if missed_share is None
+            else {"slo_met": judged * (1 - missed_share), "ttft_missed": judged * missed_share}
+        )
+        return dataclasses.replace(interval(step, 12.0), **shape, **counts)  # type: ignore[arg-type]
+
+    hourly = config(budget_halflife_s=3600.0)
+    unspent, overspent, uncounted = (planner(capacity, cfg=hourly, lim=lim) for _ in range(3))
+    fixed = planner(capacity, cfg=config(budget_halflife_s=3600.0, budget_spend_bounds=(1.0, 1.0)), lim=lim)
+    for step in range(120):
+        unspent.observe(seen(step, 0.0), replicas={W: 6})
+        fixed.observe(seen(step, 0.0), replicas={W: 6})
+        overspent.observe(seen(step, 0.03), replicas={W: 6})
+        uncounted.observe(seen(step, None), replicas={W: 6})
+    now = 120 * INTERVAL
+    low, high, plain, off = (
+        p.decide(now=now, current={W: 6}) for p in (unspent, overspent, uncounted, fixed)
+    )
+    assert low.goal == pytest.approx(0.97)
+    assert high.goal == pytest.approx(0.995)
+    assert plain.goal == off.goal == pytest.approx(0.99)
+    assert low.target[W] < plain.target[W] < high.target[W]
+    assert off.target == plain.target
+    assert "sized for 97.00% within SLO" in low.describe()
+
+
+def test_budget_spend_bounds_must_stay_below_the_burn_rate() -> None:
+    with pytest.raises(
+        ValueError, match=r"budget_spend_bounds \(0.5, 6.0\) must satisfy .* burn_rate \(5.0\)"
+    ):
+        config(budget_spend_bounds=(0.5, 6.0))
+    with pytest.raises(ValueError, match="would size an interval for no request"):
+        config(attainment_goal=0.7, budget_spend_bounds=(0.5, 4.0))

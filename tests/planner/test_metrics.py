@@ -7,7 +7,7 @@ import dataclasses
 from copse.api import Role
 from copse.planner.capacity import CapacityModel, Corrections
 from copse.planner.core import Decision
-from copse.planner.metrics import CORRECTION_CLAMPED, CORRECTION_FACTOR, SCALE_UPS, PlannerMetrics
+from copse.planner.metrics import CORRECTION_CLAMPED, CORRECTION_FACTOR, SCALE_UPS, SIZED_GOAL, PlannerMetrics
 
 
 def test_correction_factors_and_clamp_hits_are_exported(linear: CapacityModel) -> None:
@@ -22,6 +22,7 @@ def test_correction_factors_and_clamp_hits_are_exported(linear: CapacityModel) -
         corrections=Corrections(prefill=2.0, decode=1.1),
         reasons=(),
         margin=1.0,
+        goal=0.98,
         clamped=("prefill",),
     )
     metrics.record(decision, namespace="ns", deployment="llm", now=1.0)
@@ -35,6 +36,7 @@ def test_correction_factors_and_clamp_hits_are_exported(linear: CapacityModel) -
     assert value(CORRECTION_FACTOR, "decode") == 1.1
     assert value(f"{CORRECTION_CLAMPED}_total", "prefill") == 1.0
     assert value(f"{CORRECTION_CLAMPED}_total", "decode") == 0.0
+    assert metrics.registry.get_sample_value(SIZED_GOAL, {"namespace": "ns", "deployment": "llm"}) == 0.98
 
 
 def test_scale_ups_are_counted_by_what_set_them() -> None:
@@ -49,6 +51,7 @@ def test_scale_ups_are_counted_by_what_set_them() -> None:
         corrections=Corrections(prefill=1.0, decode=1.0),
         reasons=(),
         margin=1.0,
+        goal=0.99,
         raised_by={Role.PREFILL: "backlog"},
     )
     metrics.record(base, namespace="ns", deployment="llm", now=1.0)

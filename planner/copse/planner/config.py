@@ -56,8 +56,28 @@ class PlannerConfig(pydantic.BaseModel):
     """Seconds between decisions in ``copse planner run``; the dry run takes it from the recording."""
     attainment_goal: float = Field(default=0.99, gt=0, lt=1)
     """Share of requests that must meet the SLO (TTFT and mean inter-token gap, TPOT, both within
-    target): the planner sizes for it. Requests whose own prefill exceeds the TTFT target cannot
-    meet it on any fleet; the goal applies to the others."""
+    target), over the run: the planner sizes each interval for it, paced by the error budget (see
+    ``budget_spend_bounds``). Requests whose own prefill exceeds the TTFT target cannot meet it on
+    any fleet; the goal applies to the others."""
+    budget_spend_bounds: tuple[float, float] = (0.5, 3.0)
+    """Range of the share of the error budget (``1 - attainment_goal``) one interval is sized to
+    miss, in multiples of it. The goal holds over the run, not every minute: when the router's
+    counts show budget left unspent, later intervals may spend up to 3x their share (a 99 % goal
+    sizes a peak for 97 %, where each point costs most replicas); when overspent, down to 0.5x.
+    (1, 1) sizes every interval for the goal. The top stays below ``burn_rate``, or the fast loop
+    would add back what pacing removes."""
+    min_replica_gain: float = Field(default=0.1, ge=0, lt=1)
+    """A replica is added toward the goal only while it serves at least this share of the error
+    budget more requests within the SLO (0.1: a tenth of 1 % at a 99 % goal). Where the modelled
+    attainment flattens near the goal (the ITL tail of short answers falls about as one over the
+    fleet), the last replicas each buy a few hundredths of a point: one short of the goal then
+    costs a few of those, where reaching it could double the pool. 0: size for the goal exactly."""
+    budget_halflife_s: float = Field(default=21600.0, gt=0)
+    """How fast pacing moves: intervals at the mean load missing twice their share of the budget
+    for this long halve the spend (and meeting every request for this long doubles it). A quarter
+    of a day: the quiet hours' surplus is spent over the next ones, and an hour or two of calm is
+    not taken as license to thin the fleet (on the 4-hour burst an hour's half-life did that, and
+    the burst hit a fleet sized for 97 %)."""
     quantile: float = Field(default=DEFAULT_QUANTILE, gt=0, lt=1)
     """Quantile of TTFT/ITL the per-interval latency estimates (the dry run's table, alerts) are
     taken at; sizing uses ``attainment_goal``."""
@@ -138,6 +158,17 @@ class PlannerConfig(pydantic.BaseModel):
         low, high = self.correction_bounds
         if not 0 < low <= 1 <= high:
             raise ValueError(f"correction_bounds {self.correction_bounds} must satisfy 0 < low <= 1 <= high")
+        low, high = self.budget_spend_bounds
+        if not 0 < low <= 1 <= high < self.burn_rate:
+            raise ValueError(
+                f"budget_spend_bounds {self.budget_spend_bounds} must satisfy 0 < low <= 1 <= high < "
+                f"burn_rate ({self.burn_rate})"
+            )
+        if high * (1.0 - self.attainment_goal) >= 1.0:
+            raise ValueError(
+                f"budget_spend_bounds top {high} times the error budget {1.0 - self.attainment_goal:.3g} "
+                "would size an interval for no request at all"
+            )
         return self
 
     def settings_for(self, interval_s: float) -> PredictorSettings:

@@ -7,8 +7,10 @@ One decision, at the start of each interval:
    ``1 + ceil(startup_delay / interval)`` intervals ahead, when a replica added now would serve
    (lead time).
 2. Size each pool for both (see :mod:`copse.planner.capacity`): the fewest replicas that serve
-   ``attainment_goal`` of the requests within the targets (``headroom`` x them), with the
-   correction factors learned so far; take the larger.
+   the interval's goal of the requests within the targets (``headroom`` x them), with the
+   correction factors learned so far; take the larger. The interval's goal is
+   ``attainment_goal`` paced by the error budget (:mod:`copse.planner.budget`): lower while the
+   router's counts show budget unspent, higher while overspent.
 3. Fast path (also between decisions, every ``fast_path_poll_s``, on a :class:`Pulse`): when the
    front pool's backlog (queued prefill work per serving replica beyond ``backlog_ttft_share`` of the
    TTFT target, or ``queue_depth`` requests per replica) says requests are about to miss, size that
@@ -32,6 +34,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from copse.api import Role
+from copse.planner.budget import ErrorBudget
 from copse.planner.capacity import CapacityModel, Corrections, Means, Sizing, Workload
 from copse.planner.config import PlannerConfig
 from copse.planner.forecast import LoadForecast, LoadForecaster
@@ -108,6 +111,9 @@ class Decision:
     margin: float
     """The load sized for over the point forecast at the same horizon (the forecast quantile's
     allowance for forecast error; 1.0 = the point forecast)."""
+    goal: float
+    """Share of requests within the SLO the pools were sized for: ``attainment_goal`` paced by the
+    error budget."""
     clamped: tuple[str, ...] = ()
     """Correction phases whose newest solved factor hit a bound of ``correction_bounds``."""
     raised_by: dict[Role, str] = dataclasses.field(default_factory=dict)
@@ -139,6 +145,7 @@ class Decision:
                 + ("" if sizing.feasible else " (target unreachable)")
                 + f" -> {self.current.get(role, 0)}→{self.target[role]}"
             )
+        parts.append(f"sized for {self.goal:.2%} within SLO")
         parts.append(
             f"corrections prefill {self.corrections.prefill:.2f} decode {self.corrections.decode:.2f}"
             + (f" (clamped: {', '.join(self.clamped)})" if self.clamped else "")
@@ -180,6 +187,14 @@ class Planner:
         )
         """(observed, modelled) ITL misses of recent intervals, the tail correction's ratio."""
         self._backlog: dict[Role, float] = {}
+        self.budget = ErrorBudget(
+            goal=config.attainment_goal,
+            bounds=config.budget_spend_bounds,
+            halflife_s=config.budget_halflife_s,
+            cycle_s=config.season_s,
+            max_error=config.burn_rate,
+        )
+        """Paces the error budget: the goal each interval is sized for."""
         self._gate = ScaleDownGate()
         self._observed = False
 
@@ -201,6 +216,8 @@ class Planner:
         observation says, are what the corrections are solved against)."""
         self.forecaster.observe(obs)
         self._observed = True
+        if obs.slo_met is not None and obs.missed is not None:
+            self.budget.observe(judged=obs.slo_met + obs.missed, missed=obs.missed, duration_s=obs.duration_s)
         self._clamped = ()
         if self.config.correction and obs.num_requests > 0 and obs.isl and obs.osl:
             serving = self._serving(obs, replicas)
@@ -414,22 +431,24 @@ class Planner:
     # --- deciding ---------------------------------------------------------------------------
 
     def size(self, load: Workload) -> dict[Role, Sizing]:
-        """Replicas each pool needs to serve ``attainment_goal`` of ``load``'s requests within
-        ``headroom`` x the targets, with the current corrections."""
+        """Replicas each pool needs to serve the interval's goal (``attainment_goal`` paced by the
+        error budget) of ``load``'s requests within ``headroom`` x the targets, with the current
+        corrections."""
         ttft = self.limits.ttft_ms * self.config.headroom
         itl = self.limits.itl_ms * self.config.headroom
-        goal = self.config.attainment_goal
+        goal = self.budget.goal
+        gain = self.config.min_replica_gain * (1.0 - self.config.attainment_goal)
         if not self.limits.disaggregated:
             sizing = self.capacity.aggregated_replicas(
-                load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections, goal=goal
+                load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections, goal=goal, min_gain=gain
             )
             return {Role.WORKER: sizing}
         return {
             Role.PREFILL: self.capacity.prefill_replicas(
-                load, ttft_ms=ttft, scale=self.corrections.prefill, goal=goal
+                load, ttft_ms=ttft, scale=self.corrections.prefill, goal=goal, min_gain=gain
             ),
             Role.DECODE: self.capacity.decode_replicas(
-                load, itl_ms=itl, scale=self.corrections.decode, goal=goal
+                load, itl_ms=itl, scale=self.corrections.decode, goal=goal, min_gain=gain
             ),
         }
 
@@ -485,6 +504,7 @@ class Planner:
                 corrections=self.corrections,
                 reasons=("no load observed yet: holding", *_bound_reasons(current, target)),
                 margin=1.0,
+                goal=self.budget.goal,
             )
         forecasts, margin, expected = self._horizon_forecasts()
         sized = self._size_horizon(forecasts)
@@ -538,6 +558,7 @@ class Planner:
             corrections=self.corrections,
             reasons=tuple(reasons),
             margin=margin,
+            goal=self.budget.goal,
             clamped=self._clamped,
             raised_by=raised_by,
         )

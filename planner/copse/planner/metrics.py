@@ -23,6 +23,9 @@ PREDICTED_KV_HIT_RATE = f"{PREFIX}_predicted_kv_hit_rate"
 FORECAST_MARGIN = f"{PREFIX}_forecast_margin"
 """Gauge: the load sized for over the point forecast at the lead-time horizon (the forecast
 quantile's allowance for the predictor's error)."""
+SIZED_GOAL = f"{PREFIX}_sized_goal_ratio"
+"""Gauge: share of requests within the SLO the pools were sized for, the attainment goal paced by
+the error budget (below the goal: budget left unspent is being spent; above: overspent)."""
 SIZED_REPLICAS = f"{PREFIX}_sized_replicas"
 """Gauge by role: replicas the forecast load needs, before floors, stability rules and bounds."""
 TARGET_REPLICAS = f"{PREFIX}_target_replicas"
@@ -67,6 +70,7 @@ class PlannerMetrics:
         self.margin = Gauge(
             FORECAST_MARGIN, "Factor covering recent forecast errors.", _DEPLOYMENT, registry=r
         )
+        self.sized_goal = Gauge(SIZED_GOAL, "Attainment the pools were sized for.", _DEPLOYMENT, registry=r)
         self.sized = Gauge(SIZED_REPLICAS, "Replicas the forecast needs.", [*_DEPLOYMENT, "role"], registry=r)
         self.target = Gauge(TARGET_REPLICAS, "Replicas decided.", [*_DEPLOYMENT, "role"], registry=r)
         self.current = Gauge(CURRENT_REPLICAS, "Replicas in the spec.", [*_DEPLOYMENT, "role"], registry=r)
@@ -92,6 +96,7 @@ class PlannerMetrics:
             self.predicted_osl.labels(*labels).set(forecast.osl)
             self.predicted_hit.labels(*labels).set(forecast.kv_hit_rate)
         self.margin.labels(*labels).set(decision.margin)
+        self.sized_goal.labels(*labels).set(decision.goal)
         for role, sizing in decision.sized.items():
             self.sized.labels(*labels, role.value).set(sizing.replicas)
         for role, count in decision.target.items():

@@ -71,11 +71,19 @@ class Observation:
     worker): misses no latency histogram sees."""
 
     @property
-    def attainment(self) -> float | None:
-        """Share of the requests judged in the interval that met the SLO (the router's counts)."""
+    def missed(self) -> float | None:
+        """Requests judged in the interval that missed the SLO, refused ones included (the router's
+        counts); ``None`` when not reported."""
         if self.slo_met is None:
             return None
-        judged = self.slo_met + (self.ttft_missed or 0.0) + (self.itl_missed or 0.0) + (self.refused or 0.0)
+        return (self.ttft_missed or 0.0) + (self.itl_missed or 0.0) + (self.refused or 0.0)
+
+    @property
+    def attainment(self) -> float | None:
+        """Share of the requests judged in the interval that met the SLO (the router's counts)."""
+        if self.slo_met is None or self.missed is None:
+            return None
+        judged = self.slo_met + self.missed
         return self.slo_met / judged if judged > 0 else None
 
     @property
