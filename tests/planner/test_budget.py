@@ -95,3 +95,19 @@ def test_intervals_without_requests_change_nothing() -> None:
 def test_bad_settings_are_refused(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         budget(**overrides)  # type: ignore[arg-type]
+
+
+def test_a_start_at_a_trough_does_not_weigh_the_morning_many_times_over() -> None:
+    """The mean load is of the intervals seen until a cycle has been; an interval counts at most 3x
+    it, so one quiet minute before a busy hour does not move the spend as a day would."""
+    pacer = budget()
+    run(pacer, minutes=30, rate=0.1, miss_share=0.0)  # each at the mean so far: half an hour's worth
+    pacer.observe(judged=1200.0, missed=0.0, duration_s=60.0)  # 20 req/s against a mean of 0.7
+    assert pacer.spend == pytest.approx(2.0 ** ((30.0 + 3.0) / 60.0))
+
+
+def test_counts_that_are_not_numbers_are_ignored() -> None:
+    pacer = budget()
+    pacer.observe(judged=float("nan"), missed=0.0, duration_s=60.0)
+    pacer.observe(judged=600.0, missed=float("inf"), duration_s=60.0)
+    assert pacer.spend == 1.0

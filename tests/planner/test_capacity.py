@@ -196,23 +196,6 @@ def test_short_answers_set_the_itl_tail_of_aggregated_engines() -> None:
     )
 
 
-def test_replicas_that_buy_less_than_the_minimum_gain_are_not_added() -> None:
-    """Near 99.5 % the short answers' tail flattens: the last replicas toward it each serve a few
-    hundredths of a point more. With a minimum gain of 0.1 point per replica the pool stops where
-    the gain falls below it: short of the goal, on fewer replicas, each of them still worth it."""
-    model = CapacityModel(PolynomialPerfModel())
-    load = Workload(rate=20.0, isl=8000, isl_p90=20000, osl=300, osl_p10=20, kv_hit_rate=0.3)
-    exact = model.aggregated_replicas(load, ttft_ms=2000, itl_ms=50, goal=0.995).replicas
-    capped = model.aggregated_replicas(load, ttft_ms=2000, itl_ms=50, goal=0.995, min_gain=0.001).replicas
-
-    def served(count: int) -> float:
-        return model.attainment(replicas={Role.WORKER: count}, load=load, ttft_ms=2000, itl_ms=50).both
-
-    assert capped < exact
-    assert served(capped) < 0.995 <= served(exact)
-    assert served(capped + 1) - served(capped) < 0.001 <= served(capped) - served(capped - 1)
-
-
 def test_chunks_that_fit_in_a_gap_spoil_fewer_short_answers() -> None:
     """The step's token budget bounds a chunk: 1,024-token chunks add less to a step than the ITL
     target leaves over the decode step, so a short answer sharing steps with a long prompt stays

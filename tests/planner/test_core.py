@@ -479,6 +479,67 @@ def test_the_error_budget_paces_the_goal_each_interval_is_sized_for() -> None:
     assert "sized for 97.00% within SLO" in low.describe()
 
 
+def test_prompts_no_fleet_serves_in_time_do_not_spend_the_budget() -> None:
+    """A TTFT target some prompts' own prefill exceeds: the router counts them missing, but they
+    leave the budget alone (sizing leaves them out too), so the spend rises as if nothing missed.
+    The same misses from prompts that could be served spend it."""
+    capacity = CapacityModel(PolynomialPerfModel())
+    lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=1000.0, itl_ms=50.0, max_num_seqs=256)
+    shape = {"isl": 8000.0, "osl": 300.0, "isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3}
+    load = dataclasses.replace(interval(0, 12.0), **shape)  # type: ignore[arg-type]
+    unreachable = 1.0 - capacity.reachable(
+        workload_of(load), ttft_ms=1000.0, corrections=Corrections(), aggregated=True
+    )
+    assert unreachable > 0.01  # more than the whole budget
+    hourly = config(budget_halflife_s=3600.0)
+    served, refused = planner(capacity, cfg=hourly, lim=lim), planner(capacity, cfg=hourly, lim=lim)
+    judged = load.num_requests
+    for step in range(60):
+        lost = dataclasses.replace(
+            load,
+            timestamp=step * INTERVAL,
+            slo_met=judged * (1 - unreachable),
+            ttft_missed=judged * unreachable,
+        )
+        served.observe(lost, replicas={W: 6})
+        refused.observe(dataclasses.replace(lost, isl=1000.0, isl_p90=2000.0), replicas={W: 6})
+    assert served.budget.spend == pytest.approx(2.0)
+    assert refused.budget.spend == pytest.approx(2.0 ** -(unreachable / 0.01 - 1.0))
+    assert refused.budget.spend < 1.0
+
+
+def test_disaggregated_pools_get_half_the_error_budget_each(linear: CapacityModel) -> None:
+    plan = planner(linear)
+    load = Workload(rate=300.0, isl=1000.0, osl=100.0)
+    sized = plan.size(load, goal=0.98)
+    assert sized[P] == linear.prefill_replicas(load, ttft_ms=200.0, goal=0.99)
+    assert sized[D] == linear.decode_replicas(load, itl_ms=20.0, goal=0.99)
+
+
+def test_the_fast_loop_answers_an_incident_at_the_goal_not_at_the_paced_one() -> None:
+    """Pacing sized a quiet afternoon for 97 %; a burn then grows the pool to what the goal (99 %)
+    needs at the window's rate, as it would without pacing."""
+    capacity = CapacityModel(PolynomialPerfModel())
+    lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=2000.0, itl_ms=50.0, max_num_seqs=256)
+    shape = {"isl": 8000.0, "osl": 300.0, "isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3}
+    paced, plain = (
+        planner(capacity, cfg=config(budget_halflife_s=3600.0), lim=lim),
+        planner(capacity, lim=lim),
+    )
+    for step in range(120):
+        quiet = dataclasses.replace(interval(step, 12.0), **shape)  # type: ignore[arg-type]
+        paced.observe(
+            dataclasses.replace(quiet, slo_met=quiet.num_requests, ttft_missed=0.0), replicas={W: 6}
+        )
+        plain.observe(quiet, replicas={W: 6})
+    assert paced.budget.goal == pytest.approx(0.97)
+    burning = Pulse(time=120 * INTERVAL, window_s=30.0, slo_met=480.0, ttft_missed=120.0)
+    a = paced.decide(now=120 * INTERVAL, current={W: 4}, pulse=burning)
+    b = plain.decide(now=120 * INTERVAL, current={W: 4}, pulse=burning)
+    assert a.raised_by == b.raised_by == {W: "burn"}
+    assert a.target == b.target
+
+
 def test_budget_spend_bounds_must_stay_below_the_burn_rate() -> None:
     with pytest.raises(
         ValueError, match=r"budget_spend_bounds \(0.5, 6.0\) must satisfy .* burn_rate \(5.0\)"

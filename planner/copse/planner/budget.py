@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import math
 
+#: Most one interval's load counts against the mean: before a cycle has been seen, the mean is of
+#: the few intervals observed (a start at a trough would weigh the morning many times over).
+_MAX_WEIGHT = 3.0
+
 
 class ErrorBudget:
     """The goal the next interval is sized for, paced by the misses observed so far."""
@@ -35,7 +39,8 @@ class ErrorBudget:
         self._cycle_s = cycle_s
         self._max_error = max_error
         self._log_spend = min(max(0.0, self._log_bounds[0]), self._log_bounds[1])
-        self._mean_rate: float | None = None
+        self._mean_rate = 0.0
+        self._seen_s = 0.0
 
     @property
     def spend(self) -> float:
@@ -49,16 +54,15 @@ class ErrorBudget:
 
     def observe(self, *, judged: float, missed: float, duration_s: float) -> None:
         """Account one interval: ``judged`` requests, of which ``missed`` missed the SLO."""
-        if judged <= 0 or duration_s <= 0:
+        if not (math.isfinite(judged) and math.isfinite(missed)) or judged <= 0 or duration_s <= 0:
             return
         rate = judged / duration_s
-        if self._mean_rate is None:
-            self._mean_rate = rate
-        else:
-            self._mean_rate += (rate - self._mean_rate) * min(1.0, duration_s / self._cycle_s)
+        # The mean load over the last cycle; over the time seen until a whole cycle has been.
+        self._seen_s += duration_s
+        self._mean_rate += (rate - self._mean_rate) * duration_s / min(self._seen_s, self._cycle_s)
         # An interval missing more than max_error times its share is an incident the fast loop
         # answers; pacing counts it as that much overspent, so one burst does not undo a day.
-        error = min(missed / (self._budget * judged) - 1.0, self._max_error)
-        weight = rate / self._mean_rate
+        error = min(max(missed, 0.0) / (self._budget * judged) - 1.0, self._max_error)
+        weight = min(rate / self._mean_rate, _MAX_WEIGHT)
         self._log_spend -= self._rate * duration_s * weight * error
         self._log_spend = min(max(self._log_spend, self._log_bounds[0]), self._log_bounds[1])

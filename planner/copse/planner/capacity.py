@@ -41,7 +41,6 @@ the mean TTFT and mean gap the correction factors are solved from. :meth:`Capaci
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 
@@ -619,6 +618,15 @@ class CapacityModel:
         missed = np.where(slack <= 0, 1.0, missed)
         return 1.0 - float(np.dot(share, missed)) / len(gaps)
 
+    def reachable(
+        self, load: Workload, *, ttft_ms: float, corrections: Corrections, aggregated: bool
+    ) -> float:
+        """Share of ``load``'s requests whose own prefill (and, in aggregated engines, first decode
+        step) fits ``ttft_ms``: no fleet size serves the others in time."""
+        times = self.prompt_prefill_ms(load, scale=corrections.prefill)
+        first_step = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)
+        return float(np.mean(times + (first_step if aggregated else 0.0) <= ttft_ms))
+
     def attainment(
         self,
         *,
@@ -635,9 +643,8 @@ class CapacityModel:
         of :meth:`_gap_spread_ms` (normal)."""
         corrections = corrections or Corrections()
         times = self.prompt_prefill_ms(load, scale=corrections.prefill)
-        first_step = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)
         aggregated = Role.WORKER in replicas
-        reachable = float(np.mean(times + (first_step if aggregated else 0.0) <= ttft_ms))
+        reachable = self.reachable(load, ttft_ms=ttft_ms, corrections=corrections, aggregated=aggregated)
         if load.rate <= 0:
             return Attainment(ttft=1.0, itl=1.0, reachable=reachable)
         if aggregated:
@@ -736,15 +743,13 @@ class CapacityModel:
         itl_ms: float,
         corrections: Corrections,
         goal: float,
-        min_gain: float,
         bound: int,
         check_ttft: bool = True,
         check_itl: bool = True,
     ) -> Sizing:
         """Fewest ``c`` (from ``bound``) with ``replicas(c)`` serving ``goal`` of the requests that can
         be served in time at all (``goal x reachable``): requests whose own prefill exceeds the TTFT
-        target are lost whatever the fleet, so they do not make the fleet grow. Less the last
-        replicas that each serve less than ``min_gain`` of the requests more."""
+        target are lost whatever the fleet, so they do not make the fleet grow."""
         alone = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)
         probe = self.attainment(
             replicas=replicas(max(bound, 1)),
@@ -757,19 +762,15 @@ class CapacityModel:
         feasible = reachable >= goal and not (check_itl and alone > itl_ms)
         if reachable <= 0 or (check_itl and alone > itl_ms):
             return Sizing(replicas=bound, throughput_replicas=bound, feasible=False)
+        need = goal * reachable
 
-        @functools.cache
-        def served(servers: int) -> float:
+        def meets(servers: int) -> bool:
             att = self.attainment(
                 replicas=replicas(servers), load=load, ttft_ms=ttft_ms, itl_ms=itl_ms, corrections=corrections
             )
-            return (att.ttft if check_ttft else 1.0) * (att.itl if check_itl else 1.0) / reachable
+            return (att.ttft if check_ttft else 1.0) * (att.itl if check_itl else 1.0) >= need
 
-        found = _search(lambda servers: served(servers) >= goal, bound)
-        # Diminishing returns: where the modelled attainment flattens, the last replicas buy little.
-        while found > max(bound, 1) and served(found) - served(found - 1) < min_gain:
-            found -= 1
-        return Sizing(replicas=found, throughput_replicas=bound, feasible=feasible)
+        return Sizing(replicas=_search(meets, bound), throughput_replicas=bound, feasible=feasible)
 
     def prefill_replicas(
         self,
@@ -778,7 +779,6 @@ class CapacityModel:
         ttft_ms: float,
         scale: float = 1.0,
         goal: float = 0.99,
-        min_gain: float = 0.0,
         decode: int = 1 << 16,
     ) -> Sizing:
         """Fewest prefill engines serving ``goal`` of ``load``'s requests (that can meet it) within
@@ -794,7 +794,6 @@ class CapacityModel:
             itl_ms=math.inf,
             corrections=Corrections(prefill=scale),
             goal=goal,
-            min_gain=min_gain,
             bound=bound,
             check_itl=False,
         )
@@ -818,7 +817,7 @@ class CapacityModel:
         return n_max * 1000.0 / self.decode_step_ms(n_max, context_length=load.context_length, scale=scale)
 
     def decode_replicas(
-        self, load: Workload, *, itl_ms: float, scale: float = 1.0, goal: float = 0.99, min_gain: float = 0.0
+        self, load: Workload, *, itl_ms: float, scale: float = 1.0, goal: float = 0.99
     ) -> Sizing:
         """Fewest decode engines giving ``goal`` of ``load``'s requests a mean gap within ``itl_ms``."""
         if load.rate <= 0:
@@ -836,7 +835,6 @@ class CapacityModel:
             itl_ms=itl_ms,
             corrections=Corrections(decode=scale),
             goal=goal,
-            min_gain=min_gain,
             bound=bound,
             check_ttft=False,
         )
@@ -849,7 +847,6 @@ class CapacityModel:
         itl_ms: float,
         corrections: Corrections | None = None,
         goal: float = 0.99,
-        min_gain: float = 0.0,
     ) -> Sizing:
         """Fewest aggregated engines serving ``goal`` of ``load``'s requests (of those that can be
         served in time) within both targets."""
@@ -869,7 +866,6 @@ class CapacityModel:
             itl_ms=itl_ms,
             corrections=corrections,
             goal=goal,
-            min_gain=min_gain,
             bound=bound,
         )
 

@@ -66,12 +66,6 @@ class PlannerConfig(pydantic.BaseModel):
     sizes a peak for 97 %, where each point costs most replicas); when overspent, down to 0.5x.
     (1, 1) sizes every interval for the goal. The top stays below ``burn_rate``, or the fast loop
     would add back what pacing removes."""
-    min_replica_gain: float = Field(default=0.1, ge=0, lt=1)
-    """A replica is added toward the goal only while it serves at least this share of the error
-    budget more requests within the SLO (0.1: a tenth of 1 % at a 99 % goal). Where the modelled
-    attainment flattens near the goal (the ITL tail of short answers falls about as one over the
-    fleet), the last replicas each buy a few hundredths of a point: one short of the goal then
-    costs a few of those, where reaching it could double the pool. 0: size for the goal exactly."""
     budget_halflife_s: float = Field(default=21600.0, gt=0)
     """How fast pacing moves: intervals at the mean load missing twice their share of the budget
     for this long halve the spend (and meeting every request for this long doubles it). A quarter
@@ -162,7 +156,7 @@ class PlannerConfig(pydantic.BaseModel):
         if not 0 < low <= 1 <= high < self.burn_rate:
             raise ValueError(
                 f"budget_spend_bounds {self.budget_spend_bounds} must satisfy 0 < low <= 1 <= high < "
-                f"burn_rate ({self.burn_rate})"
+                f"burn_rate ({self.burn_rate}); a lower burn_rate needs a lower budget_spend_bounds top"
             )
         if high * (1.0 - self.attainment_goal) >= 1.0:
             raise ValueError(

@@ -217,7 +217,7 @@ class Planner:
         self.forecaster.observe(obs)
         self._observed = True
         if obs.slo_met is not None and obs.missed is not None:
-            self.budget.observe(judged=obs.slo_met + obs.missed, missed=obs.missed, duration_s=obs.duration_s)
+            self._pace(obs, judged=obs.slo_met + obs.missed, missed=obs.missed)
         self._clamped = ()
         if self.config.correction and obs.num_requests > 0 and obs.isl and obs.osl:
             serving = self._serving(obs, replicas)
@@ -229,6 +229,21 @@ class Planner:
                     self.clamp_hits["itl_tail"] += 1
                 self.corrections = dataclasses.replace(self.corrections, itl_tail=tail)
         self._backlog = queues_of(obs, self.limits)
+
+    def _pace(self, obs: Observation, *, judged: float, missed: float) -> None:
+        """Account the interval's misses against the error budget, less the prompts whose own prefill
+        exceeds the TTFT target (modelled at the observed lengths): no fleet serves those in time,
+        so they neither spend the budget nor count toward it (sizing leaves them out alike)."""
+        lost = 0.0
+        if obs.num_requests > 0 and obs.isl:
+            reachable = self.capacity.reachable(
+                workload_of(obs),
+                ttft_ms=self.limits.ttft_ms,
+                corrections=self.corrections,
+                aggregated=not self.limits.disaggregated,
+            )
+            lost = min((1.0 - reachable) * judged, missed)
+        self.budget.observe(judged=judged - lost, missed=missed - lost, duration_s=obs.duration_s)
 
     def _serving(self, obs: Observation, held: Mapping[Role, int]) -> dict[Role, int]:
         """Replicas that served the interval: the observation's engine counts, else those held."""
@@ -296,7 +311,7 @@ class Planner:
             judged > 0
             and all(serving.get(role, 0) >= held.get(role, 0) for role in self.limits.roles)
             and waiting <= serving.get(front, 0)
-            and obs.ttft_missed <= (1.0 - self.config.attainment_goal) * judged
+            and obs.ttft_missed <= (1.0 - min(self.budget.goal, self.config.attainment_goal)) * judged
         )
         if not steady:
             return None
@@ -368,6 +383,8 @@ class Planner:
             return max(1, current.get(role, 0) if count is None else round(count))
 
         needs: dict[Role, Reaction] = {}
+        # An incident is answered at the goal itself, not at what pacing allows a steady interval.
+        goal = max(self.budget.goal, config.attainment_goal)
 
         def need(role: Role, count: int, signal: str, why: str) -> None:
             if count > current.get(role, 0) and (role not in needs or count > needs[role].replicas):
@@ -375,9 +392,8 @@ class Planner:
 
         def drained(role: Role, backlog: float) -> int:
             extra = backlog * load.duration_s / config.queue_drain_s
-            return self.size(workload_of(dataclasses.replace(load, num_requests=load.num_requests + extra)))[
-                role
-            ].replicas
+            grown = workload_of(dataclasses.replace(load, num_requests=load.num_requests + extra))
+            return self.size(grown, goal=goal)[role].replicas
 
         # Backlog: the work queued for the front pool, in requests' worth of uncached prompt.
         front = limits.front
@@ -421,7 +437,7 @@ class Planner:
                 burn = share / (1 - config.attainment_goal)
                 if burn < config.burn_rate:
                     continue
-                by_rate = self.size(workload_of(window_load))[role].replicas
+                by_rate = self.size(workload_of(window_load), goal=goal)[role].replicas
                 by_share = math.ceil(serving(role) * (1 + min(share, _BURN_STEP)))
                 need(
                     role, max(by_rate, by_share), BURN, f"{share:.0%} of requests missing (burn {burn:.0f}x)"
@@ -430,25 +446,27 @@ class Planner:
 
     # --- deciding ---------------------------------------------------------------------------
 
-    def size(self, load: Workload) -> dict[Role, Sizing]:
-        """Replicas each pool needs to serve the interval's goal (``attainment_goal`` paced by the
-        error budget) of ``load``'s requests within ``headroom`` x the targets, with the current
-        corrections."""
+    def size(self, load: Workload, *, goal: float | None = None) -> dict[Role, Sizing]:
+        """Replicas each pool needs to serve ``goal`` (default: the interval's, ``attainment_goal``
+        paced by the error budget) of ``load``'s requests within ``headroom`` x the targets, with
+        the current corrections. Disaggregated pools get half the error budget each: a request
+        meets the SLO only if the prefill pool gives it its first token in time and the decode
+        pool its other tokens."""
         ttft = self.limits.ttft_ms * self.config.headroom
         itl = self.limits.itl_ms * self.config.headroom
-        goal = self.budget.goal
-        gain = self.config.min_replica_gain * (1.0 - self.config.attainment_goal)
+        goal = self.budget.goal if goal is None else goal
         if not self.limits.disaggregated:
             sizing = self.capacity.aggregated_replicas(
-                load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections, goal=goal, min_gain=gain
+                load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections, goal=goal
             )
             return {Role.WORKER: sizing}
+        each = 1.0 - (1.0 - goal) / 2.0
         return {
             Role.PREFILL: self.capacity.prefill_replicas(
-                load, ttft_ms=ttft, scale=self.corrections.prefill, goal=goal, min_gain=gain
+                load, ttft_ms=ttft, scale=self.corrections.prefill, goal=each
             ),
             Role.DECODE: self.capacity.decode_replicas(
-                load, itl_ms=itl, scale=self.corrections.decode, goal=goal, min_gain=gain
+                load, itl_ms=itl, scale=self.corrections.decode, goal=each
             ),
         }
 

@@ -18,7 +18,9 @@ For each interval ``t`` of the recording:
 5. The planner then observes the interval (with the simulated queue and in-flight sequences).
 
 Observed TTFT/ITL in the recording are not fed back: they were measured on the recorded
-deployment's replicas, not on the simulated ones, so correction factors stay at 1 here.
+deployment's replicas, not on the simulated ones, so correction factors stay at 1 here. Nor are
+its SLO counts: the error budget is paced on the estimated share of each interval's requests
+within the SLO on the simulated replicas.
 """
 
 from __future__ import annotations
@@ -273,9 +275,19 @@ def dry_run(
         if limits.disaggregated:
             queues[Role.DECODE] = backlog.decode
         inflight = estimate.decoding
+        # The SLO counts are the dry run's own estimate, not the recorded fleet's: they pace the
+        # error budget as the router's would count the simulated replicas.
         planner.observe(
             dataclasses.replace(
-                obs, ttft_ms=None, itl_ms=None, queue_depth=backlog.prefill, inflight=inflight
+                obs,
+                ttft_ms=None,
+                itl_ms=None,
+                queue_depth=backlog.prefill,
+                inflight=inflight,
+                slo_met=row.est_attainment * obs.num_requests,
+                ttft_missed=(1.0 - row.est_attainment) * obs.num_requests,
+                itl_missed=None,
+                refused=None,
             ),
             replicas=serving,
         )
