@@ -452,7 +452,7 @@ async def test_a_request_starting_or_ending_its_wait_wakes_replica_sync(nats_url
             wakes: list[int] = []
             running.service.on_changes.append(lambda: wakes.append(router.queued))
             with pytest.raises(Overloaded):
-                await running.service._route(request("waits"), frozenset())
+                await running.service._route(request("waits"), frozenset(), retry=False)
             assert wakes == [1, 0]
             running.service.released(router.finish("busy", now=time.monotonic()))
         finally:
@@ -602,6 +602,63 @@ async def test_a_replica_routes_what_a_peers_head_held_back_as_soon_as_the_hold_
             running.service.released(router.finish("busy", now=time.monotonic()))
             assert router.queued == 1, "held back for the peer's light request"
             await eventually(lambda: router.queued == 0)
+        finally:
+            await nc.close()
+            await running.close()
+
+
+async def test_heads_heard_while_a_peers_snapshot_is_pending_hold_from_when_they_were_heard(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's heads heard while its snapshot is pending wait for it, and are then applied as
+    heard when they arrived: the hold a stuck head puts on this replica lapses at the cap after it
+    was heard, not after the snapshot came (a pending snapshot would otherwise prolong it)."""
+    monkeypatch.setattr(server, "ReplicaSync", functools.partial(ReplicaSync, heartbeat_s=60.0))
+    async with mock_fleet(engines=1, nats_url=nats_url, deployment="pending") as fleet:
+        config = _config(fleet.urls, nats_url, "pending", busy_kv_fraction=1e-9, peer_queue_max_age_s=2.0)
+        running = await start_router(config, router_id="two")
+        nc = await nats.connect(nats_url)
+        try:
+            sync = running.replica_sync
+            assert sync is not None
+            router = running.service.router
+            await eventually(lambda: len(router.workers) == 1)
+            await eventually(lambda: running.service.metrics.nats_connected._value.get() == 1)
+            clock = [time.monotonic()]
+            monkeypatch.setattr(running.service, "now", lambda: clock[0])
+            snapshot_asked, answer_now = asyncio.Event(), asyncio.Event()
+
+            async def answer(msg: Any) -> None:
+                snapshot_asked.set()
+                await answer_now.wait()
+                await msg.respond(Snapshot(router="one", seq=1, flights=[]).model_dump_json().encode())
+
+            await nc.subscribe(
+                snapshot_subject(namespace="default", deployment="pending", router_id="one"), cb=answer
+            )
+            await nc.publish(
+                load_subject(namespace="default", deployment="pending"), encode_changes("one", [], seq=1)
+            )
+            await snapshot_asked.wait()
+            hashes = block_hashes(PROMPT, block_size=32)
+
+            def request(rid: str) -> RouteRequest:
+                return RouteRequest(
+                    request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant="heavy"
+                )
+
+            assert router.submit(request("busy"), now=clock[0]) is not None
+            assert router.submit(request("heavy-1"), now=clock[0]) is None
+            heard = clock[0]
+            light = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
+            heads = heads_subject(namespace="default", deployment="pending")
+            await nc.publish(heads, encode_heads("one", [light], seq=1))
+            await eventually(lambda: sync.peers["one"].heads is not None)
+            assert router.hold_ends(now=clock[0]) is None, "they wait for the peer's snapshot"
+            clock[0] += 1.5  # the snapshot takes its time
+            answer_now.set()
+            await eventually(lambda: sync.peers["one"].synced and sync.peers["one"].heads is None)
+            assert router.hold_ends(now=clock[0]) == pytest.approx(heard + 2.0), "held from when heard"
         finally:
             await nc.close()
             await running.close()
