@@ -22,9 +22,11 @@ from copse.router.core import FlightRecord, PeerChange
 from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import (
+    MAX_EARLIER_HEADS,
     SNAPSHOT_WITH_ADAPTERS,
     ReplicaSync,
     Snapshot,
+    _PendingHeads,
     batches,
     decode_changes,
     decode_heads,
@@ -612,7 +614,8 @@ async def test_heads_heard_while_a_peers_snapshot_is_pending_hold_from_when_they
 ) -> None:
     """A peer's heads heard while its snapshot is pending wait for it, and are then applied as
     heard when they arrived: the hold a stuck head puts on this replica lapses at the cap after it
-    was heard, not after the snapshot came (a pending snapshot would otherwise prolong it)."""
+    was first heard (the peer sent it again meanwhile), not after the snapshot came (a pending
+    snapshot would otherwise prolong it)."""
     monkeypatch.setattr(server, "ReplicaSync", functools.partial(ReplicaSync, heartbeat_s=60.0))
     async with mock_fleet(engines=1, nats_url=nats_url, deployment="pending") as fleet:
         config = _config(fleet.urls, nats_url, "pending", busy_kv_fraction=1e-9, peer_queue_max_age_s=2.0)
@@ -655,13 +658,31 @@ async def test_heads_heard_while_a_peers_snapshot_is_pending_hold_from_when_they
             await nc.publish(heads, encode_heads("one", [light], seq=1))
             await eventually(lambda: sync.peers["one"].heads is not None)
             assert router.hold_ends(now=clock[0]) is None, "they wait for the peer's snapshot"
-            clock[0] += 1.5  # the snapshot takes its time
+            clock[0] += 1.0  # the snapshot takes its time; the peer sends its stuck head again
+            again = dataclasses.replace(light, waited_s=1.0)
+            await nc.publish(heads, encode_heads("one", [again], seq=1))
+            await eventually(
+                lambda: (pending := sync.peers["one"].heads) is not None and pending.heard == clock[0]
+            )
+            clock[0] += 0.5
             answer_now.set()
             await eventually(lambda: sync.peers["one"].synced and sync.peers["one"].heads is None)
             assert router.hold_ends(now=clock[0]) == pytest.approx(heard + 2.0), "held from when heard"
         finally:
             await nc.close()
             await running.close()
+
+
+def test_heads_waiting_to_be_applied_keep_the_oldest_and_the_latest_earlier_ones() -> None:
+    """A peer sending heads all the time while they wait (its snapshot pending) keeps a bounded
+    list of them: the oldest (when its stuck requests were first heard) and the latest."""
+    light = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
+    pending = _PendingHeads(seq=1, heads=[light], heard=0.0)
+    for heard in range(1, 41):
+        pending = pending.then(seq=1, heads=[light], heard=float(heard))
+    assert pending.heard == 40.0
+    assert len(pending.earlier) == MAX_EARLIER_HEADS
+    assert [older.heard for older in pending.earlier] == [0.0, *range(40 - MAX_EARLIER_HEADS + 1, 40)]
 
 
 async def test_two_replicas_holding_each_others_heads_back_route_every_request(nats_url: str) -> None:

@@ -30,7 +30,7 @@ from copse.router.adapters import AdapterRouting, AdapterTracker
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
-from copse.router.fairness import FairQueue, QueueHead
+from copse.router.fairness import FairQueue, HeardHeads, QueueHead
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
 from copse.router.limits import TenantLimits
 from copse.router.policies import (
@@ -1081,14 +1081,22 @@ class Router:
         return self._queue.heads(now=now)
 
     def apply_peer_queue(
-        self, peer: str, heads: Sequence[QueueHead], *, now: float, heard: float | None = None
+        self,
+        peer: str,
+        heads: Sequence[QueueHead],
+        *,
+        now: float,
+        heard: float | None = None,
+        earlier: Sequence[HeardHeads] = (),
     ) -> list[Route]:
         """The queue heads of the router replica ``peer`` (every band it has requests waiting in),
         heard at ``heard`` (``now`` when not given; earlier when they had to wait for the changes
-        sent before them) and applied at ``now``: this replica holds its own head back while one
-        of them comes first (:mod:`copse.router.fairness`). Returns queued requests it lets
-        through."""
-        if not self._queue.observe_peer(peer, heads, now=now if heard is None else heard):
+        sent before them, as had the heads ``peer`` sent ``earlier``) and applied at ``now``: this
+        replica holds its own head back while one of them comes first, for at most
+        ``peer_queue_max_age_s`` after the peer's request was first heard
+        (:mod:`copse.router.fairness`). Returns queued requests it lets through."""
+        seen = now if heard is None else heard
+        if not self._queue.observe_peer(peer, heads, now=seen, earlier=earlier):
             return []
         return self._drain(now=now) if self._queue else []
 

@@ -49,7 +49,7 @@ from nats.errors import Error as NatsError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.core import FlightRecord, PeerChange
-from copse.router.fairness import QueueHead
+from copse.router.fairness import HeardHeads, QueueHead
 from copse.router.nats_link import NatsLink
 from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
@@ -258,6 +258,11 @@ def decode_changes(data: bytes) -> tuple[str, list[PeerChange]]:
     return router_id, changes
 
 
+MAX_EARLIER_HEADS = 16
+"""A peer's heads heard while earlier ones still wait to be applied are kept, up to this many
+(the oldest, and the latest after it): the requests they name keep when they were first heard."""
+
+
 class _PendingHeads(NamedTuple):
     """A peer's queue heads heard before they may be applied."""
 
@@ -268,6 +273,15 @@ class _PendingHeads(NamedTuple):
     """When they were heard (service clock): applied later, they keep it, so that a request the
     peer keeps sending holds this queue back for the cap after it was first heard, not after its
     heads could be applied (a snapshot pending for seconds would restart the hold)."""
+    earlier: tuple[HeardHeads, ...] = ()
+    """The peer's heads heard before these while they waited, oldest first."""
+
+    def then(self, *, seq: int, heads: list[QueueHead], heard: float) -> _PendingHeads:
+        """The peer's next heads, heard at ``heard`` while these still wait."""
+        earlier = (*self.earlier, HeardHeads(heard=self.heard, heads=self.heads))
+        if len(earlier) > MAX_EARLIER_HEADS:
+            earlier = (earlier[0], *earlier[-(MAX_EARLIER_HEADS - 1) :])
+        return _PendingHeads(seq=seq, heads=heads, heard=heard, earlier=earlier)
 
 
 @dataclasses.dataclass(slots=True)
@@ -499,7 +513,11 @@ class ReplicaSync(Subscriber):
         state = self.peers.get(peer)
         if state is None:
             return  # not heard on the load subject yet: its next heartbeat repeats them
-        state.heads = _PendingHeads(seq=seq, heads=heads, heard=self.service.now())
+        heard, pending = self.service.now(), state.heads
+        if pending is None:
+            state.heads = _PendingHeads(seq=seq, heads=heads, heard=heard)
+        else:
+            state.heads = pending.then(seq=seq, heads=heads, heard=heard)
         self._apply_heads(peer, state)
 
     def _apply_heads(self, peer: str, state: _Peer) -> None:
@@ -514,7 +532,10 @@ class ReplicaSync(Subscriber):
             return  # _sync applies them once every peer is synced
         state.heads = None
         router, now = self.service.router, self.service.now()
-        self.service.released(router.apply_peer_queue(peer, pending.heads, heard=pending.heard, now=now))
+        released = router.apply_peer_queue(
+            peer, pending.heads, now=now, heard=pending.heard, earlier=pending.earlier
+        )
+        self.service.released(released)
         self._wake.set()  # a hold on this replica's queue may begin or end: when it lapses
 
     def _apply(self, peer: str, changes: list[PeerChange], *, now: float) -> None:
