@@ -23,6 +23,7 @@ from copse.router.core import (
 from copse.router.fairness import QueueHead
 from copse.router.limits import TenantLimits
 from copse.router.policies import POLICIES, RouteRequest, RoutingObjective, SelectionSettings
+from copse.router.replica_sync import decode_changes, encode_changes
 from copse.workers.perf import PolynomialPerfModel
 from copse.workers.protocol import KvEvent, KvStored, KvUpdated, StoredBlock, block_hashes
 
@@ -681,7 +682,7 @@ def test_a_retry_on_another_worker_is_not_charged_to_the_tenant_again() -> None:
     assert first is not None
     router.finish("a1", now=0.1)
     retried = router.submit(
-        _classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id})
+        _classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id}), retry=True
     )
     assert retried is not None
     assert retried.worker_id != first.worker_id
@@ -696,7 +697,9 @@ def test_a_retry_is_charged_to_its_tenant_and_counted_once_at_the_peer_replica_t
     first = a.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
     assert first is not None
     a.finish("a1", now=0.1)
-    retried = a.submit(_classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id}))
+    retried = a.submit(
+        _classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id}), retry=True
+    )
     assert retried is not None
     assert a.outbox is not None
     changes = list(a.outbox)
@@ -711,6 +714,46 @@ def test_a_retry_is_charged_to_its_tenant_and_counted_once_at_the_peer_replica_t
     assert a.routed_tokens_per_s(now=later) == b.routed_tokens_per_s(now=later) == rate
 
 
+def test_a_first_route_with_workers_excluded_is_charged_and_rate_limited_here_and_at_the_peer() -> None:
+    """A gateway's endpoint picker excludes the endpoints outside its subset on a request's first
+    route: that request is no retry. Its tenant is charged here and at the peer replica (which
+    hears it over the load messages, in their wire form), its tokens count in the routed rate of
+    both, and it takes from its tenant's rate limit (the next one is refused)."""
+    limits = TenantLimits(tokens_per_minute={"a": 3000.0})
+    a = _router(workers=2, share_load=True, limits=limits)
+    b = _router(workers=2)
+    subset = frozenset({"w1"})  # the gateway offers w0 only
+    routed = a.submit(_classed("a1", priority=0, tenant="a"), now=0.0, exclude=subset)
+    assert routed is not None
+    assert routed.worker_id == "w0"
+    assert a._queue._bands[0].served["a"] == 2000.0, "charged here"
+    assert a.outbox is not None
+    _router_id, changes = decode_changes(encode_changes("a", list(a.outbox), seq=1))
+    for change in changes:
+        b.apply_peer(change, peer="a", now=0.0)
+    assert b._queue._bands[0].served["a"] == 2000.0, "charged at the peer"
+    later = a.thresholds.rate_window_s * 0.75  # a rate is known after half a window
+    rate = 2000.0 / a.thresholds.rate_window_s
+    assert a.routed_tokens_per_s(now=later) == b.routed_tokens_per_s(now=later) == rate
+    with pytest.raises(RateLimited):
+        a.submit(_classed("a2", priority=0, tenant="a"), now=0.1, exclude=subset)
+
+
+def test_a_first_route_that_waits_with_workers_excluded_is_charged_when_the_queue_serves_it() -> None:
+    """A gateway's request (endpoints outside its subset excluded) that has to wait is charged to
+    its tenant when the queue serves it, as any first route is."""
+    router = _router(workers=2, thresholds=Thresholds(busy_prefill_tokens=500))
+    assert router.submit(_classed("b1", priority=0, tenant="b"), now=0.0) is not None
+    assert router.submit(_classed("b2", priority=0, tenant="b"), now=0.0) is not None
+    waiting = router.submit(_classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({"w1"}))
+    assert waiting is None, "both workers are busy"
+    on_w0 = next(rid for rid in ("b1", "b2") if (route := router.route_of(rid)) and route.worker_id == "w0")
+    assert [route.request_id for route in router.finish(on_w0, now=0.2)] == ["a1"]
+    band = router._queue._bands[0]
+    assert band.virtual == 2000.0, "a1 started where b's second request had"
+    assert band.served.get("a") == 4000.0, "charged its 2,000 tokens when the queue served it"
+
+
 def test_a_retry_that_waits_in_the_queue_is_not_charged_to_the_tenant_again() -> None:
     """A retry (its first worker excluded) that has to wait is charged neither when it waits nor
     when the queue serves it: its tenant was charged when it was first routed."""
@@ -720,7 +763,9 @@ def test_a_retry_that_waits_in_the_queue_is_not_charged_to_the_tenant_again() ->
     assert router.submit(_classed("b1", priority=0, tenant="b"), now=0.0) is not None
     router.finish("a1", now=0.1)  # it failed before its first token: the service retries it
     retry = _classed("a1", priority=0, tenant="a")
-    assert router.submit(retry, now=0.1, exclude=frozenset({first.worker_id})) is None, "b1 holds the other"
+    assert router.submit(retry, now=0.1, exclude=frozenset({first.worker_id}), retry=True) is None, (
+        "b1 holds the other"
+    )
     served = router._queue._bands[0].served
     assert served["a"] == 2000.0
     assert [route.request_id for route in router.finish("b1", now=0.2)] == ["a1"]

@@ -380,6 +380,29 @@ async def test_no_ready_worker_is_503_and_a_full_queue_sheds_with_429() -> None:
             await running.close()
 
 
+async def test_a_request_in_a_gateways_subset_is_charged_and_rate_limited_at_its_first_route() -> None:
+    """The gateway's subset excludes endpoints on a request's first route: that is no retry. The
+    request is admitted (counted), charged to its tenant and taken from its token rate, so the
+    tenant's next request over the limit is refused with 429."""
+    async with mock_fleet(engines=2) as fleet:
+        limited = {"tenants": {"team-a": {"tokens_per_minute": 100}}}
+        running = await _picker(fleet.urls, settings=limited)
+        picker = _service(running)
+        team_a = {"x-gateway-inference-fairness-id": "team-a", "x-gateway-inference-objective": "unknown"}
+        subset = [address_of(fleet.urls[0])]
+        try:
+            body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 60}).encode()
+            got = await _exchange(picker, [request_headers(subset=subset, extra=team_a), *request_body(body)])
+            assert _destination_of(got[0]) == subset[0], "the first one fits the minute"
+            assert picker.metrics.class_admitted.labels("default", "team-a")._value.get() == 1
+            assert picker.router._queue._bands[0].served["team-a"] > 0, "charged to its tenant"
+            got = await _exchange(picker, [request_headers(subset=subset, extra=team_a), *request_body(body)])
+            assert _rejection(got)[:2] == (429, "RateLimitError")
+            assert picker.metrics.class_rate_limited.labels("default", "team-a")._value.get() == 1
+        finally:
+            await running.close()
+
+
 def picker_of(running: RunningRouter) -> EndpointPicker:
     return _service(running)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, QueueHead
+from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, HeardHeads, QueueHead
 
 
 def _drain(queue: FairQueue[str]) -> list[str]:
@@ -312,3 +313,16 @@ def test_a_stuck_peer_head_holds_nothing_back_past_the_cap_though_its_tenant_is_
     head = QueueHead(priority=0, start=2000.0, tenant="light", virtual=0.0, waited_s=0.5)
     queue.observe_peer("B", [head], now=6.0)  # B routed it; light's next request, queued at 5.5 s
     assert queue.held_until(now=6.1, max_hold_s=3.0) == 9.0, "a new request holds again"
+
+
+def test_heads_observed_late_keep_when_their_requests_were_first_heard() -> None:
+    """A peer's heads that waited before they could be observed (its snapshot pending) are
+    observed as heard: a stuck request the peer sent at 10 s and again at 11 s holds this queue
+    back until 10 s plus the cap, though observed only at 11 s (with what was heard at 10 s)."""
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.charge(priority=0, tenant="heavy", tokens=500)
+    queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=9.0)
+    stuck = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
+    first = HeardHeads(heard=10.0, heads=[stuck])
+    queue.observe_peer("B", [dataclasses.replace(stuck, waited_s=1.0)], now=11.0, earlier=[first])
+    assert queue.held_until(now=11.5, max_hold_s=3.0) == 13.0

@@ -277,6 +277,33 @@ async def test_a_worker_failing_before_the_first_token_is_retried_elsewhere(
             await running.close()
 
 
+async def test_a_retry_elsewhere_is_neither_charged_nor_rate_limited_again(
+    fake_worker: tuple[str, dict[str, Any]],
+) -> None:
+    """Two requests of a tenant whose limit takes two and no more, failed by the broken worker
+    and retried on the other: both are answered, each counted and charged once."""
+    url, state = fake_worker
+    tokens = len(PROMPT) + 3
+    tenants = {"team-a": {"tokens_per_minute": 2 * tokens + tokens // 2}}
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config([url, *fleet.urls], policy="round_robin", tenants=tenants), 2)
+        try:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(2):  # round robin sends one of the two to the broken worker
+                    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+                    headers = {"x-gateway-inference-fairness-id": "team-a"}
+                    async with http.post(
+                        f"{running.url}/v1/completions", json=body, headers=headers
+                    ) as response:
+                        assert response.status == 200, await response.text()
+            metrics = running.service.metrics
+            assert metrics.retries._value.get() == state["hits"] >= 1, "each hit of the broken one retried"
+            assert metrics.class_admitted.labels("default", "team-a")._value.get() == 2
+            assert running.service.router._queue._bands[0].served["team-a"] == 2 * tokens
+        finally:
+            await running.close()
+
+
 async def test_a_worker_failing_mid_stream_ends_it_with_an_error_event(
     fake_worker: tuple[str, dict[str, Any]],
 ) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import nats
 import pytest
+from nats.aio.client import Client as NatsClient
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router import server
@@ -22,9 +23,11 @@ from copse.router.core import FlightRecord, PeerChange
 from copse.router.fairness import QueueHead
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import (
+    MAX_EARLIER_HEADS,
     SNAPSHOT_WITH_ADAPTERS,
     ReplicaSync,
     Snapshot,
+    _PendingHeads,
     batches,
     decode_changes,
     decode_heads,
@@ -452,7 +455,7 @@ async def test_a_request_starting_or_ending_its_wait_wakes_replica_sync(nats_url
             wakes: list[int] = []
             running.service.on_changes.append(lambda: wakes.append(router.queued))
             with pytest.raises(Overloaded):
-                await running.service._route(request("waits"), frozenset())
+                await running.service._route(request("waits"), frozenset(), retry=False)
             assert wakes == [1, 0]
             running.service.released(router.finish("busy", now=time.monotonic()))
         finally:
@@ -558,53 +561,118 @@ async def test_a_flush_builds_the_queue_heads_before_it_sends_anything(nats_url:
         assert events == ["heads built", "load sent", "heads sent"]
 
 
+@contextlib.asynccontextmanager
+async def _held_for_a_played_peer(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, deployment: str
+) -> AsyncIterator[tuple[RunningRouter, ReplicaSync, NatsClient]]:
+    """Replica "two" over one mocked engine with a 2 s hold cap and a heartbeat of a minute, and
+    a NATS connection on which the test plays its peer "one"."""
+    monkeypatch.setattr(server, "ReplicaSync", functools.partial(ReplicaSync, heartbeat_s=60.0))
+    async with mock_fleet(engines=1, nats_url=nats_url, deployment=deployment) as fleet:
+        config = _config(fleet.urls, nats_url, deployment, busy_kv_fraction=1e-9, peer_queue_max_age_s=2.0)
+        running = await start_router(config, router_id="two")
+        nc = await nats.connect(nats_url)
+        try:
+            sync = running.replica_sync
+            assert sync is not None
+            await eventually(lambda: len(running.service.router.workers) == 1)
+            await eventually(lambda: running.service.metrics.nats_connected._value.get() == 1)
+            yield running, sync, nc
+        finally:
+            await nc.close()
+            await running.close()
+
+
+def _heavy(request_id: str) -> RouteRequest:
+    """A request of the heavy tenant that takes the one worker."""
+    hashes = block_hashes(PROMPT, block_size=32)
+    return RouteRequest(request_id=request_id, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant="heavy")
+
+
 async def test_a_replica_routes_what_a_peers_head_held_back_as_soon_as_the_hold_lapses(
     nats_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A peer (played by the test) sends a head once and never again (it cannot route it): the
     replica it held back routes its own request when the hold lapses (peer_queue_max_age_s after
     the head was first sent), not at its next heartbeat (a minute here)."""
-    monkeypatch.setattr(server, "ReplicaSync", functools.partial(ReplicaSync, heartbeat_s=60.0))
-    async with mock_fleet(engines=1, nats_url=nats_url, deployment="lapse") as fleet:
-        config = _config(fleet.urls, nats_url, "lapse", busy_kv_fraction=1e-9, peer_queue_max_age_s=2.0)
-        running = await start_router(config, router_id="two")
-        nc = await nats.connect(nats_url)
-        try:
-            sync = running.replica_sync
-            assert sync is not None
-            router = running.service.router
-            await eventually(lambda: len(router.workers) == 1)
-            await eventually(lambda: running.service.metrics.nats_connected._value.get() == 1)
+    async with _held_for_a_played_peer(nats_url, monkeypatch, "lapse") as (running, sync, nc):
+        router = running.service.router
 
-            async def answer(msg: Any) -> None:
-                await msg.respond(Snapshot(router="one", seq=1, flights=[]).model_dump_json().encode())
+        async def answer(msg: Any) -> None:
+            await msg.respond(Snapshot(router="one", seq=1, flights=[]).model_dump_json().encode())
 
-            await nc.subscribe(
-                snapshot_subject(namespace="default", deployment="lapse", router_id="one"), cb=answer
-            )
-            await nc.publish(
-                load_subject(namespace="default", deployment="lapse"), encode_changes("one", [], seq=1)
-            )
-            await eventually(lambda: "one" in sync.peers and sync.peers["one"].synced)
-            hashes = block_hashes(PROMPT, block_size=32)
+        await nc.subscribe(
+            snapshot_subject(namespace="default", deployment="lapse", router_id="one"), cb=answer
+        )
+        await nc.publish(
+            load_subject(namespace="default", deployment="lapse"), encode_changes("one", [], seq=1)
+        )
+        await eventually(lambda: "one" in sync.peers and sync.peers["one"].synced)
+        assert router.submit(_heavy("busy"), now=time.monotonic()) is not None
+        assert router.submit(_heavy("heavy-1"), now=time.monotonic()) is None
+        light = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
+        heads = heads_subject(namespace="default", deployment="lapse")
+        await nc.publish(heads, encode_heads("one", [light], seq=1))
+        await eventually(lambda: router.hold_ends(now=time.monotonic()) is not None)
+        running.service.released(router.finish("busy", now=time.monotonic()))
+        assert router.queued == 1, "held back for the peer's light request"
+        await eventually(lambda: router.queued == 0)
 
-            def request(rid: str) -> RouteRequest:
-                return RouteRequest(
-                    request_id=rid, hashes=hashes, prompt_tokens=640, max_tokens=5, tenant="heavy"
-                )
 
-            assert router.submit(request("busy"), now=time.monotonic()) is not None
-            assert router.submit(request("heavy-1"), now=time.monotonic()) is None
-            light = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
-            heads = heads_subject(namespace="default", deployment="lapse")
-            await nc.publish(heads, encode_heads("one", [light], seq=1))
-            await eventually(lambda: router.hold_ends(now=time.monotonic()) is not None)
-            running.service.released(router.finish("busy", now=time.monotonic()))
-            assert router.queued == 1, "held back for the peer's light request"
-            await eventually(lambda: router.queued == 0)
-        finally:
-            await nc.close()
-            await running.close()
+async def test_heads_heard_while_a_peers_snapshot_is_pending_hold_from_when_they_were_heard(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's heads heard while its snapshot is pending wait for it, and are then applied as
+    heard when they arrived: the hold a stuck head puts on this replica lapses at the cap after it
+    was first heard (the peer sent it again meanwhile), not after the snapshot came (a pending
+    snapshot would otherwise prolong it)."""
+    async with _held_for_a_played_peer(nats_url, monkeypatch, "pending") as (running, sync, nc):
+        router = running.service.router
+        clock = [time.monotonic()]
+        monkeypatch.setattr(running.service, "now", lambda: clock[0])
+        snapshot_asked, answer_now = asyncio.Event(), asyncio.Event()
+
+        async def answer(msg: Any) -> None:
+            snapshot_asked.set()
+            await answer_now.wait()
+            await msg.respond(Snapshot(router="one", seq=1, flights=[]).model_dump_json().encode())
+
+        subject = snapshot_subject(namespace="default", deployment="pending", router_id="one")
+        await nc.subscribe(subject, cb=answer)
+        await nc.publish(
+            load_subject(namespace="default", deployment="pending"), encode_changes("one", [], seq=1)
+        )
+        await snapshot_asked.wait()
+        assert router.submit(_heavy("busy"), now=clock[0]) is not None
+        assert router.submit(_heavy("heavy-1"), now=clock[0]) is None
+        heard = clock[0]
+        light = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
+        heads = heads_subject(namespace="default", deployment="pending")
+        await nc.publish(heads, encode_heads("one", [light], seq=1))
+        await eventually(lambda: sync.peers["one"].heads is not None)
+        assert router.hold_ends(now=clock[0]) is None, "they wait for the peer's snapshot"
+        clock[0] += 1.0  # the snapshot takes its time; the peer sends its stuck head again
+        again = dataclasses.replace(light, waited_s=1.0)
+        await nc.publish(heads, encode_heads("one", [again], seq=1))
+        await eventually(
+            lambda: (pending := sync.peers["one"].heads) is not None and pending.heard == clock[0]
+        )
+        clock[0] += 0.5
+        answer_now.set()
+        await eventually(lambda: sync.peers["one"].synced and sync.peers["one"].heads is None)
+        assert router.hold_ends(now=clock[0]) == pytest.approx(heard + 2.0), "held from when heard"
+
+
+def test_heads_waiting_to_be_applied_keep_the_oldest_and_the_latest_earlier_ones() -> None:
+    """A peer sending heads all the time while they wait (its snapshot pending) keeps a bounded
+    list of them: the oldest (when its stuck requests were first heard) and the latest."""
+    light = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0)
+    pending = _PendingHeads(seq=1, heads=[light], heard=0.0)
+    for heard in range(1, 41):
+        pending = pending.then(seq=1, heads=[light], heard=float(heard))
+    assert pending.heard == 40.0
+    assert len(pending.earlier) == MAX_EARLIER_HEADS
+    assert [older.heard for older in pending.earlier] == [0.0, *range(40 - MAX_EARLIER_HEADS + 1, 40)]
 
 
 async def test_two_replicas_holding_each_others_heads_back_route_every_request(nats_url: str) -> None:

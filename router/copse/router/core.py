@@ -30,7 +30,7 @@ from copse.router.adapters import AdapterRouting, AdapterTracker
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
-from copse.router.fairness import FairQueue, QueueHead
+from copse.router.fairness import FairQueue, HeardHeads, QueueHead
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
 from copse.router.limits import TenantLimits
 from copse.router.policies import (
@@ -229,6 +229,17 @@ def _prefill_key(request_id: str) -> str:
     return request_id + "\x00prefill"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Queued:
+    """A request waiting in the router's queue."""
+
+    request: RouteRequest
+    exclude: frozenset[str]
+    """Workers it may not go to (those that failed it, or outside a gateway's subset)."""
+    retry: bool
+    """It was routed before: its tenant was charged then, so the queue serves it uncharged."""
+
+
 class Router:
     """Routes requests to workers; see the module documentation for the lifecycle."""
 
@@ -292,7 +303,7 @@ class Router:
         self._free_cache: dict[Role, tuple[tuple[int, int], _Eligible | None]] = {}
         self.adapters = AdapterTracker(adapters)
         """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
-        self._queue: FairQueue[tuple[RouteRequest, frozenset[str]]] = FairQueue(
+        self._queue: FairQueue[_Queued] = FairQueue(
             weight=tenant_weight or (lambda _tenant: 1.0), serves=self.adapters.serves
         )
         self._routes: dict[str, Route] = {}
@@ -391,21 +402,30 @@ class Router:
         return self._routes.get(request_id)
 
     def submit(
-        self, request: RouteRequest, *, now: float, exclude: frozenset[str] = frozenset()
+        self,
+        request: RouteRequest,
+        *,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        retry: bool = False,
     ) -> Route | None:
-        """Route ``request``; ``None`` when it waits in the queue (it comes back from
-        :meth:`prefill_done`, :meth:`finish` or :meth:`add_worker`). Raises :class:`NoWorkers` when
-        no registered worker could ever take it, and a :class:`Shed` when it is not admitted: its
-        tenant is over its rate limit (:class:`RateLimited`), it would wait past its TTFT target
-        (:class:`SloShed`) or the queue is full (:class:`QueueFull`). An admitted request is
-        routed now or waits in the queue until it is (or is cancelled by :meth:`finish`)."""
+        """Route ``request`` to a worker not in ``exclude``; ``None`` when it waits in the queue (it
+        comes back from :meth:`prefill_done`, :meth:`finish` or :meth:`add_worker`). Raises
+        :class:`NoWorkers` when no registered worker could ever take it, and a :class:`Shed` when it
+        is not admitted: its tenant is over its rate limit (:class:`RateLimited`), it would wait
+        past its TTFT target (:class:`SloShed`) or the queue is full (:class:`QueueFull`). An
+        admitted request is routed now or waits in the queue until it is (or is cancelled by
+        :meth:`finish`). A ``retry`` (the request was routed before and failed there) is neither
+        rate limited nor charged to its tenant, here or at the peers: its first route was. An
+        ``exclude`` alone does not make a retry (a gateway's endpoint picker excludes the endpoints
+        outside its subset on a request's first route)."""
         if not self._servable(exclude):
             raise NoWorkers("no worker is available for this request")
         if request.model and not self.adapters.serves(request.model):
             raise NoWorkers(f"no worker of model {request.model!r} is available")
         tokens = float(request.prompt_tokens + request.max_tokens)
-        # A retry (workers excluded) is the router's doing: its tenant was charged the first time.
-        limits = self.limits if not exclude else None
+        # A retry is the router's doing: its tenant was charged the first time.
+        limits = self.limits if not retry else None
         if limits is not None:
             wait_s = limits.wait_s(request.tenant, tokens, now=now)
             if wait_s > 0.0:
@@ -415,12 +435,12 @@ class Router:
                     retry_after_s=wait_s,
                 )
         held = self._queue or self._peer_ahead(request, now=now)
-        route = None if held else self._try_route(request, now=now, exclude=exclude)
-        if route is not None and not exclude:
+        route = None if held else self._try_route(request, now=now, exclude=exclude, retry=retry)
+        if route is not None and not retry:
             self._queue.charge(priority=request.priority, tenant=request.tenant, tokens=tokens)
         if route is None:
             self._admit(request, now=now)
-            self._enqueue(request, exclude, now=now)
+            self._enqueue(_Queued(request=request, exclude=exclude, retry=retry), now=now)
         if limits is not None:
             limits.take(request.tenant, tokens, now=now)
         return route
@@ -494,7 +514,8 @@ class Router:
                 retry_after_s=max(1.0, (predicted_ms - target_ms) / 1000.0),
             )
 
-    def _enqueue(self, request: RouteRequest, exclude: frozenset[str], *, now: float) -> None:
+    def _enqueue(self, queued: _Queued, *, now: float) -> None:
+        request = queued.request
         waiting = self._queue.count_at_or_above(request.priority)
         limit = self.thresholds.queue_size
         # A full queue still takes a tenant that holds less than its share of the band (another
@@ -508,7 +529,7 @@ class Router:
             )
         self._queue.push(
             request.request_id,
-            (request, exclude),
+            queued,
             priority=request.priority,
             tenant=request.tenant,
             tokens=float(request.prompt_tokens + request.max_tokens),
@@ -613,11 +634,11 @@ class Router:
         while (head := self._queue.peek()) is not None:
             if self._queue.held_until(now=now, max_hold_s=max_age_s) is not None:
                 break  # a peer replica's head comes first: the capacity is its to take
-            key, (request, exclude) = head
-            route = self._try_route(request, now=now, exclude=exclude)
+            key, queued = head
+            route = self._try_route(queued.request, now=now, exclude=queued.exclude, retry=queued.retry)
             if route is None:
                 break
-            if exclude:
+            if queued.retry:
                 self._queue.remove(key)  # a retry: its tenant was charged when it was first routed
             else:
                 self._queue.pop(key)
@@ -673,7 +694,9 @@ class Router:
             adapter_ms=self.adapters.load_ms(request, self.sequences.size),
         )
 
-    def _try_route(self, request: RouteRequest, *, now: float, exclude: frozenset[str]) -> Route | None:
+    def _try_route(
+        self, request: RouteRequest, *, now: float, exclude: frozenset[str], retry: bool
+    ) -> Route | None:
         self.costs.refresh()
         worker_free = self._narrow(request, self._free(Role.WORKER, exclude))
         decode_free = self._narrow(request, self._free(Role.DECODE, exclude))
@@ -683,9 +706,7 @@ class Router:
                 # Only prefill workers of a revision that has a free decode worker.
                 prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
             if prefill_free is not None:
-                return self._route_disaggregated(
-                    request, prefill_free, decode_free, retry=bool(exclude), now=now
-                )
+                return self._route_disaggregated(request, prefill_free, decode_free, retry=retry, now=now)
             # No prefill worker available: decode workers serve whole requests.
             worker_free = (
                 decode_free if worker_free is None else _Eligible.of(worker_free.mask | decode_free.mask)
@@ -695,7 +716,7 @@ class Router:
         guarded = self._within_guards(self._selection(request, worker_free, now=now))
         if guarded is None:
             return None
-        return self._commit_aggregated(guarded, self.policy.choose(guarded), retry=bool(exclude), now=now)
+        return self._commit_aggregated(guarded, self.policy.choose(guarded), retry=retry, now=now)
 
     def steps_ms_with(self, request: RouteRequest, *, new_tokens: FloatArray) -> FloatArray:
         """Predicted step time of each worker once it holds ``request`` too, whose prompt has
@@ -1059,11 +1080,23 @@ class Router:
         ``now`` (for its peers)."""
         return self._queue.heads(now=now)
 
-    def apply_peer_queue(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> list[Route]:
+    def apply_peer_queue(
+        self,
+        peer: str,
+        heads: Sequence[QueueHead],
+        *,
+        now: float,
+        heard: float | None = None,
+        earlier: Sequence[HeardHeads] = (),
+    ) -> list[Route]:
         """The queue heads of the router replica ``peer`` (every band it has requests waiting in),
-        heard at ``now``: this replica holds its own head back while one of them comes first
+        heard at ``heard`` (``now`` when not given; earlier when they had to wait for the changes
+        sent before them, as had the heads ``peer`` sent ``earlier``) and applied at ``now``: this
+        replica holds its own head back while one of them comes first, for at most
+        ``peer_queue_max_age_s`` after the peer's request was first heard
         (:mod:`copse.router.fairness`). Returns queued requests it lets through."""
-        if not self._queue.observe_peer(peer, heads, now=now):
+        seen = now if heard is None else heard
+        if not self._queue.observe_peer(peer, heads, now=seen, earlier=earlier):
             return []
         return self._drain(now=now) if self._queue else []
 

@@ -476,7 +476,8 @@ class Exchange:
         excluded = picker._excluded(self.subset)
         if self.subset is not None and not set(picker.router.workers) - excluded:
             raise Unavailable("none of the endpoints in the gateway's subset is a ready worker")
-        route = await picker._route(prepared.route, excluded)
+        # the gateway routes each request here once (its fallbacks come back through assign)
+        route = await picker._route(prepared.route, excluded, retry=False)
         urls = picker._urls
         fallbacks = picker.router.fallbacks(
             prepared.route,

@@ -43,7 +43,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -148,12 +148,27 @@ def _key(head: QueueHead) -> tuple[int, str]:
     return (head.priority, head.tenant)
 
 
+class HeardHeads(NamedTuple):
+    """A peer's queue heads as heard."""
+
+    heard: float
+    """When they were heard (the caller's clock)."""
+    heads: Sequence[QueueHead]
+
+
 def _sent(head: QueueHead, before: _Sent | None, *, now: float) -> _Sent:
     """``head`` heard at ``now``: the same request as ``before`` (its first sending kept), or a new one."""
     arrived = now - head.waited_s
     if before is not None and abs(before.arrived - arrived) <= SAME_REQUEST_S:
         return before
     return _Sent(arrived=arrived, first=now)
+
+
+def _since(
+    heads: Sequence[QueueHead], before: dict[tuple[int, str], _Sent], *, now: float
+) -> dict[tuple[int, str], _Sent]:
+    """Per head of ``heads`` heard at ``now``, its request and when the peer first sent it."""
+    return {_key(head): _sent(head, before.get(_key(head)), now=now) for head in heads}
 
 
 class FairQueue(Generic[T]):
@@ -313,12 +328,16 @@ class FairQueue(Generic[T]):
             for tenant, fifo in band.tenants.items()
         ]
 
-    def observe_peer(self, peer: str, heads: Sequence[QueueHead], *, now: float) -> bool:
+    def observe_peer(
+        self, peer: str, heads: Sequence[QueueHead], *, now: float, earlier: Sequence[HeardHeads] = ()
+    ) -> bool:
         """The heads of ``peer``'s queue (all of them: a tenant left out has nothing waiting
         there), heard at ``now``; catches the bands' virtual times, and the virtual times of the
         tenants waiting there, up with the peer's (a tenant that started waiting there was lifted
-        there: so its start tag is the same at every replica). Returns whether they changed since
-        last heard (what this queue held back for may be gone)."""
+        there: so its start tag is the same at every replica). ``earlier``: the peer's heads heard
+        before these and never observed (they waited for changes to be applied first), oldest
+        first: a request they named keeps when it was first heard (their tags are behind these).
+        Returns whether they changed since last heard (what this queue held back for may be gone)."""
         for head in heads:
             band = self._band(head.priority)
             if band.tenants and (
@@ -332,7 +351,9 @@ class FairQueue(Generic[T]):
         known = self._peers.get(peer)
         fresh = tuple(heads)
         before = {} if known is None else known.since
-        since = {_key(head): _sent(head, before.get(_key(head)), now=now) for head in fresh}
+        for older in earlier:
+            before = _since(older.heads, before, now=older.heard)
+        since = _since(fresh, before, now=now)
         self._peers[peer] = _PeerHeads(heads=fresh, heard=now, since=since)
         if known is not None and known.heads == fresh:
             return False

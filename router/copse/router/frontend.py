@@ -442,7 +442,8 @@ class RouterService(RoutingService):
         retries = 0
         while True:
             try:
-                route = await self._route(route_request, frozenset(exclude))
+                # exclude holds the workers that failed the request: it is re-routed once it has one
+                route = await self._route(route_request, frozenset(exclude), retry=bool(exclude))
             except (Unavailable, Overloaded) as exc:
                 if stream is not None and stream.client is not None:
                     return await self._end_stream(

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from typing import NamedTuple
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -48,7 +49,7 @@ from nats.errors import Error as NatsError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from copse.router.core import FlightRecord, PeerChange
-from copse.router.fairness import QueueHead
+from copse.router.fairness import HeardHeads, QueueHead
 from copse.router.nats_link import NatsLink
 from copse.router.service import RoutingService
 from copse.router.subscriber import Subscriber
@@ -257,6 +258,32 @@ def decode_changes(data: bytes) -> tuple[str, list[PeerChange]]:
     return router_id, changes
 
 
+MAX_EARLIER_HEADS = 16
+"""A peer's heads heard while earlier ones still wait to be applied are kept, up to this many
+(the oldest, and the latest after it): the requests they name keep when they were first heard."""
+
+
+class _PendingHeads(NamedTuple):
+    """A peer's queue heads heard before they may be applied."""
+
+    seq: int
+    """Number of the load message the peer sent before them."""
+    heads: list[QueueHead]
+    heard: float
+    """When they were heard (service clock): applied later, they keep it, so that a request the
+    peer keeps sending holds this queue back for the cap after it was first heard, not after its
+    heads could be applied (a snapshot pending for seconds would restart the hold)."""
+    earlier: tuple[HeardHeads, ...] = ()
+    """The peer's heads heard before these while they waited, oldest first."""
+
+    def then(self, *, seq: int, heads: list[QueueHead], heard: float) -> _PendingHeads:
+        """The peer's next heads, heard at ``heard`` while these still wait."""
+        earlier = (*self.earlier, HeardHeads(heard=self.heard, heads=self.heads))
+        if len(earlier) > MAX_EARLIER_HEADS:
+            earlier = (earlier[0], *earlier[-(MAX_EARLIER_HEADS - 1) :])
+        return _PendingHeads(seq=seq, heads=heads, heard=heard, earlier=earlier)
+
+
 @dataclasses.dataclass(slots=True)
 class _Peer:
     """What this replica knows of one peer."""
@@ -268,9 +295,9 @@ class _Peer:
     synced: bool = False
     """Its snapshot was loaded (else its messages are held)."""
     held: list[tuple[int, list[PeerChange]]] = dataclasses.field(default_factory=list)
-    heads: tuple[int, list[QueueHead]] | None = None
-    """Its latest queue heads not applied yet, with the number of the load message sent before
-    them: they wait until that message's changes are applied."""
+    heads: _PendingHeads | None = None
+    """Its latest queue heads not applied yet: they wait until the changes of the load message
+    sent before them are applied."""
 
 
 class ReplicaSync(Subscriber):
@@ -486,7 +513,11 @@ class ReplicaSync(Subscriber):
         state = self.peers.get(peer)
         if state is None:
             return  # not heard on the load subject yet: its next heartbeat repeats them
-        state.heads = (seq, heads)
+        heard, pending = self.service.now(), state.heads
+        if pending is None:
+            state.heads = _PendingHeads(seq=seq, heads=heads, heard=heard)
+        else:
+            state.heads = pending.then(seq=seq, heads=heads, heard=heard)
         self._apply_heads(peer, state)
 
     def _apply_heads(self, peer: str, state: _Peer) -> None:
@@ -494,14 +525,17 @@ class ReplicaSync(Subscriber):
         while no peer's messages are held (its snapshot pending): ``peer`` may have applied one of
         those, and its tags count a charge this replica would otherwise count again when it
         replays the message."""
-        if state.heads is None or not state.synced or state.seq < state.heads[0]:
+        pending = state.heads
+        if pending is None or not state.synced or state.seq < pending.seq:
             return
         if any(not other.synced for other in self.peers.values()):
             return  # _sync applies them once every peer is synced
-        _seq, heads = state.heads
         state.heads = None
-        now = self.service.now()
-        self.service.released(self.service.router.apply_peer_queue(peer, heads, now=now))
+        router, now = self.service.router, self.service.now()
+        released = router.apply_peer_queue(
+            peer, pending.heads, now=now, heard=pending.heard, earlier=pending.earlier
+        )
+        self.service.released(released)
         self._wake.set()  # a hold on this replica's queue may begin or end: when it lapses
 
     def _apply(self, peer: str, changes: list[PeerChange], *, now: float) -> None:
@@ -538,7 +572,7 @@ class ReplicaSync(Subscriber):
             state.seq = max(state.seq, seq)
         state.synced = True
         if state.heads is not None and snapshot is None:
-            state.heads = (state.seq, state.heads[1])  # the changes before them are lost for good
+            state.heads = state.heads._replace(seq=state.seq)  # the changes before them are lost for good
         self._apply_pending_heads()
 
     def _apply_pending_heads(self) -> None:

@@ -497,15 +497,18 @@ class RoutingService:
         """Hand requests the core released from its queue to their waiting handlers."""
         self._dispatch(routes)
 
-    async def _route(self, request: RouteRequest, exclude: frozenset[str]) -> Route:
+    async def _route(self, request: RouteRequest, exclude: frozenset[str], *, retry: bool) -> Route:
+        """Route ``request`` to a worker not in ``exclude``, waiting in the queue for one if need
+        be; a ``retry`` (routed before, and failed there) is neither rate limited nor charged to
+        its tenant again (:meth:`Router.submit`)."""
         try:
-            route = self.router.submit(request, now=self.now(), exclude=exclude)
+            route = self.router.submit(request, now=self.now(), exclude=exclude, retry=retry)
         except Shed as exc:
             self.metrics.shed(request, reason=type(exc).__name__)
             raise Overloaded(str(exc), retry_after_s=exc.retry_after_s) from exc
         except NoWorkers as exc:
             raise Unavailable(f"{exc}; retry shortly") from exc
-        if not exclude:  # a retry was counted the first time
+        if not retry:  # a retry was counted the first time
             self.metrics.admitted(request, queued=route is None)
         self.metrics.queue_depth.set(self.router.queued)
         if route is None:
