@@ -407,7 +407,7 @@ def test_the_itl_tail_factor_reads_the_routers_misses_against_the_model() -> Non
     cfg = config(correction=True, correction_smoothing=1.0)
     lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=2000.0, itl_ms=50.0, max_num_seqs=256)
     shape = {"isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3, "serving": 8.0}
-    base = dataclasses.replace(interval(0, 12.0), isl=8000.0, osl=300.0, **shape)  # type: ignore[arg-type]
+    base = dataclasses.replace(interval(0, 12.0), isl=8000.0, osl=300.0, **shape)
     means = capacity.means(replicas={W: 8}, load=workload_of(base), duration_s=INTERVAL)
     expected = capacity.attainment(replicas={W: 8}, load=workload_of(base), ttft_ms=2000.0, itl_ms=50.0)
     judged = base.num_requests
@@ -457,7 +457,7 @@ def test_the_error_budget_paces_the_goal_each_interval_is_sized_for() -> None:
             if missed_share is None
             else {"slo_met": judged * (1 - missed_share), "ttft_missed": judged * missed_share}
         )
-        return dataclasses.replace(interval(step, 12.0), **shape, **counts)  # type: ignore[arg-type]
+        return dataclasses.replace(interval(step, 12.0), **shape, **counts)
 
     hourly = config(budget_halflife_s=3600.0)
     unspent, overspent, uncounted = (planner(capacity, cfg=hourly, lim=lim) for _ in range(3))
@@ -486,7 +486,7 @@ def test_prompts_no_fleet_serves_in_time_do_not_spend_the_budget() -> None:
     capacity = CapacityModel(PolynomialPerfModel())
     lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=1000.0, itl_ms=50.0, max_num_seqs=256)
     shape = {"isl": 8000.0, "osl": 300.0, "isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3}
-    load = dataclasses.replace(interval(0, 12.0), **shape)  # type: ignore[arg-type]
+    load = dataclasses.replace(interval(0, 12.0), **shape)
     unreachable = 1.0 - capacity.reachable(
         workload_of(load), ttft_ms=1000.0, corrections=Corrections(), aggregated=True
     )
@@ -527,7 +527,7 @@ def test_the_fast_loop_answers_an_incident_at_the_goal_not_at_the_paced_one() ->
         planner(capacity, lim=lim),
     )
     for step in range(120):
-        quiet = dataclasses.replace(interval(step, 12.0), **shape)  # type: ignore[arg-type]
+        quiet = dataclasses.replace(interval(step, 12.0), **shape)
         paced.observe(
             dataclasses.replace(quiet, slo_met=quiet.num_requests, ttft_missed=0.0), replicas={W: 6}
         )
