@@ -594,6 +594,7 @@ async def test_tenants_over_their_token_rate_get_429_and_requests_are_counted_by
             fleet.urls,
             objectives={"premium": {"priority": 100, "ttft_ms": 2000}},
             tenants={"team-a": {"tokens_per_minute": 60}},
+            slo={"ttft_ms": 60_000, "itl_ms": 10_000},
         )
         running = await _started(config, 1)
         try:
@@ -618,6 +619,10 @@ async def test_tenants_over_their_token_rate_get_429_and_requests_are_counted_by
             assert 'copse_router_class_rate_limited_total{objective="premium",tenant="team-a"} 1.0' in metrics
             assert 'copse_router_class_admitted_total{objective="default",tenant="team-b"} 1.0' in metrics
             assert 'copse_router_requests_total{status="429"} 1.0' in metrics
+            # a tenant's excess is its own, not a miss of the fleet's SLO: the planner must not size for it
+            slo = running.service.metrics.slo_requests
+            assert slo.labels("refused")._value.get() == 0
+            assert slo.labels("met")._value.get() == 2
         finally:
             await running.close()
 

@@ -449,7 +449,8 @@ class RouterService(RoutingService):
                     return await self._end_stream(
                         stream, f"no worker can continue the stream: {exc}", why="unavailable"
                     )
-                self.metrics.missed(SLO_REFUSED)
+                if not (isinstance(exc, Overloaded) and exc.rate_limited):
+                    self.metrics.missed(SLO_REFUSED)
                 if isinstance(exc, Overloaded):
                     self.metrics.requests.labels(status="429").inc()
                     return error_response(429, str(exc), retry_after=exc.retry_after)

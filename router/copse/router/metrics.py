@@ -178,7 +178,7 @@ class RouterMetrics:
             SLO_REQUESTS,
             "Requests judged against the deployment's SLO when they end, by outcome: met (TTFT and mean"
             " inter-token gap within target), ttft_missed, itl_missed, refused (429/503 because the fleet"
-            " could not take it), failed (stream ended with an error).",
+            " could not take it; not a tenant over its rate limit), failed (stream ended with an error).",
             ["outcome"],
             registry=r,
         )

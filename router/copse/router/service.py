@@ -38,7 +38,7 @@ from prometheus_client import generate_latest
 
 from copse.router.clients import ClientGate
 from copse.router.config import RouterConfig
-from copse.router.core import NoWorkers, Role, Route, Router, Shed, WorkerInfo
+from copse.router.core import NoWorkers, RateLimited, Role, Route, Router, Shed, WorkerInfo
 from copse.router.discovery import Endpoint, Source
 from copse.router.metrics import RouterMetrics
 from copse.router.models import Resolved, UnknownModel
@@ -71,9 +71,11 @@ class Overloaded(Exception):
     """The request is shed (429 with ``Retry-After``): its tenant is over its rate limit, it would
     miss its objective's TTFT target, the queue is full, or it waited the whole queue timeout."""
 
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
+    def __init__(self, message: str, *, retry_after_s: float, rate_limited: bool = False) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.rate_limited = rate_limited
+        """The tenant's own excess, not the fleet's: no SLO miss (the planner must not size for it)."""
 
     @property
     def retry_after(self) -> str:
@@ -505,7 +507,9 @@ class RoutingService:
             route = self.router.submit(request, now=self.now(), exclude=exclude, retry=retry)
         except Shed as exc:
             self.metrics.shed(request, reason=type(exc).__name__)
-            raise Overloaded(str(exc), retry_after_s=exc.retry_after_s) from exc
+            raise Overloaded(
+                str(exc), retry_after_s=exc.retry_after_s, rate_limited=isinstance(exc, RateLimited)
+            ) from exc
         except NoWorkers as exc:
             raise Unavailable(f"{exc}; retry shortly") from exc
         if not retry:  # a retry was counted the first time
