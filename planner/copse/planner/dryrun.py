@@ -306,13 +306,14 @@ def dry_run(
 
 
 def _static_peak(observations: Sequence[Observation], *, planner: Planner) -> tuple[dict[Role, int], float]:
-    """The fixed deployment sized for the busiest interval's actual load, and its SLO attainment."""
+    """The fixed deployment sized for the busiest interval's actual load (at the goal itself, unpaced),
+    and its SLO attainment."""
     limits, capacity = planner.limits, planner.capacity
     peak = dict.fromkeys(limits.roles, 0)
     for obs in observations:
         if obs.num_requests <= 0:
             continue
-        for role, sizing in planner.size(workload_of(obs)).items():
+        for role, sizing in planner.size(workload_of(obs), goal=planner.config.attainment_goal).items():
             peak[role] = max(peak[role], sizing.replicas)
     fixed = fit_budget(clamp(peak, limits), limits)
     backlog, shape = Backlog(), None
