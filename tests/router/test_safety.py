@@ -15,6 +15,7 @@ import pytest
 from copse.router.approx import ApproximateIndexer
 from copse.router.clients import ClientGate, ClientLimits, Refused, client_key
 from copse.router.config import RouterConfig, parse_config
+from copse.router.core import RouteRequest
 from copse.router.frontend import RouterService
 from copse.router.indexer import BlockIndex
 from copse.router.server import RunningRouter, start_router
@@ -199,6 +200,33 @@ async def test_a_client_that_disconnects_or_stops_reading_frees_the_engine_slot(
             await eventually(lambda: not engine.requests, timeout_s=60)
             writer.close()
             await eventually(lambda: _gate(running).clients() == 0)
+        finally:
+            await running.close()
+
+
+async def test_a_caller_that_leaves_while_queued_takes_no_engine_slot() -> None:
+    """A waiting request whose caller is cancelled (a gateway closing its stream) leaves the queue;
+    released later, it would hold its worker forever, and every request after it would wait."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config(fleet.urls, busy_kv_fraction=1e-9, queue_timeout_s=600.0))
+        service, router = running.service, running.service.router
+        (worker_id,) = router.workers
+
+        def request(rid: str) -> RouteRequest:
+            return RouteRequest(request_id=rid, hashes=[], prompt_tokens=64, max_tokens=5)
+
+        try:
+            busy = await service._route(request("busy"), frozenset(), retry=False)
+            leaves = asyncio.create_task(service._route(request("leaves"), frozenset(), retry=False))
+            await eventually(lambda: router.queued == 1)
+            leaves.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaves
+            assert router.queued == 0
+            service._finish(busy.request_id)
+            assert router.in_flight(worker_id) == 0
+            nxt = await asyncio.wait_for(service._route(request("next"), frozenset(), retry=False), 5.0)
+            assert nxt.worker_id == worker_id
         finally:
             await running.close()
 

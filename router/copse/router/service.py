@@ -486,7 +486,7 @@ class RoutingService:
             future = self._waiting.pop(route.request_id, None)
             if future is not None and not future.done():
                 future.set_result(route)
-            elif future is None:
+            else:  # nobody waits for it any more: free what routing it took
                 self.router.finish(route.request_id, now=self.now())
         self.metrics.queue_depth.set(self.router.queued)
         self._changed()
@@ -521,9 +521,12 @@ class RoutingService:
             self._changed()  # a new queue head, maybe: peer replicas hear of it now
             try:
                 route = await asyncio.wait_for(future, timeout=self.config.queue_timeout_s)
-            except TimeoutError as exc:
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                # Out of the queue, or off its worker if routed just as the wait ended.
                 self._waiting.pop(request.request_id, None)
                 self.released(self.router.finish(request.request_id, now=self.now()))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise  # the caller left (a gateway closing its stream, a shutdown)
                 self.metrics.shed(request, reason="QueueTimeout")
                 raise Overloaded(
                     f"all workers stayed busy for {self.config.queue_timeout_s:g} s (queue timeout)",
