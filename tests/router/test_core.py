@@ -739,6 +739,40 @@ def test_a_first_route_with_workers_excluded_is_charged_and_rate_limited_here_an
         a.submit(_classed("a2", priority=0, tenant="a"), now=0.1, exclude=subset)
 
 
+def test_a_tenants_rate_limit_holds_across_replicas_not_once_per_replica() -> None:
+    """What a peer replica let a tenant send takes from the tenant's bucket here too, though this
+    replica knows none of the peer's workers: two replicas do not double a limit. A retry heard
+    from the peer, and a snapshot of what it has in flight, take nothing (taken at the first route)."""
+    a = _router(workers=2, share_load=True, limits=TenantLimits(tokens_per_minute={"a": 3000.0}))
+    b = Router(
+        perf=PERF,
+        settings=SelectionSettings(block_size=BS),
+        policy="kv",
+        seed=1,
+        limits=TenantLimits(tokens_per_minute={"a": 3000.0}),
+    )
+    b.add_worker(WorkerInfo(worker_id="elsewhere", role=Role.WORKER), now=0.0)
+    first = a.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
+    assert first is not None
+    a.finish("a1", now=0.1)
+    assert a.submit(
+        _classed("a1", priority=0, tenant="a"), now=0.1, exclude=frozenset({first.worker_id}), retry=True
+    )
+    assert a.outbox is not None
+    changes = list(a.outbox)
+    assert [change.op for change in changes] == ["add", "free", "add"]
+    b.load_peer_snapshot("a", a.own_flights(), now=0.1)
+    assert b.limits is not None
+    assert b.limits.wait_s("a", 2000.0, now=0.1) == 0.0, "a snapshot takes nothing"
+    for change in changes:
+        b.apply_peer(change, peer="a", now=0.1)
+    # taken when heard (0.1 s after a took it): 1,000 of 3,000 left, 20 s to the next 2,000
+    assert b.limits.wait_s("a", 2000.0, now=0.1) == pytest.approx(20.0)
+    with pytest.raises(RateLimited):
+        b.submit(_classed("b1", priority=0, tenant="a"), now=0.1)
+    assert b.submit(_classed("b2", priority=0, tenant="other"), now=0.1) is not None
+
+
 def test_a_first_route_that_waits_with_workers_excluded_is_charged_when_the_queue_serves_it() -> None:
     """A gateway's request (endpoints outside its subset excluded) that has to wait is charged to
     its tenant when the queue serves it, as any first route is."""

@@ -1034,12 +1034,19 @@ class Router:
         key = f"{peer}/{change.key}"
         if change.op == "add":
             record = change.record
-            mirrored = record is not None and self._mirror_add(key, record, now=now)
-            if record is not None and mirrored and record.output_tokens and not record.retry:
+            if record is None:
+                return []
+            mirrored = self._mirror_add(key, record, now=now)
+            if record.output_tokens and not record.retry:
                 # the request's main charge, at its first route: what the peer served it
                 served = len(record.hashes) * self.settings.block_size + record.kv_tokens
-                self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
-                self._count_routed(served, priority=record.priority, now=now)
+                if self.limits is not None:
+                    # A tenant's limit holds across replicas, not once per replica: what the peer
+                    # let through takes from the bucket here too (whatever workers this one knows).
+                    self.limits.take(record.tenant, served, now=now)
+                if mirrored:
+                    self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
+                    self._count_routed(served, priority=record.priority, now=now)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)
