@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -254,6 +255,27 @@ async def test_edited_bounds_apply_to_the_next_decision() -> None:
     await loop.step(busy(1, 40.0))
     assert api.obj["spec"]["prefill"]["replicas"] == 2
     assert loop.limits.max_replicas == 2
+
+
+async def test_new_latency_targets_restart_the_error_budget() -> None:
+    """Intervals that missed nothing left budget unspent against the old targets; that says
+    nothing of the new ones, so the spend starts again at 1. Other edits keep it."""
+    api = FakeApi(manifest())
+    loop = runner(api)
+    calm = dataclasses.replace(busy(0, 4.0), slo_met=240.0, ttft_missed=0.0)
+    for step in range(30):
+        await loop.step(dataclasses.replace(calm, timestamp=60.0 * step))
+    assert loop.planner is not None
+    spent = loop.planner.budget.spend
+    assert spent > 1.0
+    assert api.obj is not None
+    api.obj["spec"]["scaling"]["maxReplicas"] = 5
+    await loop.step(dataclasses.replace(calm, timestamp=60.0 * 30))
+    assert loop.planner.budget.spend > spent, "kept, and moved on by one more calm interval"
+    api.obj["spec"]["scaling"]["targetLatency"]["ttft_p99_ms"] = 300
+    await loop.step(dataclasses.replace(calm, timestamp=60.0 * 31))
+    assert loop.limits.ttft_ms == 300
+    assert 1.0 < loop.planner.budget.spend < spent, "restarted at 1, then one calm interval"
 
 
 async def test_failed_patch_is_counted_and_the_loop_goes_on() -> None:

@@ -479,10 +479,12 @@ def test_the_error_budget_paces_the_goal_each_interval_is_sized_for() -> None:
     assert "sized for 97.00% within SLO" in low.describe()
 
 
-def test_prompts_no_fleet_serves_in_time_do_not_spend_the_budget() -> None:
-    """A TTFT target some prompts' own prefill exceeds: the router counts them missing, but they
-    leave the budget alone (sizing leaves them out too), so the spend rises as if nothing missed.
-    The same misses from prompts that could be served spend it."""
+def test_prompts_no_fleet_serves_in_time_spend_the_budget_like_any_miss() -> None:
+    """The SLO counts every request: prompts whose own prefill exceeds the TTFT target spend the
+    budget like any other miss (leaving out the share the model calls unreachable made the goal
+    hold over the rest only, and the model's share runs high). A goal they make infeasible pins
+    the spend at its floor; sizing still leaves them out (``goal x reachable``), so the pool stays
+    bounded and the decision says the target is unreachable."""
     capacity = CapacityModel(PolynomialPerfModel())
     lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=1000.0, itl_ms=50.0, max_num_seqs=256)
     shape = {"isl": 8000.0, "osl": 300.0, "isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3}
@@ -491,21 +493,22 @@ def test_prompts_no_fleet_serves_in_time_do_not_spend_the_budget() -> None:
         workload_of(load), ttft_ms=1000.0, corrections=Corrections(), aggregated=True
     )
     assert unreachable > 0.01  # more than the whole budget
-    hourly = config(budget_halflife_s=3600.0)
-    served, refused = planner(capacity, cfg=hourly, lim=lim), planner(capacity, cfg=hourly, lim=lim)
+    plan = planner(capacity, cfg=config(budget_halflife_s=3600.0), lim=lim)
     judged = load.num_requests
-    for step in range(60):
+    for step in range(180):  # three half-lives
         lost = dataclasses.replace(
             load,
             timestamp=step * INTERVAL,
             slo_met=judged * (1 - unreachable),
             ttft_missed=judged * unreachable,
         )
-        served.observe(lost, replicas={W: 6})
-        refused.observe(dataclasses.replace(lost, isl=1000.0, isl_p90=2000.0), replicas={W: 6})
-    assert served.budget.spend == pytest.approx(2.0)
-    assert refused.budget.spend == pytest.approx(2.0 ** -(unreachable / 0.01 - 1.0))
-    assert refused.budget.spend < 1.0
+        plan.observe(lost, replicas={W: 6})
+    assert plan.budget.spend == pytest.approx(0.5)  # the floor
+    decision = plan.decide(now=180 * INTERVAL, current={W: 6})
+    assert decision.goal == pytest.approx(0.995)
+    assert not decision.sized[W].feasible
+    assert decision.target[W] < lim.max_replicas
+    assert "(target unreachable)" in decision.describe()
 
 
 def test_disaggregated_pools_get_half_the_error_budget_each(linear: CapacityModel) -> None:

@@ -57,8 +57,8 @@ class PlannerConfig(pydantic.BaseModel):
     attainment_goal: float = Field(default=0.99, gt=0, lt=1)
     """Share of requests that must meet the SLO (TTFT and mean inter-token gap, TPOT, both within
     target), over the run: the planner sizes each interval for it, paced by the error budget (see
-    ``budget_spend_bounds``). Requests whose own prefill exceeds the TTFT target cannot meet it on
-    any fleet; the goal applies to the others."""
+    ``budget_spend_bounds``). Every request counts, those whose own prefill exceeds the TTFT target
+    too: sizing leaves them out (no fleet serves them in time), and pacing answers for the misses."""
     budget_spend_bounds: tuple[float, float] = (0.5, 3.0)
     """Range of the share of the error budget (``1 - attainment_goal``) one interval is sized to
     miss, in multiples of it. The goal holds over the run, not every minute: when the router's

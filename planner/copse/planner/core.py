@@ -187,16 +187,28 @@ class Planner:
         )
         """(observed, modelled) ITL misses of recent intervals, the tail correction's ratio."""
         self._backlog: dict[Role, float] = {}
-        self.budget = ErrorBudget(
+        self.budget = self._fresh_budget()
+        """Paces the error budget: the goal each interval is sized for."""
+        self._gate = ScaleDownGate()
+        self._observed = False
+
+    def _fresh_budget(self) -> ErrorBudget:
+        config = self.config
+        return ErrorBudget(
             goal=config.attainment_goal,
             bounds=config.budget_spend_bounds,
             halflife_s=config.budget_halflife_s,
             cycle_s=config.season_s,
             max_error=config.burn_rate,
         )
-        """Paces the error budget: the goal each interval is sized for."""
-        self._gate = ScaleDownGate()
-        self._observed = False
+
+    def follow(self, limits: Limits, *, capacity: CapacityModel) -> None:
+        """Take the deployment's edited ``limits`` (same pools). New latency targets restart the
+        error budget at a spend of 1: what the old targets left unspent says nothing of the new."""
+        if (limits.ttft_ms, limits.itl_ms) != (self.limits.ttft_ms, self.limits.itl_ms):
+            self.budget = self._fresh_budget()
+        self.limits = limits
+        self.capacity = capacity
 
     @property
     def startup_delay_s(self) -> float:
@@ -217,7 +229,7 @@ class Planner:
         self.forecaster.observe(obs)
         self._observed = True
         if obs.slo_met is not None and obs.missed is not None:
-            self._pace(obs, judged=obs.slo_met + obs.missed, missed=obs.missed)
+            self.budget.observe(judged=obs.slo_met + obs.missed, missed=obs.missed, duration_s=obs.duration_s)
         self._clamped = ()
         if self.config.correction and obs.num_requests > 0 and obs.isl and obs.osl:
             serving = self._serving(obs, replicas)
@@ -229,21 +241,6 @@ class Planner:
                     self.clamp_hits["itl_tail"] += 1
                 self.corrections = dataclasses.replace(self.corrections, itl_tail=tail)
         self._backlog = queues_of(obs, self.limits)
-
-    def _pace(self, obs: Observation, *, judged: float, missed: float) -> None:
-        """Account the interval's misses against the error budget, less the prompts whose own prefill
-        exceeds the TTFT target (modelled at the observed lengths): no fleet serves those in time,
-        so they neither spend the budget nor count toward it (sizing leaves them out alike)."""
-        lost = 0.0
-        if obs.num_requests > 0 and obs.isl:
-            reachable = self.capacity.reachable(
-                workload_of(obs),
-                ttft_ms=self.limits.ttft_ms,
-                corrections=self.corrections,
-                aggregated=not self.limits.disaggregated,
-            )
-            lost = min((1.0 - reachable) * judged, missed)
-        self.budget.observe(judged=judged - lost, missed=missed - lost, duration_s=obs.duration_s)
 
     def _serving(self, obs: Observation, held: Mapping[Role, int]) -> dict[Role, int]:
         """Replicas that served the interval: the observation's engine counts, else those held."""

@@ -81,8 +81,7 @@ class Runner:
                 config=self.config, limits=limits, capacity=capacity, interval_s=self.interval_s
             )
         elif self.planner.limits != limits:
-            self.planner.limits = limits
-            self.planner.capacity = capacity
+            self.planner.follow(limits, capacity=capacity)
         return self.planner
 
     async def prime(self) -> None:
