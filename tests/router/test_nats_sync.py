@@ -266,6 +266,28 @@ async def test_two_router_replicas_share_in_flight_load(nats_url: str) -> None:
         await eventually(lambda: mirror.sequences.requests[slot] == 0)
 
 
+async def test_a_tenants_rate_limit_holds_across_router_replicas(nats_url: str) -> None:
+    """A tenant's request through replica one empties its bucket at replica two as well (heard
+    over the load messages): through two it is answered 429 with Retry-After; another tenant is not."""
+    tenants = {"team": {"tokens_per_minute": 50}}
+    async with _two_replicas(nats_url, "ratelimit", engines=1, tenants=tenants) as (one, two):
+        team = {"x-gateway-inference-fairness-id": "team"}
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}  # more than a minute's 50 tokens
+        limits = two.service.router.limits
+        assert limits is not None
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{one.url}/v1/completions", json=body, headers=team) as response:
+                assert response.status == 200
+            await eventually(lambda: limits.wait_s("team", 1.0, now=two.service.now()) > 0.0)
+            async with http.post(f"{two.url}/v1/completions", json=body, headers=team) as response:
+                assert response.status == 429
+                assert int(response.headers["Retry-After"]) >= 1
+                assert "tenant team is over its limit" in (await response.json())["error"]["message"]
+            other = {"x-gateway-inference-fairness-id": "other"}
+            async with http.post(f"{two.url}/v1/completions", json=body, headers=other) as response:
+                assert response.status == 200
+
+
 class _OldWire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
