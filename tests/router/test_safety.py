@@ -15,9 +15,9 @@ import pytest
 from copse.router.approx import ApproximateIndexer
 from copse.router.clients import ClientGate, ClientLimits, Refused, client_key
 from copse.router.config import RouterConfig, parse_config
-from copse.router.core import RouteRequest
 from copse.router.frontend import RouterService
 from copse.router.indexer import BlockIndex
+from copse.router.policies import RouteRequest
 from copse.router.server import RunningRouter, start_router
 from copse.workers.mocker import EngineConfig
 from copse.workers.testing import mock_fleet
