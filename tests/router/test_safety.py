@@ -231,6 +231,33 @@ async def test_a_caller_that_leaves_while_queued_takes_no_engine_slot() -> None:
             await running.close()
 
 
+async def test_a_request_released_with_nobody_waiting_passes_its_place_on() -> None:
+    """A request the queue releases after its waiter is gone is finished at once, and what that
+    frees goes to the next in line: nothing released is dropped."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config(fleet.urls, busy_kv_fraction=1e-9, queue_timeout_s=600.0))
+        service, router = running.service, running.service.router
+        (worker_id,) = router.workers
+
+        def request(rid: str) -> RouteRequest:
+            return RouteRequest(request_id=rid, hashes=[], prompt_tokens=64, max_tokens=5)
+
+        try:
+            busy = await service._route(request("busy"), frozenset(), retry=False)
+            gone = asyncio.create_task(service._route(request("gone"), frozenset(), retry=False))
+            waits = asyncio.create_task(service._route(request("waits"), frozenset(), retry=False))
+            await eventually(lambda: router.queued == 2)
+            service._waiting.pop("gone").cancel()  # its waiter went without a word
+            service._finish(busy.request_id)
+            route = await asyncio.wait_for(waits, 5.0)
+            assert route.worker_id == worker_id
+            assert router.in_flight(worker_id) == 1, "only the request someone waits for"
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+        finally:
+            await running.close()
+
+
 async def test_api_keys_guard_the_openai_paths_and_never_reach_the_log(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

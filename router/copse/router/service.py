@@ -20,6 +20,7 @@ KV events carry), else under the id discovery knows (the pod name, which the KV 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -482,12 +483,14 @@ class RoutingService:
     # -- routing ------------------------------------------------------------------------------
 
     def _dispatch(self, routes: list[Route]) -> None:
-        for route in routes:
+        pending = collections.deque(routes)
+        while pending:
+            route = pending.popleft()
             future = self._waiting.pop(route.request_id, None)
             if future is not None and not future.done():
                 future.set_result(route)
-            else:  # nobody waits for it any more: free what routing it took
-                self.router.finish(route.request_id, now=self.now())
+            else:  # nobody waits for it any more: free what routing it took, for the next in line
+                pending.extend(self.router.finish(route.request_id, now=self.now()))
         self.metrics.queue_depth.set(self.router.queued)
         self._changed()
 
