@@ -744,13 +744,7 @@ def test_a_tenants_rate_limit_holds_across_replicas_not_once_per_replica() -> No
     replica knows none of the peer's workers: two replicas do not double a limit. A retry heard
     from the peer, and a snapshot of what it has in flight, take nothing (taken at the first route)."""
     a = _router(workers=2, share_load=True, limits=TenantLimits(tokens_per_minute={"a": 3000.0}))
-    b = Router(
-        perf=PERF,
-        settings=SelectionSettings(block_size=BS),
-        policy="kv",
-        seed=1,
-        limits=TenantLimits(tokens_per_minute={"a": 3000.0}),
-    )
+    b = _router(workers=0, limits=TenantLimits(tokens_per_minute={"a": 3000.0}))
     b.add_worker(WorkerInfo(worker_id="elsewhere", role=Role.WORKER), now=0.0)
     first = a.submit(_classed("a1", priority=0, tenant="a"), now=0.0)
     assert first is not None

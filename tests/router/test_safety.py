@@ -4,8 +4,10 @@ client isolation and API keys, against a router in front of real mocked engines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,12 @@ import pytest
 from copse.router.approx import ApproximateIndexer
 from copse.router.clients import ClientGate, ClientLimits, Refused, client_key
 from copse.router.config import RouterConfig, parse_config
+from copse.router.core import Route
 from copse.router.frontend import RouterService
 from copse.router.indexer import BlockIndex
 from copse.router.policies import RouteRequest
 from copse.router.server import RunningRouter, start_router
+from copse.router.service import RoutingService
 from copse.workers.mocker import EngineConfig
 from copse.workers.testing import mock_fleet
 
@@ -204,58 +208,56 @@ async def test_a_client_that_disconnects_or_stops_reading_frees_the_engine_slot(
             await running.close()
 
 
+def _waiting_for(service: RoutingService, request_id: str) -> Coroutine[Any, Any, Route]:
+    """Route a small request through ``service``, waiting in its queue if need be."""
+    request = RouteRequest(request_id=request_id, hashes=[], prompt_tokens=64, max_tokens=5)
+    return service._route(request, frozenset(), retry=False)
+
+
+@contextlib.asynccontextmanager
+async def _one_at_a_time() -> AsyncIterator[tuple[RoutingService, Route]]:
+    """A router over one engine that takes one request at a time (the rest wait in its queue):
+    its service, and the route of the one request it holds."""
+    async with mock_fleet(engines=1) as fleet:
+        running = await _started(_config(fleet.urls, busy_kv_fraction=1e-9, queue_timeout_s=600.0))
+        try:
+            yield running.service, await _waiting_for(running.service, "busy")
+        finally:
+            await running.close()
+
+
 async def test_a_caller_that_leaves_while_queued_takes_no_engine_slot() -> None:
     """A waiting request whose caller is cancelled (a gateway closing its stream) leaves the queue;
     released later, it would hold its worker forever, and every request after it would wait."""
-    async with mock_fleet(engines=1) as fleet:
-        running = await _started(_config(fleet.urls, busy_kv_fraction=1e-9, queue_timeout_s=600.0))
-        service, router = running.service, running.service.router
-        (worker_id,) = router.workers
-
-        def request(rid: str) -> RouteRequest:
-            return RouteRequest(request_id=rid, hashes=[], prompt_tokens=64, max_tokens=5)
-
-        try:
-            busy = await service._route(request("busy"), frozenset(), retry=False)
-            leaves = asyncio.create_task(service._route(request("leaves"), frozenset(), retry=False))
-            await eventually(lambda: router.queued == 1)
-            leaves.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await leaves
-            assert router.queued == 0
-            service._finish(busy.request_id)
-            assert router.in_flight(worker_id) == 0
-            nxt = await asyncio.wait_for(service._route(request("next"), frozenset(), retry=False), 5.0)
-            assert nxt.worker_id == worker_id
-        finally:
-            await running.close()
+    async with _one_at_a_time() as (service, busy):
+        router = service.router
+        leaves = asyncio.create_task(_waiting_for(service, "leaves"))
+        await eventually(lambda: router.queued == 1)
+        leaves.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaves
+        assert router.queued == 0
+        service._finish(busy.request_id)
+        assert router.in_flight(busy.worker_id) == 0
+        nxt = await asyncio.wait_for(_waiting_for(service, "next"), 5.0)
+        assert nxt.worker_id == busy.worker_id
 
 
 async def test_a_request_released_with_nobody_waiting_passes_its_place_on() -> None:
     """A request the queue releases after its waiter is gone is finished at once, and what that
     frees goes to the next in line: nothing released is dropped."""
-    async with mock_fleet(engines=1) as fleet:
-        running = await _started(_config(fleet.urls, busy_kv_fraction=1e-9, queue_timeout_s=600.0))
-        service, router = running.service, running.service.router
-        (worker_id,) = router.workers
-
-        def request(rid: str) -> RouteRequest:
-            return RouteRequest(request_id=rid, hashes=[], prompt_tokens=64, max_tokens=5)
-
-        try:
-            busy = await service._route(request("busy"), frozenset(), retry=False)
-            gone = asyncio.create_task(service._route(request("gone"), frozenset(), retry=False))
-            waits = asyncio.create_task(service._route(request("waits"), frozenset(), retry=False))
-            await eventually(lambda: router.queued == 2)
-            service._waiting.pop("gone").cancel()  # its waiter went without a word
-            service._finish(busy.request_id)
-            route = await asyncio.wait_for(waits, 5.0)
-            assert route.worker_id == worker_id
-            assert router.in_flight(worker_id) == 1, "only the request someone waits for"
-            with pytest.raises(asyncio.CancelledError):
-                await gone
-        finally:
-            await running.close()
+    async with _one_at_a_time() as (service, busy):
+        router = service.router
+        gone = asyncio.create_task(_waiting_for(service, "gone"))
+        waits = asyncio.create_task(_waiting_for(service, "waits"))
+        await eventually(lambda: router.queued == 2)
+        service._waiting.pop("gone").cancel()  # its waiter went without a word
+        service._finish(busy.request_id)
+        route = await asyncio.wait_for(waits, 5.0)
+        assert route.worker_id == busy.worker_id
+        assert router.in_flight(busy.worker_id) == 1, "only the request someone waits for"
+        with pytest.raises(asyncio.CancelledError):
+            await gone
 
 
 async def test_api_keys_guard_the_openai_paths_and_never_reach_the_log(
