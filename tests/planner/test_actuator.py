@@ -333,6 +333,10 @@ def test_default_queries_select_the_deployment() -> None:
         in text["osl_p10"]
     )
     assert "copse_router_predicted_onboard_seconds_total" in text["onboard_ms"]
+    assert (
+        "histogram_quantile(0.99, sum by (le) (rate(copse_router_uncached_prompt_tokens_bucket"
+        in text["uncached_p99"]
+    )
     with pytest.raises(ValueError, match="unknown field latency"):
         Queries(
             PrometheusConfig(queries={"latency": "up"}), namespace="a", name="b", interval_s=60, quantile=0.9
@@ -347,6 +351,10 @@ async def test_prometheus_source_builds_an_observation() -> None:
         "osl": "150",
         "isl_p90": "6144",
         "osl_p10": "12",
+        "uncached_p50": "1024",
+        "uncached_p90": "4096",
+        "uncached_p99": "8192",
+        "uncached_max": "16384",
         "kv_hit_rate": "0.25",
         "onboard_ms": "4.5",
         "ttft_ms": "310.5",
@@ -385,6 +393,10 @@ async def test_prometheus_source_builds_an_observation() -> None:
         osl=150.0,
         isl_p90=6144.0,
         osl_p10=12.0,
+        uncached_p50=1024.0,
+        uncached_p90=4096.0,
+        uncached_p99=8192.0,
+        uncached_max=16384.0,
         kv_hit_rate=0.25,
         onboard_ms=4.5,
         ttft_ms=310.5,

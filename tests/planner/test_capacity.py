@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from copse.api import Role
 from copse.planner.capacity import Backlog, CapacityModel, Corrections, Workload, _compound_poisson_tail
-from copse.planner.queueing import erlang_c, gamma_points, lognormal_scv, mean_wait_s, wait_quantile_s
+from copse.planner.queueing import (
+    erlang_c,
+    gamma_points,
+    lognormal_scv,
+    mean_wait_s,
+    quantile_points,
+    wait_quantile_s,
+)
 from copse.workers.perf import PolynomialPerfModel
 
 from .conftest import LinearPerf
@@ -53,6 +60,22 @@ def test_gamma_points_can_match_the_p10_instead() -> None:
     assert set(gamma_points(mean=5.0, p10=6.0, count=3)) == {5.0}
     with pytest.raises(ValueError, match="p90 or p10"):
         gamma_points(mean=5.0, p10=1.0, p90=9.0, count=3)
+
+
+def test_quantile_points_follow_the_quantiles_and_keep_the_mean() -> None:
+    # levels 1/8, 3/8, 5/8, 7/8; above the median 100 -> 300 (points 150, 250, mean 200 over that
+    # half); below it the line starts where the mean comes out: from 60 (mean 80 over that half)
+    points = quantile_points(levels=(0.5, 1.0), values=(100.0, 300.0), mean=140.0, count=4)
+    assert list(points) == pytest.approx([70.0, 90.0, 150.0, 250.0])
+    # a mean no start in [0, 100] reaches: every value scales (from 0: 25, 75, 150, 250, mean 125)
+    scaled = quantile_points(levels=(0.5, 1.0), values=(100.0, 300.0), mean=100.0, count=4)
+    assert list(scaled) == pytest.approx([20.0, 60.0, 120.0, 200.0])
+    with pytest.raises(ValueError, match="must end at 1"):
+        quantile_points(levels=(0.5, 0.9), values=(1.0, 2.0), mean=1.0, count=4)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        quantile_points(levels=(0.5, 1.0), values=(3.0, 2.0), mean=1.0, count=4)
+    with pytest.raises(ValueError, match="increase"):
+        quantile_points(levels=(0.5, 0.5, 1.0), values=(1.0, 2.0, 3.0), mean=1.0, count=4)
 
 
 def test_erlang_c_hand_values() -> None:
@@ -147,6 +170,32 @@ def test_the_ttft_tail_is_the_prompts_own_prefill() -> None:
         replicas={Role.PREFILL: sizing.replicas, Role.DECODE: 64}, load=load, ttft_ms=50.0, itl_ms=1e9
     )
     assert fewest.ttft >= 0.99 * reachable
+
+
+def test_the_prompts_spread_as_their_uncached_quantiles_say() -> None:
+    """With the router's quantiles of the uncached tokens the prompts are read off them, not fitted:
+    a context limit cuts the tail that a gamma through the same mean and p90 runs on past, so no
+    prompt is lost to the TTFT target that a gamma would give up on."""
+    model = CapacityModel(LinearPerf(), max_num_seqs=64)
+    fitted = Workload(rate=20.0, isl=2000, isl_p90=4500, osl=100)
+    # uncached tokens at p50/p90/p99/max; the longest stays below the 4,000 a 50 ms target fits
+    read = dataclasses.replace(fitted, uncached_quantiles=(1500.0, 3600.0, 3900.0, 3950.0))
+    lengths = (model.prompt_prefill_ms(read) - 10.0) / 0.01  # LinearPerf: 10 + 0.01 x tokens ms
+    assert lengths.mean() == pytest.approx(2000.0, rel=1e-4)  # the mean prompt (in whole tokens)
+    assert lengths.max() < 3950.0
+    assert np.quantile(lengths, 0.5) < np.quantile(lengths, 0.9) < lengths.max()
+
+    def reachable(load: Workload) -> float:
+        return model.reachable(load, ttft_ms=50.0, corrections=Corrections(), aggregated=False)
+
+    assert reachable(read) == 1.0
+    assert reachable(fitted) < 0.95
+    # fewer engines hold the goal once the lost share is not there to chase
+    read_sizing = model.prefill_replicas(read, ttft_ms=50.0, goal=0.99)
+    assert read_sizing.feasible
+    assert not model.prefill_replicas(fitted, ttft_ms=50.0, goal=0.99).feasible
+    with pytest.raises(ValueError, match="one value per level"):
+        dataclasses.replace(fitted, uncached_quantiles=(1.0, 2.0))
 
 
 def test_a_higher_goal_needs_at_least_as_many_replicas(linear: CapacityModel) -> None:

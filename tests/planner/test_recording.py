@@ -34,7 +34,17 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     path = jsonl(
         tmp_path / "m.jsonl",
         [
-            record(0, ttft_ms=120.0, itl_ms=20.0, kv_hit_rate=0.4, isl_p90=3000.0),
+            record(
+                0,
+                ttft_ms=120.0,
+                itl_ms=20.0,
+                kv_hit_rate=0.4,
+                isl_p90=3000.0,
+                uncached_p50=500.0,
+                uncached_p90=2000.0,
+                uncached_p99=4000.0,
+                uncached_max=4096.0,
+            ),
             record(60),
             record(120, n=0),
         ],
@@ -45,6 +55,8 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     assert observations[0].ttft_ms == 120.0
     assert observations[0].kv_hit_rate == 0.4
     assert observations[0].isl_p90 == 3000.0
+    assert observations[0].uncached_quantiles == (500.0, 2000.0, 4000.0, 4096.0)
+    assert observations[1].uncached_quantiles is None
     assert observations[1].ttft_ms is None
     buffer = io.StringIO()
     write_metrics_jsonl(observations, buffer)
@@ -264,6 +276,11 @@ def test_the_shipped_slice_buckets() -> None:
     assert sum(obs.num_requests for obs in conversation) == 3658
     hits = [obs.kv_hit_rate for obs in conversation if obs.kv_hit_rate is not None]
     assert 0.2 < sum(hits) / len(hits) < 0.6
+    for obs in conversation:  # each request's uncached tokens, from the same hits
+        assert obs.uncached_quantiles is not None
+        assert list(obs.uncached_quantiles) == sorted(obs.uncached_quantiles)
+        assert obs.isl is not None
+        assert obs.uncached_quantiles[0] < obs.isl  # a hit takes tokens off the long and the short
 
 
 def test_resample_merges_whole_multiples() -> None:
@@ -277,9 +294,13 @@ def test_resample_merges_whole_multiples() -> None:
             ttft_ms=t,
             kv_hit_rate=h,
             onboard_ms=o,
+            uncached_p50=u and u / 4,
+            uncached_p90=u and u / 2,
+            uncached_p99=u,
+            uncached_max=u and u * 2,
         )
-        for i, (n, isl, t, h, o) in enumerate(
-            [(10, 100, 50, 0.5, 2.0), (30, 200, 90, 0.0, 6.0), (0, None, None, None, None)]
+        for i, (n, isl, t, h, o, u) in enumerate(
+            [(10, 100, 50, 0.5, 2.0, 80.0), (30, 200, 90, 0.0, 6.0, 160.0), (0, None, None, None, None, None)]
         )
     ]
     merged = resample(base, interval_s=120.0, source="m.jsonl")
@@ -289,5 +310,7 @@ def test_resample_merges_whole_multiples() -> None:
     assert merged[0].ttft_ms == 90  # the worse p99
     assert merged[0].kv_hit_rate == pytest.approx(0.5 * 1000 / 7000)  # weighted by prompt tokens
     assert merged[0].onboard_ms == pytest.approx((10 * 2.0 + 30 * 6.0) / 40)  # a mean per request
+    # the median weighs by requests, the tail takes the worse interval's
+    assert merged[0].uncached_quantiles == pytest.approx(((10 * 20 + 30 * 40) / 40, 80.0, 160.0, 320.0))
     with pytest.raises(ValueError, match=r"m\.jsonl: --interval 90s is not a whole multiple"):
         resample(base, interval_s=90.0, source="m.jsonl")

@@ -48,6 +48,9 @@ def test_the_planner_reads_the_routers_request_series() -> None:
         "osl",
         "isl_p90",
         "osl_p10",
+        "uncached_p50",
+        "uncached_p99",
+        "uncached_max",
         "kv_hit_rate",
         "onboard_ms",
         "ttft_ms",
@@ -79,6 +82,7 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
         metrics.requests.labels(status="200").inc()
         metrics.prompt_tokens.inc(1000)
         metrics.prompt_length.observe(1000)
+        metrics.uncached_prompt.observe(750)  # 250 of the 1,000 predicted cached
         metrics.output_tokens.inc(200)
         metrics.output_length.observe(200)
         metrics.cached_tokens.inc(250)
@@ -102,6 +106,10 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     assert values["onboard_ms"] == pytest.approx(2.0)
     assert values["isl_p90"] == pytest.approx(512 + (1024 - 512) * 0.9)  # (512, 1024], linear
     assert values["osl_p10"] == pytest.approx(128 + (256 - 128) * 0.1)  # (128, 256]
+    # (724, 1024]: linear within the bucket, the largest at its bound
+    assert values["uncached_p50"] == pytest.approx(724 + (1024 - 724) * 0.5)
+    assert values["uncached_p99"] == pytest.approx(724 + (1024 - 724) * 0.99)
+    assert values["uncached_max"] == 1024
     assert values["ttft_ms"] == pytest.approx(1000 * (0.25 + 0.25 * 0.99))
     assert values["itl_ms"] == pytest.approx(1000 * (0.01 + 0.01 * 0.99))
     assert values["queue_depth"] == 4  # no engine series: the router's queue alone

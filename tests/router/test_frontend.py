@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -97,6 +98,12 @@ async def test_streams_a_completion_and_exposes_health_models_and_metrics() -> N
             assert 'copse_router_output_length_tokens_bucket{le="4.0"} 1.0' in metrics
             assert 'copse_router_output_length_tokens_bucket{le="8.0"} 2.0' in metrics
             assert "copse_router_prompt_length_tokens_count 2.0" in metrics
+            # each prompt less what its worker was predicted to hold: the planner's prefill tail
+            series = dict(re.findall(r"^(copse_router_\w+) ([\d.e+]+)$", metrics, re.MULTILINE))
+            assert "copse_router_uncached_prompt_tokens_count 2.0" in metrics
+            assert float(series["copse_router_uncached_prompt_tokens_sum"]) == float(
+                series["copse_router_prompt_tokens_total"]
+            ) - float(series["copse_router_predicted_cached_tokens_total"])
             assert 'copse_router_requests_total{status="200"} 2.0' in metrics
             # both within the (generous) SLO: the stream by its TTFT and mean gap, the chat by its answer
             assert 'copse_router_slo_requests_total{outcome="met"} 2.0' in metrics

@@ -81,6 +81,11 @@ def test_the_planner_observes_what_the_routers_series_would_say() -> None:
     assert obs.osl == 20
     assert obs.isl_p90 is not None
     assert 1024 < obs.isl_p90 <= 2048  # read from the 1024-2048 bucket
+    uncached = fleet.prompts - fleet.predicted_cached
+    assert obs.uncached_quantiles is not None
+    assert obs.uncached_max is not None
+    assert uncached.max() <= obs.uncached_max <= uncached.max() * 2**0.5  # a half-octave bucket's bound
+    assert list(obs.uncached_quantiles) == sorted(obs.uncached_quantiles)
     assert obs.osl_p10 is not None
     assert 16 < obs.osl_p10 <= 32  # every answer has 20 tokens: the (16, 32] bucket
     ttft = fleet.first_ms - fleet.arrival_ms

@@ -28,8 +28,9 @@ Sizing (:meth:`CapacityModel.attainment`) is per request, not per interval p99: 
 that serve a goal share of the requests within both targets, starting from the throughput bound
 (prefill tokens/s net of the prefix-cache hit rate over the perf model's prefill tokens/s per GPU,
 plus output tokens/s over the best decode tokens/s per GPU whose ITL meets the target). A prompt's
-TTFT is the M/G/c wait plus its own prefill (prompt lengths: a gamma distribution with the observed
-mean and p90), so prompts too long for the target are lost on any fleet and do not make it grow;
+TTFT is the M/G/c wait plus its own prefill (prompts spread as the router's quantiles of their
+uncached tokens, else a gamma through the observed mean and p90 length), so prompts too long for
+the target are lost on any fleet and do not make it grow;
 a request's mean inter-token gap is the decode step at the pool's concurrency plus, in aggregated
 engines, the prefill chunks that share its few or many steps (output lengths: a gamma with the
 observed mean and p10; short answers are the ones a chunk spoils), the modelled misses scaled by a
@@ -50,12 +51,14 @@ from scipy.special import gammaln, ndtr
 
 from copse.api import Role
 from copse.planner.config import PlannerConfig
+from copse.planner.observations import UNCACHED_QUANTILES
 from copse.planner.policy import Limits
 from copse.planner.queueing import (
     gamma_points,
     lognormal_scv,
     mean_wait_s,
     normal_quantile,
+    quantile_points,
     wait_exceeds,
     wait_quantile_s,
 )
@@ -98,6 +101,10 @@ class Workload:
     """90th percentile input length; sets the TTFT tail and the service-time variability."""
     osl_p10: float | None = None
     """10th percentile output length; sets the share of short answers, the ITL tail."""
+    uncached_quantiles: tuple[float, ...] | None = None
+    """A prompt's uncached tokens at the levels of
+    :data:`~copse.planner.observations.UNCACHED_QUANTILES`: when known, the prompts' spread is read
+    off them (scaled to the mean uncached prompt), not fitted through ``isl_p90``."""
     kv_hit_rate: float = 0.0
     """Fraction of prompt tokens found in the prefix cache (not recomputed), on any tier."""
     onboard_ms: float = 0.0
@@ -110,6 +117,11 @@ class Workload:
             raise ValueError(f"kv_hit_rate={self.kv_hit_rate} must lie in [0, 1]")
         if self.onboard_ms < 0:
             raise ValueError(f"onboard_ms={self.onboard_ms} must not be negative")
+        if self.uncached_quantiles is not None and len(self.uncached_quantiles) != len(UNCACHED_QUANTILES):
+            raise ValueError(
+                f"uncached_quantiles={self.uncached_quantiles} must hold one value per level of "
+                f"{tuple(UNCACHED_QUANTILES.values())}"
+            )
 
     @property
     def context_length(self) -> int:
@@ -241,7 +253,7 @@ class CapacityModel:
         self.osl_scv = osl_scv
         self._z = normal_quantile(quantile)
         self._best_decode: dict[tuple[float, int], float] = {}
-        self._prefill_points: dict[tuple[float | None, ...], _Prompts] = {}
+        self._prefill_points: dict[tuple[object, ...], _Prompts] = {}
 
     # --- building blocks -----------------------------------------------------------------
 
@@ -516,17 +528,26 @@ class CapacityModel:
     # --- per-request attainment and means -------------------------------------------------
 
     def prompt_prefill_ms(self, load: Workload, *, scale: float = 1.0) -> NDArray[np.float64]:
-        """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (gamma-distributed
-        lengths with its mean and p90, :func:`gamma_points`; each prompt's uncached part at the hit
-        rate), ms, ascending."""
+        """Prefill times of ``_PROMPT_POINTS`` equally likely prompts of ``load`` (lengths spread as
+        its uncached tokens' quantiles, else a gamma with its mean and p90, :meth:`_prompt_lengths`;
+        each prompt's uncached part at the hit rate), ms, ascending."""
         return self._prompts(load, scale=scale).times
 
     def _prompts(self, load: Workload, *, scale: float) -> _Prompts:
         p90 = None if load.isl_p90 is None else round(load.isl_p90, 3)
-        key = (round(load.isl, 3), p90, round(load.kv_hit_rate, 9), round(load.onboard_ms, 6), scale)
+        quantiles = load.uncached_quantiles
+        spread = None if quantiles is None else tuple(round(q, 3) for q in quantiles)
+        key = (
+            round(load.isl, 3),
+            p90,
+            spread,
+            round(load.kv_hit_rate, 9),
+            round(load.onboard_ms, 6),
+            scale,
+        )
         prompts = self._prefill_points.get(key)
         if prompts is None:
-            lengths = gamma_points(mean=load.isl, p90=p90, scv=self.isl_scv, count=_PROMPT_POINTS)
+            lengths = self._prompt_lengths(load, p90=p90, uncached=spread)
             times = np.array(
                 [
                     self.prefill_service_ms(
@@ -541,6 +562,23 @@ class CapacityModel:
                 self._prefill_points.clear()
             prompts = self._prefill_points[key] = _Prompts(times=times, chunks=chunks)
         return prompts
+
+    def _prompt_lengths(
+        self, load: Workload, *, p90: float | None, uncached: tuple[float, ...] | None
+    ) -> NDArray[np.float64]:
+        """``_PROMPT_POINTS`` equally likely prompt lengths with ``load``'s mean: spread as its
+        uncached tokens' quantiles say (each at the mean hit rate: a prompt that carries a long
+        cached history counts as the short prompt it costs), else a gamma through the mean and
+        ``p90``."""
+        missed = 1.0 - load.kv_hit_rate
+        if uncached is None or uncached[-1] <= 0 or missed <= 0:
+            return gamma_points(mean=load.isl, p90=p90, scv=self.isl_scv, count=_PROMPT_POINTS)
+        return quantile_points(
+            levels=tuple(UNCACHED_QUANTILES.values()),
+            values=tuple(value / missed for value in uncached),
+            mean=load.isl,
+            count=_PROMPT_POINTS,
+        )
 
     def _pool_state(
         self, *, servers: int, rate: float, load: Workload, corrections: Corrections, prefill_share: bool

@@ -82,6 +82,7 @@ def workload_of(load: LoadForecast | Observation, *, scale: float = 1.0) -> Work
         osl=load.osl or 1.0,
         isl_p90=load.isl_p90,
         osl_p10=load.osl_p10,
+        uncached_quantiles=load.uncached_quantiles,
         kv_hit_rate=load.kv_hit_rate or 0.0,
         onboard_ms=load.onboard_ms or 0.0,
     )

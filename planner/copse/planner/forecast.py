@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from copse.planner.observations import Observation
+import numpy as np
+
+from copse.planner.observations import UNCACHED_QUANTILES, Observation
 from copse.planner.predictors import PredictorSettings, make_predictor
 
 #: Series forecast from each observation; the optional ones only once the source has given them.
-SERIES: tuple[str, ...] = ("num_requests", "isl", "osl", "isl_p90", "osl_p10", "kv_hit_rate", "onboard_ms")
+SERIES: tuple[str, ...] = (
+    "num_requests",
+    "isl",
+    "osl",
+    "isl_p90",
+    "osl_p10",
+    *UNCACHED_QUANTILES,
+    "kv_hit_rate",
+    "onboard_ms",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +42,10 @@ class LoadForecast:
     """Expected onboarding time of a request's cached blocks kept below the GPU, ms (0 when unknown)."""
     osl_p10: float | None = None
     """10th percentile output length, tokens, when the source gives it."""
+    uncached_quantiles: tuple[float, ...] | None = None
+    """A prompt's uncached tokens at the levels of
+    :data:`~copse.planner.observations.UNCACHED_QUANTILES` (non-decreasing), when the source gives
+    them all."""
 
     @property
     def rate(self) -> float:
@@ -87,6 +102,13 @@ class LoadForecaster:
         for k in range(steps):
             at = {name: None if series is None else float(series[k]) for name, series in values.items()}
             isl = at["isl"] if at["isl"] is not None else self._defaults["isl"]
+            uncached = [at[name] for name in UNCACHED_QUANTILES]
+            ordered = None
+            if all(value is not None for value in uncached):
+                # forecast one by one, the quantiles may cross: keep them ordered
+                ordered = tuple(
+                    np.maximum.accumulate(np.maximum(np.asarray(uncached, dtype=float), 1.0)).tolist()
+                )
             osl = at["osl"] if at["osl"] is not None else self._defaults["osl"]
             out.append(
                 LoadForecast(
@@ -96,6 +118,7 @@ class LoadForecaster:
                     osl=max(osl, 1.0),
                     isl_p90=None if at["isl_p90"] is None else max(at["isl_p90"], isl),
                     osl_p10=None if at["osl_p10"] is None else min(max(at["osl_p10"], 1.0), osl),
+                    uncached_quantiles=ordered,
                     kv_hit_rate=min(max(at["kv_hit_rate"] or 0.0, 0.0), 1.0),
                     onboard_ms=max(at["onboard_ms"] or 0.0, 0.0),
                 )

@@ -6,6 +6,18 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+#: Quantiles of a prompt's uncached tokens (its prompt less the prefix the router predicted its
+#: worker holds) the sources report, by field, with their levels. Their shape, not a fit through a
+#: mean and a p90, sets the TTFT tail and the prefill chunks that stretch short answers: a long
+#: conversation turn carries its long cached history, so uncached lengths are not prompt lengths
+#: times the mean hit rate, and a context limit cuts the tail a two-parameter fit runs on past.
+UNCACHED_QUANTILES: dict[str, float] = {
+    "uncached_p50": 0.5,
+    "uncached_p90": 0.9,
+    "uncached_p99": 0.99,
+    "uncached_max": 1.0,
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Observation:
@@ -30,6 +42,14 @@ class Observation:
     osl_p10: float | None = None
     """10th percentile of the output length, tokens: short answers set the ITL tail (one prefill
     chunk in a few steps lifts their mean gap)."""
+    uncached_p50: float | None = None
+    """Median of the requests' uncached prompt tokens (:data:`UNCACHED_QUANTILES`)."""
+    uncached_p90: float | None = None
+    """90th percentile of the requests' uncached prompt tokens."""
+    uncached_p99: float | None = None
+    """99th percentile of the requests' uncached prompt tokens."""
+    uncached_max: float | None = None
+    """Most uncached prompt tokens of a request (from a histogram: the top bucket's bound)."""
     kv_hit_rate: float | None = None
     """Fraction of prompt tokens served from the prefix cache, in [0, 1] (on any tier: a prefix the
     engines keep in host memory or on disk counts, see :mod:`copse.workers.perf.tiers`)."""
@@ -85,6 +105,12 @@ class Observation:
             return None
         judged = self.slo_met + self.missed
         return self.slo_met / judged if judged > 0 else None
+
+    @property
+    def uncached_quantiles(self) -> tuple[float, ...] | None:
+        """The uncached-token quantiles in :data:`UNCACHED_QUANTILES`' order, when all are given."""
+        values = [getattr(self, field) for field in UNCACHED_QUANTILES]
+        return None if any(value is None for value in values) else tuple(values)
 
     @property
     def rate(self) -> float:
@@ -190,6 +216,10 @@ def merge(group: Sequence[Observation]) -> Observation:
         osl=_weighted([(obs.osl, w) for obs, w in zip(group, weights, strict=True)]),
         isl_p90=_largest([obs.isl_p90 for obs in group]),
         osl_p10=_smallest([obs.osl_p10 for obs in group]),
+        uncached_p50=_weighted([(obs.uncached_p50, w) for obs, w in zip(group, weights, strict=True)]),
+        uncached_p90=_largest([obs.uncached_p90 for obs in group]),
+        uncached_p99=_largest([obs.uncached_p99 for obs in group]),
+        uncached_max=_largest([obs.uncached_max for obs in group]),
         # The hit rate is a fraction of prompt tokens, so it averages over prompt tokens.
         kv_hit_rate=_weighted([(obs.kv_hit_rate, t) for obs, t in zip(group, prompt_tokens, strict=True)]),
         onboard_ms=_weighted([(obs.onboard_ms, w) for obs, w in zip(group, weights, strict=True)]),

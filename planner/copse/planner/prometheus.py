@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from copse.planner.config import PrometheusConfig
-from copse.planner.observations import Observation, Pulse
+from copse.planner.observations import UNCACHED_QUANTILES, Observation, Pulse
 from copse.planner.policy import Limits
 from copse.planner.recording import SLO_FIELDS
 
@@ -54,6 +54,13 @@ DEFAULT_QUERIES: dict[str, str] = {
         "histogram_quantile(0.1, "
         "sum by (le) (rate(copse_router_output_length_tokens_bucket{{{selector}}}[{window}])))"
     ),
+    **{
+        field: (
+            f"histogram_quantile({level}, "
+            "sum by (le) (rate(copse_router_uncached_prompt_tokens_bucket{{{selector}}}[{window}])))"
+        )
+        for field, level in UNCACHED_QUANTILES.items()
+    },
     "kv_hit_rate": (
         "sum(increase(copse_router_predicted_cached_tokens_total{{{selector}}}[{window}]))"
         " / sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}]))"
@@ -214,6 +221,7 @@ class PrometheusSource:
             osl=values["osl"] if busy else None,
             isl_p90=values["isl_p90"] if busy else None,
             osl_p10=values["osl_p10"] if busy else None,
+            **{field: values[field] if busy else None for field in UNCACHED_QUANTILES},
             kv_hit_rate=_fraction(values["kv_hit_rate"]),
             onboard_ms=values["onboard_ms"] if busy else None,
             ttft_ms=values["ttft_ms"] if busy else None,

@@ -7,7 +7,8 @@
 * A lognormal fit of the prompt-length distribution from its mean and 90th percentile, which
   gives ``cs^2`` when the metrics carry a p90; and equally likely prompt lengths of a gamma
   distribution with that mean and p90 (what the share of requests meeting a TTFT target is summed
-  over).
+  over), or, when the metrics carry quantiles of the uncached tokens, equally likely values read
+  off them (:func:`quantile_points`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,35 @@ def gamma_points(
         shape = 1.0 / scv
     levels = (np.arange(count, dtype=np.float64) + 0.5) / count
     return np.asarray(gammaincinv(shape, levels), dtype=np.float64) * (mean / shape)
+
+
+def quantile_points(
+    *, levels: tuple[float, ...], values: tuple[float, ...], mean: float, count: int
+) -> NDArray[np.float64]:
+    """``count`` equally likely values (at levels ``(i + 1/2) / count``) with this ``mean`` of the
+    distribution whose quantile function runs linearly through ``values`` at ``levels`` (increasing,
+    the last 1: the largest value), as a histogram's quantiles interpolate within its buckets. Below
+    the first level nothing is known: the line starts at the value that gives the mean (between 0
+    and the first value); a mean out of that reach scales every value instead."""
+    if count < 1:
+        raise ValueError(f"count={count} must be at least 1")
+    if mean <= 0:
+        raise ValueError(f"mean={mean} must be positive")
+    if len(levels) != len(values) or not levels or levels[-1] != 1.0:
+        raise ValueError(f"levels {levels} must end at 1 and match the values {values} one to one")
+    if any(b <= a for a, b in zip((0.0, *levels), levels, strict=False)):
+        raise ValueError(f"levels {levels} must increase from above 0")
+    if any(b < a for a, b in zip((0.0, *values), values, strict=False)) or values[-1] <= 0:
+        raise ValueError(f"values {values} must be non-negative, non-decreasing and not all 0")
+    first_level, first = levels[0], values[0]
+    # the exact mean of the piecewise-linear quantile function above the first level
+    above = sum(
+        (b - a) * (u + v) / 2 for a, b, u, v in zip(levels, levels[1:], values, values[1:], strict=False)
+    )
+    start = 2.0 * (mean - above) / first_level - first
+    knots = np.asarray((min(max(start, 0.0), first), *values), dtype=np.float64)
+    points = np.interp((np.arange(count, dtype=np.float64) + 0.5) / count, (0.0, *levels), knots)
+    return points * (mean / float(points.mean()))
 
 
 def _gamma_shape(ratio: float, *, level: float) -> float:

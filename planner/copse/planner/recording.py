@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from copse.planner.observations import Observation
+from copse.planner.observations import UNCACHED_QUANTILES, Observation
 from copse.workers.traces import MOONCAKE_BLOCK_TOKENS, TraceError, open_text, text_lines
 from copse.workers.traces import read_trace as read_requests
 
@@ -27,6 +27,7 @@ REQUIRED_FIELDS: tuple[str, ...] = ("timestamp", "num_requests", "isl", "osl")
 OPTIONAL_FIELDS: tuple[str, ...] = (
     "isl_p90",
     "osl_p10",
+    *UNCACHED_QUANTILES,
     "kv_hit_rate",
     "onboard_ms",
     "ttft_ms",
@@ -161,6 +162,7 @@ def _observation(where: str, record: dict[str, Any], duration: float) -> Observa
         osl=lengths["osl"],
         isl_p90=_optional(where, record, "isl_p90"),
         osl_p10=_optional(where, record, "osl_p10"),
+        **{key: _optional(where, record, key) for key in UNCACHED_QUANTILES},
         kv_hit_rate=_optional(where, record, "kv_hit_rate", maximum=1.0),
         onboard_ms=_optional(where, record, "onboard_ms"),
         ttft_ms=_optional(where, record, "ttft_ms"),
@@ -239,6 +241,7 @@ def read_prometheus_export(path: Path) -> list[Observation]:
                 osl=values["osl"] if num_requests > 0 else None,
                 isl_p90=values.get("isl_p90"),
                 osl_p10=values.get("osl_p10"),
+                **{key: values.get(key) for key in UNCACHED_QUANTILES},
                 kv_hit_rate=values.get("kv_hit_rate"),
                 onboard_ms=values.get("onboard_ms"),
                 ttft_ms=values.get("ttft_ms"),
@@ -318,6 +321,12 @@ class _Bucketer:
             isl = np.array([r[0] for r in requests], dtype=np.float64)
             osl = np.array([r[1] for r in requests], dtype=np.float64)
             prompt = float(isl.sum())
+            uncached = isl - np.array([r[2] for r in requests], dtype=np.float64)
+            spread = {
+                field: float(np.quantile(uncached, level, method="inverted_cdf"))
+                for field, level in UNCACHED_QUANTILES.items()
+                if with_hits and count
+            }
             out.append(
                 Observation(
                     timestamp=self.origin_s + self.start + index * self.interval_s,
@@ -328,6 +337,7 @@ class _Bucketer:
                     isl_p90=float(np.percentile(isl, 90, method="inverted_cdf")) if count else None,
                     osl_p10=float(np.percentile(osl, 10, method="inverted_cdf")) if count else None,
                     kv_hit_rate=sum(r[2] for r in requests) / prompt if with_hits and prompt > 0 else None,
+                    **spread,
                 )
             )
         return out
@@ -338,7 +348,8 @@ def read_trace(path: Path, *, interval_s: float) -> list[Observation]:
 
     Mooncake traces also give the prefix-cache hit rate: the share of prompt tokens in leading
     blocks whose (prefix-chained) hash id was seen before -- one shared cache of unbounded size,
-    so an upper bound on what KV-aware routing can hit.
+    so an upper bound on what KV-aware routing can hit -- and, from the same hits, the quantiles
+    of each request's uncached tokens.
     """
     if interval_s <= 0:
         raise RecordingError(f"{path}: interval must be positive, got {interval_s:g}")

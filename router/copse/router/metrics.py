@@ -30,6 +30,7 @@ DURATION_SECONDS = f"{PREFIX}_request_duration_seconds"
 PROMPT_TOKENS = f"{PREFIX}_prompt_tokens"
 """Counter (``_total``): prompt tokens of routed requests."""
 PROMPT_LENGTH_TOKENS = f"{PREFIX}_prompt_length_tokens"
+UNCACHED_PROMPT_TOKENS = f"{PREFIX}_uncached_prompt_tokens"
 """Histogram: prompt length per request."""
 OUTPUT_TOKENS = f"{PREFIX}_output_tokens"
 """Counter (``_total``): output tokens returned to clients."""
@@ -129,6 +130,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 #: Prompt-length buckets (tokens), powers of two from a chat turn to a 256k context.
 PROMPT_LENGTH_BUCKETS = tuple(float(2**k) for k in range(6, 19))
+#: Uncached-prompt buckets (tokens), half octaves from 64 to 256k: the planner reads the TTFT tail
+#: off their quantiles, so a prompt's cost is placed within a factor of 1.4, not 2.
+UNCACHED_PROMPT_BUCKETS = tuple(float(round(2 ** (k / 2))) for k in range(12, 37))
 #: Output-length buckets (tokens), powers of two from one token to 32k: short answers are the ones
 #: a prefill chunk in one of their few steps puts over the ITL target.
 OUTPUT_LENGTH_BUCKETS = tuple(float(2**k) for k in range(16))
@@ -242,6 +246,13 @@ class RouterMetrics:
             PROMPT_LENGTH_TOKENS,
             "Prompt length of routed requests (the planner sizes prefill for its p90).",
             buckets=PROMPT_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.uncached_prompt = Histogram(
+            UNCACHED_PROMPT_TOKENS,
+            "Prompt tokens of routed requests not in the chosen worker's predicted cache (the planner "
+            "sizes prefill and the TTFT tail from their quantiles).",
+            buckets=UNCACHED_PROMPT_BUCKETS,
             registry=r,
         )
         self.output_tokens = Counter(

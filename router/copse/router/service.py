@@ -537,6 +537,7 @@ class RoutingService:
                 ) from exc
         self.metrics.prompt_tokens.inc(route.prompt_tokens)
         self.metrics.prompt_length.observe(route.prompt_tokens)
+        self.metrics.uncached_prompt.observe(route.prompt_tokens - route.cached_tokens)
         self.metrics.cached_tokens.inc(route.cached_tokens)
         self.metrics.onboard_seconds.inc(route.onboard_ms / 1000.0)
         self._changed()

@@ -44,10 +44,16 @@ from copse.api import Role
 from copse.planner.capacity import capacity_for
 from copse.planner.config import PlannerConfig
 from copse.planner.core import FORECAST, SIGNALS, Decision, Planner
-from copse.planner.observations import Observation, Pulse
+from copse.planner.observations import UNCACHED_QUANTILES, Observation, Pulse
 from copse.planner.policy import Limits
 from copse.router.core import Role as EngineRole
-from copse.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, OUTPUT_LENGTH_BUCKETS, PROMPT_LENGTH_BUCKETS
+from copse.router.metrics import (
+    ITL_BUCKETS,
+    LATENCY_BUCKETS,
+    OUTPUT_LENGTH_BUCKETS,
+    PROMPT_LENGTH_BUCKETS,
+    UNCACHED_PROMPT_BUCKETS,
+)
 from copse.sim.replay import Distribution, Fleet, ReplaySettings
 from copse.sim.trace import TraceRequest
 
@@ -175,6 +181,7 @@ def observe(
     first = _in(fleet.first_ms, start_ms, end_ms)
     requests = float(answered.sum())
     prompt_tokens = float(fleet.prompts[routed].sum())
+    uncached = fleet.prompts[routed] - fleet.predicted_cached[routed]
     outputs = fleet.outputs[finished]
     with np.errstate(invalid="ignore", divide="ignore"):
         itl = (fleet.finish_ms[finished] - fleet.first_ms[finished]) / (outputs - 1)
@@ -194,6 +201,10 @@ def observe(
         osl=float(outputs.sum()) / requests if requests else None,
         isl_p90=histogram_quantile(0.9, fleet.prompts[routed], buckets=PROMPT_LENGTH_BUCKETS),
         osl_p10=histogram_quantile(0.1, outputs[outputs > 0], buckets=OUTPUT_LENGTH_BUCKETS),
+        **{
+            field: histogram_quantile(level, uncached, buckets=UNCACHED_PROMPT_BUCKETS)
+            for field, level in UNCACHED_QUANTILES.items()
+        },
         kv_hit_rate=float(fleet.predicted_cached[routed].sum()) / prompt_tokens if prompt_tokens else None,
         onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
