@@ -104,7 +104,8 @@ class Workload:
     uncached_quantiles: tuple[float, ...] | None = None
     """A prompt's uncached tokens at the levels of
     :data:`~copse.planner.observations.UNCACHED_QUANTILES`: when known, the prompts' spread is read
-    off them (scaled to the mean uncached prompt), not fitted through ``isl_p90``."""
+    off them (:func:`~copse.planner.queueing.quantile_points`, at the mean prompt), not fitted
+    through ``isl_p90``."""
     kv_hit_rate: float = 0.0
     """Fraction of prompt tokens found in the prefix cache (not recomputed), on any tier."""
     onboard_ms: float = 0.0
