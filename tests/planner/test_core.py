@@ -246,6 +246,22 @@ def test_a_burn_counts_the_replicas_serving_so_starting_ones_are_not_added_twice
     assert plan.fast_path(now=75.0, current=grown, pulse=burning(**misses, serving=4.0)) is None
 
 
+def test_a_burn_sizes_for_the_requests_arriving_not_for_a_backlog_draining(linear: CapacityModel) -> None:
+    """The SLO counts are of requests that ended: while a backlog drains they run far above what
+    arrives, and a pool sized for them arrives after the backlog is gone."""
+    plan = planner(linear, cfg=config(burn_rate=5.0, burn_min_requests=20))
+    plan.observe(interval(0, 10.0), replicas={P: 4, D: 4})
+    draining = burning(met=6000.0, ttft=4000.0, serving=4.0)  # 10,000 ended in 30 s
+    by_ended = plan.fast_path(now=70.0, current={P: 4, D: 4}, pulse=draining)
+    by_arrivals = plan.fast_path(
+        now=70.0, current={P: 4, D: 4}, pulse=dataclasses.replace(draining, routed=30.0)
+    )
+    assert by_ended is not None
+    assert by_arrivals is not None
+    assert by_arrivals.target[P] < by_ended.target[P]
+    assert by_arrivals.target[P] >= 6  # still grown by the share missing (40 %)
+
+
 def test_queued_prefill_tokens_trigger_the_fast_path_before_the_queue_count_does(
     linear: CapacityModel,
 ) -> None:

@@ -99,6 +99,10 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     now = _scrape(metrics)
     text = Queries(PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99).text
     values = {field: evaluate(query, now, earlier=earlier) for field, query in text.items()}
+    pulse_text = Queries(
+        PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99
+    ).over(60.0)
+    assert evaluate(pulse_text["routed"], now, earlier=earlier) == 10  # one prompt length per routed request
     assert values["num_requests"] == 10
     assert values["isl"] == 1000
     assert values["osl"] == 200

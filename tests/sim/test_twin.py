@@ -114,6 +114,9 @@ def test_the_planner_reads_the_routers_slo_counts_and_its_pulse() -> None:
     assert signals.judged == 3  # the first one ended just before the window opened
     assert (signals.queue_depth, signals.router_queue, signals.prefill_tokens) == (0, 0, 0)
     assert signals.serving == 2
+    # the arrivals: routed in the window, whenever they end
+    assert pulse(fleet, now_ms=60_000.0, window_s=60.0, limits=LIMITS).routed == 4
+    assert pulse(fleet, now_ms=60_000.0, window_s=1.0, limits=LIMITS).routed == 0
     assert observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99).slo_met is None  # no targets
 
 

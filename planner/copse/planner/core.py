@@ -429,7 +429,10 @@ class Planner:
                 misses = {front: pulse.ttft_missed + pulse.refused, Role.DECODE: pulse.itl_missed}
             else:
                 misses = {front: pulse.ttft_missed + pulse.refused + pulse.itl_missed}
-            window_load = dataclasses.replace(load, num_requests=judged / pulse.window_s * load.duration_s)
+            # the window's arrivals when known: during a backlog's drain the requests ending in it
+            # count the backlog on top of the load, and sizing for them overshoots
+            arrived = judged if pulse.routed is None else pulse.routed
+            window_load = dataclasses.replace(load, num_requests=arrived / pulse.window_s * load.duration_s)
             for role, missed in misses.items():
                 share = missed / judged
                 burn = share / (1 - config.attainment_goal)

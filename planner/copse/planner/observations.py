@@ -149,6 +149,9 @@ class Pulse:
     """Requests that ended in the window with their first token in time but slow tokens after it."""
     refused: float = 0.0
     """Requests refused in the window (429/503): misses of the front pool's capacity."""
+    routed: float | None = None
+    """Requests the router routed in the window: the load arriving, where the SLO counts are the
+    requests ending (a backlog draining counts in those on top of it); ``None``: not reported."""
 
     serving: float | None = None
     """Front-pool replicas serving now (engines reporting); ``None``: take the replicas held."""

@@ -108,6 +108,8 @@ DEFAULT_QUERIES: dict[str, str] = {
 PULSE_QUERIES: dict[str, str] = {
     "router_queue": "sum(copse_router_queue_depth{{{selector}}})",
     "prefill_tokens": "sum(copse_router_worker_prefill_tokens{{{selector}}})",
+    # one prompt length observed per routed request: the arrivals the burn window saw
+    "routed": "sum(increase(copse_router_prompt_length_tokens_count{{{selector}}}[{window}]))",
 }
 
 
@@ -240,7 +242,7 @@ class PrometheusSource:
         """What the fast loop reads between decisions: the queue gauges, the router's outstanding
         prefill tokens and its SLO counts over the last ``window_s``."""
         text = self.queries.over(window_s)
-        fields = ["queue_depth", "router_queue", "prefill_tokens", "serving", *SLO_FIELDS]
+        fields = ["queue_depth", "router_queue", "prefill_tokens", "routed", "serving", *SLO_FIELDS]
         if limits.disaggregated:
             fields += ["decode_queue_depth", "decode_serving"]
         values = {field: await self.client.query(text[field], at=at) for field in fields}
@@ -255,6 +257,7 @@ class PrometheusSource:
             ttft_missed=values["ttft_missed"] or 0.0,
             itl_missed=values["itl_missed"] or 0.0,
             refused=values["refused"] or 0.0,
+            routed=values["routed"],
             serving=values["serving"],
             decode_serving=values.get("decode_serving"),
         )

@@ -141,7 +141,8 @@ def pulse(fleet: Fleet, *, now_ms: float, window_s: float, limits: Limits) -> Pu
     prefill tokens (``copse_router_worker_prefill_tokens``) and its SLO counters over the last
     ``window_s``."""
     queues = _queues(fleet)
-    counts = slo_counts(fleet, start_ms=now_ms - window_s * 1000.0, end_ms=now_ms, limits=limits)
+    start_ms = now_ms - window_s * 1000.0
+    counts = slo_counts(fleet, start_ms=start_ms, end_ms=now_ms, limits=limits)
     serving = _serving(fleet)
     sequences = fleet.router.sequences
     return Pulse(
@@ -155,6 +156,7 @@ def pulse(fleet: Fleet, *, now_ms: float, window_s: float, limits: Limits) -> Pu
         ttft_missed=counts.ttft_missed,
         itl_missed=counts.itl_missed,
         refused=counts.refused,
+        routed=float(np.count_nonzero(_in(fleet.routed_ms, start_ms, now_ms))),
         serving=serving.get(Role(fleet.front.value), 0.0),
         decode_serving=serving.get(Role.DECODE),
     )
