@@ -97,12 +97,10 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     metrics.missed(SLO_REFUSED)
     metrics.queue_depth.set(4)
     now = _scrape(metrics)
-    text = Queries(PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99).text
-    values = {field: evaluate(query, now, earlier=earlier) for field, query in text.items()}
-    pulse_text = Queries(
-        PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99
-    ).over(60.0)
-    assert evaluate(pulse_text["routed"], now, earlier=earlier) == 10  # one prompt length per routed request
+    queries = Queries(PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99)
+    values = {field: evaluate(query, now, earlier=earlier) for field, query in queries.text.items()}
+    # the fast loop's routed count over the same minute: one prompt length per routed request
+    assert evaluate(queries.over(60.0)["routed"], now, earlier=earlier) == 10
     assert values["num_requests"] == 10
     assert values["isl"] == 1000
     assert values["osl"] == 200

@@ -321,12 +321,13 @@ class _Bucketer:
             isl = np.array([r[0] for r in requests], dtype=np.float64)
             osl = np.array([r[1] for r in requests], dtype=np.float64)
             prompt = float(isl.sum())
-            uncached = isl - np.array([r[2] for r in requests], dtype=np.float64)
-            spread = {
-                field: float(np.quantile(uncached, level, method="inverted_cdf"))
-                for field, level in UNCACHED_QUANTILES.items()
-                if with_hits and count
-            }
+            spread: dict[str, float] = {}
+            if with_hits and count:
+                uncached = isl - np.array([r[2] for r in requests], dtype=np.float64)
+                spread = {
+                    field: float(np.quantile(uncached, level, method="inverted_cdf"))
+                    for field, level in UNCACHED_QUANTILES.items()
+                }
             out.append(
                 Observation(
                     timestamp=self.origin_s + self.start + index * self.interval_s,
