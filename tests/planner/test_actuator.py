@@ -320,8 +320,11 @@ def queries() -> Queries:
 
 def test_default_queries_select_the_deployment() -> None:
     text = queries().text
+    selector = 'namespace="serving",deployment="llama"'
     assert text["num_requests"] == (
-        'sum(increase(copse_router_requests_total{namespace="serving",deployment="llama"}[60000ms]))'
+        f"sum(increase(copse_router_class_admitted_total{{{selector}}}[60000ms]))"
+        f' + (sum(increase(copse_router_class_shed_total{{{selector},reason!="QueueTimeout"}}[60000ms]))'
+        " or vector(0))"
     )
     assert "histogram_quantile(0.99," in text["ttft_ms"]
     assert "copse_router_time_to_first_token_seconds_sum" in text["ttft_mean_ms"]

@@ -254,7 +254,7 @@ def test_a_burn_sizes_for_the_requests_arriving_not_for_a_backlog_draining(linea
     draining = burning(met=6000.0, ttft=4000.0, serving=4.0)  # 10,000 ended in 30 s
     by_ended = plan.fast_path(now=70.0, current={P: 4, D: 4}, pulse=draining)
     by_arrivals = plan.fast_path(
-        now=70.0, current={P: 4, D: 4}, pulse=dataclasses.replace(draining, routed=30.0)
+        now=70.0, current={P: 4, D: 4}, pulse=dataclasses.replace(draining, arrived=30.0)
     )
     assert by_ended is not None
     assert by_arrivals is not None

@@ -15,7 +15,7 @@ from copse.planner.config import PrometheusConfig
 from copse.planner.prometheus import DEFAULT_QUERIES, PULSE_QUERIES, Queries
 from copse.router.core import Role, Router, WorkerInfo
 from copse.router.metrics import SLO_REFUSED, RouterMetrics, SloTargets
-from copse.router.policies import SelectionSettings
+from copse.router.policies import RouteRequest, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
 
 from .promql_subset import Sample, evaluate
@@ -27,8 +27,14 @@ def scraped_names() -> set[str]:
     router.add_worker(WorkerInfo(worker_id="w0", role=Role.WORKER), now=0.0)  # per-worker gauges
     metrics = RouterMetrics(lambda: router)
     metrics.requests.labels(status="200").inc()
+    metrics.admitted(_request(), queued=False)
+    metrics.shed(_request(), reason="SloShed")
     text = generate_latest(metrics.registry).decode()
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def _request() -> RouteRequest:
+    return RouteRequest(request_id="r", hashes=(), prompt_tokens=1000, max_tokens=200)
 
 
 SCRAPED = scraped_names()
@@ -79,6 +85,7 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     metrics.judged(ttft_s=0.1, itl_s=0.01)
     earlier = _scrape(metrics)
     for _ in range(10):
+        metrics.admitted(_request(), queued=False)
         metrics.requests.labels(status="200").inc()
         metrics.prompt_tokens.inc(1000)
         metrics.prompt_length.observe(1000)
@@ -95,14 +102,21 @@ def test_every_default_query_computes_its_field_from_a_real_router_scrape() -> N
     metrics.judged(ttft_s=0.7, itl_s=0.03)  # both: counted once, as late
     metrics.judged(ttft_s=0.2, itl_s=None)  # one token: its TTFT decides
     metrics.missed(SLO_REFUSED)
+    # arrivals that were not routed: one admitted that timed out in the queue (counted once), two
+    # shed at the door (the load all the same), one over its tenant's limit (not load to size for)
+    metrics.admitted(_request(), queued=True)
+    metrics.shed(_request(), reason="QueueTimeout")
+    metrics.shed(_request(), reason="SloShed")
+    metrics.shed(_request(), reason="QueueFull")
+    metrics.shed(_request(), reason="RateLimited")
     metrics.queue_depth.set(4)
     now = _scrape(metrics)
     queries = Queries(PrometheusConfig(), namespace="serving", name="llama", interval_s=60.0, quantile=0.99)
     values = {field: evaluate(query, now, earlier=earlier) for field, query in queries.text.items()}
-    # the fast loop's routed count over the same minute: one prompt length per routed request
-    assert evaluate(queries.over(60.0)["routed"], now, earlier=earlier) == 10
-    assert values["num_requests"] == 10
-    assert values["isl"] == 1000
+    # the fast loop's arrivals over the same minute, as the interval counts them
+    assert evaluate(queries.over(60.0)["arrived"], now, earlier=earlier) == 13
+    assert values["num_requests"] == 13
+    assert values["isl"] == 1000  # of the 10 routed
     assert values["osl"] == 200
     assert values["kv_hit_rate"] == 0.25
     assert values["onboard_ms"] == pytest.approx(2.0)

@@ -97,6 +97,23 @@ def test_the_planner_observes_what_the_routers_series_would_say() -> None:
     assert (empty.num_requests, empty.isl, empty.ttft_ms) == (0, None, None)
 
 
+def test_the_load_observed_is_the_requests_arriving_not_those_ending() -> None:
+    """Requests ending in a window lag the load by their service (and while a backlog drains count
+    it on top of the load): the planner forecasts what arrives."""
+    fleet = _four_served()
+    first_end = float(np.nanmin(fleet.finish_ms))
+    before = int(np.count_nonzero(fleet.arrival_ms < first_end))
+    opening = observe(fleet, start_ms=0.0, end_ms=first_end, quantile=0.99, limits=LIMITS)
+    assert before >= 1
+    assert opening.num_requests == before
+    assert (opening.slo_met, opening.ttft_missed, opening.itl_missed) == (0, 0, 0)  # none ended yet
+    assert opening.isl == 1500  # of the requests routed in it
+    assert opening.osl is None  # no answer yet
+    rest = observe(fleet, start_ms=first_end, end_ms=60_000.0, quantile=0.99, limits=LIMITS)
+    assert rest.num_requests == 4 - before
+    assert rest.slo_met == 4
+
+
 def test_the_planner_reads_the_routers_slo_counts_and_its_pulse() -> None:
     """Judged as the router judges them: when each request ends, against the targets; a tight TTFT
     target makes every one late, and the fast loop's pulse counts those that ended in its window."""
@@ -114,9 +131,9 @@ def test_the_planner_reads_the_routers_slo_counts_and_its_pulse() -> None:
     assert signals.judged == 3  # the first one ended just before the window opened
     assert (signals.queue_depth, signals.router_queue, signals.prefill_tokens) == (0, 0, 0)
     assert signals.serving == 2
-    # the arrivals: routed in the window, whenever they end
-    assert pulse(fleet, now_ms=60_000.0, window_s=60.0, limits=LIMITS).routed == 4
-    assert pulse(fleet, now_ms=60_000.0, window_s=1.0, limits=LIMITS).routed == 0
+    # the arrivals: in the window, whenever they end
+    assert pulse(fleet, now_ms=60_000.0, window_s=60.0, limits=LIMITS).arrived == 4
+    assert pulse(fleet, now_ms=60_000.0, window_s=1.0, limits=LIMITS).arrived == 0
     assert observe(fleet, start_ms=0.0, end_ms=60_000.0, quantile=0.99).slo_met is None  # no targets
 
 

@@ -431,7 +431,7 @@ class Planner:
                 misses = {front: pulse.ttft_missed + pulse.refused + pulse.itl_missed}
             # the window's arrivals when known: during a backlog's drain the requests ending in it
             # count the backlog on top of the load, and sizing for them overshoots
-            arrived = judged if pulse.routed is None else pulse.routed
+            arrived = judged if pulse.arrived is None else pulse.arrived
             window_load = dataclasses.replace(load, num_requests=arrived / pulse.window_s * load.duration_s)
             for role, missed in misses.items():
                 share = missed / judged

@@ -32,7 +32,8 @@ class Observation:
     duration_s: float
     """Length of the interval, seconds."""
     num_requests: float
-    """Requests that arrived in the interval."""
+    """Requests that arrived in the interval: admitted by the router (routed at once or queued) or
+    shed at the door for want of capacity; not those refused for their tenant's rate limit."""
     isl: float | None
     """Mean input (prompt) length, tokens."""
     osl: float | None
@@ -149,9 +150,10 @@ class Pulse:
     """Requests that ended in the window with their first token in time but slow tokens after it."""
     refused: float = 0.0
     """Requests refused in the window (429/503): misses of the front pool's capacity."""
-    routed: float | None = None
-    """Requests the router routed in the window: the load arriving, where the SLO counts are the
-    requests ending (a backlog draining counts in those on top of it); ``None``: not reported."""
+    arrived: float | None = None
+    """Requests that arrived in the window (as :attr:`Observation.num_requests` counts them): the
+    load, where the SLO counts are the requests ending (a backlog draining counts in those on top
+    of it); ``None``: not reported."""
 
     serving: float | None = None
     """Front-pool replicas serving now (engines reporting); ``None``: take the replicas held."""

@@ -28,6 +28,17 @@ from copse.planner.observations import UNCACHED_QUANTILES, Observation, Pulse
 from copse.planner.policy import Limits
 from copse.planner.recording import SLO_FIELDS
 
+#: Requests routed in the window: one prompt length is observed per routed request.
+_ROUTED = "sum(increase(copse_router_prompt_length_tokens_count{{{selector}}}[{window}]))"
+#: Requests arriving in the window: admitted (routed at once or queued), or shed at the door because
+#: the fleet could not serve them in time. A request shed after queueing was admitted first; one
+#: refused for its tenant's rate limit is not load the fleet is sized for.
+_ARRIVED = (
+    "sum(increase(copse_router_class_admitted_total{{{selector}}}[{window}]))"
+    ' + (sum(increase(copse_router_class_shed_total{{{selector},reason!="QueueTimeout"}}[{window}]))'
+    " or vector(0))"
+)
+
 #: PromQL per observation field. Ratios of increases are window means; NaN (0/0) means no traffic.
 #: Engine gauges are matched as ``{__name__=~"(trtllm_)?<name>"}``: ``trtllm_<name>`` as
 #: ``collector.py`` exports them since TensorRT-LLM 1.3 (and copse's mocked engines), or the bare
@@ -36,11 +47,10 @@ from copse.planner.recording import SLO_FIELDS
 #: fields read as absent (the queue falls back to the router's own).
 _SLO = "sum(increase(copse_router_slo_requests_total{{{{{{selector}},{outcome}}}}}[{{window}}]))"
 DEFAULT_QUERIES: dict[str, str] = {
-    "num_requests": "sum(increase(copse_router_requests_total{{{selector}}}[{window}]))",
-    "isl": (
-        "sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}]))"
-        " / sum(increase(copse_router_requests_total{{{selector}}}[{window}]))"
-    ),
+    # The load arriving: requests ending in the window (copse_router_requests_total) lag it by their
+    # service, and while a backlog drains count it on top of the load.
+    "num_requests": _ARRIVED,
+    "isl": "sum(increase(copse_router_prompt_tokens_total{{{selector}}}[{window}])) / " + _ROUTED,
     # Output tokens as the router returned them to clients (whatever engine produced them).
     "osl": (
         "sum(increase(copse_router_output_tokens_total{{{selector}}}[{window}]))"
@@ -67,7 +77,7 @@ DEFAULT_QUERIES: dict[str, str] = {
     ),
     "onboard_ms": (
         "1000 * sum(increase(copse_router_predicted_onboard_seconds_total{{{selector}}}[{window}]))"
-        " / sum(increase(copse_router_requests_total{{{selector}}}[{window}]))"
+        " / " + _ROUTED
     ),
     "ttft_ms": (
         "1000 * histogram_quantile({quantile}, "
@@ -108,8 +118,7 @@ DEFAULT_QUERIES: dict[str, str] = {
 PULSE_QUERIES: dict[str, str] = {
     "router_queue": "sum(copse_router_queue_depth{{{selector}}})",
     "prefill_tokens": "sum(copse_router_worker_prefill_tokens{{{selector}}})",
-    # one prompt length observed per routed request: the arrivals the burn window saw
-    "routed": "sum(increase(copse_router_prompt_length_tokens_count{{{selector}}}[{window}]))",
+    "arrived": _ARRIVED,
 }
 
 
@@ -242,7 +251,7 @@ class PrometheusSource:
         """What the fast loop reads between decisions: the queue gauges, the router's outstanding
         prefill tokens and its SLO counts over the last ``window_s``."""
         text = self.queries.over(window_s)
-        fields = ["queue_depth", "router_queue", "prefill_tokens", "routed", "serving", *SLO_FIELDS]
+        fields = ["queue_depth", "router_queue", "prefill_tokens", "arrived", "serving", *SLO_FIELDS]
         if limits.disaggregated:
             fields += ["decode_queue_depth", "decode_serving"]
         values = {field: await self.client.query(text[field], at=at) for field in fields}
@@ -257,7 +266,7 @@ class PrometheusSource:
             ttft_missed=values["ttft_missed"] or 0.0,
             itl_missed=values["itl_missed"] or 0.0,
             refused=values["refused"] or 0.0,
-            routed=values["routed"],
+            arrived=values["arrived"],
             serving=values["serving"],
             decode_serving=values.get("decode_serving"),
         )

@@ -6,7 +6,7 @@ What runs is what runs in a cluster, minus the cluster:
 * Every ``interval_s`` the planner (:class:`copse.planner.core.Planner`, the live loop's
   :meth:`~copse.planner.core.Planner.step`) learns from the interval that ended and decides the
   replicas. It sees what it would see in a cluster, the router's Prometheus series over the
-  interval (:func:`observe`): requests answered, prompt and output tokens, the router's
+  interval (:func:`observe`): requests arriving, prompt and output tokens, the router's
   *predicted* hit rate, the p90 prompt length and p99 TTFT and ITL read from the router's
   histogram buckets with Prometheus' ``histogram_quantile`` (alert signals), the mean TTFT and
   mean TPOT from the histograms' sums and counts; queue and batch gauges and the engines serving
@@ -156,7 +156,7 @@ def pulse(fleet: Fleet, *, now_ms: float, window_s: float, limits: Limits) -> Pu
         ttft_missed=counts.ttft_missed,
         itl_missed=counts.itl_missed,
         refused=counts.refused,
-        routed=float(np.count_nonzero(_in(fleet.routed_ms, start_ms, now_ms))),
+        arrived=float(np.count_nonzero(_in(fleet.arrival_ms, start_ms, now_ms))),
         serving=serving.get(Role(fleet.front.value), 0.0),
         decode_serving=serving.get(Role.DECODE),
     )
@@ -181,7 +181,10 @@ def observe(
     finished = _in(fleet.finish_ms, start_ms, end_ms)
     routed = _in(fleet.routed_ms, start_ms, end_ms)
     first = _in(fleet.first_ms, start_ms, end_ms)
-    requests = float(answered.sum())
+    ended = float(answered.sum())
+    # the load is what arrived: requests ending in the window lag it by their service, and while a
+    # backlog drains they count it on top of the load
+    arrived = float(np.count_nonzero(_in(fleet.arrival_ms, start_ms, end_ms)))
     prompt_tokens = float(fleet.prompts[routed].sum())
     uncached = fleet.prompts[routed] - fleet.predicted_cached[routed]
     outputs = fleet.outputs[finished]
@@ -197,10 +200,10 @@ def observe(
     return Observation(
         timestamp=start_ms / 1000.0,
         duration_s=(end_ms - start_ms) / 1000.0,
-        num_requests=requests,
-        # ratios of increases: no answered request, no mean (PromQL's 0/0 or x/0)
-        isl=prompt_tokens / requests if requests else None,
-        osl=float(outputs.sum()) / requests if requests else None,
+        num_requests=arrived,
+        # ratios of increases: no request routed (or ended), no mean (PromQL's 0/0 or x/0)
+        isl=prompt_tokens / float(routed.sum()) if routed.any() else None,
+        osl=float(outputs.sum()) / ended if ended else None,
         isl_p90=histogram_quantile(0.9, fleet.prompts[routed], buckets=PROMPT_LENGTH_BUCKETS),
         osl_p10=histogram_quantile(0.1, outputs[outputs > 0], buckets=OUTPUT_LENGTH_BUCKETS),
         **{
@@ -208,7 +211,7 @@ def observe(
             for field, level in UNCACHED_QUANTILES.items()
         },
         kv_hit_rate=float(fleet.predicted_cached[routed].sum()) / prompt_tokens if prompt_tokens else None,
-        onboard_ms=float(fleet.predicted_onboard_ms[routed].sum()) / requests if requests else None,
+        onboard_ms=float(fleet.predicted_onboard_ms[routed].mean()) if routed.any() else None,
         ttft_ms=None if ttft_s is None else ttft_s * 1000.0,
         itl_ms=None if itl_s is None else itl_s * 1000.0,
         # the histograms' _sum / _count: exact means
