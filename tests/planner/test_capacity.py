@@ -172,6 +172,28 @@ def test_the_ttft_tail_is_the_prompts_own_prefill() -> None:
     assert fewest.ttft >= 0.99 * reachable
 
 
+def test_a_correction_factor_scales_the_prompts_prefill_times_of_one_table() -> None:
+    """Solving a correction factor tries thirty factors on one interval's load: the prompts' prefill
+    times are worked out once per load (the perf model asked once per prompt point) and scaled."""
+
+    class Counted(LinearPerf):
+        calls = 0
+
+        def prefill_curve_ms(self, isl: float) -> float:
+            Counted.calls += 1
+            return super().prefill_curve_ms(isl)
+
+    model = CapacityModel(Counted(), max_num_seqs=64)
+    load = Workload(rate=20.0, isl=2000, isl_p90=4500, osl=100)
+    base = model.prompt_prefill_ms(load)
+    asked = Counted.calls
+    for scale in (0.5, 1.3, 2.0):
+        assert np.array_equal(model.prompt_prefill_ms(load, scale=scale), base * scale)
+    assert Counted.calls == asked
+    model.prompt_prefill_ms(dataclasses.replace(load, isl=2100))  # another load: another table
+    assert Counted.calls > asked
+
+
 def test_the_prompts_spread_as_their_uncached_quantiles_say() -> None:
     """With the router's quantiles of the uncached tokens the prompts are read off them, not fitted:
     a context limit cuts the tail that a gamma through the same mean and p90 runs on past, so no

@@ -82,9 +82,6 @@ _OUTPUT_POINTS = 64
 _CHUNK_PROMPT_STRIDE = 4
 #: Prefill-time tables kept (one per distinct prompt-length distribution and correction factor).
 _PREFILL_CACHE_SIZE = 256
-#: A correction factor is learned from an interval only when waiting made up at most this share of
-#: its estimated mean TTFT: beyond, the queue model's error, not the engines' speed, would be solved for.
-_QUEUE_SHARE_FOR_CORRECTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -538,22 +535,15 @@ class CapacityModel:
         p90 = None if load.isl_p90 is None else round(load.isl_p90, 3)
         quantiles = load.uncached_quantiles
         spread = None if quantiles is None else tuple(round(q, 3) for q in quantiles)
-        key = (
-            round(load.isl, 3),
-            p90,
-            spread,
-            round(load.kv_hit_rate, 9),
-            round(load.onboard_ms, 6),
-            scale,
-        )
+        # Not keyed on the scale (times are proportional to it): solving a correction factor
+        # tries thirty scales on one interval's load.
+        key = (round(load.isl, 3), p90, spread, round(load.kv_hit_rate, 9), round(load.onboard_ms, 6))
         prompts = self._prefill_points.get(key)
         if prompts is None:
             lengths = self._prompt_lengths(load, p90=p90, uncached=spread)
             times = np.array(
                 [
-                    self.prefill_service_ms(
-                        float(x), hit_rate=load.kv_hit_rate, scale=scale, onboard_ms=load.onboard_ms
-                    )
+                    self.prefill_service_ms(float(x), hit_rate=load.kv_hit_rate, onboard_ms=load.onboard_ms)
                     for x in lengths
                 ]
             )
@@ -562,7 +552,7 @@ class CapacityModel:
             if len(self._prefill_points) >= _PREFILL_CACHE_SIZE:
                 self._prefill_points.clear()
             prompts = self._prefill_points[key] = _Prompts(times=times, chunks=chunks)
-        return prompts
+        return prompts if scale == 1.0 else dataclasses.replace(prompts, times=prompts.times * scale)
 
     def _prompt_lengths(
         self, load: Workload, *, p90: float | None, uncached: tuple[float, ...] | None
