@@ -80,7 +80,7 @@ _OUTPUT_POINTS = 64
 #: Every how many of the prompt points the ITL tail takes (a pair sum over all of them would cost
 #: 40,000 terms per output length; 50 prompts resolve a 1 % tail).
 _CHUNK_PROMPT_STRIDE = 4
-#: Prefill-time tables kept (one per distinct prompt-length distribution and correction factor).
+#: Prefill-time tables kept (one per distinct prompt-length distribution, unscaled).
 _PREFILL_CACHE_SIZE = 256
 
 
