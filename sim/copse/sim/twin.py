@@ -87,6 +87,12 @@ def _in(times: FloatArray, start: float, end: float) -> npt.NDArray[np.bool_]:
     return (times >= start) & (times < end)
 
 
+def _arrived(fleet: Fleet, start_ms: float, end_ms: float) -> float:
+    """Requests arriving in ``[start_ms, end_ms)`` (arrivals are in time order)."""
+    lo, hi = np.searchsorted(fleet.arrival_ms, [start_ms, end_ms], side="left")
+    return float(hi - lo)
+
+
 def _queues(fleet: Fleet) -> dict[Role, float]:
     """The planner's queue gauges per pool: the front pool's (aggregated workers, or prefill) is the
     router's queue plus its engines' waiting requests; decode's, its engines' waiting requests
@@ -156,7 +162,7 @@ def pulse(fleet: Fleet, *, now_ms: float, window_s: float, limits: Limits) -> Pu
         ttft_missed=counts.ttft_missed,
         itl_missed=counts.itl_missed,
         refused=counts.refused,
-        arrived=float(np.count_nonzero(_in(fleet.arrival_ms, start_ms, now_ms))),
+        arrived=_arrived(fleet, start_ms, now_ms),
         serving=serving.get(Role(fleet.front.value), 0.0),
         decode_serving=serving.get(Role.DECODE),
     )
@@ -184,7 +190,7 @@ def observe(
     ended = float(answered.sum())
     # the load is what arrived: requests ending in the window lag it by their service, and while a
     # backlog drains they count it on top of the load
-    arrived = float(np.count_nonzero(_in(fleet.arrival_ms, start_ms, end_ms)))
+    arrived = _arrived(fleet, start_ms, end_ms)
     prompt_tokens = float(fleet.prompts[routed].sum())
     uncached = fleet.prompts[routed] - fleet.predicted_cached[routed]
     outputs = fleet.outputs[finished]
