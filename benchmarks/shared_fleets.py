@@ -31,9 +31,14 @@ completion carrying ``x-gateway-inference-objective`` and ``x-gateway-inference-
 (none in the run without objectives); its TTFT and mean inter-token gap are measured at this
 client, and every refused request's status and ``Retry-After`` are counted. The capacity is probed
 live too (through the HTTP router, ``--probe-seconds`` per rate) unless ``--capacity`` is given.
+With ``--dilate k`` the live fleet runs k times slower than the workload (``copse.sim.live``:
+engines at 1/k speed, arrivals k times apart, the router's targets and workload durations k times
+longer) and every figure is given in the workload's time: the box's own work weighs k times less
+against the engines', so a fleet it cannot keep up with in wall time is still measured.
 
 Usage: ``.venv/bin/python benchmarks/shared_fleets.py [--minutes 10] [--load 1.5] [--seed 0]``;
-live: ``nice -n 10 .venv/bin/python benchmarks/shared_fleets.py --live http,epp --minutes 2``
+live: ``nice -n 10 .venv/bin/python benchmarks/shared_fleets.py --live http,epp --minutes 2``;
+the issue's live row: ``... --live http,epp --engines 16 --capacity 50 --dilate 8 --minutes 1``
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ class Outcome:
     engine_lag_ms: float | None = None
     """Live runs: mean delivery lag of the engines' steps behind their own timeline (the engines'
     process not keeping up in wall time: every token, the first included, reaches the router
-    that much late)."""
+    that much late), in the workload's time (the wall lag over the dilation)."""
 
     def of(self, mask: npt.NDArray[np.bool_], *, ttft_target_ms: float) -> dict[str, float]:
         fleet = self.fleet
@@ -227,24 +232,36 @@ def run_live(
     engines: int,
     gateway: bool,
     objectives: dict[str, dict[str, float | None]],
+    dilation: float,
 ) -> Outcome:
     """Real processes on 127.0.0.1: ``engines`` mocked engines (``copse worker mock``), ``copse
     router run`` with ``objectives``, and with ``gateway`` a real Envoy asking that router as its
-    endpoint picker; each request streamed with its class's headers, timed at this client."""
+    endpoint picker; each request streamed with its class's headers, timed at this client. The
+    fleet runs ``dilation`` times slower than the workload (``copse.sim.live``), and every time
+    returned is in the workload's."""
     kinds = list(classes or [RequestClass()] * len(trace))
     settings = ReplaySettings(workers=engines, seed=seed)
     synth = TokenSynth(seed=seed, trace_block_size=settings.trace_block_size)
 
     async def go() -> tuple[list[Answer], float]:
-        async with live_fleet(settings, router={"objectives": objectives}, gateway=gateway) as fleet:
+        async with live_fleet(
+            settings, router={"objectives": objectives}, gateway=gateway, dilation=dilation
+        ) as fleet:
             answers = await drive(
-                fleet.url, trace, speedup=1.0, synth=synth, headers=[headers_of(kind) for kind in kinds]
+                fleet.url,
+                trace,
+                speedup=1.0 / dilation,
+                synth=synth,
+                headers=[headers_of(kind) for kind in kinds],
             )
-            return answers, await mean_lag_ms(fleet.engine_urls)
+            return [answer.undilated(dilation) for answer in answers], await mean_lag_ms(fleet.engine_urls)
 
     answers, lag_ms = uvloop.run(go())
     return Outcome(
-        fleet=Timings.of_answers(trace, answers), classes=kinds, duration_s=seconds, engine_lag_ms=lag_ms
+        fleet=Timings.of_answers(trace, answers),
+        classes=kinds,
+        duration_s=seconds,
+        engine_lag_ms=lag_ms / dilation,
     )
 
 
@@ -362,6 +379,14 @@ def main() -> None:
         "of the twin: mocked engines, the router in HTTP mode (http) or as endpoint picker behind a "
         "real Envoy (epp); the capacity probe (without --capacity) runs through the HTTP router.",
     )
+    parser.add_argument(
+        "--dilate",
+        type=float,
+        default=1.0,
+        help="Live: run the fleet this many times slower than the workload (engines at 1/k speed, "
+        "arrivals k times apart, the router's targets and workload durations k times longer; "
+        "figures in the workload's time), so the box keeps up with its engines.",
+    )
     parser.add_argument("--engines", type=int, default=None, help="Mocked engines (16; live: 4).")
     parser.add_argument(
         "--probe-seconds", type=float, default=None, help="Length of each capacity probe (120; live: 60)."
@@ -374,6 +399,8 @@ def main() -> None:
     modes = [mode for mode in args.live.split(",") if mode]
     if not set(modes) <= {"http", "epp"}:
         parser.error(f"--live takes http and epp, not {args.live!r}")
+    if args.dilate != 1.0 and not modes:
+        parser.error("--dilate slows a live fleet; the twin's virtual clock needs none")
     engines = args.engines or (4 if modes else 16)
     plain_objectives: dict[str, dict[str, float | None]] = {}
 
@@ -393,6 +420,7 @@ def main() -> None:
                     engines=engines,
                     gateway=mode == "epp",
                     objectives=objectives,
+                    dilation=args.dilate,
                 )
             print(f"  (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after)", file=sys.stderr)
             return outcome
@@ -410,6 +438,8 @@ def main() -> None:
         settle_s=probe_seconds / 4,
     )
     where = f"live, {'/'.join(modes)}" if modes else "twin"
+    if args.dilate != 1.0:
+        where += f", dilated {args.dilate:g}x"
     print(
         f"capacity of {engines} engines ({where}) on conversation shapes <= {args.max_prompt} tokens: "
         f"{cap:.1f} req/s (seed {seed})"

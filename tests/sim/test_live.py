@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
+from copse.router.config import RouterConfig
 from copse.sim import live
 from copse.sim.live import run_live
 from copse.sim.replay import ReplaySettings
 from copse.sim.trace import TraceRequest
+from copse.workers.perf import PerfModel, load_perf_model
 from copse.workers.testing import free_port
 
 
@@ -70,3 +72,74 @@ async def test_a_router_start_that_is_abandoned_stops_the_router(
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert started[0].returncode is not None
+
+
+def test_a_dilated_router_config_stretches_the_workloads_durations_and_targets() -> None:
+    config = {
+        "queue_timeout_s": 10.0,
+        "health_timeout_s": 2.0,
+        "objectives": {"premium": {"priority": 100, "ttft_ms": 3000.0, "itl_ms": None}},
+        "slo": {"ttft_ms": 2000.0, "itl_ms": 50.0},
+    }
+    dilated = live.dilate_router(config, 4.0)
+    assert dilated["queue_timeout_s"] == 40.0  # given: stretched
+    assert (
+        dilated["rate_window_s"] == 4.0 * RouterConfig.model_fields["rate_window_s"].default
+    )  # default: too
+    assert dilated["token_timeout_s"] == 4.0 * RouterConfig.model_fields["token_timeout_s"].default
+    assert dilated["health_timeout_s"] == 2.0  # the processes' own work is not dilated
+    assert dilated["objectives"] == {"premium": {"priority": 100, "ttft_ms": 12000.0, "itl_ms": None}}
+    assert dilated["slo"] == {"ttft_ms": 8000.0, "itl_ms": 200.0}
+    assert config["queue_timeout_s"] == 10.0  # the caller's config is left alone
+    static = {"kind": "static", "workers": [{"url": "http://127.0.0.1:1"}]}
+    RouterConfig.model_validate({"model": "m", "engine": "mock", "discovery": static, **dilated})
+    with pytest.raises(ValueError, match="dilation must be a finite number >= 1, got 0.5"):
+        live.dilate_router(config, 0.5)
+
+
+def test_an_answer_of_a_dilated_fleet_is_timed_back_in_the_workloads_time() -> None:
+    answer = live.Answer(200, None, ttft_s=0.8, itl_s=0.04, e2e_s=2.0, cached=512, outputs=31)
+    assert answer.undilated(4.0) == live.Answer(200, None, 0.2, 0.01, 0.5, 512, 31)
+
+
+async def test_a_dilated_fleet_runs_its_engines_and_the_routers_model_that_much_slower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the engines are started with and what the router is told (its config and the profile it
+    predicts with), for the same fleet undilated and dilated 4x."""
+    speedups: list[float] = []
+    routers: list[tuple[dict[str, Any], PerfModel]] = []
+
+    class Done:
+        returncode = 0
+
+        def terminate(self) -> None:
+            pass
+
+        async def wait(self) -> int:
+            return 0
+
+    async def engines(settings: ReplaySettings, **_: Any) -> tuple[Done, list[str]]:
+        speedups.append(settings.engines.config.speedup_ratio)
+        return Done(), [f"http://127.0.0.1:{free_port()}"]
+
+    async def router(config: dict[str, Any], **_: Any) -> Done:
+        routers.append((config, load_perf_model(config["perf_profile"])))
+        return Done()
+
+    monkeypatch.setattr(live, "_engines", engines)
+    monkeypatch.setattr(live, "_router", router)
+    settings = ReplaySettings(workers=1, seed=1)
+    objectives = {"objectives": {"premium": {"priority": 100, "ttft_ms": 3000.0}}}
+    for dilation in (1.0, 4.0):
+        async with live.live_fleet(settings, router=objectives, dilation=dilation):
+            pass
+    assert speedups == [1.0, 0.25]
+    (plain, plain_model), (slow, slow_model) = routers
+    assert slow["objectives"]["premium"]["ttft_ms"] == 4 * plain["objectives"]["premium"]["ttft_ms"]
+    assert slow["queue_timeout_s"] == 4 * RouterConfig.model_fields["queue_timeout_s"].default
+    # the router's profile is measured from the slowed engines: a prompt takes 4x as long (noise aside)
+    for prompt in (512.0, 4096.0):
+        assert slow_model.prefill_curve_ms(prompt) == pytest.approx(
+            4 * plain_model.prefill_curve_ms(prompt), rel=0.1
+        )

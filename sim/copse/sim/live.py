@@ -8,6 +8,13 @@ from the engines, as ``copse bench replay`` does). Every trace request is sent a
 arrival time as a streamed completion of synthesised token ids, and its TTFT, ITL, end-to-end
 latency and cached prompt tokens are read from the stream. The report has the same shape as the
 simulation's, plus how far the engines' process fell behind the engines it simulates.
+
+A fleet may run *dilated* (``live_fleet(..., dilation=k)``): its engines ``k`` times slower and the
+router's targets and workload durations ``k`` times longer, so a workload sent ``k`` times slower
+(``drive(..., speedup=1 / k)``) and timed back at ``1 / k`` (:meth:`Answer.undilated`) is the same
+workload, while the processes' own work (HTTP, Envoy, NATS, the router's decisions) weighs ``k``
+times less against the engines' steps: how a box too small to keep up with the engines in wall
+time still measures the routing rather than itself.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 import uvloop
 import yaml
 
+from copse.router.config import RouterConfig
 from copse.sim.gateway import envoy_gateway
 from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
 from copse.sim.trace import TokenSynth, TraceRequest
@@ -98,6 +106,12 @@ class Answer(NamedTuple):
     cached: int
     """Prompt tokens the engine found cached."""
     outputs: int
+
+    def undilated(self, dilation: float) -> Answer:
+        """The times of an answer from a fleet dilated ``dilation`` times, in the workload's time."""
+        return self._replace(
+            ttft_s=self.ttft_s / dilation, itl_s=self.itl_s / dilation, e2e_s=self.e2e_s / dilation
+        )
 
 
 async def send(
@@ -198,6 +212,38 @@ async def mean_lag_ms(urls: Sequence[str]) -> float:
     return await metric_total(pages, f"{MOCK_STEP_LAG_SECONDS}_sum") / count * 1000 if count else 0.0
 
 
+#: Router settings that are durations of the workload rather than of the processes' own work: a
+#: dilated fleet stretches them with its engines.
+_WORKLOAD_DURATIONS = ("queue_timeout_s", "request_timeout_s", "token_timeout_s", "rate_window_s")
+
+
+def _check_dilation(dilation: float) -> None:
+    if not (dilation >= 1 and math.isfinite(dilation)):
+        raise ValueError(f"dilation must be a finite number >= 1, got {dilation}")
+
+
+def dilate_router(config: Mapping[str, Any], dilation: float) -> dict[str, Any]:
+    """``config`` (a ``copse router run`` config) for engines ``dilation`` times slower: its workload
+    durations (default or given) and every objective's and the SLO's targets that much longer."""
+    _check_dilation(dilation)
+    out = dict(config)
+    for name in _WORKLOAD_DURATIONS:
+        out[name] = float(out.get(name, RouterConfig.model_fields[name].default)) * dilation
+
+    def targets(settings: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            key: value * dilation if key in ("ttft_ms", "itl_ms") and value is not None else value
+            for key, value in settings.items()
+        }
+
+    if "objectives" in out:
+        out["objectives"] = {name: targets(objective) for name, objective in out["objectives"].items()}
+    for name in ("default_objective", "slo"):
+        if out.get(name) is not None:
+            out[name] = targets(out[name])
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class LiveFleet:
     """Mocked engines behind a router process (and Envoy in front of it, as a gateway)."""
@@ -216,11 +262,18 @@ async def live_fleet(
     router: Mapping[str, Any] | None = None,
     gateway: bool = False,
     engine_args: Sequence[str] = (),
+    dilation: float = 1.0,
 ) -> AsyncIterator[LiveFleet]:
     """Start ``settings.workers`` mocked engines (``engine_args`` added to ``copse worker mock``)
     and ``copse router run`` before them, its config the replay's with ``router`` on top; with
     ``gateway``, the router serves as endpoint picker too and a real Envoy fronts it
-    (:mod:`copse.sim.gateway`)."""
+    (:mod:`copse.sim.gateway`). With ``dilation`` k, the engines run k times slower and the router's
+    config is :func:`dilate_router`'s (``router`` in the workload's time): see the module's text."""
+    _check_dilation(dilation)
+    if dilation != 1.0:
+        base = settings.engines.config
+        slowed = dataclasses.replace(base, speedup_ratio=base.speedup_ratio / dilation)
+        settings = dataclasses.replace(settings, engines=dataclasses.replace(settings.engines, config=slowed))
     engine_config = settings.engine_config()
     block_size = engine_config.block_size
     if settings.trace_block_size % block_size:
@@ -255,6 +308,8 @@ async def live_fleet(
                 "seed": settings.seed,
                 **(router or {}),
             }
+            if dilation != 1.0:
+                config = dilate_router(config, dilation)
             port = free_port_range(3 if gateway else 1)
             config["port"] = port
             router_url = admin_url = f"http://127.0.0.1:{port}"
