@@ -19,7 +19,8 @@ trigger ("ups f/q/b": set by the forecast, by the fast loop's backlog signal, by
 Usage: ``.venv/bin/python benchmarks/planner_twin.py --loads burst-4h --predictors constant,arima
 --delays 120,420,944 --seeds 0,1,2 [--hours H] [--disaggregated] [--jobs 2] [--json FILE]``; on a
 load too long to walk the frontier (servegen-3d), ``--statics 9,10,11 --jobs 4`` runs the planners and
-those static sizes all at once.
+those static sizes all at once (``--disaggregated --statics 3+1,4+1,3+2,4+2``: prefill+decode splits,
+the frontier the efficient ones).
 """
 
 from __future__ import annotations
@@ -53,6 +54,21 @@ def limits(*, disaggregated: bool, max_replicas: int) -> Limits:
         itl_ms=ITL_MS,
         max_replicas=max_replicas,
     )
+
+
+def static_fleets(text: str, *, disaggregated: bool) -> list[dict[Role, int]]:
+    """The static fleets ``--statics`` names: sizes of an aggregated fleet, or prefill+decode splits;
+    raises ``ValueError`` naming the item it cannot read."""
+    fleets = []
+    for item in text.split(","):
+        counts = item.split("+")
+        valid = all(c.strip().isdigit() and int(c) > 0 for c in counts)
+        if len(counts) != (2 if disaggregated else 1) or not valid:
+            shape = "prefill+decode replicas, e.g. 4+1" if disaggregated else "a number of replicas, e.g. 9"
+            raise ValueError(f"{item!r} is not {shape}")
+        roles = (Role.PREFILL, Role.DECODE) if disaggregated else (Role.WORKER,)
+        fleets.append(dict(zip(roles, (int(c) for c in counts), strict=True)))
+    return fleets
 
 
 def row(name: str, report: TwinReport, frontier: dict[str, Any]) -> str:
@@ -96,14 +112,19 @@ def main() -> None:
     parser.add_argument(
         "--statics",
         default=None,
-        help="Static sizes (aggregated) run beside the planner runs, all at once, instead of walking from "
-        "the planners' mean: for loads too long to walk (the planners' attainment must fall between them).",
+        help="Static fleets run beside the planner runs, all at once, instead of walking from the "
+        "planners' mean: for loads too long to walk (the planners' attainment must fall between them). "
+        "Sizes (9,10,11), or with --disaggregated prefill+decode splits (4+1,3+2,4+2); the frontier is "
+        "the efficient ones (each attaining more than every cheaper one).",
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    given = None if args.statics is None else sorted({int(n) for n in args.statics.split(",")})
-    if given is not None and args.disaggregated:
-        parser.error("--statics sizes aggregated fleets (a disaggregated split comes from the planner runs)")
+    given = None
+    if args.statics is not None:
+        try:
+            given = static_fleets(args.statics, disaggregated=args.disaggregated)
+        except ValueError as exc:
+            parser.error(f"--statics: {exc}")
     bounds = limits(disaggregated=args.disaggregated, max_replicas=args.max_replicas)
     predictors = [p for p in args.predictors.split(",") if p]
     delays = [float(d) for d in args.delays.split(",")]
@@ -141,25 +162,26 @@ def main() -> None:
             planned: list[dict[str, Any]] = [
                 {"planner": PlannerConfig(predictor=p, startup_delay_s=d)} for p, d in runs
             ]
-            fixed: list[dict[str, Any]] = [
-                {"planner": None, "initial": {Role.WORKER: n}} for n in given or ()
-            ]
+            fixed: list[dict[str, Any]] = [{"planner": None, "initial": fleet} for fleet in given or ()]
             with TwinPool(load.requests, base, end_s=load.end_s, jobs=args.jobs) as pool:
                 done = pool.map(planned + fixed)
                 planners = done[: len(planned)]
                 for (p, d), report in zip(runs, planners, strict=True):
                     progress(f"{p}, {d:g} s", report)
+                statics: dict[str, TwinReport] = {}
                 if given is None:
-                    frontier, statics = run_frontier(
+                    frontier, walked = run_frontier(
                         pool, planners, goal=args.goal, on_static=lambda n, r: progress(f"static {n}", r)
                     )
+                    statics = {str(n): report for n, report in walked.items()}
                 else:
-                    statics = dict(zip(given, done[len(planned) :], strict=True))
                     points = []
-                    for n, report in statics.items():
-                        progress(f"static {n}", report)
-                        points.append(static_point(n, pools={Role.WORKER: n}, report=report))
-                    frontier = Frontier(static=tuple(points), goal=args.goal)
+                    for fleet, report in zip(given, done[len(planned) :], strict=True):
+                        name = "+".join(str(count) for count in fleet.values())
+                        statics[name] = report
+                        progress(f"static {name}", report)
+                        points.append(static_point(sum(fleet.values()), pools=fleet, report=report))
+                    frontier = Frontier.efficient(points, goal=args.goal)
             print(f"Static fleets (goal {args.goal:.0%} of requests):")
             for point in frontier.static:
                 pools = ", ".join(f"{role} {count}" for role, count in point.pools.items())
@@ -187,7 +209,7 @@ def main() -> None:
                     "hours": args.hours,
                     "disaggregated": args.disaggregated,
                     "requests": len(load.requests),
-                    "static": {str(n): r.as_json() for n, r in statics.items()},
+                    "static": {name: r.as_json() for name, r in statics.items()},
                     "planner": entries,
                     "roles": [role.value for role in bounds.roles],
                 }

@@ -34,6 +34,24 @@ def test_ratio_at_equal_attainment_interpolates_between_neighbouring_sizes() -> 
     assert document["ratio_vs_first_meeting_goal"] == pytest.approx(2.1 / 4.0)
 
 
+def test_given_static_fleets_keep_only_those_no_cheaper_fleet_attains_as_much_as() -> None:
+    def split(prefill: int, decode: int, attainment: float) -> StaticPoint:
+        return StaticPoint(
+            replicas=prefill + decode,
+            slo_attainment=attainment,
+            gpu_hours=float(prefill + decode),
+            pools={"prefill": prefill, "decode": decode},
+        )
+
+    # 3+2 costs what 4+1 costs and attains less; 5+1 costs more than 4+2 for the same attainment
+    fleets = [split(4, 2, 0.999), split(3, 2, 0.97), split(3, 1, 0.5), split(4, 1, 0.99), split(5, 1, 0.999)]
+    frontier = Frontier.efficient(fleets, goal=0.99)
+    assert frontier.static == (split(3, 1, 0.5), split(4, 1, 0.99), split(4, 2, 0.999))
+    assert frontier.first_meeting_goal == split(4, 1, 0.99)
+    # halfway between 3+1 and 4+1 in attainment: halfway in GPU-hours (the dominated 3+2 plays no part)
+    assert frontier.static_gpu_hours_at(0.745) == pytest.approx(4.5)
+
+
 def test_the_walk_covers_the_sizes_from_below_both_bars_to_above_both() -> None:
     batches: list[list[int]] = []
 

@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 import math
 import multiprocessing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from copse.api import Role
@@ -64,9 +64,20 @@ class Frontier:
     """The static sizes simulated and the planner's place among them."""
 
     static: tuple[StaticPoint, ...]
-    """Sorted by replicas."""
+    """Sorted by replicas (a walk) or GPU-hours (:meth:`efficient`)."""
     goal: float
     """Per-request attainment the static search went up to."""
+
+    @classmethod
+    def efficient(cls, points: Iterable[StaticPoint], *, goal: float) -> Frontier:
+        """The frontier of static fleets given rather than walked (several prefill/decode splits,
+        say): by GPU-hours, each fleet that attains more than every cheaper one; a fleet another
+        attains as much as for no more GPU-hours is not one hindsight would pick."""
+        kept: list[StaticPoint] = []
+        for point in sorted(points, key=lambda p: (p.gpu_hours, -p.slo_attainment)):
+            if not kept or point.slo_attainment > kept[-1].slo_attainment:
+                kept.append(point)
+        return cls(static=tuple(kept), goal=goal)
 
     @property
     def first_meeting_goal(self) -> StaticPoint | None:
