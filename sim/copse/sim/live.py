@@ -46,6 +46,11 @@ from copse.workers.testing import free_port_range, nats_server
 
 MODEL = "live-replay"
 DEPLOYMENT = "live-replay"
+ONE_CLIENT_FOR_MANY = 1_000_000
+"""The router's per-client bounds here (``clients.max_requests`` and ``max_streams``): this process
+sends the whole workload, which stands for a fleet's many clients, so the router's abuse protection
+(:mod:`copse.router.clients`: 512 requests of one client at once by default) must not refuse it as
+one client holding more than its share; the twin has no such bound either."""
 HEALTH_TIMEOUT_S = 2.0
 """The router's health probe timeout here: every engine of a live replay shares one Python process
 on a machine shared with the router, this client and whatever else runs, so a probe can wait behind
@@ -304,6 +309,7 @@ async def live_fleet(
                 "kv_capacity_tokens": settings.engines.perf.kv_capacity_tokens,
                 "perf_profile": str(profile),
                 "health_timeout_s": HEALTH_TIMEOUT_S,
+                "clients": {"max_requests": ONE_CLIENT_FOR_MANY, "max_streams": ONE_CLIENT_FOR_MANY},
                 "discovery": {"kind": "static", "workers": [{"url": url} for url in urls]},
                 "seed": settings.seed,
                 **(router or {}),
