@@ -10,6 +10,7 @@ import pytest
 
 from copse.router.config import RouterConfig
 from copse.sim import live
+from copse.sim.gateway import gateway_config
 from copse.sim.live import run_live
 from copse.sim.replay import ReplaySettings
 from copse.sim.trace import TraceRequest
@@ -146,3 +147,24 @@ async def test_a_dilated_fleet_runs_its_engines_and_the_routers_model_that_much_
         assert slow_model.prefill_curve_ms(prompt) == pytest.approx(
             4 * plain_model.prefill_curve_ms(prompt), rel=0.1
         )
+
+
+def test_a_dilated_gateway_waits_as_much_longer_for_the_picker_and_the_answer() -> None:
+    def timeouts(dilation: float) -> tuple[str, str]:
+        config = gateway_config(
+            listen_port=1,
+            admin_port=2,
+            picker="127.0.0.1:3",
+            upstream="original_dst",
+            engines=["http://127.0.0.1:4"],
+            retries=0,
+            dilation=dilation,
+        )
+        listener = config["static_resources"]["listeners"][0]
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+        route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        return ext_proc["typed_config"]["message_timeout"], route["timeout"]
+
+    assert timeouts(1.0) == ("60s", "300s")
+    assert timeouts(4.0) == ("240s", "1200s")

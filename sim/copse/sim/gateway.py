@@ -47,9 +47,18 @@ def _address(host: str, port: int) -> dict[str, Any]:
 
 
 def gateway_config(
-    *, listen_port: int, admin_port: int, picker: str, upstream: Upstream, engines: list[str], retries: int
+    *,
+    listen_port: int,
+    admin_port: int,
+    picker: str,
+    upstream: Upstream,
+    engines: list[str],
+    retries: int,
+    dilation: float = 1.0,
 ) -> dict[str, Any]:
-    """Envoy bootstrap: listener -> ext_proc (the picker at ``picker``, ``host:port``) -> router."""
+    """Envoy bootstrap: listener -> ext_proc (the picker at ``picker``, ``host:port``) -> router.
+    ``dilation``: the engines run that many times slower (:mod:`copse.sim.live`), and so may a
+    request's wait in the picker's queue and its whole answer."""
     picker_host, picker_port = picker.rsplit(":", 1)
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -65,14 +74,14 @@ def gateway_config(
                 "response_trailer_mode": "SEND",
             },
             # A request may wait in the picker's queue before it is routed.
-            "message_timeout": "60s",
+            "message_timeout": f"{60 * dilation:g}s",
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": ["envoy.lb"]},
                 "receiving_namespaces": {"untyped": ["envoy.lb"]},
             },
         },
     }
-    route: dict[str, Any] = {"cluster": "pool", "timeout": "300s"}
+    route: dict[str, Any] = {"cluster": "pool", "timeout": f"{300 * dilation:g}s"}
     if retries:
         route["retry_policy"] = {"retry_on": "connect-failure,reset", "num_retries": retries}
     connection_manager = {
@@ -208,6 +217,7 @@ def envoy_gateway(
     scratch: Path,
     retries: int = 0,
     timeout_s: float = 30.0,
+    dilation: float = 1.0,
 ) -> Iterator[str]:
     """Run Envoy in front of ``engines`` with the picker at ``picker``; yields its base URL."""
     listen_port, admin_port = free_port(), free_port()
@@ -218,6 +228,7 @@ def envoy_gateway(
         upstream=upstream,
         engines=engines,
         retries=retries,
+        dilation=dilation,
     )
     config_path = scratch / f"envoy-{upstream}.json"
     config_path.write_text(json.dumps(config, indent=1))

@@ -335,6 +335,7 @@ async def live_fleet(
                         upstream="original_dst",
                         engines=urls,
                         scratch=Path(workdir),
+                        dilation=dilation,
                     ) as url:
                         yield LiveFleet(url=url, admin_url=admin_url, engine_urls=urls)
             finally:
