@@ -149,7 +149,7 @@ async def test_a_dilated_fleet_runs_its_engines_and_the_routers_model_that_much_
         )
 
 
-def test_a_dilated_gateway_waits_as_much_longer_for_the_picker_and_the_answer() -> None:
+def test_the_test_gateway_holds_a_shared_fleets_requests_and_waits_longer_when_dilated() -> None:
     def timeouts(dilation: float) -> tuple[str, str]:
         config = gateway_config(
             listen_port=1,
@@ -164,6 +164,13 @@ def test_a_dilated_gateway_waits_as_much_longer_for_the_picker_and_the_answer() 
         manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
         ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
         route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        # a shared fleet holds more than Envoy's default 1,024 requests per cluster in flight
+        for cluster in config["static_resources"]["clusters"]:
+            (limits,) = cluster["circuit_breakers"]["thresholds"]
+            assert (
+                min(limits["max_pending_requests"], limits["max_requests"], limits["max_connections"])
+                > 10_000
+            )
         return ext_proc["typed_config"]["message_timeout"], route["timeout"]
 
     assert timeouts(1.0) == ("60s", "300s")

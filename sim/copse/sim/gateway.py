@@ -46,6 +46,22 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+#: Envoy's circuit breakers for the picker's and the pool's clusters. Its defaults (1,024 connections,
+#: pending and concurrent requests per cluster) refuse a shared fleet's requests beyond that many in
+#: flight, waiting in the picker's queue or streaming, with 503 (and ext_proc stream errors): the
+#: Inference Extension's Envoy Gateway policy raises them to 40,000 for the same reason.
+CIRCUIT_BREAKERS = {
+    "thresholds": [
+        {
+            "priority": "DEFAULT",
+            "max_connections": 40000,
+            "max_pending_requests": 40000,
+            "max_requests": 40000,
+        }
+    ]
+}
+
+
 def gateway_config(
     *,
     listen_port: int,
@@ -117,6 +133,7 @@ def gateway_config(
         "name": "endpoint_picker",
         "type": "STATIC",
         "connect_timeout": "1s",
+        "circuit_breakers": CIRCUIT_BREAKERS,
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -137,6 +154,7 @@ def gateway_config(
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "1s",
+            "circuit_breakers": CIRCUIT_BREAKERS,
             "original_dst_lb_config": {
                 "use_http_header": True,
                 "http_header_name": "x-gateway-destination-endpoint",
@@ -153,6 +171,7 @@ def gateway_config(
             "name": "pool",
             "type": "STATIC",
             "connect_timeout": "1s",
+            "circuit_breakers": CIRCUIT_BREAKERS,
             "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]},
             "load_balancing_policy": {
                 "policies": [
