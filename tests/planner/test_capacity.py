@@ -397,6 +397,29 @@ def test_decode_replicas_from_the_best_batch_under_the_itl_target(linear: Capaci
     assert fewer > 20.0
 
 
+def test_a_decode_pool_is_sized_for_room_in_its_cache_as_well_as_its_step() -> None:
+    """Mooncake conversation shapes (mean prompt 8,670, p90 20,396): at 9 req/s one decode engine
+    still steps within 50 ms, but the long prompts fill its cache often, and a request handed over
+    then waits for its first token."""
+    capacity = CapacityModel(PolynomialPerfModel())
+    load = Workload(rate=9.0, isl=8670.0, osl=338.0, isl_p90=20396.0, osl_p10=25.0)
+    one, two = (
+        capacity.attainment(
+            replicas={Role.PREFILL: 1 << 16, Role.DECODE: n}, load=load, ttft_ms=math.inf, itl_ms=50.0
+        )
+        for n in (1, 2)
+    )
+    assert one.itl == two.itl == 1.0  # the step is fast enough either way
+    assert one.ttft < 0.95  # about 10 % of the handed-over requests find the cache full
+    assert two.ttft > 0.9999
+    sizing = capacity.decode_replicas(load, itl_ms=50.0, goal=0.995)
+    assert (sizing.throughput_replicas, sizing.replicas) == (1, 2)
+    # at 5 req/s the cache has room: one engine
+    assert (
+        capacity.decode_replicas(dataclasses.replace(load, rate=5.0), itl_ms=50.0, goal=0.995).replicas == 1
+    )
+
+
 def test_unreachable_itl_is_reported(linear: CapacityModel) -> None:
     load = Workload(rate=10.0, isl=1000, osl=100)
     sizing = linear.decode_replicas(load, itl_ms=9.0)  # an idle step takes 10 ms

@@ -647,6 +647,24 @@ class CapacityModel:
         missed = np.where(slack <= 0, 1.0, missed)
         return 1.0 - float(np.dot(share, missed)) / len(gaps)
 
+    def _kv_overflow(self, state: _PoolState, *, load: Workload) -> float:
+        """Share of the time a decode engine's cache is full, so that a request handed over to it
+        waits for room before its first token: the KV its sequences hold (a Poisson number of them,
+        ``state.sequences`` on average, each its prompt plus half its output, the prompts spread as
+        :meth:`_prompt_lengths` says) is near normal, mean ``n E[c]`` and variance ``n E[c^2]``. Long
+        prompts fill a cache well before its mean batch does: this, not the decode step, is what
+        one decode engine too few costs."""
+        if state.sequences <= 0:
+            return 0.0
+        p90 = None if load.isl_p90 is None else round(load.isl_p90, 3)
+        spread = (
+            None if load.uncached_quantiles is None else tuple(round(q, 3) for q in load.uncached_quantiles)
+        )
+        contexts = self._prompt_lengths(load, p90=p90, uncached=spread) + load.osl / 2.0
+        mean = state.sequences * float(contexts.mean())
+        std = math.sqrt(state.sequences * float(np.mean(contexts * contexts)))
+        return 1.0 - _normal_cdf((self.perf.kv_capacity_tokens - mean) / std)
+
     def reachable(
         self, load: Workload, *, ttft_ms: float, corrections: Corrections, aggregated: bool
     ) -> float:
@@ -667,9 +685,10 @@ class CapacityModel:
     ) -> Attainment:
         """Shares of ``load``'s requests meeting ``ttft_ms`` and ``itl_ms`` at steady state on
         ``replicas``: each prompt's TTFT is the M/G/c wait (Erlang C tail) plus its own prefill
-        (its uncached tokens) plus one decode step; each request's mean gap is the decode step at the
-        pool's concurrency, stretched by the engine time prefill takes (aggregated), with the spread
-        of :meth:`_gap_spread_ms` (normal)."""
+        (its uncached tokens) plus one decode step, and in a disaggregated fleet a request that
+        finds its decode engine's cache full (:meth:`_kv_overflow`) is late; each request's mean
+        gap is the decode step at the pool's concurrency, stretched by the engine time prefill takes
+        (aggregated), with the spread of :meth:`_gap_spread_ms` (normal)."""
         corrections = corrections or Corrections()
         times = self.prompt_prefill_ms(load, scale=corrections.prefill)
         aggregated = Role.WORKER in replicas
@@ -706,7 +725,10 @@ class CapacityModel:
             state, servers=back, rate=load.rate, load=load, itl_ms=itl_ms, scale=corrections.prefill
         )
         itl = 1.0 - min(1.0, corrections.itl_tail * (1.0 - modelled))
-        return Attainment(ttft=float(np.mean(1.0 - late)), itl=itl, reachable=reachable)
+        ttft = float(np.mean(1.0 - late))
+        if not aggregated:
+            ttft *= 1.0 - self._kv_overflow(state, load=load)
+        return Attainment(ttft=ttft, itl=itl, reachable=reachable)
 
     def means(
         self,
@@ -848,7 +870,8 @@ class CapacityModel:
     def decode_replicas(
         self, load: Workload, *, itl_ms: float, scale: float = 1.0, goal: float = 0.99
     ) -> Sizing:
-        """Fewest decode engines giving ``goal`` of ``load``'s requests a mean gap within ``itl_ms``."""
+        """Fewest decode engines giving ``goal`` of ``load``'s requests a mean gap within ``itl_ms``
+        and room in their cache when they are handed over (the TTFT a decode pool can cost)."""
         if load.rate <= 0:
             return Sizing(replicas=0, throughput_replicas=0, feasible=True)
         per_engine = self.decode_throughput_per_engine(load, itl_ms=itl_ms, scale=scale)
@@ -865,7 +888,6 @@ class CapacityModel:
             corrections=Corrections(decode=scale),
             goal=goal,
             bound=bound,
-            check_ttft=False,
         )
 
     def aggregated_replicas(
