@@ -551,7 +551,7 @@ class CapacityModel:
             chunks = np.ceil(uncached / self.max_batch_tokens)
             if len(self._prefill_points) >= _PREFILL_CACHE_SIZE:
                 self._prefill_points.clear()
-            prompts = self._prefill_points[key] = _Prompts(times=times, chunks=chunks)
+            prompts = self._prefill_points[key] = _Prompts(lengths=lengths, times=times, chunks=chunks)
         return prompts if scale == 1.0 else dataclasses.replace(prompts, times=prompts.times * scale)
 
     def _prompt_lengths(
@@ -656,11 +656,7 @@ class CapacityModel:
         one decode engine too few costs."""
         if state.sequences <= 0:
             return 0.0
-        p90 = None if load.isl_p90 is None else round(load.isl_p90, 3)
-        spread = (
-            None if load.uncached_quantiles is None else tuple(round(q, 3) for q in load.uncached_quantiles)
-        )
-        contexts = self._prompt_lengths(load, p90=p90, uncached=spread) + load.osl / 2.0
+        contexts = self._prompts(load, scale=1.0).lengths + load.osl / 2.0
         mean = state.sequences * float(contexts.mean())
         std = math.sqrt(state.sequences * float(np.mean(contexts * contexts)))
         return 1.0 - _normal_cdf((self.perf.kv_capacity_tokens - mean) / std)
@@ -937,6 +933,8 @@ def capacity_for(perf: PerfModel, *, config: PlannerConfig, limits: Limits) -> C
 class _Prompts:
     """Equally likely prompts of a load."""
 
+    lengths: NDArray[np.float64]
+    """Their tokens, cached or not."""
     times: NDArray[np.float64]
     """Prefill time of each, ms, ascending."""
     chunks: NDArray[np.float64]
