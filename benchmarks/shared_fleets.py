@@ -38,7 +38,7 @@ against the engines', so a fleet it cannot keep up with in wall time is still me
 
 Usage: ``.venv/bin/python benchmarks/shared_fleets.py [--minutes 10] [--load 1.5] [--seed 0]``;
 live: ``nice -n 10 .venv/bin/python benchmarks/shared_fleets.py --live http,epp --minutes 2``;
-the issue's live row: ``... --live http,epp --engines 16 --capacity 50 --dilate 8 --minutes 1``
+the issue's live row: ``... --live http,epp --engines 16 --capacity 50 --dilate 4 --minutes 2``
 """
 
 from __future__ import annotations
@@ -399,6 +399,8 @@ def main() -> None:
     modes = [mode for mode in args.live.split(",") if mode]
     if not set(modes) <= {"http", "epp"}:
         parser.error(f"--live takes http and epp, not {args.live!r}")
+    if not args.dilate >= 1.0:
+        parser.error(f"--dilate must be at least 1 (a fleet that many times slower), not {args.dilate:g}")
     if args.dilate != 1.0 and not modes:
         parser.error("--dilate slows a live fleet; the twin's virtual clock needs none")
     engines = args.engines or (4 if modes else 16)

@@ -83,10 +83,8 @@ def test_a_dilated_router_config_stretches_the_workloads_durations_and_targets()
         "slo": {"ttft_ms": 2000.0, "itl_ms": 50.0},
     }
     dilated = live.dilate_router(config, 4.0)
-    assert dilated["queue_timeout_s"] == 40.0  # given: stretched
-    assert (
-        dilated["rate_window_s"] == 4.0 * RouterConfig.model_fields["rate_window_s"].default
-    )  # default: too
+    assert dilated["queue_timeout_s"] == 40.0  # given: stretched; defaults too
+    assert dilated["rate_window_s"] == 4.0 * RouterConfig.model_fields["rate_window_s"].default
     assert dilated["token_timeout_s"] == 4.0 * RouterConfig.model_fields["token_timeout_s"].default
     assert dilated["health_timeout_s"] == 2.0  # the processes' own work is not dilated
     assert dilated["objectives"] == {"premium": {"priority": 100, "ttft_ms": 12000.0, "itl_ms": None}}
