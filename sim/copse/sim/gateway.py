@@ -49,7 +49,8 @@ def _address(host: str, port: int) -> dict[str, Any]:
 #: Envoy's circuit breakers for the picker's and the pool's clusters. Its defaults (1,024 connections,
 #: pending and concurrent requests per cluster) refuse a shared fleet's requests beyond that many in
 #: flight, waiting in the picker's queue or streaming, with 503 (and ext_proc stream errors): the
-#: Inference Extension's Envoy Gateway policy raises them to 40,000 for the same reason.
+#: Inference Extension's Envoy Gateway manifests raise them to 40,000 on both clusters for the same
+#: reason (``pkg/manifests/gateway/extension_policy.yaml`` and ``patch_policy.yaml``).
 CIRCUIT_BREAKERS = {
     "thresholds": [
         {
