@@ -90,6 +90,7 @@ def _router_config(kubectl: Kubectl, name: str, namespace: str) -> dict[str, Any
     return config
 
 
+@pytest.mark.fills_cluster
 @pytest.mark.parametrize("path", DEPLOYABLE, ids=_id)
 def test_a_deployable_example_is_placed_and_its_router_config_loads(
     path: Path, kubectl: Kubectl, namespace: str, operator: Operator

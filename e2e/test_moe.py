@@ -27,6 +27,7 @@ pytestmark = pytest.mark.e2e
 DEEPSEEK = REPO / "examples" / "deployment-deepseek-v3-wide-ep.yaml"
 
 
+@pytest.mark.fills_cluster
 def test_deepseek_wide_ep_groups_stay_inside_nvlink_domains(
     kubectl: Kubectl, namespace: str, operator: Operator
 ) -> None:
