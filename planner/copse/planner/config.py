@@ -85,6 +85,12 @@ class PlannerConfig(pydantic.BaseModel):
     its prediction interval; others: their recent errors grown with the horizon); None: the point
     forecast. A quantile of load, not of latency: a load a little above the sized one costs a few
     slow requests, not the SLO, so 0.9 rather than 0.99."""
+    shape_window: int = Field(default=5, ge=1)
+    """Intervals the requests' shapes (lengths, their quantiles, hit rate) are averaged over,
+    weighted by requests; the count keeps the predictor. A minute's shapes are a sample of a few
+    hundred requests: sized on each draw, the fleet holds the largest of every scale-down delay
+    (measured on ServeGen m-large, benchmarks/RESULTS.md "Planner, wave 11"). Five one-minute
+    intervals lag a change of mix by about two and a half minutes, well inside a start-up."""
     error_window: int = Field(default=144, ge=1)
     """Recent one-step forecast errors the residual-based forecast distribution is taken over."""
     startup_delay_s: float | None = Field(default=None, ge=0)

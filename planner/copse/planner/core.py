@@ -176,6 +176,7 @@ class Planner:
         self.forecaster = LoadForecaster(
             config.predictor,
             settings=config.settings_for(interval_s),
+            shape_window=config.shape_window,
             default_isl=config.default_isl,
             default_osl=config.default_osl,
         )
