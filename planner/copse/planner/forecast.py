@@ -77,7 +77,6 @@ class LoadForecaster:
     ) -> None:
         if shape_window < 1:
             raise ValueError(f"shape_window={shape_window} must be at least 1")
-        self.predictor = predictor
         self._count = make_predictor(predictor, settings or PredictorSettings())
         self._shapes: collections.deque[tuple[float, dict[str, float]]] = collections.deque(
             maxlen=shape_window
