@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import FlightRecord, PeerChange
 from copse.router.fairness import QueueHead
+from copse.router.nats_link import NatsLink
 from copse.router.policies import RouteRequest
 from copse.router.replica_sync import (
     Snapshot,
@@ -112,6 +113,53 @@ async def test_without_nats_the_router_serves_approximately_and_resyncs_when_it_
             await _complete(running, PROMPT)  # and it keeps serving
         finally:
             await running.close()
+
+
+async def _fake_nats(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, log: list[str]) -> None:
+    """Just enough of the NATS protocol for one client, answering in order like a real server and
+    logging what it processed (``<-`` received, ``->`` sent)."""
+    writer.write(b'INFO {"server_id":"fake","version":"2.10.0","max_payload":1048576,"headers":true}\r\n')
+    subscriptions: dict[str, str] = {}  # subject -> sid
+    while line := (await reader.readline()).decode().strip():
+        verb, *args = line.split()
+        log.append(f"<- {verb} {args[0] if args and verb != 'CONNECT' else ''}".strip())
+        if verb == "PING":
+            writer.write(b"PONG\r\n")
+            log.append("-> PONG")
+        elif verb == "SUB":
+            subscriptions[args[0]] = args[-1]
+        elif verb == "PUB":
+            payload = await reader.readexactly(int(args[-1]) + 2)
+            if args[0] in subscriptions:
+                writer.write(f"MSG {args[0]} {subscriptions[args[0]]} {args[-1]}\r\n".encode() + payload)
+                log.append(f"-> MSG {args[0]}")
+        await writer.drain()
+
+
+async def test_the_link_is_connected_only_once_the_server_holds_its_subscriptions() -> None:
+    """Events published right after the router reports NATS connected reach it: the server has
+    processed its subscriptions before it says so (a flush's PONG does not prove that: nats-py
+    writes the PING ahead of the SUBs it still queues)."""
+    log: list[str] = []
+    server = await asyncio.start_server(lambda r, w: _fake_nats(r, w, log), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    link = NatsLink(f"nats://127.0.0.1:{port}", name="order")
+    seen_when_connected: list[str] = []
+
+    async def subscribe(nc: NATS) -> None:
+        await nc.subscribe("copse.kv.events.default.order")
+
+    link.on_connect.append(subscribe)
+    link.on_state = lambda connected: seen_when_connected.extend(log) if connected else None
+    try:
+        await link.start()
+        assert link.connected
+        subscribed = seen_when_connected.index("<- SUB copse.kv.events.default.order")
+        answers = [i for i, entry in enumerate(seen_when_connected) if entry.startswith("->")]
+        assert answers[-1] > subscribed, f"connected on an answer sent before the SUB: {seen_when_connected}"
+    finally:
+        await link.close()
+        server.close()
 
 
 async def test_nats_restarting_under_a_router_and_engines_loses_nothing_for_good() -> None:

@@ -124,7 +124,7 @@ class NatsLink:
             try:
                 for callback in self.on_connect:
                     await callback(nc)
-                await nc.flush(timeout=CONNECT_TIMEOUT_S)  # the server has the subscriptions now
+                await confirm_subscriptions(nc, timeout_s=CONNECT_TIMEOUT_S)
             except (OSError, NatsError, TimeoutError) as exc:  # lost again while setting up
                 log.warning("NATS setup after connecting failed: %r", exc)
             log.info(
@@ -145,3 +145,17 @@ class NatsLink:
 
     async def _error(self, exc: Exception) -> None:
         log.debug("NATS client error: %r", exc)
+
+
+async def confirm_subscriptions(nc: NATS, *, timeout_s: float) -> None:
+    """Return once the server holds every subscription made on ``nc`` so far.
+
+    ``nc.flush()`` does not promise it: nats-py (2.16) writes the flush's PING straight to the
+    socket, ahead of the SUBs still queued for its flusher task, so the PONG can come back before
+    the server has them (seen on a busy machine: the router reported itself connected and the next
+    KV event, published from another connection, was never delivered). A message to a fresh inbox
+    of our own is queued behind those SUBs: when it comes back, the server has processed them.
+    """
+    probe = await nc.subscribe(nc.new_inbox(), max_msgs=1)
+    await nc.publish(probe.subject, b"")
+    await probe.next_msg(timeout=timeout_s)
