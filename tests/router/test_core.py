@@ -495,6 +495,17 @@ def test_a_request_predicted_to_miss_its_ttft_target_is_shed_lowest_priority_fir
     assert [route.request_id for route in released] == ["premium"]
 
 
+def test_a_tenants_predicted_wait_counts_what_the_other_tenants_keep_sending() -> None:
+    router = _saturated()  # tenant "" was routed the fleet's whole 2,500 tokens a second
+    for i in range(4):
+        assert router.submit(_classed(f"queued{i}", priority=0, tenant="b"), now=5.0) is None
+    # b's 10,000 tokens, and as many of tenant ""'s, which keeps sending faster than b is served
+    assert router.predicted_wait_s(_classed("b", priority=0, tenant="b"), now=5.0) == pytest.approx(8.0)
+    # at priority 100 nobody else sends: only its own 2,000 tokens
+    premium = _classed("p", priority=100, tenant="b")
+    assert router.predicted_wait_s(premium, now=5.0) == pytest.approx(0.8)
+
+
 def test_a_tenant_over_its_token_rate_is_refused_until_its_bucket_refills() -> None:
     router = _router(workers=1, limits=TenantLimits(tokens_per_minute={"a": 3000.0}))
     assert router.submit(_classed("a1", priority=0, tenant="a"), now=0.0) is not None

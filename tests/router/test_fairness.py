@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, HeardHeads, QueueHead
 
 
@@ -95,14 +97,37 @@ def test_removed_requests_are_not_served_and_counts_go_by_priority_and_tenant() 
     assert _drain(queue) == ["premium", "batch-2"]
 
 
+def _ahead(queue: FairQueue[str], *, priority: int, tenant: str, tokens: float) -> float:
+    """Tokens served before a new request is, with nobody else arriving meanwhile (a rate of 1)."""
+    return queue.wait_s(priority=priority, tenant=tenant, tokens=tokens, rate=1.0, arriving={})
+
+
 def test_the_tokens_ahead_of_a_new_request_count_other_tenants_only_up_to_their_share() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     for i in range(50):
         queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
     queue.push("p", "premium", priority=100, tenant="x", tokens=300, now=0.0)
-    assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 100 + 100
-    assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 5100
-    assert queue.tokens_ahead(priority=100, tenant="y", tokens=100) == 100 + 100, "x and y alternate"
+    assert _ahead(queue, priority=0, tenant="light", tokens=100) == 300 + 100 + 100
+    assert _ahead(queue, priority=0, tenant="heavy", tokens=100) == 300 + 5100
+    assert _ahead(queue, priority=100, tenant="y", tokens=100) == 100 + 100, "x and y alternate"
+
+
+def test_a_tenant_sending_below_its_share_meanwhile_lengthens_a_backlogged_tenants_wait() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    for i in range(10):
+        queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
+    # 1,100 tokens of heavy's at 100 tokens/s, 20 of which go to the light tenant as it sends:
+    # 1,100 / (100 - 20) s, as light's 20 tokens a second stay under its share throughout
+    wait = queue.wait_s(priority=0, tenant="heavy", tokens=100, rate=100.0, arriving={"light": 20.0})
+    assert wait == pytest.approx(1100 / 80)
+    # a tenant arriving faster than the rest of the fleet leaves is capped at its share: an even
+    # split, after the 300 tokens it has waiting
+    queue.push("l", "light", priority=0, tenant="light", tokens=300, now=0.0)
+    wait = queue.wait_s(priority=0, tenant="heavy", tokens=100, rate=100.0, arriving={"light": 500.0})
+    assert wait == pytest.approx((1100 + 1100) / 100)
+    # the light tenant's wait: its own and as much of heavy's, however fast heavy sends
+    wait = queue.wait_s(priority=0, tenant="light", tokens=100, rate=100.0, arriving={"heavy": 90.0})
+    assert wait == pytest.approx((400 + 400) / 100)
 
 
 def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() -> None:
@@ -114,7 +139,7 @@ def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() ->
     queue.push("b0", "b", priority=0, tenant="b", tokens=100, now=0.0)
     assert _drain(queue) == ["a"] * 5 + ["b", "a"], "b waits until a has had the 500 tokens b got elsewhere"
     queue.charge(priority=0, tenant="idle", tokens=100)
-    assert queue.tokens_ahead(priority=0, tenant="idle", tokens=1) == 1, "an empty band keeps no state"
+    assert _ahead(queue, priority=0, tenant="idle", tokens=1) == 1, "an empty band keeps no state"
 
 
 def test_a_peer_head_holds_this_one_back_by_band_then_start_tag_then_wait_for_the_same_workers() -> None:
@@ -218,8 +243,8 @@ def test_the_tokens_ahead_count_what_waits_at_peer_replicas_too() -> None:
     ]
     queue.observe_peer("B", peer, now=0.0)
     # higher band at the peer, then heavy's tokens here and there up to the light tenant's own
-    assert queue.tokens_ahead(priority=0, tenant="light", tokens=100) == 300 + 150 + 150
-    assert queue.tokens_ahead(priority=0, tenant="heavy", tokens=100) == 300 + 50 + 5200
+    assert _ahead(queue, priority=0, tenant="light", tokens=100) == 300 + 150 + 150
+    assert _ahead(queue, priority=0, tenant="heavy", tokens=100) == 300 + 50 + 5200
 
 
 def test_of_one_tenants_requests_at_two_replicas_the_one_that_waited_longer_goes_first() -> None:

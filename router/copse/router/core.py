@@ -313,11 +313,14 @@ class Router:
         self._guarded: dict[str, tuple[int, tuple[int, float]]] = {}
         """Request id -> (slot, guard) of every entry of :attr:`_guards`."""
         self.limits = limits
-        self._routed_tokens: deque[tuple[float, float, int]] = deque()
-        """(time, tokens, priority) of every request routed within the last ``rate_window_s``."""
+        self._routed_tokens: deque[tuple[float, float, int, str]] = deque()
+        """(time, tokens, priority, tenant) of every request routed within the last ``rate_window_s``."""
         self._routed_sum = 0.0
         self._routed_by_priority: dict[int, float] = {}
         """Of ``_routed_sum``, the tokens of each priority."""
+        self._routed_by_tenant: dict[tuple[int, str], float] = {}
+        """Of ``_routed_sum``, the tokens of each (priority, tenant) routed in the window (a tenant
+        leaves when its last one does)."""
         self.outbox: list[PeerChange] | None = [] if share_load else None
         """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
         self.prompt_tokens_routed = 0
@@ -464,36 +467,54 @@ class Router:
         """Drop the routed tokens older than ``rate_window_s`` at ``now``."""
         recent = self._routed_tokens
         by_priority = self._routed_by_priority
+        by_tenant = self._routed_by_tenant
         while recent and recent[0][0] < now - self.thresholds.rate_window_s:
-            _, tokens, priority = recent.popleft()
+            _, tokens, priority, tenant = recent.popleft()
             self._routed_sum -= tokens
             by_priority[priority] -= tokens
+            left = by_tenant[priority, tenant] - tokens
+            if left > 0.5:  # float residue of a tenant gone from the window: below one token
+                by_tenant[priority, tenant] = left
+            else:
+                del by_tenant[priority, tenant]
 
-    def _count_routed(self, tokens: float, *, priority: int, now: float) -> None:
-        """``tokens`` of ``priority`` were routed at ``now``, here or by a peer replica (and those
-        older than the window are dropped: the rate is read only while requests queue)."""
+    def _count_routed(self, tokens: float, *, priority: int, tenant: str, now: float) -> None:
+        """``tokens`` of ``tenant`` at ``priority`` were routed at ``now``, here or by a peer
+        replica (and those older than the window are dropped: the rate is read only while requests
+        queue)."""
         self._forget_routed(now=now)
-        self._routed_tokens.append((now, tokens, priority))
+        self._routed_tokens.append((now, tokens, priority, tenant))
         self._routed_sum += tokens
         by_priority = self._routed_by_priority
         by_priority[priority] = by_priority.get(priority, 0.0) + tokens
+        by_tenant = self._routed_by_tenant
+        by_tenant[priority, tenant] = by_tenant.get((priority, tenant), 0.0) + tokens
 
     def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
         """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queues
-        of this replica and its peers serve before it is done (higher priorities, and of its own
-        band its tenant's waiting tokens and the other tenants' fair share beside them:
-        :meth:`FairQueue.tokens_ahead`), over the
-        rate the fleet took tokens of its priority and lower (what higher priorities leave it, and
-        what ITL guards let through), else of every priority when none of those were routed;
-        ``None`` when no rate is known yet."""
+        of this replica and its peers serve before it is done (higher priorities; of its own band
+        its tenant's waiting tokens, and the other tenants' waiting tokens and what they keep
+        sending, each up to its fair share: :meth:`FairQueue.wait_s`), at the rate the fleet took
+        tokens of its priority and lower (what higher priorities leave it, and what ITL guards let
+        through), else of every priority when none of those were routed; the other tenants send
+        at the rate they were routed, here and by peers. ``None`` when no rate is known yet."""
         rate = self.routed_tokens_per_s(now=now, at_or_below=request.priority)
         if not rate:
             rate = self.routed_tokens_per_s(now=now)
         if rate is None or rate <= 0.0:
             return None
-        tokens = float(request.prompt_tokens + request.max_tokens)
-        return (
-            self._queue.tokens_ahead(priority=request.priority, tenant=request.tenant, tokens=tokens) / rate
+        window = self.thresholds.rate_window_s
+        arriving = {
+            tenant: tokens / window
+            for (priority, tenant), tokens in self._routed_by_tenant.items()
+            if priority == request.priority
+        }
+        return self._queue.wait_s(
+            priority=request.priority,
+            tenant=request.tenant,
+            tokens=float(request.prompt_tokens + request.max_tokens),
+            rate=rate,
+            arriving=arriving,
         )
 
     def _admit(self, request: RouteRequest, *, now: float) -> None:
@@ -1004,7 +1025,10 @@ class Router:
         )
         if output and not retry:
             self._count_routed(
-                float(request.prompt_tokens + request.max_tokens), priority=request.priority, now=now
+                float(request.prompt_tokens + request.max_tokens),
+                priority=request.priority,
+                tenant=request.tenant,
+                now=now,
             )
         if output and self.experts is not None:
             self.experts.add(key, slot=slot, key=request.hashes[0] if request.hashes else None)
@@ -1046,7 +1070,7 @@ class Router:
                     self.limits.take(record.tenant, served, now=now)
                 if mirrored:
                     self._queue.charge(priority=record.priority, tenant=record.tenant, tokens=served)
-                    self._count_routed(served, priority=record.priority, now=now)
+                    self._count_routed(served, priority=record.priority, tenant=record.tenant, now=now)
             return []
         if change.op == "prefilled":
             self.sequences.prefill_done(key, now=now)

@@ -41,8 +41,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
@@ -430,22 +431,46 @@ class FairQueue(Generic[T]):
                     tokens[head.tenant] = tokens.get(head.tenant, 0.0) + head.tokens
         return tokens
 
-    def tokens_ahead(self, *, priority: int, tenant: str, tokens: float) -> float:
-        """Tokens served before a new request of ``tokens`` from ``tenant`` at ``priority`` is
-        done, as the queues of this replica and its peers would interleave them: every waiting
-        token of higher bands and, of its band, each other tenant's waiting tokens up to that
-        tenant's share of the time the new request's tenant needs for its own waiting tokens and
-        this one."""
-        ahead = sum(band.tokens for level, band in self._bands.items() if level > priority)
-        ahead += sum(
+    def wait_s(
+        self, *, priority: int, tenant: str, tokens: float, rate: float, arriving: Mapping[str, float]
+    ) -> float:
+        """Seconds until a new request of ``tokens`` from ``tenant`` at ``priority`` is served, at
+        ``rate`` tokens a second for its band and lower, as the queues of this replica and its peers
+        would interleave it: every waiting token of higher bands, its tenant's waiting tokens and
+        its own, and each other tenant of the band, which keeps arriving at ``arriving[tenant]``
+        tokens a second meanwhile: its waiting tokens and those arrivals, up to its share of the
+        time the new request's tenant needs (an other tenant that sends below its share is served
+        as it sends, ahead of a backlogged one: counting only what waits now predicts too short a
+        wait for the backlogged tenant). ``rate`` must be positive; the wait is then finite, as
+        every share is."""
+        fixed = sum(band.tokens for level, band in self._bands.items() if level > priority)
+        fixed += sum(
             head.tokens for state in self._peers.values() for head in state.heads if head.priority > priority
         )
         waiting = self._waiting_tokens(priority)
         own = tokens + waiting.pop(tenant, 0.0)
+        fixed += own
         weight = self._weight(tenant)
-        for other, theirs in waiting.items():
-            ahead += min(theirs, own * self._weight(other) / weight)
-        return ahead + own
+        growing: list[tuple[float, float, float]] = []  # (waiting, arriving, share) of each other
+        for other in sorted((waiting.keys() | arriving.keys()) - {tenant}):  # a set: sorted, so sums repeat
+            theirs, flow = waiting.get(other, 0.0), arriving.get(other, 0.0)
+            share = own * self._weight(other) / weight
+            if theirs >= share or flow <= 0.0:
+                fixed += min(theirs, share)
+            else:
+                growing.append((theirs, flow, share))
+        # Water-filling: an other tenant takes its waiting tokens plus its arrivals over the wait
+        # until its share caps it; the wait is where what the fleet serves meets what is ahead
+        # (others whose arrivals alone outrun the rate are all capped: the loop ends finite).
+        while True:
+            spare = rate - sum(flow for _, flow, _ in growing)
+            wait = (fixed + sum(theirs for theirs, _, _ in growing)) / spare if spare > 0.0 else math.inf
+            capped = [entry for entry in growing if entry[0] + entry[1] * wait >= entry[2]]
+            if not capped:
+                return wait
+            for entry in capped:
+                growing.remove(entry)
+                fixed += entry[2]
 
     def holds_its_share(self, *, priority: int, tenant: str) -> bool:
         """Whether ``tenant`` has at least its even share of the requests waiting in the band of
