@@ -472,11 +472,11 @@ class Router:
             _, tokens, priority, tenant = recent.popleft()
             self._routed_sum -= tokens
             by_priority[priority] -= tokens
-            left = by_tenant[priority, tenant] - tokens
-            if left > 0.5:  # float residue of a tenant gone from the window: below one token
+            left = by_tenant.get((priority, tenant), 0.0) - tokens
+            if left > 0.5:
                 by_tenant[priority, tenant] = left
-            else:
-                del by_tenant[priority, tenant]
+            else:  # the tenant left the window (up to float residue and sub-token entries)
+                by_tenant.pop((priority, tenant), None)
 
     def _count_routed(self, tokens: float, *, priority: int, tenant: str, now: float) -> None:
         """``tokens`` of ``tenant`` at ``priority`` were routed at ``now``, here or by a peer
