@@ -305,6 +305,11 @@ def test_bench_planner_cli(tmp_path: Path) -> None:
     assert split.exit_code == 0, split.output
     pools = json.loads(split.stdout)["pools"]
     assert {role: pool["mean_replicas"] for role, pool in pools.items()} == {"prefill": 1.0, "decode": 2.0}
+    # each interval says which pool served it, and the table reads prefill+decode
+    assert {row["pools"]["decode"] for row in json.loads(split.stdout)["intervals"]} == {2}
+    table = runner.invoke(bench, [*args, "--disaggregated", "--static", "1,2", "--intervals"])
+    assert table.exit_code == 0, table.output
+    assert any(" 1+2 " in line for line in table.stdout.splitlines()), table.stdout
     for bad, message, code in (
         ([], "give exactly one of --trace FILE, --metrics FILE (with --shapes FILE) or --load NAME", 2),
         ([*args[1:], "--static", "2,3"], "--static '2,3': expected N (replicas, >= 1)", 2),
@@ -361,6 +366,8 @@ def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
     report = run_twin(trace, TwinSettings(fleet=EXACT, limits=limits, planner=planner, interval_s=60.0))
     assert set(report.pools) == {Role.PREFILL, Role.DECODE}
     assert report.pools[Role.PREFILL].peak_replicas > 1  # the prefill pool grew with the load
+    assert all(sum(row.pools.values()) == row.serving for row in report.intervals)
+    assert max(row.pools["prefill"] for row in report.intervals) > 1, "each interval names its pools"
     assert {change.role for change in report.changes} >= {"prefill"}
     # GPU-hours per pool at its GPUs per replica; the total is their sum
     decode = report.pools[Role.DECODE]

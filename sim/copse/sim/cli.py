@@ -496,13 +496,16 @@ def _twin_summary(report: TwinReport, *, ttft_ms: float, itl_ms: float) -> str:
 
 
 def _interval_table(report: TwinReport) -> str:
+    """One line per interval; a disaggregated fleet's serving count reads prefill+decode."""
     lines = [
         f"{'start s':>9}{'arrivals':>9}{'serving':>8}{'held':>6}{'TTFT p99':>10}{'ITL p99':>9}  ok  forecast"
     ]
     for row in report.intervals:
         forecast = "" if row.forecast is None else f"{row.forecast:,.0f}"
+        pools = row.pools
+        serving = f"{pools['prefill']}+{pools['decode']}" if "decode" in pools else str(row.serving)
         lines.append(
-            f"{row.start_s:>9,.0f}{row.arrivals:>9}{row.serving:>8}{row.held:>6}{row.ttft_p99_ms:>10,.0f}"
+            f"{row.start_s:>9,.0f}{row.arrivals:>9}{serving:>8}{row.held:>6}{row.ttft_p99_ms:>10,.0f}"
             f"{row.itl_p99_ms:>9,.1f}  {'yes' if row.slo_ok else 'NO ':<4}{forecast}"
         )
     return "\n".join(lines)

@@ -327,6 +327,9 @@ class IntervalRow:
     arrivals: int
     serving: int
     """Replicas serving at the interval's start (every pool)."""
+    pools: dict[str, int]
+    """Of ``serving``, each pool's (``worker``, or ``prefill`` and ``decode``): which pool a
+    disaggregated interval's misses come from."""
     held: int
     """Replicas holding GPUs at the interval's start (starting and draining ones included)."""
     ttft_p99_ms: float
@@ -559,7 +562,7 @@ def run_twin(
     next_arrival = 0
     decisions: list[tuple[float, Decision]] = []
     changes: list[tuple[float, Role, int, int, str]] = []  # (time ms, pool, held before, target, trigger)
-    starts: list[tuple[float, int, int]] = [(0.0, *_counts(pools))]
+    starts: list[tuple[float, dict[str, int], int]] = [(0.0, *_counts(pools))]
     delay = settings.startup_delay_s
 
     def held() -> dict[Role, int]:
@@ -631,9 +634,9 @@ def run_twin(
     )
 
 
-def _counts(pools: Mapping[Role, Replicas]) -> tuple[int, int]:
-    """(serving, held) replicas over every pool."""
-    return sum(p.serving() for p in pools.values()), sum(p.held() for p in pools.values())
+def _counts(pools: Mapping[Role, Replicas]) -> tuple[dict[str, int], int]:
+    """(replicas serving in each pool, replicas held over every pool)."""
+    return {role.value: p.serving() for role, p in pools.items()}, sum(p.held() for p in pools.values())
 
 
 def _report(
@@ -643,7 +646,7 @@ def _report(
     pools: Mapping[Role, Replicas],
     decisions: list[tuple[float, Decision]],
     changes: list[tuple[float, Role, int, int, str]],
-    starts: list[tuple[float, int, int]],
+    starts: list[tuple[float, dict[str, int], int]],
     warmup_ms: float,
     end_ms: float,
     started: float,
@@ -680,7 +683,8 @@ def _report(
             IntervalRow(
                 start_s=start_ms / 1000.0,
                 arrivals=count,
-                serving=serving,
+                serving=sum(serving.values()),
+                pools=serving,
                 held=held,
                 ttft_p99_ms=ttft_p99,
                 itl_p99_ms=itl_p99,
