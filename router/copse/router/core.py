@@ -316,8 +316,6 @@ class Router:
         self._routed_tokens: deque[tuple[float, float, int, str]] = deque()
         """(time, tokens, priority, tenant) of every request routed within the last ``rate_window_s``."""
         self._routed_sum = 0.0
-        self._routed_by_priority: dict[int, float] = {}
-        """Of ``_routed_sum``, the tokens of each priority."""
         self._routed_by_tenant: dict[tuple[int, str], float] = {}
         """Of ``_routed_sum``, the tokens of each (priority, tenant) routed in the window (a tenant
         leaves when its last one does)."""
@@ -460,18 +458,16 @@ class Router:
             return None
         if at_or_below is None:
             return self._routed_sum / window
-        by_priority = self._routed_by_priority
-        return sum(tokens for priority, tokens in by_priority.items() if priority <= at_or_below) / window
+        by_tenant = self._routed_by_tenant
+        return sum(tokens for (priority, _), tokens in by_tenant.items() if priority <= at_or_below) / window
 
     def _forget_routed(self, *, now: float) -> None:
         """Drop the routed tokens older than ``rate_window_s`` at ``now``."""
         recent = self._routed_tokens
-        by_priority = self._routed_by_priority
         by_tenant = self._routed_by_tenant
         while recent and recent[0][0] < now - self.thresholds.rate_window_s:
             _, tokens, priority, tenant = recent.popleft()
             self._routed_sum -= tokens
-            by_priority[priority] -= tokens
             left = by_tenant.get((priority, tenant), 0.0) - tokens
             if left > 0.5:
                 by_tenant[priority, tenant] = left
@@ -485,8 +481,6 @@ class Router:
         self._forget_routed(now=now)
         self._routed_tokens.append((now, tokens, priority, tenant))
         self._routed_sum += tokens
-        by_priority = self._routed_by_priority
-        by_priority[priority] = by_priority.get(priority, 0.0) + tokens
         by_tenant = self._routed_by_tenant
         by_tenant[priority, tenant] = by_tenant.get((priority, tenant), 0.0) + tokens
 
