@@ -366,7 +366,8 @@ def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
     report = run_twin(trace, TwinSettings(fleet=EXACT, limits=limits, planner=planner, interval_s=60.0))
     assert set(report.pools) == {Role.PREFILL, Role.DECODE}
     assert report.pools[Role.PREFILL].peak_replicas > 1  # the prefill pool grew with the load
-    assert all(sum(row.pools.values()) == row.serving for row in report.intervals)
+    # the JSON keeps the total serving count beside the pools' (scripts read it)
+    assert all(row.as_json()["serving"] == sum(row.pools.values()) <= row.held for row in report.intervals)
     assert max(row.pools["prefill"] for row in report.intervals) > 1, "each interval names its pools"
     assert {change.role for change in report.changes} >= {"prefill"}
     # GPU-hours per pool at its GPUs per replica; the total is their sum

@@ -325,11 +325,9 @@ class IntervalRow:
 
     start_s: float
     arrivals: int
-    serving: int
-    """Replicas serving at the interval's start (every pool)."""
     pools: dict[str, int]
-    """Of ``serving``, each pool's (``worker``, or ``prefill`` and ``decode``): which pool a
-    disaggregated interval's misses come from."""
+    """Replicas serving at the interval's start in each pool (``worker``, or ``prefill`` and
+    ``decode``): which pool a disaggregated interval's misses come from."""
     held: int
     """Replicas holding GPUs at the interval's start (starting and draining ones included)."""
     ttft_p99_ms: float
@@ -340,8 +338,13 @@ class IntervalRow:
     forecast: float | None
     """Requests the planner forecast for the interval (``None`` for a static fleet)."""
 
+    @property
+    def serving(self) -> int:
+        """Replicas serving at the interval's start (every pool)."""
+        return sum(self.pools.values())
+
     def as_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "serving": self.serving}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -683,7 +686,6 @@ def _report(
             IntervalRow(
                 start_s=start_ms / 1000.0,
                 arrivals=count,
-                serving=sum(serving.values()),
                 pools=serving,
                 held=held,
                 ttft_p99_ms=ttft_p99,
