@@ -44,6 +44,7 @@ the issue's live row: ``... --live http,epp --engines 16 --capacity 50 --dilate 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import sys
@@ -81,6 +82,8 @@ class Timings:
     prompts: npt.NDArray[np.float64]
     shed_without_retry_after: npt.NDArray[np.bool_] | None = None
     """429s that carried no ``Retry-After`` (live runs; the twin has no HTTP answers)."""
+    errors: Sequence[str | None] | None = None
+    """Live runs: why each request that did not complete failed (``Answer.error``)."""
 
     @classmethod
     def of_fleet(cls, fleet: Fleet) -> Timings:
@@ -113,6 +116,7 @@ class Timings:
             shed_without_retry_after=np.array(
                 [answer.status == 429 and not answer.retry_after for answer in answers]
             ),
+            errors=[answer.error for answer in answers],
         )
 
 
@@ -155,6 +159,14 @@ class Outcome:
         if fleet.shed_without_retry_after is not None:
             figures["429_without_retry_after"] = float((fleet.shed_without_retry_after & mask).sum())
         return figures
+
+    def refusals(self, mask: npt.NDArray[np.bool_]) -> collections.Counter[str]:
+        """Live runs: the requests of ``mask`` refused otherwise than by a 429, by why."""
+        fleet = self.fleet
+        refused = ~np.isnan(fleet.failed_ms) & np.isnan(fleet.shed_ms) & mask
+        if fleet.errors is None:
+            return collections.Counter()
+        return collections.Counter(str(fleet.errors[int(i)]) for i in np.flatnonzero(refused))
 
 
 def shapes(limit_tokens: int) -> list[TraceRequest]:
@@ -485,6 +497,8 @@ def main() -> None:
                 batch_figures = outcome.of(~is_premium, ttft_target_ms=args.batch_ttft_ms)
                 show("premium", premium_figures)
                 show("batch", batch_figures)
+                for why, count in outcome.refusals(np.ones(len(trace), dtype=bool)).most_common():
+                    print(f"  refused otherwise ({count:,}): {why}")
                 totals[name] = premium_figures["goodput_tok_s"] + batch_figures["goodput_tok_s"]
                 print(f"  total goodput {totals[name]:,.0f} tok/s")
             ratio = totals["premium/batch objectives"] / totals["no objectives"]

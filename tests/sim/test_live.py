@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from copse.router.config import RouterConfig
 from copse.sim import live
@@ -173,3 +176,45 @@ def test_the_test_gateway_holds_a_shared_fleets_requests_and_waits_longer_when_d
 
     assert timeouts(1.0) == ("60s", "300s")
     assert timeouts(4.0) == ("240s", "1200s")
+
+
+async def test_an_answer_that_did_not_complete_says_why() -> None:
+    """A live benchmark counts requests refused otherwise than by a 429: each answer carries the
+    status and message, the stream's error event or the client's exception behind it."""
+
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        kind = request.headers["x-kind"]
+        if kind == "refused":
+            return web.json_response({"error": {"message": "no worker can serve it"}}, status=503)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        token = {"choices": [{"text": "a"}]}
+        if kind == "error":
+            await response.write(f"data: {json.dumps(token)}\n\n".encode())
+            await response.write(b'data: {"error": {"message": "the worker failed"}}\n\n')
+        elif kind == "ok":
+            await response.write(f"data: {json.dumps(token)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            answers = {
+                kind: await live.send(
+                    http, f"http://127.0.0.1:{port}", tokens=[1, 2], max_tokens=2, headers={"x-kind": kind}
+                )
+                for kind in ("refused", "error", "empty", "ok")
+            }
+    finally:
+        await runner.cleanup()
+    assert answers["refused"].error == "HTTP 503: no worker can serve it"
+    assert answers["error"].error == "stream error after 1 tokens: the worker failed"
+    assert answers["empty"].error == "stream ended without a token"
+    assert answers["ok"].error is None
+    assert answers["ok"].outputs == 1

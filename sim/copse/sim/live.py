@@ -111,12 +111,22 @@ class Answer(NamedTuple):
     cached: int
     """Prompt tokens the engine found cached."""
     outputs: int
+    error: str | None = None
+    """Why the stream did not complete: the status and message of a refusal, the error event that
+    ended it, or the client's exception; ``None`` when it completed."""
 
     def undilated(self, dilation: float) -> Answer:
         """The times of an answer from a fleet dilated ``dilation`` times, in the workload's time."""
         return self._replace(
             ttft_s=self.ttft_s / dilation, itl_s=self.itl_s / dilation, e2e_s=self.e2e_s / dilation
         )
+
+
+def _message(body: Any) -> str:
+    """The message of an OpenAI-shaped error body (``{"error": {"message": ...}}``), else the body."""
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message if message is not None else body)[:200]
 
 
 async def send(
@@ -145,14 +155,19 @@ async def send(
         async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             status, retry_after = response.status, response.headers.get("Retry-After")
             if status != 200:
-                await response.read()
-                return Answer(status, retry_after, math.nan, math.nan, math.nan, 0, 0)
+                text = await response.text(errors="replace")
+                try:
+                    why = f"HTTP {status}: {_message(json.loads(text))}"
+                except ValueError:
+                    why = f"HTTP {status}: {text[:200]}"
+                return Answer(status, retry_after, math.nan, math.nan, math.nan, 0, 0, why)
             async for line in response.content:
                 if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                     continue
                 event = json.loads(line[5:])
                 if "error" in event:
-                    return Answer(status, retry_after, first - start, math.nan, math.nan, cached, count)
+                    why = f"stream error after {count} tokens: {_message(event)}"
+                    return Answer(status, retry_after, first - start, math.nan, math.nan, cached, count, why)
                 if event.get("choices"):
                     now = time.monotonic()
                     if count == 0:
@@ -162,8 +177,12 @@ async def send(
                 usage = event.get("usage")
                 if usage and usage.get("prompt_tokens_details"):
                     cached = int(usage["prompt_tokens_details"].get("cached_tokens", 0))
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError):
-        return Answer(status, retry_after, first - start, math.nan, math.nan, cached, count)
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+        why = f"client {type(exc).__name__} after {count} tokens: {exc}"
+        return Answer(status, retry_after, first - start, math.nan, math.nan, cached, count, why)
+    if count == 0:
+        why = "stream ended without a token"
+        return Answer(status, retry_after, math.nan, math.nan, math.nan, cached, 0, why)
     itl = (last - first) / (count - 1) if count > 1 else math.nan
     return Answer(status, retry_after, first - start, itl, last - start, cached, count)
 
