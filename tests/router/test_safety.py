@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from copse.router.approx import ApproximateIndexer
-from copse.router.clients import ClientGate, ClientLimits, Refused, client_key
+from copse.router.clients import CLIENT_KEEPALIVE_S, ClientGate, ClientLimits, Refused, client_key
 from copse.router.config import RouterConfig, parse_config
 from copse.router.core import Route
 from copse.router.frontend import RouterService
@@ -142,6 +142,13 @@ def test_the_gate_bounds_held_body_bytes_across_clients() -> None:
     gate.leave("a", body_bytes=1000)
     gate.leave("b", body_bytes=6000)
     assert (gate.clients(), gate.body_bytes) == (0, 0)
+
+
+def test_the_project_s_clients_expire_idle_connections_before_the_router_closes_them() -> None:
+    """The load drivers (live replays, the abuse soak) keep idle connections CLIENT_KEEPALIVE_S;
+    at aiohttp's 15 s a connection the router was closing at 10 s was sometimes written to, and the
+    request failed with "Can not write request body" instead of being answered."""
+    assert CLIENT_KEEPALIVE_S < ClientLimits().header_timeout_s
 
 
 async def test_slow_headers_and_slow_bodies_are_cut_off() -> None:

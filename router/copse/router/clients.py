@@ -61,6 +61,13 @@ def client_key(headers: Mapping[str, str], *, peer: str | None) -> str:
     return tenant_of(headers) or f"peer:{peer or 'unknown'}"
 
 
+CLIENT_KEEPALIVE_S = 5.0
+"""How long a client of the router should keep an idle connection for reuse: below
+:attr:`ClientLimits.header_timeout_s`, so it never sends a request on a connection the router is
+closing as idle (the client would see its write fail, not an answer). httpx's default; aiohttp's
+client keeps 15 s unless told."""
+
+
 class ClientLimits(BaseModel):
     """Bounds per client and on what all clients' requests hold together."""
 
@@ -81,7 +88,8 @@ class ClientLimits(BaseModel):
     header_timeout_s: float = Field(default=10.0, gt=0)
     """Longest a connection may stay open without sending a whole request head (slow headers, or
     an idle keep-alive connection): it is then closed. Keep it above clients' keep-alive expiry
-    (httpx, under the ``openai`` client: 5 s), or a client may send on a connection being closed."""
+    (httpx, under the ``openai`` client: 5 s; aiohttp: 15 s, see :data:`CLIENT_KEEPALIVE_S`), or a
+    client may send on a connection being closed."""
     write_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a write to a client may wait for it to read (a client that stops reading its
     stream): the stream is then ended and its engine request aborted."""

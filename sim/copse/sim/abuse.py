@@ -32,6 +32,7 @@ import aiohttp
 import httpx
 import yaml
 
+from copse.router.clients import CLIENT_KEEPALIVE_S
 from copse.workers.testing import free_port
 
 MODEL = "mock-model"
@@ -389,5 +390,6 @@ def _abuse_process(
 @contextlib.asynccontextmanager
 async def _session() -> AsyncIterator[aiohttp.ClientSession]:
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         yield http

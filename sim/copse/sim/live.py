@@ -36,6 +36,7 @@ import numpy as np
 import uvloop
 import yaml
 
+from copse.router.clients import CLIENT_KEEPALIVE_S
 from copse.router.config import RouterConfig
 from copse.sim.gateway import envoy_gateway
 from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
@@ -414,7 +415,7 @@ async def drive(
     """Send every request of ``trace`` to ``url`` at its arrival time (divided by ``speedup``),
     the ``i``-th with ``headers[i]`` for model ``models[i]`` (a LoRA adapter, say); the answers in
     trace order."""
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         loop = asyncio.get_running_loop()
         origin = loop.time()
