@@ -148,7 +148,7 @@ def test_the_project_s_clients_expire_idle_connections_before_the_router_closes_
     """The load drivers (live replays, the abuse soak) keep idle connections CLIENT_KEEPALIVE_S;
     at aiohttp's 15 s a connection the router was closing at 10 s was sometimes written to, and the
     request failed with "Can not write request body" instead of being answered."""
-    assert CLIENT_KEEPALIVE_S < ClientLimits().header_timeout_s
+    assert ClientLimits().header_timeout_s > CLIENT_KEEPALIVE_S
 
 
 async def test_slow_headers_and_slow_bodies_are_cut_off() -> None:
