@@ -85,6 +85,11 @@ class Timings:
     errors: Sequence[str | None] | None = None
     """Live runs: why each request that did not complete failed (``Answer.error``)."""
 
+    @property
+    def refused(self) -> npt.NDArray[np.bool_]:
+        """Requests refused or failed otherwise than by a shed (429)."""
+        return ~np.isnan(self.failed_ms) & np.isnan(self.shed_ms)
+
     @classmethod
     def of_fleet(cls, fleet: Fleet) -> Timings:
         return cls(
@@ -141,7 +146,7 @@ class Outcome:
         done = ~np.isnan(fleet.finish_ms)
         met = done & (ttft <= ttft_target_ms) & (itl <= ITL_TARGET_MS)
         shed = ~np.isnan(fleet.shed_ms)
-        refused = ~np.isnan(fleet.failed_ms) & ~shed
+        refused = fleet.refused
         tokens = fleet.prompts + outputs
         completed_ttft = ttft[mask & done]
         figures = {
@@ -160,13 +165,12 @@ class Outcome:
             figures["429_without_retry_after"] = float((fleet.shed_without_retry_after & mask).sum())
         return figures
 
-    def refusals(self, mask: npt.NDArray[np.bool_]) -> collections.Counter[str]:
-        """Live runs: the requests of ``mask`` refused otherwise than by a 429, by why."""
-        fleet = self.fleet
-        refused = ~np.isnan(fleet.failed_ms) & np.isnan(fleet.shed_ms) & mask
-        if fleet.errors is None:
+    def refusals(self) -> collections.Counter[str]:
+        """Live runs: the requests refused otherwise than by a 429, by why."""
+        errors = self.fleet.errors
+        if errors is None:
             return collections.Counter()
-        return collections.Counter(str(fleet.errors[int(i)]) for i in np.flatnonzero(refused))
+        return collections.Counter(str(errors[int(i)]) for i in np.flatnonzero(self.fleet.refused))
 
 
 def shapes(limit_tokens: int) -> list[TraceRequest]:
@@ -497,7 +501,7 @@ def main() -> None:
                 batch_figures = outcome.of(~is_premium, ttft_target_ms=args.batch_ttft_ms)
                 show("premium", premium_figures)
                 show("batch", batch_figures)
-                for why, count in outcome.refusals(np.ones(len(trace), dtype=bool)).most_common():
+                for why, count in outcome.refusals().most_common():
                     print(f"  refused otherwise ({count:,}): {why}")
                 totals[name] = premium_figures["goodput_tok_s"] + batch_figures["goodput_tok_s"]
                 print(f"  total goodput {totals[name]:,.0f} tok/s")

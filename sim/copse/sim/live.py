@@ -43,6 +43,7 @@ from copse.sim.replay import Distribution, ReplayReport, ReplaySettings
 from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.metrics import MOCK_STEP_LAG_SECONDS
 from copse.workers.perf import save_profile
+from copse.workers.protocol.errors import as_openai_error
 from copse.workers.testing import free_port_range, nats_server
 
 MODEL = "live-replay"
@@ -123,11 +124,10 @@ class Answer(NamedTuple):
         )
 
 
-def _message(body: Any) -> str:
-    """The message of an OpenAI-shaped error body (``{"error": {"message": ...}}``), else the body."""
-    error = body.get("error") if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    return str(message if message is not None else body)[:200]
+def _message(body: bytes, *, status: int) -> str:
+    """The message of an error answer or error event, whatever its shape (:func:`as_openai_error`
+    puts every one in the shape whose ``error.message`` is a string)."""
+    return str(json.loads(as_openai_error(body, status=status))["error"]["message"])[:200]
 
 
 async def send(
@@ -156,18 +156,14 @@ async def send(
         async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             status, retry_after = response.status, response.headers.get("Retry-After")
             if status != 200:
-                text = await response.text(errors="replace")
-                try:
-                    why = f"HTTP {status}: {_message(json.loads(text))}"
-                except ValueError:
-                    why = f"HTTP {status}: {text[:200]}"
+                why = f"HTTP {status}: {_message(await response.read(), status=status)}"
                 return Answer(status, retry_after, math.nan, math.nan, math.nan, 0, 0, why)
             async for line in response.content:
                 if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                     continue
                 event = json.loads(line[5:])
                 if "error" in event:
-                    why = f"stream error after {count} tokens: {_message(event)}"
+                    why = f"stream error after {count} tokens: {_message(line[5:], status=status)}"
                     return Answer(status, retry_after, first - start, math.nan, math.nan, cached, count, why)
                 if event.get("choices"):
                     now = time.monotonic()
