@@ -1,0 +1,232 @@
+"""The clairvoyant bound on a load (:mod:`copse.sim.bound`): the fewest GPU-hours any schedule of
+aggregated fleet sizes reaching the goal could spend, knowing every interval's arrivals and the
+twin's attainment of each size at each rate, paying each added replica's start-up; next to the
+static fleets read off the same table. Two readings of the table between its measured rates: the
+*bound* takes the measured rate's just below (attainment falls as the rate rises, so this never
+under-reads: no schedule on this twin does better), *linear* interpolates (the best estimate; the
+static fleets are read this way: within 0.3 points of their own runs on the three days).
+
+The table: the twin (planner_twin.py's engines, router and targets) serves ``n`` engines a steady
+Poisson load of the load's own shapes, in order, for a warm-up then a measured window, at rates on
+a grid spanning the load's per-interval rates; sizes from 1 up to 3 past the first static size
+meeting the goal. It is the costly part (about 17 minutes of two cores for the three days'
+range); ``--table FILE`` keeps it, and reuses it when the file exists.
+
+Usage: ``.venv/bin/python benchmarks/planner_bound.py --load servegen-3d --seeds 0,1,2
+[--delay 420] [--goal 0.99] [--jobs 2] [--table FILE] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import inputs
+import planner_twin
+from copse.api import Role
+from copse.planner.observations import Observation
+from copse.sim import bound
+from copse.sim.frontier import Frontier, StaticPoint
+from copse.sim.load import LOADS, build_load, synthesize
+from copse.sim.replay import ReplaySettings
+from copse.sim.trace import TraceRequest, load_trace
+from copse.sim.twin import TwinSettings, run_twin
+
+INTERVAL_S = 60.0
+WARMUP_S, MEASURED_S = 600.0, 1800.0
+GRID_POINTS = 25
+#: Rounds of halving the rate step where a size's attainment changes fast (its knee).
+REFINEMENTS = 2
+
+_SHAPES: list[TraceRequest] = []
+
+
+def _init(shapes: list[TraceRequest]) -> None:
+    _SHAPES[:] = shapes
+
+
+def _measure(size: int, rate: float, seed: int) -> tuple[int, float, float]:
+    """Attainment of ``size`` engines serving ``rate`` req/s steadily."""
+    end = WARMUP_S + MEASURED_S
+    recording = [Observation(timestamp=0.0, duration_s=end, num_requests=rate * end, isl=1.0, osl=1.0)]
+    settings = TwinSettings(
+        fleet=ReplaySettings(workers=1, seed=seed),
+        limits=planner_twin.limits(disaggregated=False, max_replicas=size),
+        planner=None,
+        warmup_s=WARMUP_S,
+        initial={Role.WORKER: size},
+    )
+    report = run_twin(synthesize(recording, _SHAPES, seed=seed), settings, end_s=end)
+    return size, rate, report.slo_attainment
+
+
+def measure_table(
+    *,
+    seed: int,
+    shapes: list[TraceRequest],
+    grid: list[float],
+    arrivals: np.ndarray,
+    goal: float,
+    max_size: int,
+    jobs: int,
+) -> bound.SteadyTable:
+    """Sizes from 1, each at the rates worth measuring, until 3 past the first static size that
+    reaches ``goal`` on ``arrivals`` (or ``max_size``)."""
+    points: dict[int, list[tuple[float, float]]] = {}
+    meeting: int | None = None
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=_init, initargs=(shapes,)
+    ) as pool:
+        for size in range(1, max_size + 1):
+            rates = bound.rates_to_measure(points, size=size, grid=grid)
+            started = time.perf_counter()
+            measured: list[tuple[float, float]] = []
+            for _ in range(1 + REFINEMENTS):
+                done = pool.map(_measure, [size] * len(rates), rates, [seed] * len(rates))
+                measured = sorted(measured + [(rate, share) for _, rate, share in done])
+                rates = bound.refinements(measured)
+                if not rates:
+                    break
+            points[size] = measured
+            table = bound.SteadyTable(points=points)
+            missed = bound.misses(table, arrivals=arrivals, interval_s=INTERVAL_S, sizes=[size])
+            static = bound.static_attainment(missed, arrivals=arrivals, column=0)
+            print(
+                f"  {size:>2} engines: {len(measured)} rates in {time.perf_counter() - started:.0f} s; "
+                f"static on the load {static:.2%}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if meeting is None and static >= goal:
+                meeting = size
+            if meeting is not None and size >= meeting + 3:
+                break
+    return bound.SteadyTable(points=points)
+
+
+def per_interval_arrivals(requests: list[TraceRequest], *, start_s: float, end_s: float) -> np.ndarray:
+    stamps = np.array([r.timestamp_ms for r in requests]) / 1000.0
+    edges = np.arange(start_s, end_s + 1e-9, INTERVAL_S)
+    counts: np.ndarray = np.diff(np.searchsorted(stamps, edges)).astype(float)
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", default="servegen-3d", choices=sorted(LOADS))
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--delay", type=float, default=420.0, help="start-up delay, s")
+    parser.add_argument("--goal", type=float, default=0.99)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--max-size", type=int, default=24)
+    parser.add_argument("--table", type=Path, help="steady table JSON: read when it exists, else written")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not 0 < args.goal < 1:
+        parser.error(f"--goal {args.goal} must lie in (0, 1)")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    spec = LOADS[args.load]
+    shapes = [
+        r
+        for r in load_trace(inputs.WHOLE / spec.shapes, fmt=spec.shapes_format)
+        if spec.max_input_length is None or r.input_length <= spec.max_input_length
+    ]
+    loads = {seed: build_load(args.load, seed=seed, traces=inputs.WHOLE) for seed in seeds}
+    arrivals = {
+        seed: per_interval_arrivals(load.requests, start_s=load.warmup_s, end_s=load.end_s)
+        for seed, load in loads.items()
+    }
+    if args.table is not None and args.table.exists():
+        table = bound.SteadyTable.from_json(json.loads(args.table.read_text()))
+        print(f"steady table read from {args.table}", file=sys.stderr)
+    else:
+        first = arrivals[seeds[0]]
+        grid = bound.rate_grid(first[first > 0] / INTERVAL_S, points=GRID_POINTS)
+        print(
+            f"measuring the steady table: rates {grid[0]}-{grid[-1]} req/s, {len(grid)} points",
+            file=sys.stderr,
+        )
+        table = measure_table(
+            seed=seeds[0],
+            shapes=shapes,
+            grid=grid,
+            arrivals=first,
+            goal=args.goal,
+            max_size=args.max_size,
+            jobs=args.jobs,
+        )
+        if args.table is not None:
+            args.table.write_text(json.dumps(table.as_json()))
+    sizes = sorted(table.points)
+    startup = args.delay / INTERVAL_S
+    results: list[dict[str, Any]] = []
+    print(
+        f"{args.load}, goal {args.goal:.2%}, start-up {args.delay:g} s; sizes {sizes[0]}-{sizes[-1]} engines"
+    )
+    for seed in seeds:
+        counts = arrivals[seed]
+        hours = len(counts) * INTERVAL_S / 3600.0
+        missed = bound.misses(table, arrivals=counts, interval_s=INTERVAL_S, sizes=sizes)
+        frontier = Frontier(
+            static=tuple(
+                StaticPoint(
+                    replicas=size,
+                    slo_attainment=bound.static_attainment(missed, arrivals=counts, column=k),
+                    gpu_hours=size * hours,
+                )
+                for k, size in enumerate(sizes)
+            ),
+            goal=args.goal,
+        )
+        row: dict[str, Any] = {"seed": seed, "static": [p.as_json() for p in frontier.static]}
+        parts = []
+        for reading, optimistic in (("bound", True), ("linear", False)):
+            chosen = (
+                missed
+                if not optimistic
+                else bound.misses(table, arrivals=counts, interval_s=INTERVAL_S, sizes=sizes, optimistic=True)
+            )
+            best = bound.cheapest(
+                chosen, arrivals=counts, sizes=sizes, startup_intervals=startup, goal=args.goal
+            )
+            if best is None:
+                parts.append(f"{reading}: no schedule of up to {sizes[-1]} engines reaches {args.goal:.2%}")
+                continue
+            gpu_hours = best.replica_intervals * INTERVAL_S / 3600.0
+            ratio = frontier.ratio_at_equal_attainment(attainment=best.attainment, gpu_hours=gpu_hours)
+            row[reading] = {
+                "slo_attainment": best.attainment,
+                "gpu_hours": gpu_hours,
+                "ratio_at_equal_attainment": ratio,
+                "peak_replicas": int(best.sizes.max()),
+                "replicas_started": best.added,
+            }
+            parts.append(
+                f"{reading}: {best.attainment:.2%} at {gpu_hours:.1f} GPU-hours, ratio "
+                f"{'-' if ratio is None else format(ratio, '.3f')} "
+                f"({best.added} started, peak {best.sizes.max()})"
+            )
+        results.append(row)
+        around = ", ".join(
+            f"{p.replicas}: {p.slo_attainment:.2%}" for p in frontier.static if p.slo_attainment > 0.9
+        )
+        print(f"seed {seed}: " + "; ".join(parts) + f"; static (table) {around}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {"load": args.load, "goal": args.goal, "delay_s": args.delay, "seeds": results}, indent=1
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
