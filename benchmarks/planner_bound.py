@@ -45,6 +45,9 @@ WARMUP_S, MEASURED_S = 600.0, 1800.0
 GRID_POINTS = 25
 #: Rounds of halving the rate step where a size's attainment changes fast (its knee).
 REFINEMENTS = 2
+#: How far past a read table's top rate a load may reach (other seeds' busiest minute than the
+#: one the table was measured for): beyond it the table would be extrapolated, not read.
+TABLE_SLACK = 1.05
 
 _SHAPES: list[TraceRequest] = []
 
@@ -146,7 +149,17 @@ def main() -> None:
         for seed, load in loads.items()
     }
     if args.table is not None and args.table.exists():
-        table = bound.SteadyTable.from_json(json.loads(args.table.read_text()))
+        try:
+            table = bound.SteadyTable.from_json(json.loads(args.table.read_text()))
+        except (ValueError, TypeError, AttributeError) as error:
+            parser.error(f"--table {args.table} is not a steady table this script wrote: {error}")
+        covered = max(rate for pairs in table.points.values() for rate, _ in pairs)
+        busiest = max(float(counts.max()) for counts in arrivals.values()) / INTERVAL_S
+        if busiest > TABLE_SLACK * covered:
+            parser.error(
+                f"--table {args.table} covers rates up to {covered:g} req/s; {args.load} reaches "
+                f"{busiest:.1f}: give a new file to measure a table for this load"
+            )
         print(f"steady table read from {args.table}", file=sys.stderr)
     else:
         first = arrivals[seeds[0]]
