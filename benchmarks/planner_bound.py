@@ -2,14 +2,15 @@
 aggregated fleet sizes reaching the goal could spend, knowing every interval's arrivals and the
 twin's attainment of each size at each rate, paying each added replica's start-up; next to the
 static fleets read off the same table. Two readings of the table between its measured rates: the
-*bound* takes the measured rate's just below (attainment falls as the rate rises, so this never
-under-reads: no schedule on this twin does better), *linear* interpolates (the best estimate; the
-static fleets are read this way: within 0.3 points of their own runs on the three days).
+*bound* reads the attainment at the measured rate just below (attainment falls as the rate rises,
+so this never under-reads: no schedule on this twin does better), *linear* interpolates (the best
+estimate; the static fleets are read this way: within 0.3 points of their own runs on the three
+days).
 
 The table: the twin (planner_twin.py's engines, router and targets) serves ``n`` engines a steady
 Poisson load of the load's own shapes, in order, for a warm-up then a measured window, at rates on
 a grid spanning the load's per-interval rates; sizes from 1 up to 3 past the first static size
-meeting the goal. It is the costly part (about 17 minutes of two cores for the three days'
+meeting the goal. It is the costly part (about 20 minutes of two cores for the three days'
 range); ``--table FILE`` keeps it, and reuses it when the file exists.
 
 Usage: ``.venv/bin/python benchmarks/planner_bound.py --load servegen-3d --seeds 0,1,2

@@ -46,11 +46,11 @@ class SteadyTable:
                 )
 
     def attainment(self, size: int, rate: float, *, optimistic: bool = False) -> float:
-        """Attainment of ``size`` engines at ``rate``: linear between measured rates (``optimistic``:
-        the measured rate's just below, which no rate above it beats, since attainment falls as
-        the rate rises), the nearest measured one beyond them, and never below a smaller fleet's (an
-        engine added does not make the others slower), so the sizes a walk skipped read as the
-        best measured below them."""
+        """Attainment of ``size`` engines at ``rate``: linear between measured rates
+        (``optimistic``: the attainment at the measured rate just below, which no rate above it
+        beats, since attainment falls as the rate rises), the nearest measured one beyond them, and
+        never below a smaller fleet's (an engine added does not make the others slower), so the
+        sizes a walk skipped read as the best measured below them."""
         best = 0.0
         for measured in sorted(self.points):
             if measured > size:
