@@ -23,12 +23,18 @@ def test_the_table_interpolates_in_rate_and_never_reads_a_larger_fleet_as_worse(
     assert TABLE.attainment(3, 2.0) == pytest.approx(0.99)  # 2 engines measured better there
     assert TABLE.attainment(3, 6.0) == pytest.approx(0.95)
     assert TABLE.attainment(5, 6.0) == pytest.approx(0.95)  # beyond the sizes: the largest's
+    # optimistic: the measured rate just below (attainment only falls as the rate rises)
+    assert TABLE.attainment(1, 1.5, optimistic=True) == pytest.approx(0.99)
+    assert TABLE.attainment(1, 2.0, optimistic=True) == pytest.approx(0.90)
+    assert TABLE.attainment(3, 5.0, optimistic=True) == pytest.approx(0.98)  # linear: 0.9575
     assert SteadyTable.from_json(TABLE.as_json()) == TABLE
 
 
-def test_a_table_rejects_unsorted_rates_and_no_sizes() -> None:
+def test_a_table_rejects_unsorted_rates_shares_outside_0_1_and_no_sizes() -> None:
     with pytest.raises(ValueError, match="fleet size 2"):
         SteadyTable(points={2: [(3.0, 0.9), (1.0, 0.99)]})
+    with pytest.raises(ValueError, match="fleet size 1"):
+        SteadyTable(points={1: [(1.0, 1.5)]})
     with pytest.raises(ValueError, match="at least one"):
         SteadyTable(points={})
 
@@ -56,6 +62,31 @@ def test_a_start_up_dearer_than_a_dip_saves_keeps_the_replica() -> None:
     assert held.replica_intervals == pytest.approx(6.0)
 
 
+def test_only_added_replicas_pay_a_start_up() -> None:
+    arrivals = np.array([60.0, 120.0, 60.0])  # 1, 2, 1 req/s
+    missed = misses(TABLE, arrivals=arrivals, interval_s=60.0, sizes=[1, 2])
+    # the second engine is worth its start-up at a high price: started once, dropped for free
+    plan = schedule(missed, arrivals=arrivals, sizes=[1, 2], startup_intervals=1.0, price=1.0)
+    assert plan.sizes.tolist() == [1, 2, 1]
+    assert plan.added == 1
+    assert plan.replica_intervals == pytest.approx(4.0 + 1.0)
+    # a fleet that starts large pays nothing for its first interval and nothing to shrink
+    start_high = schedule(missed[1:], arrivals=arrivals[1:], sizes=[1, 2], startup_intervals=5.0, price=1.0)
+    assert start_high.sizes.tolist() == [2, 1]
+    assert start_high.replica_intervals == pytest.approx(3.0)
+
+
+def test_a_schedule_refuses_mismatched_or_empty_input() -> None:
+    arrivals = np.array([60.0, 60.0])
+    missed = misses(TABLE, arrivals=arrivals, interval_s=60.0, sizes=[1, 2])
+    with pytest.raises(ValueError, match="shape"):
+        schedule(missed, arrivals=arrivals, sizes=[1], startup_intervals=0.0, price=1.0)
+    with pytest.raises(ValueError, match="no arrivals"):
+        schedule(missed * 0, arrivals=arrivals * 0, sizes=[1, 2], startup_intervals=0.0, price=1.0)
+    with pytest.raises(ValueError, match="at least 2 points"):
+        rate_grid(np.array([1.0]), points=1)
+
+
 def test_the_cheapest_schedule_reaching_the_goal_and_none_beyond_the_largest_fleet() -> None:
     arrivals = np.array([60.0, 240.0, 60.0, 60.0])
     sizes = [1, 2, 3]
@@ -79,6 +110,13 @@ def test_the_walk_skips_saturated_rates_and_those_where_an_engine_no_longer_help
     # at 1 req/s the second engine gained nothing over the first: the third is not measured there
     measured = {1: [(1.0, 0.99), (2.0, 0.9)], 2: [(1.0, 0.9905), (2.0, 0.99)]}
     assert rates_to_measure(measured, size=3, grid=grid) == grid[1:]
+    # rates the smaller size reached and the one below it did not are measured (the knee), and
+    # rates the smaller size skipped as converged stay skipped
+    measured = {
+        2: [(2.0, 0.99), (3.0, 0.9), (4.0, 0.4)],
+        3: [(2.0, 0.9905), (3.0, 0.97), (5.0, 0.8), (6.0, 0.3)],
+    }
+    assert rates_to_measure(measured, size=4, grid=grid) == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
 
 
 def test_the_knee_is_measured_finer_and_noise_on_the_floor_or_past_saturation_is_not() -> None:

@@ -8,12 +8,13 @@ once per size and rate) and, over the load's intervals, chooses the size of each
 programme on ``replica-intervals + price x misses``, paying each added replica's start-up (it holds
 a GPU before it serves); :func:`cheapest` raises the price until the schedule reaches the goal.
 
-It is a bound, not a planner: it knows the future, changes size every interval, has no queue carried
-from one interval into the next and reads the table's noise as signal (all in its favour). Read
-between its measured rates at the rate just below (``optimistic``), the table never under-reads
-what a size serves, and no schedule on that twin does better: a target below the bound cannot be
-met by any planner. Read linearly, it is the best estimate of what clairvoyance reaches; a planner
-that forecasts stays above both.
+It is an estimate of what clairvoyance reaches, not a planner: it knows the future, changes size
+every interval and carries no queue from one interval into the next. The table is one seed's
+steady runs, so it holds noise and reads short peaks pessimistically (a peak shorter than the
+steady queue's build-up serves better than the table says). Read linearly between measured rates
+it is the best estimate; read ``optimistic`` (the attainment at the measured rate just below) it
+leans the other way. A planner that forecasts stays above the estimate; a target close to it asks
+a planner to be as good as clairvoyance.
 """
 
 from __future__ import annotations
@@ -40,17 +41,19 @@ class SteadyTable:
             raise ValueError("a steady table needs at least one fleet size")
         for size, pairs in self.points.items():
             rates = [rate for rate, _ in pairs]
-            if size < 1 or not pairs or rates != sorted(rates):
+            valid = all(rate >= 0 and 0 <= share <= 1 for rate, share in pairs)
+            if size < 1 or not pairs or rates != sorted(rates) or not valid:
                 raise ValueError(
-                    f"fleet size {size}: needs a positive size and points sorted by rate, got {pairs}"
+                    f"fleet size {size}: needs a positive size and (rate >= 0, attainment in [0, 1]) "
+                    f"points sorted by rate, got {pairs}"
                 )
 
     def attainment(self, size: int, rate: float, *, optimistic: bool = False) -> float:
         """Attainment of ``size`` engines at ``rate``: linear between measured rates
-        (``optimistic``: the attainment at the measured rate just below, which no rate above it
-        beats, since attainment falls as the rate rises), the nearest measured one beyond them, and
-        never below a smaller fleet's (an engine added does not make the others slower), so the
-        sizes a walk skipped read as the best measured below them."""
+        (``optimistic``: the attainment at the measured rate just below, as attainment falls while
+        the rate rises), the nearest measured one beyond them, and never below a smaller fleet's (an
+        engine added does not make the others slower), so the sizes a walk skipped read as the
+        best measured below them; 0 below the smallest size measured."""
         best = 0.0
         for measured in sorted(self.points):
             if measured > size:
@@ -118,12 +121,14 @@ def schedule(
 ) -> Schedule:
     """The sizes minimising replica-intervals (a replica added costs ``startup_intervals`` more)
     plus ``price`` x missed requests, by a dynamic programme over the intervals."""
-    if missed.shape != (len(arrivals), len(sizes)) or not len(arrivals):
+    if missed.shape != (len(arrivals), len(sizes)) or not len(arrivals) or not len(sizes):
         raise ValueError(
             f"missed has shape {missed.shape}; expected ({len(arrivals)}, {len(sizes)}), non-empty"
         )
+    if arrivals.sum() <= 0:
+        raise ValueError("no arrivals to schedule for")
     counts = np.asarray(sizes, dtype=float)
-    # switch[i, j]: going from sizes[i] to sizes[j] starts max(j - i, 0) replicas
+    # switch[i, j]: going from sizes[i] to sizes[j] starts the replicas added; removing is free
     switch = startup_intervals * np.maximum(counts[None, :] - counts[:, None], 0.0)
     cost = counts + price * missed[0]
     came_from = np.zeros(missed.shape, dtype=np.int64)
@@ -154,8 +159,10 @@ def cheapest(
     startup_intervals: float,
     goal: float,
 ) -> Schedule | None:
-    """The cheapest :func:`schedule` reaching ``goal``: the lowest price that reaches it, found by
-    bisection on its logarithm; ``None`` when even the largest size in every interval misses it."""
+    """The :func:`schedule` at the lowest price that reaches ``goal`` (bisection on its logarithm),
+    ``None`` when even the highest price misses it. Only schedules some price makes optimal are
+    found (those on the lower convex hull of cost against misses), so it may overshoot the goal a
+    little: compare it at its own attainment."""
 
     def at(price: float) -> Schedule:
         return schedule(
@@ -177,12 +184,16 @@ def cheapest(
 
 
 def static_attainment(missed: NDArray[np.float64], *, arrivals: NDArray[np.float64], column: int) -> float:
-    """Attainment of one size held through every interval."""
+    """Attainment of one size (``column`` of ``missed``) held through every interval."""
     return 1.0 - float(missed[:, column].sum()) / float(arrivals.sum())
 
 
 def rate_grid(rates: NDArray[np.float64], *, points: int) -> list[float]:
     """``points`` rates evenly spaced from the load's least to its most, rounded to 0.1 req/s."""
+    if points < 2 or not len(rates):
+        raise ValueError(
+            f"a rate grid needs rates and at least 2 points, got {len(rates)} rates, {points} points"
+        )
     low, high = float(rates.min()), float(rates.max())
     return sorted({round(low + (high - low) * k / (points - 1), 1) for k in range(points)})
 
@@ -196,20 +207,24 @@ def rates_to_measure(
     converged: float = 0.001,
 ) -> list[float]:
     """The grid's rates worth measuring for ``size`` engines, given the smaller sizes ``measured``
-    (as :attr:`SteadyTable.points`).
-    Not those where the last engine added gained less than ``converged`` (one more gains no more:
-    the table reads the smaller size's there), nor those past one step beyond where ``size - 1``
-    engines fall below ``floor``, scaled by ``size / (size - 1)`` (``size`` saturates there too)."""
+    (as :attr:`SteadyTable.points`): not those past one step beyond where ``size - 1`` engines fall
+    below ``floor``, scaled by ``size / (size - 1)`` (``size`` saturates there too), nor those where
+    the last engine added gained less than ``converged`` or ``size - 1`` was not measured for that
+    reason (one more gains no more: the table reads the smaller size's there)."""
     one, two = measured.get(size - 1), measured.get(size - 2)
     rates = list(grid)
-    if one is not None:
-        saturated = [rate for rate, share in one if share < floor]
-        if saturated:
-            cut = bisect.bisect_right(rates, saturated[0] * size / (size - 1))
-            rates = rates[: cut + 1]
-    if one is not None and two is not None:
-        gained = {rate: share - dict(two).get(rate, math.inf) for rate, share in one}
-        rates = [rate for rate in rates if not gained.get(rate, math.inf) < converged]
+    if one is None:
+        return rates
+    saturated = [rate for rate, share in one if share < floor]
+    if saturated:
+        cut = bisect.bisect_right(rates, saturated[0] * size / (size - 1))
+        rates = rates[: cut + 1]
+    if two is not None:
+        below = dict(two)
+        done = {rate for rate, share in one if rate in below and share - below[rate] < converged}
+        # converged rates lie at the low end: those size - 1 skipped stay skipped
+        lowest = min(rate for rate, _ in one)
+        rates = [rate for rate in rates if rate not in done and rate >= lowest]
     return rates
 
 
