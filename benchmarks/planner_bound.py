@@ -37,7 +37,7 @@ from copse.api import Role
 from copse.planner.observations import Observation
 from copse.sim import bound
 from copse.sim.frontier import Frontier, StaticPoint
-from copse.sim.load import LOADS, build_load, synthesize
+from copse.sim.load import LOADS, Load, build_load, synthesize
 from copse.sim.replay import ReplaySettings
 from copse.sim.trace import TraceRequest, load_trace
 from copse.sim.twin import TwinSettings, run_twin
@@ -124,9 +124,10 @@ def measure_table(
     return bound.SteadyTable(points=points)
 
 
-def per_interval_arrivals(requests: list[TraceRequest], *, start_s: float, end_s: float) -> np.ndarray:
-    stamps = np.array([r.timestamp_ms for r in requests]) / 1000.0
-    edges = np.arange(start_s, end_s + 1e-9, INTERVAL_S)
+def per_interval_arrivals(load: Load) -> np.ndarray:
+    """Requests arriving in each interval after the load's warm-up."""
+    stamps = np.array([r.timestamp_ms for r in load.requests]) / 1000.0
+    edges = np.arange(load.warmup_s, load.end_s + 1e-9, INTERVAL_S)
     counts: np.ndarray = np.diff(np.searchsorted(stamps, edges)).astype(float)
     return counts
 
@@ -146,15 +147,10 @@ def main() -> None:
         parser.error(f"--goal {args.goal} must lie in (0, 1)")
     seeds = [int(s) for s in args.seeds.split(",")]
     spec = LOADS[args.load]
-    shapes = [
-        r
-        for r in load_trace(inputs.WHOLE / spec.shapes, fmt=spec.shapes_format)
-        if spec.max_input_length is None or r.input_length <= spec.max_input_length
-    ]
-    loads = {seed: build_load(args.load, seed=seed, traces=inputs.WHOLE) for seed in seeds}
+    # only the counts are kept: a load's requests (millions on three days) would stay in memory,
+    # and in every forked measuring process, for nothing
     arrivals = {
-        seed: per_interval_arrivals(load.requests, start_s=load.warmup_s, end_s=load.end_s)
-        for seed, load in loads.items()
+        seed: per_interval_arrivals(build_load(args.load, seed=seed, traces=inputs.WHOLE)) for seed in seeds
     }
     measured_on = {"shapes": spec.shapes, "max_input_length": spec.max_input_length}
     if args.table is not None and args.table.exists():
@@ -183,6 +179,11 @@ def main() -> None:
                 document = {**measured_on, "seed": seeds[0], "points": measured.as_json()}
                 args.table.write_text(json.dumps(document))
 
+        shapes = [
+            r
+            for r in load_trace(inputs.WHOLE / spec.shapes, fmt=spec.shapes_format)
+            if spec.max_input_length is None or r.input_length <= spec.max_input_length
+        ]
         table = measure_table(
             seed=seeds[0],
             shapes=shapes,
@@ -223,14 +224,10 @@ def main() -> None:
         )
         row: dict[str, Any] = {"seed": seed, "static": [p.as_json() for p in frontier.static]}
         parts = []
-        for reading, optimistic in (("optimistic", True), ("linear", False)):
-            chosen = (
-                missed
-                if not optimistic
-                else bound.misses(table, arrivals=counts, interval_s=INTERVAL_S, sizes=sizes, optimistic=True)
-            )
+        optimistic = bound.misses(table, arrivals=counts, interval_s=INTERVAL_S, sizes=sizes, optimistic=True)
+        for reading, read in (("optimistic", optimistic), ("linear", missed)):
             best = bound.cheapest(
-                chosen, arrivals=counts, sizes=sizes, startup_intervals=startup, goal=args.goal
+                read, arrivals=counts, sizes=sizes, startup_intervals=startup, goal=args.goal
             )
             if best is None:
                 parts.append(f"{reading}: no schedule of up to {sizes[-1]} engines reaches {args.goal:.2%}")
