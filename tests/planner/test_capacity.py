@@ -420,6 +420,70 @@ def test_a_decode_pool_is_sized_for_room_in_its_cache_as_well_as_its_step() -> N
     )
 
 
+def test_disaggregated_pools_share_the_misses_where_they_cost_fewest_gpus() -> None:
+    """Mooncake conversation shapes at 21 req/s: half the error budget in each pool (99.5 % each)
+    takes a fifth prefill engine; judged together, 4 + 3 serve 99 % of the requests."""
+    capacity = CapacityModel(PolynomialPerfModel())
+    load = Workload(rate=21.0, isl=8400.0, osl=340.0, isl_p90=20000.0, osl_p10=60.0, kv_hit_rate=0.3)
+    halves = (
+        capacity.prefill_replicas(load, ttft_ms=2000.0, goal=0.995).replicas,
+        capacity.decode_replicas(load, itl_ms=50.0, goal=0.995).replicas,
+    )
+    joint = capacity.disaggregated_replicas(
+        load, ttft_ms=2000.0, itl_ms=50.0, gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 1}, goal=0.99
+    )
+    assert halves == (5, 3)
+    assert (joint[Role.PREFILL].replicas, joint[Role.DECODE].replicas) == (4, 3)
+    served = capacity.attainment(
+        replicas={Role.PREFILL: 4, Role.DECODE: 3}, load=load, ttft_ms=2000.0, itl_ms=50.0
+    )
+    assert served.both >= 0.99 * served.reachable
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rate=st.floats(0.5, 40.0),
+    isl=st.floats(500.0, 12000.0),
+    osl=st.floats(20.0, 600.0),
+    gpus_p=st.integers(1, 4),
+    gpus_d=st.integers(1, 4),
+)
+def test_joint_disaggregated_sizing_is_the_cheapest_pair_meeting_the_goal(
+    rate: float, isl: float, osl: float, gpus_p: int, gpus_d: int
+) -> None:
+    capacity = CapacityModel(PolynomialPerfModel())
+    load = Workload(rate=rate, isl=isl, osl=osl, isl_p90=2.2 * isl, osl_p10=osl / 6.0, kv_hit_rate=0.3)
+    targets = {"ttft_ms": 2000.0, "itl_ms": 50.0}
+    goal = 0.99
+    sized = capacity.disaggregated_replicas(
+        load, **targets, gpus_per_replica={Role.PREFILL: gpus_p, Role.DECODE: gpus_d}, goal=goal
+    )
+    each = 1.0 - (1.0 - goal) / 2.0
+    halves = (
+        capacity.prefill_replicas(load, ttft_ms=2000.0, goal=each).replicas,
+        capacity.decode_replicas(load, itl_ms=50.0, goal=each).replicas,
+    )
+
+    def meets(prefill: int, decode: int) -> bool:
+        served = capacity.attainment(
+            replicas={Role.PREFILL: prefill, Role.DECODE: decode}, load=load, **targets
+        )
+        return served.both >= goal * served.reachable
+
+    def gpus(prefill: int, decode: int) -> int:
+        return prefill * gpus_p + decode * gpus_d
+
+    chosen = (sized[Role.PREFILL].replicas, sized[Role.DECODE].replicas)
+    assert meets(*chosen)
+    assert gpus(*chosen) <= gpus(*halves)
+    assert not any(
+        meets(prefill, decode)
+        for prefill in range(1, chosen[0] + 1)
+        for decode in range(1, chosen[1] + 2)
+        if gpus(prefill, decode) < gpus(*chosen)
+    )
+
+
 def test_unreachable_itl_is_reported(linear: CapacityModel) -> None:
     load = Workload(rate=10.0, isl=1000, osl=100)
     sizing = linear.decode_replicas(load, itl_ms=9.0)  # an idle step takes 10 ms

@@ -527,12 +527,13 @@ def test_prompts_no_fleet_serves_in_time_spend_the_budget_like_any_miss() -> Non
     assert "(target unreachable)" in decision.describe()
 
 
-def test_disaggregated_pools_get_half_the_error_budget_each(linear: CapacityModel) -> None:
+def test_disaggregated_pools_are_sized_together_against_one_goal(linear: CapacityModel) -> None:
     plan = planner(linear)
     load = Workload(rate=300.0, isl=1000.0, osl=100.0)
     sized = plan.size(load, goal=0.98)
-    assert sized[P] == linear.prefill_replicas(load, ttft_ms=200.0, goal=0.99)
-    assert sized[D] == linear.decode_replicas(load, itl_ms=20.0, goal=0.99)
+    assert sized == linear.disaggregated_replicas(
+        load, ttft_ms=200.0, itl_ms=20.0, gpus_per_replica=plan.limits.gpus_per_replica, goal=0.98
+    )
 
 
 def test_the_fast_loop_answers_an_incident_at_the_goal_not_at_the_paced_one() -> None:

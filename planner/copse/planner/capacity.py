@@ -80,6 +80,9 @@ _OUTPUT_POINTS = 64
 #: Every how many of the prompt points the ITL tail takes (a pair sum over all of them would cost
 #: 40,000 terms per output length; 50 prompts resolve a 1 % tail).
 _CHUNK_PROMPT_STRIDE = 4
+#: Decode pool sizes a disaggregated sizing tries above the fewest that serve the goal alone: each
+#: more decode engine takes fewer misses off the prefill pool's share.
+_DECODE_TRIES = 4
 #: Prefill-time tables kept (one per distinct prompt-length distribution, unscaled).
 _PREFILL_CACHE_SIZE = 256
 
@@ -885,6 +888,54 @@ class CapacityModel:
             goal=goal,
             bound=bound,
         )
+
+    def disaggregated_replicas(
+        self,
+        load: Workload,
+        *,
+        ttft_ms: float,
+        itl_ms: float,
+        gpus_per_replica: Mapping[Role, int],
+        corrections: Corrections | None = None,
+        goal: float = 0.99,
+    ) -> dict[Role, Sizing]:
+        """Cheapest prefill and decode pools (by GPUs) serving ``goal`` of ``load``'s requests (of
+        those that can be served in time) within both targets, the pools judged together: a request
+        meets the SLO only if both serve it in time, so the misses fall where they save the most
+        GPUs, not half in each pool. Neither pool is smaller than what the goal needs of it alone;
+        decode sizes from there up are tried while one can still cost less."""
+        if load.rate <= 0:
+            empty = Sizing(replicas=0, throughput_replicas=0, feasible=True)
+            return {Role.PREFILL: empty, Role.DECODE: empty}
+        corrections = corrections or Corrections()
+        prefill = self.prefill_replicas(load, ttft_ms=ttft_ms, scale=corrections.prefill, goal=goal)
+        decode = self.decode_replicas(load, itl_ms=itl_ms, scale=corrections.decode, goal=goal)
+        if not (prefill.feasible and decode.feasible):
+            return {Role.PREFILL: prefill, Role.DECODE: decode}
+        need = goal * self.reachable(load, ttft_ms=ttft_ms, corrections=corrections, aggregated=False)
+
+        def both(servers_p: int, servers_d: int) -> float:
+            replicas = {Role.PREFILL: servers_p, Role.DECODE: servers_d}
+            return self.attainment(
+                replicas=replicas, load=load, ttft_ms=ttft_ms, itl_ms=itl_ms, corrections=corrections
+            ).both
+
+        # With every prompt prefilled at once only the decode pool misses: alone it must meet the goal.
+        unlimited = 1 << 16
+        first_d = _search(lambda servers_d: both(unlimited, servers_d) >= need, decode.replicas)
+        gpus_p, gpus_d = gpus_per_replica[Role.PREFILL], gpus_per_replica[Role.DECODE]
+        best = (math.inf, prefill.replicas, first_d)  # (GPUs, prefill, decode)
+        for servers_d in range(first_d, first_d + _DECODE_TRIES):
+            if prefill.replicas * gpus_p + servers_d * gpus_d >= best[0]:
+                break
+            servers_p = _search(lambda servers_p, d=servers_d: both(servers_p, d) >= need, prefill.replicas)
+            if servers_p * gpus_p + servers_d * gpus_d < best[0]:
+                best = (servers_p * gpus_p + servers_d * gpus_d, servers_p, servers_d)
+        _, servers_p, servers_d = best
+        return {
+            Role.PREFILL: dataclasses.replace(prefill, replicas=servers_p),
+            Role.DECODE: dataclasses.replace(decode, replicas=servers_d),
+        }
 
     def aggregated_replicas(
         self,

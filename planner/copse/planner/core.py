@@ -451,9 +451,9 @@ class Planner:
     def size(self, load: Workload, *, goal: float | None = None) -> dict[Role, Sizing]:
         """Replicas each pool needs to serve ``goal`` (default: the interval's, ``attainment_goal``
         paced by the error budget) of ``load``'s requests within ``headroom`` x the targets, with
-        the current corrections. Disaggregated pools get half the error budget each: a request
-        meets the SLO only if the prefill pool gives it its first token in time and the decode
-        pool its other tokens."""
+        the current corrections. Disaggregated pools are sized together
+        (:meth:`CapacityModel.disaggregated_replicas`): a request meets the SLO only if the prefill
+        pool gives it its first token in time and the decode pool its other tokens."""
         ttft = self.limits.ttft_ms * self.config.headroom
         itl = self.limits.itl_ms * self.config.headroom
         goal = self.budget.goal if goal is None else goal
@@ -462,15 +462,14 @@ class Planner:
                 load, ttft_ms=ttft, itl_ms=itl, corrections=self.corrections, goal=goal
             )
             return {Role.WORKER: sizing}
-        each = 1.0 - (1.0 - goal) / 2.0
-        return {
-            Role.PREFILL: self.capacity.prefill_replicas(
-                load, ttft_ms=ttft, scale=self.corrections.prefill, goal=each
-            ),
-            Role.DECODE: self.capacity.decode_replicas(
-                load, itl_ms=itl, scale=self.corrections.decode, goal=each
-            ),
-        }
+        return self.capacity.disaggregated_replicas(
+            load,
+            ttft_ms=ttft,
+            itl_ms=itl,
+            gpus_per_replica=self.limits.gpus_per_replica,
+            corrections=self.corrections,
+            goal=goal,
+        )
 
     def _size_horizon(self, forecasts: list[LoadForecast], *, scale: float = 1.0) -> dict[Role, Sizing]:
         best: dict[Role, Sizing] = {}
