@@ -453,10 +453,13 @@ def test_joint_disaggregated_sizing_is_the_cheapest_pair_meeting_the_goal(
 ) -> None:
     capacity = CapacityModel(PolynomialPerfModel())
     load = Workload(rate=rate, isl=isl, osl=osl, isl_p90=2.2 * isl, osl_p10=osl / 6.0, kv_hit_rate=0.3)
-    targets = {"ttft_ms": 2000.0, "itl_ms": 50.0}
     goal = 0.99
     sized = capacity.disaggregated_replicas(
-        load, **targets, gpus_per_replica={Role.PREFILL: gpus_p, Role.DECODE: gpus_d}, goal=goal
+        load,
+        ttft_ms=2000.0,
+        itl_ms=50.0,
+        gpus_per_replica={Role.PREFILL: gpus_p, Role.DECODE: gpus_d},
+        goal=goal,
     )
     each = 1.0 - (1.0 - goal) / 2.0
     halves = (
@@ -466,7 +469,7 @@ def test_joint_disaggregated_sizing_is_the_cheapest_pair_meeting_the_goal(
 
     def meets(prefill: int, decode: int) -> bool:
         served = capacity.attainment(
-            replicas={Role.PREFILL: prefill, Role.DECODE: decode}, load=load, **targets
+            replicas={Role.PREFILL: prefill, Role.DECODE: decode}, load=load, ttft_ms=2000.0, itl_ms=50.0
         )
         return served.both >= goal * served.reachable
 

@@ -928,7 +928,11 @@ class CapacityModel:
         for servers_d in range(first_d, first_d + _DECODE_TRIES):
             if prefill.replicas * gpus_p + servers_d * gpus_d >= best[0]:
                 break
-            servers_p = _search(lambda servers_p, d=servers_d: both(servers_p, d) >= need, prefill.replicas)
+
+            def meets(servers_p: int, servers_d: int = servers_d) -> bool:
+                return both(servers_p, servers_d) >= need
+
+            servers_p = _search(meets, prefill.replicas)
             if servers_p * gpus_p + servers_d * gpus_d < best[0]:
                 best = (servers_p * gpus_p + servers_d * gpus_d, servers_p, servers_d)
         _, servers_p, servers_d = best
