@@ -912,27 +912,30 @@ class CapacityModel:
         decode = self.decode_replicas(load, itl_ms=itl_ms, scale=corrections.decode, goal=goal)
         if not (prefill.feasible and decode.feasible):
             return {Role.PREFILL: prefill, Role.DECODE: decode}
-        need = goal * self.reachable(load, ttft_ms=ttft_ms, corrections=corrections, aggregated=False)
 
-        def both(servers_p: int, servers_d: int) -> float:
-            replicas = {Role.PREFILL: servers_p, Role.DECODE: servers_d}
-            return self.attainment(
-                replicas=replicas, load=load, ttft_ms=ttft_ms, itl_ms=itl_ms, corrections=corrections
-            ).both
+        def fewest(replicas: Callable[[int], Mapping[Role, int]], *, bound: int) -> int:
+            return self._size(
+                replicas=replicas,
+                load=load,
+                ttft_ms=ttft_ms,
+                itl_ms=itl_ms,
+                corrections=corrections,
+                goal=goal,
+                bound=bound,
+            ).replicas
 
         # With every prompt prefilled at once only the decode pool misses: alone it must meet the goal.
-        unlimited = 1 << 16
-        first_d = _search(lambda servers_d: both(unlimited, servers_d) >= need, decode.replicas)
+        first_d = fewest(lambda servers: {Role.PREFILL: 1 << 16, Role.DECODE: servers}, bound=decode.replicas)
         gpus_p, gpus_d = gpus_per_replica[Role.PREFILL], gpus_per_replica[Role.DECODE]
         best = (math.inf, prefill.replicas, first_d)  # (GPUs, prefill, decode)
         for servers_d in range(first_d, first_d + _DECODE_TRIES):
             if prefill.replicas * gpus_p + servers_d * gpus_d >= best[0]:
                 break
 
-            def meets(servers_p: int, servers_d: int = servers_d) -> bool:
-                return both(servers_p, servers_d) >= need
+            def pools(servers: int, servers_d: int = servers_d) -> Mapping[Role, int]:
+                return {Role.PREFILL: servers, Role.DECODE: servers_d}
 
-            servers_p = _search(meets, prefill.replicas)
+            servers_p = fewest(pools, bound=prefill.replicas)
             if servers_p * gpus_p + servers_d * gpus_d < best[0]:
                 best = (servers_p * gpus_p + servers_d * gpus_d, servers_p, servers_d)
         _, servers_p, servers_d = best
