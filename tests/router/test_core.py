@@ -395,6 +395,20 @@ def test_a_draining_prefill_worker_counts_its_prefills_until_they_are_done() -> 
     assert router.in_flight("d1") == 1 + (later.worker_id == "d1")
 
 
+def test_busy_prefill_workers_are_waited_for_not_replaced_by_decode_workers() -> None:
+    router = _disagg(thresholds=Thresholds(busy_prefill_tokens=5000))
+    first = router.submit(_request("a", list(range(8000))), now=0.0)
+    assert first is not None
+    assert first.prefill_worker_id == "p0"
+    # p0 has 8000 tokens to prefill: busy. The decode workers are free, but a prompt prefilled on
+    # one would stall the sequences it decodes: the request waits for p0.
+    assert router.submit(_request("b", [t + 10_000 for t in range(8000)]), now=0.1) is None
+    assert router.queued == 1
+    assert router.in_flight("d0") + router.in_flight("d1") == 1, "only a's decode is charged"
+    released = router.prefill_done("a", now=0.5)
+    assert [(route.request_id, route.prefill_worker_id) for route in released] == [("b", "p0")]
+
+
 def test_peer_changes_are_published_and_mirrored() -> None:
     origin = _router(workers=2, share_load=True)
     mirror = _router(workers=2)

@@ -10,7 +10,8 @@ Roles: ``worker`` engines serve whole requests. With ``prefill`` and ``decode`` 
 is prefilled on a prefill worker and decoded on a decode worker close to it (same locality, e.g.
 NVLink domain, when the policy finds one as good), with the KV moved between them. A prompt whose
 uncached part is so short that moving its KV would take longer than prefilling it where it is
-decoded stays on the decode worker, and so does everything when no prefill worker is available.
+decoded stays on the decode worker, and so does everything when there is no prefill worker for it
+(busy prefill workers are waited for, in the queue).
 """
 
 from __future__ import annotations
@@ -670,6 +671,14 @@ class Router:
             cached = self._free_cache.get(role)
             if cached is not None and cached[0] == versions:
                 return cached[1]
+        free = self._present(role, exclude) & self.costs.free
+        found = _Eligible.of(free) if free.any() else None
+        if not exclude:
+            self._free_cache[role] = (versions, found)
+        return found
+
+    def _present(self, role: Role, exclude: frozenset[str]) -> BoolArray:
+        """Workers of ``role`` taking requests (not draining), not excluded, busy or not."""
         present = self._roles[role]
         if exclude:
             present = present.copy()
@@ -677,11 +686,7 @@ class Router:
                 slot = self.slots.get(worker_id)
                 if slot is not None:
                     present[slot] = False
-        free = present & self.costs.free
-        found = _Eligible.of(free) if free.any() else None
-        if not exclude:
-            self._free_cache[role] = (versions, found)
-        return found
+        return present
 
     def _narrow(self, request: RouteRequest, eligible: _Eligible | None) -> _Eligible | None:
         """Of ``eligible``, the workers of the request's model that can start its adapter now."""
@@ -716,16 +721,21 @@ class Router:
         worker_free = self._narrow(request, self._free(Role.WORKER, exclude))
         decode_free = self._narrow(request, self._free(Role.DECODE, exclude))
         if decode_free is not None:
+            # Only prefill workers of a revision that has a free decode worker.
+            revisions = self._revisions(decode_free)
             prefill_free = self._narrow(request, self._free(Role.PREFILL, exclude))
             if prefill_free is not None:
-                # Only prefill workers of a revision that has a free decode worker.
-                prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
+                prefill_free = self._of_revisions(prefill_free, revisions)
             if prefill_free is not None:
                 return self._route_disaggregated(request, prefill_free, decode_free, retry=retry, now=now)
-            # No prefill worker available: decode workers serve whole requests.
-            worker_free = (
-                decode_free if worker_free is None else _Eligible.of(worker_free.mask | decode_free.mask)
-            )
+            if not self._prefill_serves(request, exclude, revisions):
+                # No prefill worker for it at all: decode workers serve whole requests. Prefill
+                # workers that are only busy are waited for (as Dynamo's prefill router queues):
+                # a prompt prefilled on a decode worker stalls every sequence it decodes and holds
+                # its KV the longer, which is how one decode engine too few collapses.
+                worker_free = (
+                    decode_free if worker_free is None else _Eligible.of(worker_free.mask | decode_free.mask)
+                )
         if worker_free is None:
             return None
         guarded = self._within_guards(self._selection(request, worker_free, now=now))
@@ -871,6 +881,17 @@ class Router:
             ),
             request,
         )
+
+    def _prefill_serves(
+        self, request: RouteRequest, exclude: frozenset[str], revisions: set[str | None]
+    ) -> bool:
+        """Whether a prefill worker of one of ``revisions`` could prefill ``request`` once it is
+        no longer busy."""
+        present = self._present(Role.PREFILL, exclude)
+        if not present.any():
+            return False
+        eligible = self._narrow(request, _Eligible.of(present))
+        return eligible is not None and self._of_revisions(eligible, revisions) is not None
 
     def _revisions(self, eligible: _Eligible) -> set[str | None]:
         slots = np.flatnonzero(eligible.mask).tolist()
