@@ -721,14 +721,13 @@ class Router:
         worker_free = self._narrow(request, self._free(Role.WORKER, exclude))
         decode_free = self._narrow(request, self._free(Role.DECODE, exclude))
         if decode_free is not None:
-            # Only prefill workers of a revision that has a free decode worker.
-            revisions = self._revisions(decode_free)
             prefill_free = self._narrow(request, self._free(Role.PREFILL, exclude))
             if prefill_free is not None:
-                prefill_free = self._of_revisions(prefill_free, revisions)
+                # Only prefill workers of a revision that has a free decode worker.
+                prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
             if prefill_free is not None:
                 return self._route_disaggregated(request, prefill_free, decode_free, retry=retry, now=now)
-            if not self._prefill_serves(request, exclude, revisions):
+            if not self._prefill_serves(request, exclude, decode_free):
                 # No prefill worker for it at all: decode workers serve whole requests. Prefill
                 # workers that are only busy are waited for (as Dynamo's prefill router queues):
                 # a prompt prefilled on a decode worker stalls every sequence it decodes and holds
@@ -882,16 +881,14 @@ class Router:
             request,
         )
 
-    def _prefill_serves(
-        self, request: RouteRequest, exclude: frozenset[str], revisions: set[str | None]
-    ) -> bool:
-        """Whether a prefill worker of one of ``revisions`` could prefill ``request`` once it is
-        no longer busy."""
+    def _prefill_serves(self, request: RouteRequest, exclude: frozenset[str], decode_free: _Eligible) -> bool:
+        """Whether a prefill worker of the revision of one of ``decode_free`` could prefill
+        ``request`` once it is no longer busy."""
         present = self._present(Role.PREFILL, exclude)
         if not present.any():
             return False
         eligible = self._narrow(request, _Eligible.of(present))
-        return eligible is not None and self._of_revisions(eligible, revisions) is not None
+        return eligible is not None and self._of_revisions(eligible, self._revisions(decode_free)) is not None
 
     def _revisions(self, eligible: _Eligible) -> set[str | None]:
         slots = np.flatnonzero(eligible.mask).tolist()
