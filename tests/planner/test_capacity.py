@@ -11,7 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from copse.api import Role
-from copse.planner.capacity import Backlog, CapacityModel, Corrections, Workload, _compound_poisson_tail
+from copse.planner.capacity import (
+    Backlog,
+    CapacityModel,
+    Corrections,
+    Workload,
+    _compound_poisson_tail,
+    capacity_for,
+)
+from copse.planner.config import PlannerConfig
+from copse.planner.policy import Limits
 from copse.planner.queueing import (
     erlang_c,
     gamma_points,
@@ -139,12 +148,13 @@ def test_prefill_replicas_start_from_the_token_throughput_bound() -> None:
     assert sizing.throughput_replicas == 2
     assert sizing.feasible
     assert sizing.replicas == 2  # at 75 % busy hardly any prompt waits 135 ms
-    # A tight target (10 ms of waiting allowed): the fewest engines serving 99 % within it.
-    tight = fixed.prefill_replicas(load, ttft_ms=25.0)
+    # A tight target (15 ms of prefill, a first decode step of 10.1 ms: 10 ms of waiting allowed):
+    # the fewest engines serving 99 % within it.
+    tight = fixed.prefill_replicas(load, ttft_ms=35.0)
 
     def share(engines: int) -> float:
         return fixed.attainment(
-            replicas={Role.PREFILL: engines, Role.DECODE: 64}, load=load, ttft_ms=25.0, itl_ms=math.inf
+            replicas={Role.PREFILL: engines, Role.DECODE: 64}, load=load, ttft_ms=35.0, itl_ms=math.inf
         ).ttft
 
     assert tight.replicas > 2
@@ -156,18 +166,19 @@ def test_the_ttft_tail_is_the_prompts_own_prefill() -> None:
     meet it is the share of prompts short enough, and sizing aims at the goal among those."""
     model = CapacityModel(LinearPerf(), max_num_seqs=64, isl_scv=1.0)
     load = Workload(rate=20.0, isl=2000, osl=100)
-    # prefill = 10 + 0.01 x isl ms: a 50 ms target fits prompts of up to 4,000 tokens
+    # prefill = 10 + 0.01 x isl ms and a first decode step of 10.1 ms: a 60 ms target fits prompts
+    # of up to 3,990 tokens
     points = model.prompt_prefill_ms(load)
-    reachable = float(np.mean(points <= 50.0))
+    reachable = float(np.mean(points + 10.1 <= 60.0))
     assert 0.8 < reachable < 0.95
-    many = model.attainment(replicas={Role.PREFILL: 64, Role.DECODE: 64}, load=load, ttft_ms=50.0, itl_ms=1e9)
+    many = model.attainment(replicas={Role.PREFILL: 64, Role.DECODE: 64}, load=load, ttft_ms=60.0, itl_ms=1e9)
     assert many.reachable == pytest.approx(reachable)
     assert many.ttft == pytest.approx(reachable, abs=1e-6)  # no waiting with 64 engines
-    sizing = model.prefill_replicas(load, ttft_ms=50.0, goal=0.99)
+    sizing = model.prefill_replicas(load, ttft_ms=60.0, goal=0.99)
     assert not sizing.feasible  # the goal is above the reachable share...
     assert sizing.replicas < 64  # ...which does not make the fleet grow without end
     fewest = model.attainment(
-        replicas={Role.PREFILL: sizing.replicas, Role.DECODE: 64}, load=load, ttft_ms=50.0, itl_ms=1e9
+        replicas={Role.PREFILL: sizing.replicas, Role.DECODE: 64}, load=load, ttft_ms=60.0, itl_ms=1e9
     )
     assert fewest.ttft >= 0.99 * reachable
 
@@ -200,7 +211,8 @@ def test_the_prompts_spread_as_their_uncached_quantiles_say() -> None:
     prompt is lost to the TTFT target that a gamma would give up on."""
     model = CapacityModel(LinearPerf(), max_num_seqs=64)
     fitted = Workload(rate=20.0, isl=2000, isl_p90=4500, osl=100)
-    # uncached tokens at p50/p90/p99/max; the longest stays below the 4,000 a 50 ms target fits
+    # uncached tokens at p50/p90/p99/max; the longest stays below the 3,990 a 60 ms target fits
+    # (with the first decode step's 10.1 ms)
     read = dataclasses.replace(fitted, uncached_quantiles=(1500.0, 3600.0, 3900.0, 3950.0))
     lengths = (model.prompt_prefill_ms(read) - 10.0) / 0.01  # LinearPerf: 10 + 0.01 x tokens ms
     assert lengths.mean() == pytest.approx(2000.0, rel=1e-4)  # the mean prompt (in whole tokens)
@@ -208,14 +220,14 @@ def test_the_prompts_spread_as_their_uncached_quantiles_say() -> None:
     assert np.quantile(lengths, 0.5) < np.quantile(lengths, 0.9) < lengths.max()
 
     def reachable(load: Workload) -> float:
-        return model.reachable(load, ttft_ms=50.0, corrections=Corrections(), aggregated=False)
+        return model.reachable(load, ttft_ms=60.0, corrections=Corrections())
 
     assert reachable(read) == 1.0
     assert reachable(fitted) < 0.95
     # fewer engines hold the goal once the lost share is not there to chase
-    read_sizing = model.prefill_replicas(read, ttft_ms=50.0, goal=0.99)
+    read_sizing = model.prefill_replicas(read, ttft_ms=60.0, goal=0.99)
     assert read_sizing.feasible
-    assert not model.prefill_replicas(fitted, ttft_ms=50.0, goal=0.99).feasible
+    assert not model.prefill_replicas(fitted, ttft_ms=60.0, goal=0.99).feasible
     with pytest.raises(ValueError, match="one value per level"):
         dataclasses.replace(fitted, uncached_quantiles=(1.0, 2.0))
 
@@ -420,6 +432,31 @@ def test_a_decode_pool_is_sized_for_room_in_its_cache_as_well_as_its_step() -> N
     )
 
 
+def test_a_decode_engine_is_full_when_the_routers_charges_reach_its_busy_fraction() -> None:
+    """The router charges each request its prompt and whole output and skips a decode worker whose
+    charges pass its busy fraction: the lower that fraction, the sooner requests wait for room."""
+    load = Workload(rate=8.0, isl=8670.0, osl=338.0, isl_p90=20396.0, osl_p10=25.0)
+
+    def ttft(fraction: float, rate: float, engines: int = 1) -> float:
+        capacity = capacity_for(
+            PolynomialPerfModel(),
+            config=PlannerConfig(router_busy_kv_fraction=fraction),
+            limits=Limits(roles=PD, gpus_per_replica=dict.fromkeys(PD, 1), ttft_ms=math.inf, itl_ms=50.0),
+        )
+        return capacity.attainment(
+            replicas={Role.PREFILL: 1 << 16, Role.DECODE: engines},
+            load=dataclasses.replace(load, rate=rate),
+            ttft_ms=math.inf,
+            itl_ms=50.0,
+        ).ttft
+
+    assert ttft(0.8, 8.0) < ttft(0.95, 8.0) < ttft(1.0, 8.0) < 0.99
+    assert ttft(0.8, 8.0) < 0.7  # a fifth of the cache held back: one engine serves far less
+    assert ttft(0.8, 5.0) > 0.9999  # a light load never fills it
+    # A request waits only when every engine is full: two engines at twice the load wait less.
+    assert ttft(0.95, 8.0) < ttft(0.95, 16.0, engines=2) < 0.99
+
+
 def test_disaggregated_pools_share_the_misses_where_they_cost_fewest_gpus() -> None:
     """Mooncake conversation shapes at 21 req/s: half the error budget in each pool (99.5 % each)
     takes a fifth prefill engine; judged together, 4 + 3 serve 99 % of the requests."""
@@ -596,8 +633,9 @@ def test_more_replicas_never_make_latency_worse(
 def test_sized_pools_meet_the_goal(rate: float, isl: float, osl: float) -> None:
     capacity = CapacityModel(PolynomialPerfModel())
     load = Workload(rate=rate, isl=isl, osl=osl)
-    prefill = capacity.prefill_replicas(load, ttft_ms=800.0, goal=0.99)
     decode = capacity.decode_replicas(load, itl_ms=30.0, goal=0.99)
+    # the first token is a step of the decode pool the prompts are handed to
+    prefill = capacity.prefill_replicas(load, ttft_ms=800.0, goal=0.99, decode=decode.replicas)
     sized = capacity.attainment(
         replicas={Role.PREFILL: prefill.replicas, Role.DECODE: decode.replicas},
         load=load,

@@ -505,9 +505,7 @@ def test_prompts_no_fleet_serves_in_time_spend_the_budget_like_any_miss() -> Non
     lim = limits(roles=(W,), gpus_per_replica={W: 1}, ttft_ms=1000.0, itl_ms=50.0, max_num_seqs=256)
     shape = {"isl": 8000.0, "osl": 300.0, "isl_p90": 20000.0, "osl_p10": 20.0, "kv_hit_rate": 0.3}
     load = dataclasses.replace(interval(0, 12.0), **shape)
-    unreachable = 1.0 - capacity.reachable(
-        workload_of(load), ttft_ms=1000.0, corrections=Corrections(), aggregated=True
-    )
+    unreachable = 1.0 - capacity.reachable(workload_of(load), ttft_ms=1000.0, corrections=Corrections())
     assert unreachable > 0.01  # more than the whole budget
     plan = planner(capacity, cfg=config(budget_halflife_s=3600.0), lim=lim)
     judged = load.num_requests

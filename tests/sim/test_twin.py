@@ -17,6 +17,7 @@ from copse.planner.observations import Observation
 from copse.planner.policy import AGGREGATED, Limits
 from copse.planner.recording import write_metrics_jsonl
 from copse.router.core import Role as EngineRole
+from copse.router.core import Thresholds
 from copse.sim.cli import bench
 from copse.sim.load import arrival_times_s, shapes_in_order, synthesize
 from copse.sim.replay import Fleet, ReplaySettings, RouterModel
@@ -351,8 +352,7 @@ def test_a_disaggregated_fleet_prefills_on_one_pool_and_decodes_on_the_other() -
 
 
 def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
-    # 1 req/s, then 12 req/s of 12000-token prompts: one prefill engine cannot keep up, nor can it
-    # with the decode engine serving whole requests while the prefill engine is busy
+    # 1 req/s, then 12 req/s of 12000-token prompts: one prefill engine cannot keep up
     times = list(np.arange(0.0, 600.0, 1.0)) + list(np.arange(600.0, 1200.0, 1 / 12))
     trace = _requests([float(t) for t in times], isl=12000, osl=100)
     limits = Limits(
@@ -380,3 +380,24 @@ def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
     )
     assert static.gpu_hours == pytest.approx(3 * 1200.0 / 3600.0, rel=0.01)
     assert report.slo_attainment > static.slo_attainment
+
+
+def test_the_twins_planner_sizes_decode_for_its_routers_busy_fraction() -> None:
+    """A router that stops sending to a decode worker early (its charges past 3 % of the cache)
+    needs more decode engines for the same load, and the twin's planner knows its router."""
+    trace = _requests([float(t) for t in np.arange(0.0, 900.0, 1 / 4)], isl=6000, osl=100)
+    limits = Limits(
+        roles=(Role.PREFILL, Role.DECODE),
+        gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 1},
+        ttft_ms=2000.0,
+        itl_ms=50.0,
+        max_replicas=8,
+    )
+    planner = PlannerConfig(predictor="constant", startup_delay_s=60.0)
+
+    def decode_peak(fraction: float) -> int:
+        fleet = dataclasses.replace(EXACT, thresholds=Thresholds(busy_kv_fraction=fraction))
+        report = run_twin(trace, TwinSettings(fleet=fleet, limits=limits, planner=planner, interval_s=60.0))
+        return report.pools[Role.DECODE].peak_replicas
+
+    assert decode_peak(0.03) > decode_peak(0.95) == 1

@@ -239,6 +239,7 @@ class CapacityModel:
         max_batch_tokens: int = 8192,
         isl_scv: float = 1.0,
         osl_scv: float = 1.0,
+        busy_kv_fraction: float = 0.95,
     ) -> None:
         if not 0 < quantile < 1:
             raise ValueError(f"quantile={quantile} must lie in (0, 1)")
@@ -252,6 +253,7 @@ class CapacityModel:
         self.max_batch_tokens = max_batch_tokens
         self.isl_scv = isl_scv
         self.osl_scv = osl_scv
+        self.busy_kv_fraction = busy_kv_fraction
         self._z = normal_quantile(quantile)
         self._best_decode: dict[tuple[float, int], float] = {}
         self._prefill_points: dict[tuple[object, ...], _Prompts] = {}
@@ -650,28 +652,39 @@ class CapacityModel:
         missed = np.where(slack <= 0, 1.0, missed)
         return 1.0 - float(np.dot(share, missed)) / len(gaps)
 
-    def _kv_overflow(self, state: _PoolState, *, load: Workload) -> float:
-        """Share of the time a decode engine's cache is full, so that a request handed over to it
-        waits for room before its first token: the KV its sequences hold (a Poisson number of them,
-        ``state.sequences`` on average, each its prompt plus half its output, the prompts spread as
-        :meth:`_prompt_lengths` says) is near normal, mean ``n E[c]`` and variance ``n E[c^2]``. Long
-        prompts fill a cache well before its mean batch does: this, not the decode step, is what
-        one decode engine too few costs."""
+    def _kv_overflow(self, state: _PoolState, *, servers: int, rate: float, load: Workload) -> float:
+        """Share of the time no decode worker takes a new request, so that a request arriving then
+        waits for room before its first token: the router charges each request its prompt and its
+        whole output from routing (its prefill on a prefill worker included) to its last token,
+        and skips a worker whose charges pass ``busy_kv_fraction`` of its cache. In flight: the
+        ``servers x state.sequences`` decoding plus those in prefill (``rate`` times the mean
+        prefill), a Poisson number of them, each charge held as long as its output takes (so
+        outputs count weighted by their length); their sum is near normal, mean ``n E[c]`` and
+        variance ``n E[c^2]``, against the pool's room (the router balances the charges, so a
+        request waits only when the pool as a whole is full). Long prompts fill a cache well before
+        its mean batch does: this, not the decode step, is what one decode engine too few costs."""
         if state.sequences <= 0:
             return 0.0
-        contexts = self._prompts(load, scale=1.0).lengths + load.osl / 2.0
-        mean = state.sequences * float(contexts.mean())
-        std = math.sqrt(state.sequences * float(np.mean(contexts * contexts)))
-        return 1.0 - _normal_cdf((self.perf.kv_capacity_tokens - mean) / std)
+        prompts = self._prompts(load, scale=1.0).lengths
+        outputs = gamma_points(mean=load.osl, p10=load.osl_p10, scv=self.osl_scv, count=_OUTPUT_POINTS)
+        held = outputs / outputs.mean()
+        prompt, output = float(prompts.mean()), float(np.mean(outputs * held))
+        mean_charge = prompt + output
+        charge_square = (
+            float(np.mean(prompts * prompts)) + 2.0 * prompt * output + float(np.mean(outputs**2 * held))
+        )
+        in_flight = servers * state.sequences + rate * float(state.times.mean()) / 1000.0
+        mean = in_flight * mean_charge
+        std = math.sqrt(in_flight * charge_square)
+        room = servers * self.busy_kv_fraction * self.perf.kv_capacity_tokens
+        return 1.0 - _normal_cdf((room - mean) / std)
 
-    def reachable(
-        self, load: Workload, *, ttft_ms: float, corrections: Corrections, aggregated: bool
-    ) -> float:
-        """Share of ``load``'s requests whose own prefill (and, in aggregated engines, first decode
-        step) fits ``ttft_ms``: no fleet size serves the others in time."""
+    def reachable(self, load: Workload, *, ttft_ms: float, corrections: Corrections) -> float:
+        """Share of ``load``'s requests whose own prefill and first decode step fit ``ttft_ms``: no
+        fleet size serves the others in time."""
         times = self.prompt_prefill_ms(load, scale=corrections.prefill)
         first_step = self.decode_step_ms(1.0, context_length=load.context_length, scale=corrections.decode)
-        return float(np.mean(times + (first_step if aggregated else 0.0) <= ttft_ms))
+        return float(np.mean(times + first_step <= ttft_ms))
 
     def attainment(
         self,
@@ -691,7 +704,7 @@ class CapacityModel:
         corrections = corrections or Corrections()
         times = self.prompt_prefill_ms(load, scale=corrections.prefill)
         aggregated = Role.WORKER in replicas
-        reachable = self.reachable(load, ttft_ms=ttft_ms, corrections=corrections, aggregated=aggregated)
+        reachable = self.reachable(load, ttft_ms=ttft_ms, corrections=corrections)
         if load.rate <= 0:
             return Attainment(ttft=1.0, itl=1.0, reachable=reachable)
         if aggregated:
@@ -709,10 +722,11 @@ class CapacityModel:
         # share of decode steps at full batches); the variability is that of the prefills.
         mean_prefill = float(times.mean())
         work_ms = mean_prefill
-        first = 0.0
         if aggregated:
             work_ms += load.osl * state.step(state.n_max) / state.n_max
-            first = state.step(state.sequences)
+        # The first token is a decode step's: an aggregated engine's, or the decode engine's once
+        # it has taken the request's KV.
+        first = state.step(state.sequences)
         late = wait_exceeds(
             (ttft_ms - times - first) / 1000.0,
             servers=front,
@@ -726,7 +740,7 @@ class CapacityModel:
         itl = 1.0 - min(1.0, corrections.itl_tail * (1.0 - modelled))
         ttft = float(np.mean(1.0 - late))
         if not aggregated:
-            ttft *= 1.0 - self._kv_overflow(state, load=load)
+            ttft *= 1.0 - self._kv_overflow(state, servers=back, rate=load.rate, load=load)
         return Attainment(ttft=ttft, itl=itl, reachable=reachable)
 
     def means(
@@ -778,8 +792,8 @@ class CapacityModel:
             # The backlog drains at the spare capacity; the requests arriving meanwhile find half of it.
             drain_s = backlog / (capacity - load.rate)
             wait_ms += min(1.0, drain_s / duration_s) * backlog / 2.0 / capacity * 1000.0
-        first = state.step(state.sequences) if aggregated else 0.0
-        gap = state.step(state.sequences) / (1.0 - state.share)
+        first = state.step(state.sequences)
+        gap = first / (1.0 - state.share)
         return Means(ttft_ms=wait_ms + mean_prefill + first, itl_ms=gap, queue_ms=wait_ms)
 
     # --- sizing ------------------------------------------------------------------------------
@@ -984,6 +998,7 @@ def capacity_for(perf: PerfModel, *, config: PlannerConfig, limits: Limits) -> C
         max_batch_tokens=limits.max_batch_tokens,
         isl_scv=config.isl_scv,
         osl_scv=config.osl_scv,
+        busy_kv_fraction=config.router_busy_kv_fraction,
     )
 
 

@@ -119,6 +119,12 @@ class PlannerConfig(pydantic.BaseModel):
     osl_scv: float = Field(default=1.0, ge=0)
     """Output-length variability (squared CV) assumed when the metrics carry no p10 OSL (1: as
     many short answers as an exponential spread has)."""
+    router_busy_kv_fraction: float = Field(default=0.95, gt=0)
+    """The router's ``busy_kv_fraction`` (keep the two equal; the twin sets it from its router): a
+    decode worker whose charged KV (each request's prompt and whole output, from routing to its last
+    token) passes this share of its cache takes no new request, and a request that finds every one
+    so waits. The capacity model counts those waits against TTFT, which is what sizes a second
+    decode engine in time. Above 1 (the router's check switched off) nothing waits."""
     default_isl: float = Field(default=3000.0, gt=0)
     """Input length assumed until the first requests are seen."""
     default_osl: float = Field(default=150.0, gt=0)

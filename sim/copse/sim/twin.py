@@ -554,10 +554,12 @@ def run_twin(
     pools = {role: Replicas(fleet, initial=count, role=role) for role, count in initial.items()}
     planner: Planner | None = None
     if settings.planner is not None:
-        capacity = capacity_for(fleet.router_perf, config=settings.planner, limits=limits)
-        planner = Planner(
-            config=settings.planner, limits=limits, capacity=capacity, interval_s=settings.interval_s
+        # The planner knows the router it sizes for: its busy fraction is when requests wait.
+        config = settings.planner.model_copy(
+            update={"router_busy_kv_fraction": settings.fleet.thresholds.busy_kv_fraction}
         )
+        capacity = capacity_for(fleet.router_perf, config=config, limits=limits)
+        planner = Planner(config=config, limits=limits, capacity=capacity, interval_s=settings.interval_s)
     interval_ms = settings.interval_s * 1000.0
     poll_ms = math.inf if settings.planner is None else settings.planner.fast_path_poll_s * 1000.0
     boundary = interval_ms
