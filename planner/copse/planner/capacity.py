@@ -83,8 +83,9 @@ _CHUNK_PROMPT_STRIDE = 4
 #: Decode pool sizes a disaggregated sizing tries above the fewest that serve the goal alone: each
 #: more decode engine takes fewer misses off the prefill pool's share.
 _DECODE_TRIES = 4
-#: Prefill-time tables kept (one per distinct prompt-length distribution, unscaled).
-_PREFILL_CACHE_SIZE = 256
+#: Tables kept per load shape: prefill times (one per prompt-length distribution, unscaled) and
+#: output lengths (one per output-length distribution).
+_SHAPE_CACHE_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -257,6 +258,7 @@ class CapacityModel:
         self._z = normal_quantile(quantile)
         self._best_decode: dict[tuple[float, int], float] = {}
         self._prefill_points: dict[tuple[object, ...], _Prompts] = {}
+        self._output_points: dict[tuple[float, float | None], NDArray[np.float64]] = {}
 
     # --- building blocks -----------------------------------------------------------------
 
@@ -554,7 +556,7 @@ class CapacityModel:
             )
             uncached = np.maximum(1.0, np.round(lengths * (1.0 - load.kv_hit_rate)))
             chunks = np.ceil(uncached / self.max_batch_tokens)
-            if len(self._prefill_points) >= _PREFILL_CACHE_SIZE:
+            if len(self._prefill_points) >= _SHAPE_CACHE_SIZE:
                 self._prefill_points.clear()
             prompts = self._prefill_points[key] = _Prompts(lengths=lengths, times=times, chunks=chunks)
         return prompts if scale == 1.0 else dataclasses.replace(prompts, times=prompts.times * scale)
@@ -575,6 +577,20 @@ class CapacityModel:
             mean=load.isl,
             count=_PROMPT_POINTS,
         )
+
+    def _output_lengths(self, load: Workload) -> NDArray[np.float64]:
+        """``_OUTPUT_POINTS`` equally likely output lengths: a gamma with ``load``'s mean and p10, or
+        ``osl_scv`` without a p10. Kept per shape: fitting the gamma costs more than the rest of an
+        :meth:`attainment`, which sizing asks for many times per load."""
+        key = (round(load.osl, 3), None if load.osl_p10 is None else round(load.osl_p10, 3))
+        outputs = self._output_points.get(key)
+        if outputs is None:
+            if len(self._output_points) >= _SHAPE_CACHE_SIZE:
+                self._output_points.clear()
+            outputs = self._output_points[key] = gamma_points(
+                mean=load.osl, p10=load.osl_p10, scv=self.osl_scv, count=_OUTPUT_POINTS
+            )
+        return outputs
 
     def _pool_state(
         self, *, servers: int, rate: float, load: Workload, corrections: Corrections, prefill_share: bool
@@ -619,7 +635,7 @@ class CapacityModel:
         long prompt's chunk can put its mean gap over the target: this is the tail that misses, not
         the mean stretch of ``1 / (1 - share)``. Sums of one and two prompts are exact over the
         prompt points; three or more are normal."""
-        outputs = gamma_points(mean=load.osl, p10=load.osl_p10, scv=self.osl_scv, count=_OUTPUT_POINTS)
+        outputs = self._output_lengths(load)
         gaps = np.maximum(np.round(outputs) - 1.0, 0.0)
         step = state.step(state.sequences)
         batch = self._batch_spread_ms(state)
@@ -666,7 +682,7 @@ class CapacityModel:
         if state.sequences <= 0:
             return 0.0
         prompts = self._prompts(load, scale=1.0).lengths
-        outputs = gamma_points(mean=load.osl, p10=load.osl_p10, scv=self.osl_scv, count=_OUTPUT_POINTS)
+        outputs = self._output_lengths(load)
         held = outputs / outputs.mean()
         prompt, output = float(prompts.mean()), float(np.mean(outputs * held))
         mean_charge = prompt + output
