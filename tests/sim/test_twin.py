@@ -30,6 +30,13 @@ EXACT = ReplaySettings(
 LIMITS = Limits(
     roles=AGGREGATED, gpus_per_replica={Role.WORKER: 1}, ttft_ms=2000.0, itl_ms=50.0, max_replicas=8
 )
+DISAGGREGATED = Limits(
+    roles=(Role.PREFILL, Role.DECODE),
+    gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 2},
+    ttft_ms=2000.0,
+    itl_ms=50.0,
+    max_replicas=8,
+)
 
 
 def _requests(times_s: list[float], *, isl: int = 1500, osl: int = 50) -> list[TraceRequest]:
@@ -355,15 +362,10 @@ def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
     # 1 req/s, then 12 req/s of 12000-token prompts: one prefill engine cannot keep up
     times = list(np.arange(0.0, 600.0, 1.0)) + list(np.arange(600.0, 1200.0, 1 / 12))
     trace = _requests([float(t) for t in times], isl=12000, osl=100)
-    limits = Limits(
-        roles=(Role.PREFILL, Role.DECODE),
-        gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 2},
-        ttft_ms=2000.0,
-        itl_ms=50.0,
-        max_replicas=8,
-    )
     planner = PlannerConfig(predictor="constant", startup_delay_s=60.0)
-    report = run_twin(trace, TwinSettings(fleet=EXACT, limits=limits, planner=planner, interval_s=60.0))
+    report = run_twin(
+        trace, TwinSettings(fleet=EXACT, limits=DISAGGREGATED, planner=planner, interval_s=60.0)
+    )
     assert set(report.pools) == {Role.PREFILL, Role.DECODE}
     assert report.pools[Role.PREFILL].peak_replicas > 1  # the prefill pool grew with the load
     # the JSON keeps the total serving count beside the pools' (scripts read it)
@@ -376,7 +378,9 @@ def test_the_planner_sizes_both_pools_of_a_disaggregated_deployment() -> None:
     assert report.gpu_hours == pytest.approx(sum(pool.gpu_hours for pool in report.pools.values()))
     static = run_twin(
         trace,
-        TwinSettings(fleet=EXACT, limits=limits, planner=None, initial={Role.PREFILL: 1, Role.DECODE: 1}),
+        TwinSettings(
+            fleet=EXACT, limits=DISAGGREGATED, planner=None, initial={Role.PREFILL: 1, Role.DECODE: 1}
+        ),
     )
     assert static.gpu_hours == pytest.approx(3 * 1200.0 / 3600.0, rel=0.01)
     assert report.slo_attainment > static.slo_attainment
@@ -386,18 +390,12 @@ def test_the_twins_planner_sizes_decode_for_its_routers_busy_fraction() -> None:
     """A router that stops sending to a decode worker early (its charges past 3 % of the cache)
     needs more decode engines for the same load, and the twin's planner knows its router."""
     trace = _requests([float(t) for t in np.arange(0.0, 900.0, 1 / 4)], isl=6000, osl=100)
-    limits = Limits(
-        roles=(Role.PREFILL, Role.DECODE),
-        gpus_per_replica={Role.PREFILL: 1, Role.DECODE: 1},
-        ttft_ms=2000.0,
-        itl_ms=50.0,
-        max_replicas=8,
-    )
     planner = PlannerConfig(predictor="constant", startup_delay_s=60.0)
 
     def decode_peak(fraction: float) -> int:
         fleet = dataclasses.replace(EXACT, thresholds=Thresholds(busy_kv_fraction=fraction))
-        report = run_twin(trace, TwinSettings(fleet=fleet, limits=limits, planner=planner, interval_s=60.0))
+        settings = TwinSettings(fleet=fleet, limits=DISAGGREGATED, planner=planner, interval_s=60.0)
+        report = run_twin(trace, settings)
         return report.pools[Role.DECODE].peak_replicas
 
     assert decode_peak(0.03) > decode_peak(0.95) == 1
