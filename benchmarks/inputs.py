@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "examples" / "traces"
 WHOLE = REPO.parent / "shared" / "traces"
 CONVERSATION = WHOLE / "mooncake_fast25_conversation_trace.jsonl.gz"
+SYNTHETIC = WHOLE / "mooncake_fast25_synthetic_trace.jsonl.gz"
 AZURE_CONVERSATION = WHOLE / "azure_llm_2023_conv.csv.gz"
 SLICE = SHIPPED / "mooncake-conversation-first-20min.jsonl.gz"
 M_LARGE_RATES = SHIPPED / "servegen_language_m-large_aggregate_rate.csv"
@@ -20,6 +21,8 @@ M_LARGE_RATES = SHIPPED / "servegen_language_m-large_aggregate_rate.csv"
 #: Where each whole trace comes from (examples/traces/README.md has commits and checksums).
 SOURCES = {
     CONVERSATION.name: "FAST25-release/traces/conversation_trace.jsonl of "
+    "https://github.com/kvcache-ai/Mooncake (Apache-2.0)",
+    SYNTHETIC.name: "FAST25-release/traces/synthetic_trace.jsonl of "
     "https://github.com/kvcache-ai/Mooncake (Apache-2.0)",
     AZURE_CONVERSATION.name: "data/AzureLLMInferenceTrace_conv.csv of "
     "https://github.com/Azure/AzurePublicDataset (CC-BY-4.0)",

@@ -23,9 +23,10 @@ Printed side by side: the prefix cache hit rate (prompt tokens the engines found
 p50/p99/mean, ITL p50, end-to-end p50/p99, the adapter loads the engines did and loads per hour of simulated
 time.
 
-Then, in the twin, two router replicas (``Fleet(replica_of=...)``: each request reaches one of them
-at random, seeded, as a Service spreads connections), both adapter-aware, sharing their in-flight
-load as over NATS; they differ only in ``AdapterRouting.shared``:
+Then two router replicas (each request reaches one of them at random, seeded, as a Service spreads
+connections), both adapter-aware, sharing their in-flight load: in the twin ``Fleet(replica_of=...)``,
+its messages delivered at once; live (``--live``), two ``copse router run`` processes over the real
+NATS server. They differ only in ``share_adapters`` (``AdapterRouting.shared``):
 
 - **shared**: each replica mirrors the adapters its peer's requests load (the requests it shares
   carry their adapter), so both see every engine's adapter cache;
@@ -139,9 +140,13 @@ def run_live(
     max_loras: int,
     load_ms: float,
     engines: int,
+    shared: bool = True,
+    replica_of: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """The same through real processes (``copse.sim.live``): ``engines`` mocked engines serving
-    the adapters, ``copse router run`` told them; each request streamed for its adapter."""
+    the adapters, ``copse router run`` told them (with ``replica_of``, two router replicas sharing
+    their load over the real NATS server, the ``i``-th request sent to replica ``replica_of[i]``);
+    each request streamed for its adapter."""
     settings = ReplaySettings(policy=policy, workers=engines, seed=seed)
     engine_args = [
         *(f"--lora={adapter}" for adapter in ADAPTERS),
@@ -153,17 +158,20 @@ def run_live(
         "max_loras": max_loras,
         "lora_load_ms": load_ms,
         "adapter_aware": aware,
+        "share_adapters": shared,
     }
     synth = TokenSynth(seed=seed, trace_block_size=settings.trace_block_size)
+    replicas = 1 if replica_of is None else 2
 
     async def go() -> tuple[list[Answer], float, float]:
-        async with live_fleet(settings, router=router, engine_args=engine_args) as fleet:
-            answers = await drive(
-                fleet.url, trace, speedup=1.0, synth=synth, models=[kind.adapter for kind in classes]
-            )
+        async with live_fleet(settings, router=router, engine_args=engine_args, replicas=replicas) as fleet:
+            urls = fleet.urls[0] if replica_of is None else [fleet.urls[r] for r in replica_of]
+            models = [kind.adapter for kind in classes]
+            answers = await drive(urls, trace, speedup=1.0, synth=synth, models=models)
             pages = [f"{url}/prometheus/metrics" for url in fleet.engine_urls]
             loads = await metric_total(pages, f"{MOCK_LORA_LOADS}_total")
-            predicted = await metric_total([f"{fleet.admin_url}/metrics"], f"{ADAPTER_LOADS}_total")
+            admin = [f"{url}/metrics" for url in fleet.admin_urls]
+            predicted = await metric_total(admin, f"{ADAPTER_LOADS}_total")
         return answers, loads, predicted
 
     answers, loads, predicted = uvloop.run(go())
@@ -248,11 +256,9 @@ def main() -> None:
             f"{key:<24}{aware[key]:>14,.3f}{blind[key]:>14,.3f}{rr[key]:>14,.3f}"
             f"{ratios[0]:>14.3f}{ratios[1]:>14.3f}"
         )
-    if args.live:
-        return
     replica_of = np.random.default_rng([args.seed, 2]).integers(0, 2, size=len(trace)).tolist()
     two = {
-        mode: run(
+        mode: runner(
             trace,
             classes,
             policy="kv",
@@ -262,7 +268,6 @@ def main() -> None:
             seed=args.seed,
             max_loras=args.max_loras,
             load_ms=args.lora_load_ms,
-            engines=engines,
         )
         for mode in ("shared", "unshared")
     }

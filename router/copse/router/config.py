@@ -361,6 +361,9 @@ class RouterConfig(_Model):
     the adapter saves a request)."""
     adapter_aware: bool = True
     """Prefer workers that hold the request's adapter (off: adapter-blind, for comparison)."""
+    share_adapters: bool = True
+    """Mirror the adapters peer router replicas' requests load (heard over NATS); off, each replica
+    knows only the loads its own requests caused (for comparison)."""
     metrics_adapters: int = Field(default=20, ge=0)
     """Adapters with their own label in the per-adapter metrics (the first ones seen); the others
     are counted as ``other``."""
@@ -439,7 +442,12 @@ class RouterConfig(_Model):
 
     def adapter_routing(self) -> AdapterRouting:
         """How adapters weigh in worker choice."""
-        return AdapterRouting(max_loras=self.max_loras, load_ms=self.lora_load_ms, aware=self.adapter_aware)
+        return AdapterRouting(
+            max_loras=self.max_loras,
+            load_ms=self.lora_load_ms,
+            aware=self.adapter_aware,
+            shared=self.share_adapters,
+        )
 
     @model_validator(mode="after")
     def _engine_needs(self) -> RouterConfig:

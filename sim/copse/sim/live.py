@@ -44,7 +44,7 @@ from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.metrics import MOCK_STEP_LAG_SECONDS
 from copse.workers.perf import save_profile
 from copse.workers.protocol.errors import as_openai_error
-from copse.workers.testing import free_port_range, nats_server
+from copse.workers.testing import free_port, free_port_range, nats_server
 
 MODEL = "live-replay"
 DEPLOYMENT = "live-replay"
@@ -188,7 +188,7 @@ async def _router(
     config: dict[str, Any], *, workdir: Path, workers: int, url: str
 ) -> asyncio.subprocess.Process:
     """``copse router run`` with ``config``, once it lists all ``workers`` as live at ``url``."""
-    path = workdir / "router.yaml"
+    path = workdir / f"router-{config['port']}.yaml"
     path.write_text(yaml.safe_dump(config))
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "copse.cli", "router", "run", "--config", str(path), "--log-level", "WARNING"
@@ -267,12 +267,13 @@ def dilate_router(config: Mapping[str, Any], dilation: float) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class LiveFleet:
-    """Mocked engines behind a router process (and Envoy in front of it, as a gateway)."""
+    """Mocked engines behind router processes (or one router and Envoy in front of it, as a gateway)."""
 
-    url: str
-    """Where clients send requests: the router, or Envoy asking the router as endpoint picker."""
-    admin_url: str
-    """Where the router serves ``/metrics`` and ``/workers`` (as a picker: its metrics port)."""
+    urls: list[str]
+    """Where clients send requests: each router replica, or Envoy asking the router as endpoint
+    picker."""
+    admin_urls: list[str]
+    """Where each router serves ``/metrics`` and ``/workers`` (as a picker: its metrics port)."""
     engine_urls: list[str]
 
 
@@ -284,13 +285,17 @@ async def live_fleet(
     gateway: bool = False,
     engine_args: Sequence[str] = (),
     dilation: float = 1.0,
+    replicas: int = 1,
 ) -> AsyncIterator[LiveFleet]:
     """Start ``settings.workers`` mocked engines (``engine_args`` added to ``copse worker mock``)
-    and ``copse router run`` before them, its config the replay's with ``router`` on top; with
-    ``gateway``, the router serves as endpoint picker too and a real Envoy fronts it
+    and ``replicas`` ``copse router run`` processes before them, sharing their load over the NATS
+    server as a deployment's router replicas do, their config the replay's with ``router`` on top;
+    with ``gateway``, one router serves as endpoint picker too and a real Envoy fronts it
     (:mod:`copse.sim.gateway`). With ``dilation`` k, the engines run k times slower and the router's
     config is :func:`dilate_router`'s (``router`` in the workload's time): see the module's text."""
     _check_dilation(dilation)
+    if replicas < 1 or (gateway and replicas != 1):
+        raise ValueError(f"replicas must be >= 1, and 1 behind a gateway (one picker), got {replicas}")
     if dilation != 1.0:
         base = settings.engines.config
         slowed = dataclasses.replace(base, speedup_ratio=base.speedup_ratio / dilation)
@@ -332,20 +337,21 @@ async def live_fleet(
             }
             if dilation != 1.0:
                 config = dilate_router(config, dilation)
-            port = free_port_range(3 if gateway else 1)
-            config["port"] = port
-            router_url = admin_url = f"http://127.0.0.1:{port}"
-            if gateway:
-                # The picker serves /workers on its metrics port, not on the router's.
-                config["epp"] = {"grpc_port": port + 1, "health_port": None, "metrics_port": port + 2}
-                admin_url = f"http://127.0.0.1:{port + 2}"
-            router_process = await _router(
-                config, workdir=Path(workdir), workers=settings.workers, url=admin_url
-            )
+            routers: list[asyncio.subprocess.Process] = []
             try:
-                if not gateway:
-                    yield LiveFleet(url=router_url, admin_url=admin_url, engine_urls=urls)
-                else:
+                if gateway:
+                    port = free_port_range(3)
+                    # The picker serves /workers on its metrics port, not on the router's.
+                    epp = {"grpc_port": port + 1, "health_port": None, "metrics_port": port + 2}
+                    admin_url = f"http://127.0.0.1:{port + 2}"
+                    routers.append(
+                        await _router(
+                            {**config, "port": port, "epp": epp},
+                            workdir=Path(workdir),
+                            workers=settings.workers,
+                            url=admin_url,
+                        )
+                    )
                     with envoy_gateway(
                         picker=f"127.0.0.1:{port + 1}",
                         upstream="original_dst",
@@ -353,10 +359,26 @@ async def live_fleet(
                         scratch=Path(workdir),
                         dilation=dilation,
                     ) as url:
-                        yield LiveFleet(url=url, admin_url=admin_url, engine_urls=urls)
+                        yield LiveFleet(urls=[url], admin_urls=[admin_url], engine_urls=urls)
+                else:
+                    router_urls = []
+                    for _ in range(replicas):
+                        port = free_port()
+                        router_url = f"http://127.0.0.1:{port}"
+                        routers.append(
+                            await _router(
+                                {**config, "port": port},
+                                workdir=Path(workdir),
+                                workers=settings.workers,
+                                url=router_url,
+                            )
+                        )
+                        router_urls.append(router_url)
+                    yield LiveFleet(urls=router_urls, admin_urls=router_urls, engine_urls=urls)
             finally:
-                router_process.terminate()
-                await router_process.wait()
+                for router_process in routers:
+                    router_process.terminate()
+                    await router_process.wait()
         finally:
             process.terminate()
             await process.wait()
@@ -372,7 +394,8 @@ async def live_replay(
     started = time.perf_counter()
     synth = TokenSynth(seed=settings.seed, trace_block_size=settings.trace_block_size)
     async with live_fleet(settings) as fleet:
-        answers = await drive(fleet.url, trace, speedup=settings.speedup, synth=synth, progress=progress)
+        (url,) = fleet.urls
+        answers = await drive(url, trace, speedup=settings.speedup, synth=synth, progress=progress)
         lag_ms = await mean_lag_ms(fleet.engine_urls)
     ttft, itl, e2e, cached, outputs = (
         np.array(column, dtype=np.float64)
@@ -399,7 +422,7 @@ async def live_replay(
 
 
 async def drive(
-    url: str,
+    url: str | Sequence[str],
     trace: Sequence[TraceRequest],
     *,
     speedup: float,
@@ -408,9 +431,11 @@ async def drive(
     models: Sequence[str] | None = None,
     progress: Callable[[int], object] | None = None,
 ) -> list[Answer]:
-    """Send every request of ``trace`` to ``url`` at its arrival time (divided by ``speedup``),
-    the ``i``-th with ``headers[i]`` for model ``models[i]`` (a LoRA adapter, say); the answers in
-    trace order."""
+    """Send every request of ``trace`` at its arrival time (divided by ``speedup``) to ``url``, or
+    the ``i``-th to ``url[i]`` (a router replica, say), with ``headers[i]`` for model ``models[i]``
+    (a LoRA adapter, say); the answers in trace order."""
+    if not isinstance(url, str) and len(url) != len(trace):
+        raise ValueError(f"{len(url)} URLs for {len(trace)} requests: one URL, or one per request")
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         loop = asyncio.get_running_loop()
@@ -426,7 +451,12 @@ async def drive(
             tasks.append(
                 asyncio.create_task(
                     send(
-                        http, url, tokens=tokens, max_tokens=request.output_length, headers=extra, model=model
+                        http,
+                        url if isinstance(url, str) else url[index],
+                        tokens=tokens,
+                        max_tokens=request.output_length,
+                        headers=extra,
+                        model=model,
                     )
                 )
             )
