@@ -21,7 +21,7 @@ Three runs on the same arrivals:
 
 Printed side by side: the prefix cache hit rate (prompt tokens the engines found cached), TTFT
 p50/p99/mean, ITL p50, end-to-end p50/p99, the adapter loads the engines did and loads per hour of simulated
-time.
+time (live, also the engines' mean step lag behind their own timeline: whether the box kept up).
 
 Then two router replicas (each request reaches one of them at random, seeded, as a Service spreads
 connections), both adapter-aware, sharing their in-flight load: in the twin ``Fleet(replica_of=...)``,
@@ -54,7 +54,7 @@ import uvloop
 
 from copse.router.adapters import AdapterRouting
 from copse.router.metrics import ADAPTER_LOADS
-from copse.sim.live import Answer, drive, live_fleet, metric_total
+from copse.sim.live import Answer, drive, live_fleet, mean_lag_ms, metric_total
 from copse.sim.replay import EngineSetup, Fleet, ReplaySettings, RequestClass
 from copse.sim.trace import TokenSynth, TraceRequest, load_trace
 from copse.workers.metrics import MOCK_LORA_LOADS
@@ -163,7 +163,7 @@ def run_live(
     synth = TokenSynth(seed=seed, trace_block_size=settings.trace_block_size)
     replicas = 1 if replica_of is None else 2
 
-    async def go() -> tuple[list[Answer], float, float]:
+    async def go() -> tuple[list[Answer], float, float, float]:
         async with live_fleet(settings, router=router, engine_args=engine_args, replicas=replicas) as fleet:
             urls = fleet.urls[0] if replica_of is None else [fleet.urls[r] for r in replica_of]
             models = [kind.adapter for kind in classes]
@@ -172,9 +172,10 @@ def run_live(
             loads = await metric_total(pages, f"{MOCK_LORA_LOADS}_total")
             admin = [f"{url}/metrics" for url in fleet.admin_urls]
             predicted = await metric_total(admin, f"{ADAPTER_LOADS}_total")
-        return answers, loads, predicted
+            lag_ms = await mean_lag_ms(fleet.engine_urls)
+        return answers, loads, predicted, lag_ms
 
-    answers, loads, predicted = uvloop.run(go())
+    answers, loads, predicted, lag_ms = uvloop.run(go())
     arrival = np.array([request.timestamp_ms for request in trace])
     prompts = np.array([float(request.input_length) for request in trace])
     ttft, itl, e2e = (
@@ -197,6 +198,7 @@ def run_live(
         "loads_per_hour": loads / span_h,
         "router_predicted_loads": predicted,
         "simulated_s": span_h * 3600.0,
+        "engine_lag_ms": lag_ms,
     }
 
 
