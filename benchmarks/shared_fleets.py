@@ -142,6 +142,10 @@ class Outcome:
     process not keeping up in wall time: every token, the first included, reaches the router
     that much late), in the workload's time (the wall lag over the dilation)."""
 
+    def lag_note(self) -> str:
+        """The engine lag of a live run, to print after its name."""
+        return "" if self.engine_lag_ms is None else f" (engine lag {self.engine_lag_ms:,.0f} ms)"
+
     def of(self, mask: npt.NDArray[np.bool_], *, ttft_target_ms: float) -> dict[str, float]:
         fleet = self.fleet
         ttft = fleet.first_ms - fleet.arrival_ms
@@ -521,10 +525,7 @@ def main() -> None:
             totals = {}
             for name, classes in (("no objectives", None), ("premium/batch objectives", kinds)):
                 outcome = go(trace, classes, seconds)
-                lag = (
-                    "" if outcome.engine_lag_ms is None else f" (engine lag {outcome.engine_lag_ms:,.0f} ms)"
-                )
-                print(f" {name}{lag}:")
+                print(f" {name}{outcome.lag_note()}:")
                 premium_figures = outcome.of(is_premium, ttft_target_ms=args.premium_ttft_ms)
                 batch_figures = outcome.of(~is_premium, ttft_target_ms=args.batch_ttft_ms)
                 show("premium", premium_figures)
@@ -567,10 +568,9 @@ def main() -> None:
         shared = runner(fair_mode, fair_router, thresholds=busy)(trace, kinds, seconds)
         is_light = np.array([kind is light for kind in kinds])
         solo_figures = solo.of(np.ones(len(light_trace), dtype=bool), ttft_target_ms=args.batch_ttft_ms)
-        light_figures = shared.of(is_light, ttft_target_ms=args.batch_ttft_ms)
-        heavy_figures = shared.of(~is_light, ttft_target_ms=args.batch_ttft_ms)
-        show("light alone", solo_figures)
-        runs = [("one router", light_figures, heavy_figures)]
+        print(f" alone{solo.lag_note()}:")
+        show("light", solo_figures)
+        runs = [("one router", shared)]
         if args.fair_replicas:
             # Two router replicas: 80 % of the light tenant's requests reach the first, 80 % of the
             # heavy tenant's the second (Dynamo #15187's uneven split).
@@ -580,11 +580,11 @@ def main() -> None:
             split = runner(fair_mode, fair_router, thresholds=busy, replica_of=replica_of)(
                 trace, kinds, seconds
             )
-            light_split = split.of(is_light, ttft_target_ms=args.batch_ttft_ms)
-            heavy_split = split.of(~is_light, ttft_target_ms=args.batch_ttft_ms)
-            runs.append(("two replicas 80/20", light_split, heavy_split))
-        for name, light_shared, heavy_shared in runs:
-            print(f" {name}:")
+            runs.append(("two replicas 80/20", split))
+        for name, outcome in runs:
+            light_shared = outcome.of(is_light, ttft_target_ms=args.batch_ttft_ms)
+            heavy_shared = outcome.of(~is_light, ttft_target_ms=args.batch_ttft_ms)
+            print(f" {name}{outcome.lag_note()}:")
             show("light, shared", light_shared)
             show("heavy, shared", heavy_shared)
             ratio = light_shared["ttft_p99_ms"] / solo_figures["ttft_p99_ms"]
