@@ -165,9 +165,8 @@ def run_live(
 
     async def go() -> tuple[list[Answer], float, float, float]:
         async with live_fleet(settings, router=router, engine_args=engine_args, replicas=replicas) as fleet:
-            urls = fleet.urls[0] if replica_of is None else [fleet.urls[r] for r in replica_of]
             models = [kind.adapter for kind in classes]
-            answers = await drive(urls, trace, speedup=1.0, synth=synth, models=models)
+            answers = await drive(fleet.targets(replica_of), trace, speedup=1.0, synth=synth, models=models)
             pages = [f"{url}/prometheus/metrics" for url in fleet.engine_urls]
             loads = await metric_total(pages, f"{MOCK_LORA_LOADS}_total")
             admin = [f"{url}/metrics" for url in fleet.admin_urls]

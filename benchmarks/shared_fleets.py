@@ -277,7 +277,7 @@ def run_live(
             settings, router=router, gateway=gateway, dilation=dilation, replicas=replicas
         ) as fleet:
             answers = await drive(
-                fleet.urls[0] if replica_of is None else [fleet.urls[r] for r in replica_of],
+                fleet.targets(replica_of),
                 trace,
                 speedup=1.0 / dilation,
                 synth=synth,

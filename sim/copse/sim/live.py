@@ -276,6 +276,11 @@ class LiveFleet:
     """Where each router serves ``/metrics`` and ``/workers`` (as a picker: its metrics port)."""
     engine_urls: list[str]
 
+    def targets(self, replica_of: Sequence[int] | None = None) -> str | list[str]:
+        """Where :func:`drive` sends each request: all to the first URL, or the ``i``-th to
+        replica ``replica_of[i]``."""
+        return self.urls[0] if replica_of is None else [self.urls[replica] for replica in replica_of]
+
 
 @contextlib.asynccontextmanager
 async def live_fleet(
@@ -436,6 +441,7 @@ async def drive(
     (a LoRA adapter, say); the answers in trace order."""
     if not isinstance(url, str) and len(url) != len(trace):
         raise ValueError(f"{len(url)} URLs for {len(trace)} requests: one URL, or one per request")
+    urls = [url] * len(trace) if isinstance(url, str) else url
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         loop = asyncio.get_running_loop()
@@ -452,7 +458,7 @@ async def drive(
                 asyncio.create_task(
                     send(
                         http,
-                        url if isinstance(url, str) else url[index],
+                        urls[index],
                         tokens=tokens,
                         max_tokens=request.output_length,
                         headers=extra,
