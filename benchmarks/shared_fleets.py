@@ -382,6 +382,13 @@ def main() -> None:
         help="Router busy threshold of the fairness runs (lower: the router's queue orders more).",
     )
     parser.add_argument(
+        "--fair-contended-prefill-tokens",
+        type=float,
+        default=Thresholds().contended_prefill_tokens,
+        help="Router busy threshold of the fairness runs while both tenants are routed (the lower "
+        "of the two applies).",
+    )
+    parser.add_argument(
         "--premium-itl-guard",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -550,10 +557,13 @@ def main() -> None:
             f"({(light_rate + heavy_rate) / cap:.2f}x capacity) for {seconds:.0f} s"
         )
         busy = Thresholds(
-            busy_prefill_tokens=args.fair_busy_prefill_tokens, busy_kv_fraction=args.fair_busy_kv_fraction
+            busy_prefill_tokens=args.fair_busy_prefill_tokens,
+            contended_prefill_tokens=args.fair_contended_prefill_tokens,
+            busy_kv_fraction=args.fair_busy_kv_fraction,
         )
         print(
-            f" router busy thresholds {busy.busy_prefill_tokens:,.0f} prefill tokens per engine, "
+            f" router busy thresholds {busy.busy_prefill_tokens:,.0f} prefill tokens per engine "
+            f"({busy.contended_prefill_tokens:,.0f} while both tenants are routed), "
             f"{busy.busy_kv_fraction:g} of its KV"
         )
         fair_mode = "http" if modes else None

@@ -494,6 +494,46 @@ def test_the_queue_serves_the_higher_priority_first() -> None:
     assert [route.request_id for route in released] == ["premium"]
 
 
+def _own(rid: str, *, start: int, priority: int = 0, tenant: str = "") -> RouteRequest:
+    """A 1,000-token request sharing no block with any other."""
+    tokens = list(range(start, start + 1000))
+    return dataclasses.replace(_request(rid, tokens), priority=priority, tenant=tenant)
+
+
+CONTENDED = Thresholds(busy_prefill_tokens=5000, contended_prefill_tokens=1500)
+
+
+def test_a_tenant_alone_fills_a_worker_to_the_busy_threshold_a_second_one_to_a_step() -> None:
+    router = _router(workers=1, thresholds=CONTENDED)
+    for i in range(4):  # one tenant: first come, first served wherever it waits
+        assert router.submit(_own(f"a{i}", start=10_000 * (i + 1), tenant="a"), now=0.0) is not None
+    # 4,000 tokens to prefill, below the busy threshold, but above one step: the other tenant's
+    # request waits in the fair queue, not behind them at the worker.
+    assert router.submit(_own("b0", start=90_000, tenant="b"), now=0.1) is None
+    assert router.prefill_done("a0", now=0.2) == []
+    assert router.prefill_done("a1", now=0.3) == []
+    assert [route.request_id for route in router.prefill_done("a2", now=0.4)] == ["b0"]
+
+
+def test_a_lower_priority_keeps_a_step_queued_while_a_higher_one_is_routed() -> None:
+    router = _router(workers=1, thresholds=CONTENDED)
+    assert router.submit(_own("premium0", start=10_000, priority=100), now=0.0) is not None
+    assert router.submit(_own("batch0", start=20_000, priority=0), now=0.1) is not None
+    assert router.submit(_own("batch1", start=30_000, priority=0), now=0.2) is None
+    # The higher band competes with nothing above it: it takes the worker up to the busy
+    # threshold, at once, although a lower request waits for the worker (it comes first).
+    assert router.submit(_own("premium1", start=40_000, priority=100), now=0.3) is not None
+    assert router.queued == 1
+
+
+def test_a_tenant_routed_by_a_peer_replica_contends_here_too() -> None:
+    a, b = (_router(workers=1, share_load=True, thresholds=CONTENDED) for _ in range(2))
+    assert b.submit(_own("b0", start=10_000, tenant="b"), now=0.0) is not None
+    _exchange((a, b), now=0.0)
+    assert a.submit(_own("a0", start=20_000, tenant="a"), now=0.1) is not None  # 1,000 queued before it
+    assert a.submit(_own("a1", start=30_000, tenant="a"), now=0.2) is None
+
+
 def test_a_request_predicted_to_miss_its_ttft_target_is_shed_lowest_priority_first() -> None:
     router = _saturated()
     for i in range(4):  # 8,000 tokens of batch work waiting: 3.2 s at the fleet's rate

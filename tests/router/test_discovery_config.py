@@ -153,6 +153,8 @@ def test_the_operators_config_is_accepted_as_is(tmp_path: Path) -> None:
     assert isinstance(config.discovery, KubernetesDiscovery)
     assert config.namespace == "serving"  # NATS subjects follow the deployment's namespace
     assert config.thresholds().queue_size == 64
+    # Unset, the threshold of contended requests is one step of the engines.
+    assert config.thresholds().contended_prefill_tokens == config.max_num_batched_tokens
 
 
 def test_the_onboarding_cost_per_block_follows_the_tier_bandwidths() -> None:

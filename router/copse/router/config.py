@@ -280,6 +280,11 @@ class RouterConfig(_Model):
     first token in the ``kv`` cost (ignored under ``e2e`` and ``goodput``)."""
     busy_prefill_tokens: float = Field(default=Thresholds().busy_prefill_tokens, gt=0)
     """Outstanding prefill tokens beyond which a worker takes no new request."""
+    contended_prefill_tokens: float | None = Field(default=None, gt=0)
+    """The same, for a request that other tenants of its priority or higher ones compete with
+    (several tenants or priorities routed over ``rate_window_s``), which the fair queue must then
+    order; unset: one engine step, ``max_num_batched_tokens`` (see
+    ``copse.router.core.Thresholds.contended_prefill_tokens``)."""
     busy_kv_fraction: float = Field(default=Thresholds().busy_kv_fraction, gt=0)
     """KV use (fraction of the cache) beyond which a worker takes no new request."""
     max_retries: int = Field(default=2, ge=0)
@@ -507,6 +512,7 @@ class RouterConfig(_Model):
         """Busy thresholds and queue bound."""
         return Thresholds(
             busy_prefill_tokens=self.busy_prefill_tokens,
+            contended_prefill_tokens=self.contended_prefill_tokens or self.max_num_batched_tokens,
             busy_kv_fraction=self.busy_kv_fraction,
             queue_size=self.queue_size,
             rate_window_s=self.rate_window_s,

@@ -106,6 +106,14 @@ class Thresholds:
     busy_kv_fraction: float = 0.95
     """A worker whose predicted KV use exceeds this fraction of its cache takes no new request
     (beyond it the engine would preempt running sequences)."""
+    contended_prefill_tokens: float = 8192
+    """The prefill threshold while the queue's order is not first come, first served (the lower of
+    the two applies): for a request when another tenant of its priority, or any of a higher one,
+    was routed over ``rate_window_s``. One engine step keeps the worker busy for its next step;
+    prefill queued at a worker beyond that is served there in arrival order, outside the fair
+    queue and the priority bands, so a light tenant's or a higher band's request would start
+    behind up to ``busy_prefill_tokens`` of others' prompts. A fleet serving one tenant at one
+    priority never meets this threshold (its queue is first come, first served wherever it waits)."""
     queue_size: int = 1024
     """Requests that may wait while every worker is busy, counting those of the new request's
     priority or higher (a full queue of low-priority requests does not refuse a higher one; the
@@ -320,6 +328,9 @@ class Router:
         self._routed_by_tenant: dict[tuple[int, str], float] = {}
         """Of ``_routed_sum``, the tokens of each (priority, tenant) routed in the window (a tenant
         leaves when its last one does)."""
+        self._tenants_by_band: Counter[int] = Counter()
+        """Per priority, the tenants of ``_routed_by_tenant`` (kept with it: whether others compete
+        with a request is asked on every route)."""
         self.outbox: list[PeerChange] | None = [] if share_load else None
         """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
         self.prompt_tokens_routed = 0
@@ -443,6 +454,12 @@ class Router:
         if route is None:
             self._admit(request, now=now)
             self._enqueue(_Queued(request=request, exclude=exclude, retry=retry), now=now)
+            if held and self._serves_first(request.request_id, now=now):
+                # It comes before what waits (a higher band, a tenant below its share), which may
+                # wait only for workers it may not take: it is tried now, not at the next change.
+                route = self._try_route(request, now=now, exclude=exclude, retry=retry)
+                if route is not None:
+                    self._dequeue(request.request_id, retry=retry)
         if limits is not None:
             limits.take(request.tenant, tokens, now=now)
         return route
@@ -472,8 +489,9 @@ class Router:
             left = by_tenant.get((priority, tenant), 0.0) - tokens
             if left > 0.5:
                 by_tenant[priority, tenant] = left
-            else:  # the tenant left the window (up to float residue and sub-token entries)
-                by_tenant.pop((priority, tenant), None)
+            elif by_tenant.pop((priority, tenant), None) is not None:
+                # The tenant left the window (up to float residue and sub-token entries).
+                self._tenants_by_band[priority] -= 1
 
     def _count_routed(self, tokens: float, *, priority: int, tenant: str, now: float) -> None:
         """``tokens`` of ``tenant`` at ``priority`` were routed at ``now``, here or by a peer
@@ -483,7 +501,18 @@ class Router:
         self._routed_tokens.append((now, tokens, priority, tenant))
         self._routed_sum += tokens
         by_tenant = self._routed_by_tenant
+        if (priority, tenant) not in by_tenant:
+            self._tenants_by_band[priority] += 1
         by_tenant[priority, tenant] = by_tenant.get((priority, tenant), 0.0) + tokens
+
+    def _contended(self, request: RouteRequest, *, now: float) -> bool:
+        """Whether another tenant of ``request``'s priority, or any of a higher one, was routed over
+        the window, here or by a peer: the queue's order is then not first come, first served, so
+        the request may keep at most a step of prefill queued at a worker (``Thresholds``)."""
+        self._forget_routed(now=now)
+        band = request.priority
+        routed = sum(count for priority, count in self._tenants_by_band.items() if priority >= band)
+        return routed > ((band, request.tenant) in self._routed_by_tenant)
 
     def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
         """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queues
@@ -654,28 +683,46 @@ class Router:
             route = self._try_route(queued.request, now=now, exclude=queued.exclude, retry=queued.retry)
             if route is None:
                 break
-            if queued.retry:
-                self._queue.remove(key)  # a retry: its tenant was charged when it was first routed
-            else:
-                self._queue.pop(key)
+            self._dequeue(key, retry=queued.retry)
             routed.append(route)
         return routed
 
-    def _free(self, role: Role, exclude: frozenset[str]) -> _Eligible | None:
-        """Workers of ``role``, not excluded and not busy, over every slot; ``None`` when there are
+    def _serves_first(self, key: str, *, now: float) -> bool:
+        """Whether the queue serves ``key`` next, no peer replica's head coming first."""
+        head = self._queue.peek()
+        if head is None or head[0] != key:
+            return False
+        return self._queue.held_until(now=now, max_hold_s=self.thresholds.peer_queue_max_age_s) is None
+
+    def _dequeue(self, key: str, *, retry: bool) -> None:
+        """Take the routed ``key`` out of the queue, charging its tenant unless it is a retry (its
+        tenant was charged when it was first routed)."""
+        if retry:
+            self._queue.remove(key)
+        else:
+            self._queue.pop(key)
+
+    def _free(
+        self, role: Role, exclude: frozenset[str], *, prefill_limit: float | None = None
+    ) -> _Eligible | None:
+        """Workers of ``role``, not excluded and not busy (nor with more than ``prefill_limit``
+        uncached prompt tokens to prefill, when given), over every slot; ``None`` when there are
         none. Needs :meth:`WorkerCosts.refresh` first."""
         if not self._role_count[role]:
             return None
         versions = (self.costs.version, self._roles_version)
-        if not exclude:
-            cached = self._free_cache.get(role)
-            if cached is not None and cached[0] == versions:
-                return cached[1]
-        free = self._present(role, exclude) & self.costs.free
-        found = _Eligible.of(free) if free.any() else None
-        if not exclude:
-            self._free_cache[role] = (versions, found)
-        return found
+        cached = self._free_cache.get(role) if not exclude else None
+        if cached is not None and cached[0] == versions:
+            found = cached[1]
+        else:
+            free = self._present(role, exclude) & self.costs.free
+            found = _Eligible.of(free) if free.any() else None
+            if not exclude:
+                self._free_cache[role] = (versions, found)
+        if found is None or prefill_limit is None:
+            return found
+        within = found.mask & (self.sequences.prefill_tokens <= prefill_limit)
+        return _Eligible.of(within) if within.any() else None
 
     def _present(self, role: Role, exclude: frozenset[str]) -> BoolArray:
         """Workers of ``role`` taking requests (not draining), not excluded, busy or not."""
@@ -718,10 +765,11 @@ class Router:
         self, request: RouteRequest, *, now: float, exclude: frozenset[str], retry: bool
     ) -> Route | None:
         self.costs.refresh()
-        worker_free = self._narrow(request, self._free(Role.WORKER, exclude))
-        decode_free = self._narrow(request, self._free(Role.DECODE, exclude))
+        limit = self.thresholds.contended_prefill_tokens if self._contended(request, now=now) else None
+        worker_free = self._narrow(request, self._free(Role.WORKER, exclude, prefill_limit=limit))
+        decode_free = self._narrow(request, self._free(Role.DECODE, exclude, prefill_limit=limit))
         if decode_free is not None:
-            prefill_free = self._narrow(request, self._free(Role.PREFILL, exclude))
+            prefill_free = self._narrow(request, self._free(Role.PREFILL, exclude, prefill_limit=limit))
             if prefill_free is not None:
                 # Only prefill workers of a revision that has a free decode worker.
                 prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))

@@ -327,6 +327,7 @@ async def live_fleet(
                 "block_size": block_size,
                 "queue_size": settings.thresholds.queue_size,
                 "busy_prefill_tokens": settings.thresholds.busy_prefill_tokens,
+                "contended_prefill_tokens": settings.thresholds.contended_prefill_tokens,
                 "busy_kv_fraction": settings.thresholds.busy_kv_fraction,
                 "rate_window_s": settings.thresholds.rate_window_s,
                 "nats_url": nats_url,
