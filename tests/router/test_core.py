@@ -494,25 +494,32 @@ def test_the_queue_serves_the_higher_priority_first() -> None:
     assert [route.request_id for route in released] == ["premium"]
 
 
-def _own(rid: str, *, start: int, priority: int = 0, tenant: str = "") -> RouteRequest:
-    """A 1,000-token request sharing no block with any other."""
-    tokens = list(range(start, start + 1000))
-    return dataclasses.replace(_request(rid, tokens), priority=priority, tenant=tenant)
+def _own(rid: str, *, start: int, tokens: int = 1000, priority: int = 0, tenant: str = "") -> RouteRequest:
+    """A request of ``tokens`` prompt tokens sharing no block with any other."""
+    prompt = list(range(start, start + tokens))
+    return dataclasses.replace(_request(rid, prompt), priority=priority, tenant=tenant)
 
 
-CONTENDED = Thresholds(busy_prefill_tokens=5000, contended_prefill_tokens=1500)
+CONTENDED = Thresholds(busy_prefill_tokens=5000, contended_prefill_tokens=2500)
 
 
 def test_a_tenant_alone_fills_a_worker_to_the_busy_threshold_a_second_one_to_a_step() -> None:
     router = _router(workers=1, thresholds=CONTENDED)
     for i in range(4):  # one tenant: first come, first served wherever it waits
         assert router.submit(_own(f"a{i}", start=10_000 * (i + 1), tenant="a"), now=0.0) is not None
-    # 4,000 tokens to prefill, below the busy threshold, but above one step: the other tenant's
-    # request waits in the fair queue, not behind them at the worker.
+    # 4,000 tokens to prefill, below the busy threshold: the other tenant's request waits in the
+    # fair queue, not behind them at the worker, until it fits in a step beside what is left.
     assert router.submit(_own("b0", start=90_000, tenant="b"), now=0.1) is None
     assert router.prefill_done("a0", now=0.2) == []
     assert router.prefill_done("a1", now=0.3) == []
     assert [route.request_id for route in router.prefill_done("a2", now=0.4)] == ["b0"]
+
+
+def test_a_contended_prompt_longer_than_a_step_waits_for_a_worker_with_none_queued() -> None:
+    router = _router(workers=1, thresholds=CONTENDED)
+    assert router.submit(_own("a0", start=10_000, tenant="a"), now=0.0) is not None
+    assert router.submit(_own("long", start=20_000, tokens=3000, tenant="b"), now=0.1) is None
+    assert [route.request_id for route in router.prefill_done("a0", now=0.2)] == ["long"]
 
 
 def test_a_lower_priority_keeps_a_step_queued_while_a_higher_one_is_routed() -> None:
@@ -524,6 +531,16 @@ def test_a_lower_priority_keeps_a_step_queued_while_a_higher_one_is_routed() -> 
     # threshold, at once, although a lower request waits for the worker (it comes first).
     assert router.submit(_own("premium1", start=40_000, priority=100), now=0.3) is not None
     assert router.queued == 1
+
+
+def test_a_contended_request_waits_for_a_prefill_worker_with_room_for_its_prompt() -> None:
+    router = _disagg(thresholds=CONTENDED)
+    first = router.submit(_own("a0", start=10_000, tenant="a"), now=0.0)
+    assert first is not None
+    assert first.prefill_worker_id == "p0"
+    assert router.submit(_own("b0", start=20_000, tokens=2000, tenant="b"), now=0.1) is None
+    released = router.prefill_done("a0", now=0.2)
+    assert [(route.request_id, route.prefill_worker_id) for route in released] == [("b0", "p0")]
 
 
 def test_a_tenant_routed_by_a_peer_replica_contends_here_too() -> None:

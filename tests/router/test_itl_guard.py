@@ -55,8 +55,11 @@ def test_lower_priorities_keep_their_long_prefill_off_the_premium_worker_or_wait
     assert steps[slot] > ITL_MS, "the test's long prompt must break the target"
     # A short prompt fits the premium worker's steps; a long one goes to the other worker.
     short = router.submit(_request("short", 64), now=0.2)
-    long_one = router.submit(_request("long", LONG), now=0.2)
     assert short is not None
+    # (A lower band while a higher one is routed: a prompt longer than a step waits for a worker
+    # with no prefill queued.)
+    router.prefill_done("short", now=0.2)
+    long_one = router.submit(_request("long", LONG), now=0.2)
     assert long_one is not None
     assert long_one.worker_id == other
     # The other worker is busy now (9,000 prefill tokens > 8,000): the next long batch request waits

@@ -107,13 +107,15 @@ class Thresholds:
     """A worker whose predicted KV use exceeds this fraction of its cache takes no new request
     (beyond it the engine would preempt running sequences)."""
     contended_prefill_tokens: float = 8192
-    """The prefill threshold while the queue's order is not first come, first served (the lower of
-    the two applies): for a request when another tenant of its priority, or any of a higher one,
-    was routed over ``rate_window_s``. One engine step keeps the worker busy for its next step;
-    prefill queued at a worker beyond that is served there in arrival order, outside the fair
-    queue and the priority bands, so a light tenant's or a higher band's request would start
-    behind up to ``busy_prefill_tokens`` of others' prompts. A fleet serving one tenant at one
-    priority never meets this threshold (its queue is first come, first served wherever it waits)."""
+    """While the queue's order is not first come, first served (another tenant of a request's
+    priority, or any of a higher one, was routed over ``rate_window_s``), the request goes only to
+    a worker where its uncached prompt fits in this beside the prefill the worker already holds,
+    or that holds none (a longer prompt waits for an empty queue). One engine step is what the
+    worker's next step takes; prefill queued at a worker beyond it is served there in arrival
+    order, outside the fair queue and the priority bands, so a light tenant's or a higher band's
+    request would start behind up to ``busy_prefill_tokens`` of others' prompts. A fleet serving
+    one tenant at one priority never meets this rule (its queue is first come, first served
+    wherever it waits)."""
     queue_size: int = 1024
     """Requests that may wait while every worker is busy, counting those of the new request's
     priority or higher (a full queue of low-priority requests does not refuse a higher one; the
@@ -508,7 +510,7 @@ class Router:
     def _contended(self, request: RouteRequest, *, now: float) -> bool:
         """Whether another tenant of ``request``'s priority, or any of a higher one, was routed over
         the window, here or by a peer: the queue's order is then not first come, first served, so
-        the request may keep at most a step of prefill queued at a worker (``Thresholds``)."""
+        the request goes only where its prompt fits in a step (:meth:`_within_step`)."""
         self._forget_routed(now=now)
         band = request.priority
         routed = sum(count for priority, count in self._tenants_by_band.items() if priority >= band)
@@ -702,27 +704,21 @@ class Router:
         else:
             self._queue.pop(key)
 
-    def _free(
-        self, role: Role, exclude: frozenset[str], *, prefill_limit: float | None = None
-    ) -> _Eligible | None:
-        """Workers of ``role``, not excluded and not busy (nor with more than ``prefill_limit``
-        uncached prompt tokens to prefill, when given), over every slot; ``None`` when there are
+    def _free(self, role: Role, exclude: frozenset[str]) -> _Eligible | None:
+        """Workers of ``role``, not excluded and not busy, over every slot; ``None`` when there are
         none. Needs :meth:`WorkerCosts.refresh` first."""
         if not self._role_count[role]:
             return None
         versions = (self.costs.version, self._roles_version)
-        cached = self._free_cache.get(role) if not exclude else None
-        if cached is not None and cached[0] == versions:
-            found = cached[1]
-        else:
-            free = self._present(role, exclude) & self.costs.free
-            found = _Eligible.of(free) if free.any() else None
-            if not exclude:
-                self._free_cache[role] = (versions, found)
-        if found is None or prefill_limit is None:
-            return found
-        within = found.mask & (self.sequences.prefill_tokens <= prefill_limit)
-        return _Eligible.of(within) if within.any() else None
+        if not exclude:
+            cached = self._free_cache.get(role)
+            if cached is not None and cached[0] == versions:
+                return cached[1]
+        free = self._present(role, exclude) & self.costs.free
+        found = _Eligible.of(free) if free.any() else None
+        if not exclude:
+            self._free_cache[role] = (versions, found)
+        return found
 
     def _present(self, role: Role, exclude: frozenset[str]) -> BoolArray:
         """Workers of ``role`` taking requests (not draining), not excluded, busy or not."""
@@ -765,11 +761,10 @@ class Router:
         self, request: RouteRequest, *, now: float, exclude: frozenset[str], retry: bool
     ) -> Route | None:
         self.costs.refresh()
-        limit = self.thresholds.contended_prefill_tokens if self._contended(request, now=now) else None
-        worker_free = self._narrow(request, self._free(Role.WORKER, exclude, prefill_limit=limit))
-        decode_free = self._narrow(request, self._free(Role.DECODE, exclude, prefill_limit=limit))
+        worker_free = self._narrow(request, self._free(Role.WORKER, exclude))
+        decode_free = self._narrow(request, self._free(Role.DECODE, exclude))
         if decode_free is not None:
-            prefill_free = self._narrow(request, self._free(Role.PREFILL, exclude, prefill_limit=limit))
+            prefill_free = self._narrow(request, self._free(Role.PREFILL, exclude))
             if prefill_free is not None:
                 # Only prefill workers of a revision that has a free decode worker.
                 prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
@@ -785,7 +780,8 @@ class Router:
                 )
         if worker_free is None:
             return None
-        guarded = self._within_guards(self._selection(request, worker_free, now=now))
+        selection = self._within_step(self._selection(request, worker_free, now=now))
+        guarded = None if selection is None else self._within_guards(selection)
         if guarded is None:
             return None
         return self._commit_aggregated(guarded, self.policy.choose(guarded), retry=retry, now=now)
@@ -804,6 +800,24 @@ class Router:
             decode + self.perf.f0 + self.perf.compute_ms_array(new_tokens=chunk, total_tokens=chunk)
         )
         return out
+
+    def _within_step(self, selection: Selection) -> Selection | None:
+        """Of ``selection``, while its request is contended (:meth:`_contended`), the workers where
+        its uncached prompt fits in ``contended_prefill_tokens`` beside the prefill they hold, or
+        that hold none; ``None`` when none is left (it waits)."""
+        request = selection.request
+        if not self._contended(request, now=selection.now):
+            return selection
+        pending = self.sequences.prefill_tokens
+        step = self.thresholds.contended_prefill_tokens
+        fits = pending + selection.uncached_tokens()[: len(pending)] <= step
+        mask = selection.eligible & (fits | (pending <= 0.0))
+        if not mask.any():
+            return None
+        if np.array_equal(mask, selection.eligible):
+            return selection
+        narrowed = _Eligible.of(mask)
+        return dataclasses.replace(selection, eligible=narrowed.mask, exclusion=narrowed.exclusion)
 
     def _within_guards(self, selection: Selection) -> Selection | None:
         """Keep decode steps within the ITL targets of the objectives that have one:
@@ -959,8 +973,10 @@ class Router:
         *,
         retry: bool,
         now: float,
-    ) -> Route:
-        prefill = self._selection(request, prefill_free, now=now)
+    ) -> Route | None:
+        prefill = self._within_step(self._selection(request, prefill_free, now=now))
+        if prefill is None:
+            return None
         p_slot = self.policy.choose(prefill)
         p_worker = self.workers[self.slots.worker_id(p_slot)]
         p_locality = p_worker.locality
