@@ -385,8 +385,8 @@ def main() -> None:
         "--fair-contended-prefill-tokens",
         type=float,
         default=Thresholds().contended_prefill_tokens,
-        help="Router busy threshold of the fairness runs while both tenants are routed (the lower "
-        "of the two applies).",
+        help="Tokens a request's prompt must fit in beside a worker's queued prefill while both "
+        "tenants are routed (the router's contended_prefill_tokens).",
     )
     parser.add_argument(
         "--premium-itl-guard",
@@ -563,7 +563,7 @@ def main() -> None:
         )
         print(
             f" router busy thresholds {busy.busy_prefill_tokens:,.0f} prefill tokens per engine "
-            f"({busy.contended_prefill_tokens:,.0f} while both tenants are routed), "
+            f"(a prompt fits in {busy.contended_prefill_tokens:,.0f} while both tenants are routed), "
             f"{busy.busy_kv_fraction:g} of its KV"
         )
         fair_mode = "http" if modes else None

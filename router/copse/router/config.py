@@ -281,9 +281,10 @@ class RouterConfig(_Model):
     busy_prefill_tokens: float = Field(default=Thresholds().busy_prefill_tokens, gt=0)
     """Outstanding prefill tokens beyond which a worker takes no new request."""
     contended_prefill_tokens: float | None = Field(default=None, gt=0)
-    """The same, for a request that other tenants of its priority or higher ones compete with
-    (several tenants or priorities routed over ``rate_window_s``), which the fair queue must then
-    order; unset: one engine step, ``max_num_batched_tokens`` (see
+    """While other tenants of a request's priority, or any of a higher one, were routed over
+    ``rate_window_s`` (the fair queue's order then matters), the request goes only to a worker
+    where its uncached prompt fits in this many tokens beside the prefill queued there, or with
+    none queued; unset: one engine step, ``max_num_batched_tokens`` (see
     ``copse.router.core.Thresholds.contended_prefill_tokens``)."""
     busy_kv_fraction: float = Field(default=Thresholds().busy_kv_fraction, gt=0)
     """KV use (fraction of the cache) beyond which a worker takes no new request."""
