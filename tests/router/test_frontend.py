@@ -640,7 +640,7 @@ async def test_a_client_that_leaves_after_done_ends_its_stream_without_blaming_t
             raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
 
     stream = _ClientStream(
-        progress=StreamProgress(prompt=[1, 2, 3], requested=4),
+        progress=StreamProgress(prompt=(1, 2, 3), requested=4),
         arrived=0.0,
         request=RouteRequest(request_id="r", hashes=[], prompt_tokens=3, max_tokens=4),
         write_timeout_s=1.0,

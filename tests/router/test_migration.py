@@ -44,7 +44,7 @@ def _feed(progress: StreamProgress, *events: dict[str, Any]) -> None:
 
 
 def test_a_continuation_carries_the_ids_and_the_remaining_budget() -> None:
-    progress = StreamProgress(prompt=[5, 6, 7], requested=10)
+    progress = StreamProgress(prompt=(5, 6, 7), requested=10)
     _feed(
         progress,
         {"id": "cmpl-1", "created": 42, "choices": [{"text": " a b", "token_ids": [100, 101]}]},
@@ -54,17 +54,17 @@ def test_a_continuation_carries_the_ids_and_the_remaining_budget() -> None:
     assert (progress.stream_id, progress.created) == ("cmpl-1", 42)
     original = {"model": MODEL, "prompt": "five six seven", "max_tokens": 10, "min_tokens": 5, "echo": True}
     body = progress.continuation(original, chat=False)
-    assert body == {"model": MODEL, "prompt": [5, 6, 7, 100, 101, 102], "max_tokens": 7, "min_tokens": 2}
+    assert body == {"model": MODEL, "prompt": (5, 6, 7, 100, 101, 102), "max_tokens": 7, "min_tokens": 2}
     assert original["prompt"] == "five six seven"  # the client's request is left alone
     chat = progress.continuation({"model": MODEL, "messages": CHAT, "max_completion_tokens": 10}, chat=True)
-    assert chat["prompt_token_ids"] == [5, 6, 7, 100, 101, 102]
+    assert chat["prompt_token_ids"] == (5, 6, 7, 100, 101, 102)
     assert chat["max_completion_tokens"] == 7
     assert "max_tokens" not in chat
     assert progress.continuation({"model": MODEL, "messages": CHAT}, chat=True)["max_tokens"] == 7
 
 
 def test_a_continuation_chunk_keeps_the_first_id_drops_the_second_role_header_and_counts_usage() -> None:
-    progress = StreamProgress(prompt=[5, 6, 7], requested=4)
+    progress = StreamProgress(prompt=(5, 6, 7), requested=4)
     _feed(
         progress,
         {"id": "chatcmpl-1", "created": 42, "choices": [{"delta": {"role": "assistant", "content": ""}}]},
@@ -97,10 +97,10 @@ def test_a_continuation_chunk_keeps_the_first_id_drops_the_second_role_header_an
 
 
 def test_a_stream_without_token_ids_or_with_nothing_left_is_not_resumable() -> None:
-    text_only = StreamProgress(prompt=[1], requested=5)
+    text_only = StreamProgress(prompt=(1,), requested=5)
     _feed(text_only, {"id": "x", "choices": [{"text": " a"}]})
     assert not text_only.resumable
-    finished = StreamProgress(prompt=[1], requested=5)
+    finished = StreamProgress(prompt=(1,), requested=5)
     _feed(finished, {"id": "x", "choices": [{"text": " a", "token_ids": [3], "finish_reason": "stop"}]})
     assert not finished.resumable
     assert finished.output == [3]

@@ -313,7 +313,7 @@ async def test_large_bodies_are_parsed_and_tokenized_off_the_event_loop(
     threads: list[str] = []
     parse = server._completion_prompt
 
-    def recording(raw: bytes) -> tuple[Any, list[int]]:
+    def recording(raw: bytes) -> tuple[Any, tuple[int, ...]]:
         threads.append(threading.current_thread().name)
         return parse(raw)
 

@@ -531,7 +531,7 @@ class RouterService(RoutingService):
                     payload = progress.continuation(relay.body, chat=False)
                 route_request = self.route_request(
                     route_request.request_id,
-                    progress.prompt + progress.output,
+                    progress.continued_prompt,
                     max_tokens=progress.remaining,
                     resolved=prepared.resolved,
                 )

@@ -26,6 +26,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from copse.workers.protocol.openai_api import TokenIds
+
 
 class MigrationReason(enum.StrEnum):
     """Why a stream left its worker (the ``reason`` label of the migration metric)."""
@@ -50,7 +52,7 @@ def _int(value: object) -> int | None:
 class StreamProgress:
     """What a streamed request has delivered to its client, across the workers that served it."""
 
-    prompt: list[int]
+    prompt: TokenIds
     """Token ids of the original prompt."""
     requested: int
     """Output tokens the client asked for (``max_tokens``, or the default)."""
@@ -75,6 +77,11 @@ class StreamProgress:
         return self.requested - len(self.output)
 
     @property
+    def continued_prompt(self) -> TokenIds:
+        """The prompt of a continuation: the original prompt and the output the client received."""
+        return (*self.prompt, *self.output)
+
+    @property
     def resumable(self) -> bool:
         """Whether the stream can go on elsewhere (it knows its ids and has something left)."""
         return self.trackable and not self.finished and self.remaining > 0
@@ -93,7 +100,7 @@ class StreamProgress:
     def continuation(self, payload: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
         """The request that continues the stream on another worker (``payload``: the client's)."""
         body = dict(payload)
-        ids = self.prompt + self.output
+        ids = self.continued_prompt
         remaining = self.remaining
         body.pop("echo", None)  # the client has its prompt (or last message) echoed already
         if chat:

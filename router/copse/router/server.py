@@ -32,6 +32,7 @@ from copse.router.replica_sync import ReplicaSync
 from copse.router.service import RoutingService
 from copse.router.tokens import load_tokenizer
 from copse.workers.perf import load_perf_model
+from copse.workers.serving import tune_collector
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,7 @@ async def start_router(
 async def serve(config: RouterConfig) -> None:
     """Run a router until SIGTERM or SIGINT, then drain it (see :meth:`RunningRouter.drain`)."""
     running = await start_router(config)
+    tune_collector()
     mode = "KV events + replica sync over NATS" if running.link is not None else "approximate (no NATS)"
     if running.picker is not None:
         log.info(

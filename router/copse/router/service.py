@@ -29,7 +29,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +52,7 @@ from copse.workers.protocol.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
+    TokenIds,
     parse_request_object,
 )
 
@@ -102,7 +103,7 @@ class Prepared:
     body: dict[str, Any]
     """The request's JSON object as it is forwarded: as the client sent it, plus what the router
     adds (an adapter's ``lora_request``)."""
-    tokens: list[int]
+    tokens: TokenIds
     """The prompt's token ids."""
     route: RouteRequest
     resolved: Resolved
@@ -618,7 +619,7 @@ class RoutingService:
     def route_request(
         self,
         request_id: str,
-        tokens: list[int],
+        tokens: Sequence[int],
         *,
         max_tokens: int,
         headers: Mapping[str, str] | None = None,

@@ -50,7 +50,7 @@ from typing import Any
 
 from copse.router.migration import StreamProgress
 from copse.router.tokens import HfPromptTokenizer, StreamDecoder
-from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest, TokenIds
 
 ENGINE_PATH = "/v1/completions"
 """Where a relayed stream goes: chat too is sent as a token-id completions request."""
@@ -193,7 +193,7 @@ class TokenRelay:
         *,
         request: CompletionRequest | ChatCompletionRequest,
         payload: dict[str, Any],
-        tokens: list[int],
+        tokens: TokenIds,
         tokenizer: HfPromptTokenizer,
     ) -> None:
         self.chat = isinstance(request, ChatCompletionRequest)
@@ -214,7 +214,7 @@ class TokenRelay:
         self._started = False
 
     def _engine_body(
-        self, request: CompletionRequest | ChatCompletionRequest, payload: dict[str, Any], tokens: list[int]
+        self, request: CompletionRequest | ChatCompletionRequest, payload: dict[str, Any], tokens: TokenIds
     ) -> dict[str, Any]:
         """The client's request as a token-id completions request with ``detokenize: false``."""
         body = {key: value for key, value in payload.items() if key not in _CHAT_ONLY_FIELDS}

@@ -46,7 +46,7 @@ unchanged for every engine, as ``trtllm-serve`` uses them without rendering or e
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -61,7 +61,12 @@ from tokenizers import Tokenizer, processors
 from tokenizers.decoders import DecodeStream
 
 from copse.router.config import RouterConfig
-from copse.workers.protocol.openai_api import ChatCompletionRequest, CompletionRequest, RequestError
+from copse.workers.protocol.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    TokenIds,
+)
 from copse.workers.protocol.tokenizer import chat_tokens, encode
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -400,7 +405,7 @@ class StreamDecoder:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._clean_up = clean_up
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         """The text one chunk's token ids add."""
         pieces = [piece for token in ids if (piece := self._stream.step(self._tokenizer, token)) is not None]
         text = "".join(pieces)
@@ -418,14 +423,15 @@ def load_tokenizer(config: RouterConfig) -> PromptTokenizer:
         raise ValueError(f"tokenizer: {exc}") from exc
 
 
-def prompt_tokens(
-    request: CompletionRequest | ChatCompletionRequest, tokenizer: PromptTokenizer
-) -> list[int]:
-    """The token ids the engine will see for ``request``'s prompt. Raises :class:`RequestError`."""
+def prompt_tokens(request: CompletionRequest | ChatCompletionRequest, tokenizer: PromptTokenizer) -> TokenIds:
+    """The token ids the engine will see for ``request``'s prompt (a tuple: see
+    :data:`~copse.workers.protocol.openai_api.TokenIds`). Raises :class:`RequestError`."""
     if isinstance(request, ChatCompletionRequest):
         if request.prompt_token_ids is not None:  # already rendered and tokenized: used as is
-            return list(request.prompt_token_ids)
-        return tokenizer.chat_tokens(request)
+            return request.prompt_token_ids
+        return tuple(tokenizer.chat_tokens(request))
     if isinstance(request.prompt, str):
-        return tokenizer.completion_tokens(request.prompt, add_special_tokens=request.add_special_tokens)
-    return list(request.prompt)
+        return tuple(
+            tokenizer.completion_tokens(request.prompt, add_special_tokens=request.add_special_tokens)
+        )
+    return request.prompt

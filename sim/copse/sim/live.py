@@ -44,6 +44,7 @@ from copse.sim.trace import TokenSynth, TraceRequest
 from copse.workers.metrics import MOCK_STEP_LAG_SECONDS
 from copse.workers.perf import save_profile
 from copse.workers.protocol.errors import as_openai_error
+from copse.workers.serving import tune_collector
 from copse.workers.testing import free_port, free_port_range, nats_server
 
 MODEL = "live-replay"
@@ -134,7 +135,7 @@ async def send(
     http: aiohttp.ClientSession,
     url: str,
     *,
-    tokens: list[int],
+    tokens: Sequence[int],
     max_tokens: int,
     headers: Mapping[str, str] | None = None,
     model: str = MODEL,
@@ -443,6 +444,7 @@ async def drive(
     if not isinstance(url, str) and len(url) != len(trace):
         raise ValueError(f"{len(url)} URLs for {len(trace)} requests: one URL, or one per request")
     urls = [url] * len(trace) if isinstance(url, str) else url
+    tune_collector()  # this process stands for a fleet's clients: its timings must not stall either
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         loop = asyncio.get_running_loop()
@@ -452,7 +454,9 @@ async def drive(
             delay = origin + request.timestamp_ms / 1000 / speedup - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tokens = synth.tokens(request.hash_ids, request.input_length).tolist()
+            # A tuple, as the router keeps prompts (TokenIds): thousands of long prompts in flight as
+            # lists would stall this client's loop at every full collection and late its timings.
+            tokens = tuple(synth.tokens(request.hash_ids, request.input_length).tolist())
             extra = headers[index] if headers is not None else None
             model = models[index] if models is not None else MODEL
             tasks.append(

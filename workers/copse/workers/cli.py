@@ -24,6 +24,7 @@ from copse.workers.nats_io import KvEventPublisher, close_connection, connect
 from copse.workers.perf import KvOffload, PerfModel, ProfileError, load_perf_model, save_profile
 from copse.workers.protocol.subjects import subject_token
 from copse.workers.relay import run_relay
+from copse.workers.serving import tune_collector
 
 
 def _perf(profile: Path | None, gpus: int | None, capacity: int | None) -> PerfModel:
@@ -335,6 +336,7 @@ def mock(
             fleet = await start_fleet(settings, config=config, perf=perf, publisher=publisher)
         except OSError as exc:
             raise click.UsageError(f"cannot listen on {host} from port {port_base}: {exc}") from exc
+        tune_collector()
         click.echo(f"{engines} engine(s) on {fleet.urls[0]} .. {fleet.urls[-1]}")
         try:
             if await _until_signalled(asyncio.Event()) is signal.SIGTERM:

@@ -73,6 +73,7 @@ from copse.workers.protocol.openai_api import (
     DisaggregatedParams,
     PromptTokensDetails,
     RequestError,
+    TokenIds,
     UsageInfo,
     new_chat_id,
     new_completion_id,
@@ -99,21 +100,21 @@ thread, so that a multi-megabyte prompt does not stall the engine's steps and it
 (whose probes time out while the loop is stuck, and the router then drops the engine)."""
 
 
-def _completion_prompt(raw: bytes) -> tuple[CompletionRequest, list[int]]:
+def _completion_prompt(raw: bytes) -> tuple[CompletionRequest, TokenIds]:
     body = parse_request(CompletionRequest, raw)
-    return body, encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+    return body, tuple(encode(body.prompt)) if isinstance(body.prompt, str) else body.prompt
 
 
-def _chat_prompt(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+def _chat_prompt(raw: bytes) -> tuple[ChatCompletionRequest, TokenIds]:
     body = parse_request(ChatCompletionRequest, raw)
     if body.prompt_token_ids is not None:
         return body, body.prompt_token_ids
-    return body, chat_tokens(body.turns(), add_generation_prompt=body.add_generation_prompt)
+    return body, tuple(chat_tokens(body.turns(), add_generation_prompt=body.add_generation_prompt))
 
 
 async def _off_loop_if_large(
-    parse: Callable[[bytes], tuple[_Parsed, list[int]]], raw: bytes
-) -> tuple[_Parsed, list[int]]:
+    parse: Callable[[bytes], tuple[_Parsed, TokenIds]], raw: bytes
+) -> tuple[_Parsed, TokenIds]:
     """``parse(raw)``, on a thread when ``raw`` is over :data:`INLINE_BODY_BYTES`."""
     if len(raw) <= INLINE_BODY_BYTES:
         return parse(raw)
@@ -323,7 +324,7 @@ class EngineServer:
         state = {"worker_id": self.engine.worker_id, "prompt_tokens": request.prompt_len}
         return DisaggregatedParams(
             request_type="context_only",
-            first_gen_tokens=request.output[:1],
+            first_gen_tokens=tuple(request.output[:1]),
             ctx_request_id=int(request.request_id.rsplit("-", 1)[1]),
             encoded_opaque_state=base64.b64encode(json.dumps(state).encode()).decode(),
         )
@@ -345,7 +346,7 @@ class EngineServer:
             stream.wake.clear()
 
     async def _serve(
-        self, http: web.Request, body: CompletionRequest | ChatCompletionRequest, tokens: list[int]
+        self, http: web.Request, body: CompletionRequest | ChatCompletionRequest, tokens: TokenIds
     ) -> web.StreamResponse:
         try:
             request = self._admit(tokens, body)
