@@ -522,6 +522,34 @@ def test_a_contended_prompt_longer_than_a_step_waits_for_a_worker_with_none_queu
     assert [route.request_id for route in router.prefill_done("a0", now=0.2)] == ["long"]
 
 
+def test_a_tenant_served_more_leaves_idle_workers_to_one_served_less_by_its_share() -> None:
+    router = _router(workers=4, thresholds=CONTENDED)
+    assert router.submit(_own("light0", start=10_000, tokens=2000, tenant="light"), now=0.0) is not None
+    router.prefill_done("light0", now=0.1)
+    for i, tokens in enumerate((2500, 100)):  # each takes an idle worker: it fits beside no other
+        heavy = _own(f"heavy{i}", start=20_000 * (i + 1), tokens=tokens, tenant="heavy")
+        assert router.submit(heavy, now=0.2 + i / 10) is not None
+    # Light was routed 2,010 of the 4,630 tokens: 1.7 of the 4 workers, so heavy leaves two idle.
+    assert router.submit(_own("heavy2", start=60_000, tokens=2500, tenant="heavy"), now=0.4) is None
+    light = router.submit(_own("light1", start=80_000, tokens=2400, tenant="light"), now=0.5)
+    assert light is not None, "light's next request finds an idle worker at once"
+    assert router.sequences.prefill_tokens[router.slots.slot(light.worker_id)] == 2400
+
+
+def test_a_tenant_with_a_request_waiting_is_left_no_idle_worker() -> None:
+    router = _router(workers=2, share_load=True, thresholds=CONTENDED)
+    assert router.submit(_own("light0", start=10_000, tenant="light"), now=0.0) is not None
+    router.prefill_done("light0", now=0.1)
+    assert router.submit(_own("heavy0", start=20_000, tokens=2000, tenant="heavy"), now=0.2) is not None
+    # One idle worker, which light's share (1,010 of 3,020 tokens) would keep from heavy, but light
+    # waits at replica b, which re-sends its head every heartbeat: the queues serve it first there.
+    head = QueueHead(priority=0, start=0.0, tenant="light", virtual=0.0, tokens=3000.0)
+    for t in (0.3, 1.3, 2.3, 3.3):
+        router.apply_peer_queue("b", [dataclasses.replace(head, waited_s=t - 0.3)], now=t)
+    # The head held heavy back for at most 3 s from when b first sent it (Thresholds.peer_queue_max_age_s).
+    assert router.submit(_own("heavy1", start=30_000, tenant="heavy"), now=3.4) is not None
+
+
 def test_a_lower_priority_keeps_a_step_queued_while_a_higher_one_is_routed() -> None:
     router = _router(workers=1, thresholds=CONTENDED)
     assert router.submit(_own("premium0", start=10_000, priority=100), now=0.0) is not None

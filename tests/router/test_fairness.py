@@ -233,6 +233,20 @@ def test_a_tenant_backlogged_at_a_peer_keeps_its_virtual_time_when_it_starts_wai
     ), "c waits nowhere: it starts at V"
 
 
+def test_a_tenant_waits_while_it_has_a_request_queued_here_or_at_a_peer() -> None:
+    queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
+    queue.push("a0", "a0", priority=0, tenant="a", tokens=10, now=0.0)
+    queue.observe_peer("B", [QueueHead(priority=0, start=0.0, tenant="b", virtual=0.0)], now=0.0)
+    assert queue.waits(priority=0, tenant="a")
+    assert queue.waits(priority=0, tenant="b")
+    assert not queue.waits(priority=100, tenant="a"), "by band"
+    assert not queue.waits(priority=0, tenant="c")
+    queue.pop("a0")
+    queue.forget_peer("B")
+    assert not queue.waits(priority=0, tenant="a")
+    assert not queue.waits(priority=0, tenant="b")
+
+
 def test_the_tokens_ahead_count_what_waits_at_peer_replicas_too() -> None:
     queue: FairQueue[str] = FairQueue(weight=lambda _: 1.0)
     queue.push("h", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)

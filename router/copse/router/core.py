@@ -113,7 +113,9 @@ class Thresholds:
     or that holds none (a longer prompt waits for an empty queue). One engine step is what the
     worker's next step takes; prefill queued at a worker beyond it is served there in arrival
     order, outside the fair queue and the priority bands, so a light tenant's or a higher band's
-    request would start behind up to ``busy_prefill_tokens`` of others' prompts. A fleet serving
+    request would start behind up to ``busy_prefill_tokens`` of others' prompts. Of the workers
+    holding none, a request leaves as many idle as the tenants of its band its tenant is ahead of
+    (served less, nothing waiting) take of the fleet (``Router._left_to_others``). A fleet serving
     one tenant at one priority never meets this rule (its queue is first come, first served
     wherever it waits)."""
     queue_size: int = 1024
@@ -314,9 +316,8 @@ class Router:
         self._free_cache: dict[Role, tuple[tuple[int, int], _Eligible | None]] = {}
         self.adapters = AdapterTracker(adapters)
         """Each worker's model and the LoRA adapters it holds (:mod:`copse.router.adapters`)."""
-        self._queue: FairQueue[_Queued] = FairQueue(
-            weight=tenant_weight or (lambda _tenant: 1.0), serves=self.adapters.serves
-        )
+        self._tenant_weight = tenant_weight or (lambda _tenant: 1.0)
+        self._queue: FairQueue[_Queued] = FairQueue(weight=self._tenant_weight, serves=self.adapters.serves)
         self._routes: dict[str, Route] = {}
         self._guards: dict[int, Counter[tuple[int, float]]] = {}
         """Per worker slot, (priority, ITL target) of its in-flight requests with an ITL target:
@@ -804,20 +805,52 @@ class Router:
     def _within_step(self, selection: Selection) -> Selection | None:
         """Of ``selection``, while its request is contended (:meth:`_contended`), the workers where
         its uncached prompt fits in ``contended_prefill_tokens`` beside the prefill they hold, or
-        that hold none; ``None`` when none is left (it waits)."""
+        that hold none, less those of the latter it leaves to the tenants its band serves first
+        (:meth:`_left_to_others`); ``None`` when none is left (it waits)."""
         request = selection.request
         if not self._contended(request, now=selection.now):
             return selection
         pending = self.sequences.prefill_tokens
         step = self.thresholds.contended_prefill_tokens
         fits = pending + selection.uncached_tokens()[: len(pending)] <= step
-        mask = selection.eligible & (fits | (pending <= 0.0))
+        idle = pending <= 0.0
+        mask = selection.eligible & (fits | idle)
+        idle &= mask
+        if idle.any() and int(idle.sum()) <= self._left_to_others(request, eligible=selection.eligible):
+            mask &= ~idle
         if not mask.any():
             return None
         if np.array_equal(mask, selection.eligible):
             return selection
         narrowed = _Eligible.of(mask)
         return dataclasses.replace(selection, eligible=narrowed.mask, exclusion=narrowed.exclusion)
+
+    def _left_to_others(self, request: RouteRequest, *, eligible: BoolArray) -> int:
+        """How many of the workers with no prefill queued ``request`` leaves idle while contended
+        (:meth:`_within_step`): what the tenants of its band that were routed less than its tenant
+        per unit of weight over ``rate_window_s`` (here and by peers) and have nothing waiting take
+        of the fleet, by their share of the tokens routed over the window, in workers, to the
+        nearest (a guard, as trunk reservation keeps circuits for a protected class: rounding up
+        would keep a worker of a fleet of one from everybody else). The fair queue serves such a
+        tenant's next request first, but its prompt, when longer than a step, needs a worker with
+        none queued: had a tenant served more just taken the last one, it would wait for another's
+        prefill to end. Those workers keep decoding; a tenant with requests waiting needs none
+        left, the queue gives it the next worker anyway."""
+        band, weight, routed = request.priority, self._tenant_weight, self._routed_by_tenant
+        mine = routed.get((band, request.tenant), 0.0) / weight(request.tenant)
+        ahead = sum(
+            tokens
+            for (priority, tenant), tokens in routed.items()
+            if priority == band
+            and tokens / weight(tenant) < mine
+            and not self._queue.waits(priority=band, tenant=tenant)
+        )
+        if ahead <= 0.0:
+            return 0
+        workers = sum(
+            count for role, count in self._role_count.items() if (self._roles[role] & eligible).any()
+        )
+        return int(workers * ahead / self._routed_sum + 0.5)
 
     def _within_guards(self, selection: Selection) -> Selection | None:
         """Keep decode steps within the ITL targets of the objectives that have one:

@@ -245,9 +245,14 @@ class FairQueue(Generic[T]):
         """Where ``tenant``'s next request starts: at its virtual time while it waits here or at a
         peer (it is backlogged), else at ``V`` at the earliest (no credit for idling)."""
         served = band.served.get(tenant, band.virtual)
-        if tenant in band.tenants or (priority, tenant) in self._waiting_at_peers:
+        if self.waits(priority=priority, tenant=tenant):
             return served
         return max(band.virtual, served)
+
+    def waits(self, *, priority: int, tenant: str) -> bool:
+        """Whether ``tenant`` has a request waiting in the band of ``priority``, here or at a peer."""
+        band = self._bands.get(priority)
+        return (band is not None and tenant in band.tenants) or (priority, tenant) in self._waiting_at_peers
 
     def _prune(self, band: _Band[T], priority: int) -> None:
         """Forget the virtual times at or below ``V`` of tenants waiting nowhere, once they
