@@ -114,8 +114,8 @@ class Thresholds:
     worker's next step takes; prefill queued at a worker beyond it is served there in arrival
     order, outside the fair queue and the priority bands, so a light tenant's or a higher band's
     request would start behind up to ``busy_prefill_tokens`` of others' prompts. Of the workers
-    holding none, a request leaves as many idle as the tenants of its band its tenant is ahead of
-    (served less, nothing waiting) take of the fleet (``Router._left_to_others``). A fleet serving
+    holding none, a request leaves as many idle as the tenants of its band served less than its
+    own, with nothing waiting, take of the fleet (``Router._left_to_others``). A fleet serving
     one tenant at one priority never meets this rule (its queue is first come, first served
     wherever it waits)."""
     queue_size: int = 1024
