@@ -7,8 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, HeardHeads, QueueHead
+from copse.router.fairness import MAX_IDLE_TAGS, FairQueue, HeardHeads, QueueHead, RoutedTokens
 
 
 def _drain(queue: FairQueue[str]) -> list[str]:
@@ -99,7 +101,23 @@ def test_removed_requests_are_not_served_and_counts_go_by_priority_and_tenant() 
 
 def _ahead(queue: FairQueue[str], *, priority: int, tenant: str, tokens: float) -> float:
     """Tokens served before a new request is, with nobody else arriving meanwhile (a rate of 1)."""
-    return queue.wait_s(priority=priority, tenant=tenant, tokens=tokens, rate=1.0, arriving={})
+    return queue.wait_s(priority=priority, tenant=tenant, tokens=tokens, rate=1.0, routed=None, window_s=1.0)
+
+
+def _arriving(rates: dict[str, float], weight: Callable[[str], float] = lambda _: 1.0) -> RoutedTokens:
+    """Tenants routed ``rates`` tokens over a window of 1 s."""
+    routed = RoutedTokens()
+    for tenant, rate in rates.items():
+        routed.add(tenant, rate, weight=weight(tenant))
+    return routed
+
+
+def _wait(
+    queue: FairQueue[str], *, tenant: str, tokens: float, rate: float, arriving: dict[str, float]
+) -> float:
+    return queue.wait_s(
+        priority=0, tenant=tenant, tokens=tokens, rate=rate, routed=_arriving(arriving), window_s=1.0
+    )
 
 
 def test_the_tokens_ahead_of_a_new_request_count_other_tenants_only_up_to_their_share() -> None:
@@ -118,16 +136,107 @@ def test_a_tenant_sending_below_its_share_meanwhile_lengthens_a_backlogged_tenan
         queue.push(f"heavy{i}", "heavy", priority=0, tenant="heavy", tokens=100, now=0.0)
     # 1,100 tokens of heavy's at 100 tokens/s, 20 of which go to the light tenant as it sends:
     # 1,100 / (100 - 20) s, as light's 20 tokens a second stay under its share throughout
-    wait = queue.wait_s(priority=0, tenant="heavy", tokens=100, rate=100.0, arriving={"light": 20.0})
+    wait = _wait(queue, tenant="heavy", tokens=100, rate=100.0, arriving={"light": 20.0})
     assert wait == pytest.approx(1100 / 80)
     # a tenant arriving faster than the rest of the fleet leaves is capped at its share: an even
     # split, after the 300 tokens it has waiting
     queue.push("l", "light", priority=0, tenant="light", tokens=300, now=0.0)
-    wait = queue.wait_s(priority=0, tenant="heavy", tokens=100, rate=100.0, arriving={"light": 500.0})
+    wait = _wait(queue, tenant="heavy", tokens=100, rate=100.0, arriving={"light": 500.0})
     assert wait == pytest.approx((1100 + 1100) / 100)
     # the light tenant's wait: its own and as much of heavy's, however fast heavy sends
-    wait = queue.wait_s(priority=0, tenant="light", tokens=100, rate=100.0, arriving={"heavy": 90.0})
+    wait = _wait(queue, tenant="light", tokens=100, rate=100.0, arriving={"heavy": 90.0})
     assert wait == pytest.approx((400 + 400) / 100)
+
+
+_other = st.tuples(
+    st.floats(0.0, 5000.0),  # waiting here
+    st.floats(0.0, 5000.0),  # waiting at a peer
+    st.floats(0.0, 400.0),  # arriving, tokens a second
+    st.sampled_from([0.5, 1.0, 3.0]),  # weight
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    others=st.lists(_other, max_size=12),
+    own_waiting=st.floats(0.0, 3000.0),
+    tokens=st.floats(1.0, 3000.0),
+    rate=st.floats(10.0, 2000.0),
+    higher=st.floats(0.0, 5000.0),
+)
+def test_the_predicted_wait_is_where_what_the_fleet_serves_meets_what_is_ahead(
+    others: list[tuple[float, float, float, float]],
+    own_waiting: float,
+    tokens: float,
+    rate: float,
+    higher: float,
+) -> None:
+    """Against the definition, root-found by bisection: ``rate * W`` equals the tokens ahead at
+    ``W``: higher bands', the tenant's own, and each other tenant's waiting tokens plus its
+    arrivals over ``W``, capped at its share (the tenant's tokens scaled by their weights)."""
+    weights = {f"o{i}": weight for i, (_, _, _, weight) in enumerate(others)}
+    queue: FairQueue[str] = FairQueue(weight=lambda tenant: weights.get(tenant, 1.0))
+    if higher:
+        queue.push("premium", "premium", priority=100, tenant="p", tokens=higher, now=0.0)
+    if own_waiting:
+        queue.push("own", "own", priority=0, tenant="me", tokens=own_waiting, now=0.0)
+    peer_heads = []
+    for i, (here, there, _, _) in enumerate(others):
+        if here:
+            queue.push(f"o{i}", f"o{i}", priority=0, tenant=f"o{i}", tokens=here, now=0.0)
+        if there:
+            peer_heads.append(QueueHead(priority=0, start=0.0, tenant=f"o{i}", virtual=0.0, tokens=there))
+    queue.observe_peer("b", peer_heads, now=0.0)
+    arriving = {f"o{i}": flow for i, (_, _, flow, _) in enumerate(others) if flow}
+    wait = queue.wait_s(
+        priority=0,
+        tenant="me",
+        tokens=tokens,
+        rate=rate,
+        routed=_arriving(arriving, lambda tenant: weights[tenant]),
+        window_s=1.0,
+    )
+    own = tokens + own_waiting
+
+    def ahead(w: float) -> float:
+        return (
+            higher
+            + own
+            + sum(min(here + there + flow * w, own * weight) for here, there, flow, weight in others)
+        )
+
+    low, high = 0.0, (higher + own + sum(own * weight for *_, weight in others)) / rate
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if rate * middle < ahead(middle) else (low, middle)
+    assert wait == pytest.approx(high, rel=1e-9, abs=1e-9)
+
+
+def test_routed_tokens_hold_a_slot_per_tenant_in_the_window_and_free_it_with_its_last_tokens() -> None:
+    routed = RoutedTokens()
+    routed.add("a", 100.0, weight=2.0)
+    routed.add("b", 50.0, weight=1.0)
+    routed.add("a", 30.0, weight=2.0)
+    assert routed.tokens("a") == 130.0
+    assert routed.weighted("a") == 65.0
+    routed.forget("a", 100.0)
+    assert routed.tokens("a") == 30.0
+    assert routed.total == 80.0
+    routed.forget("a", 29.6)  # what is left is float residue: the tenant leaves the window
+    assert "a" not in routed
+    assert routed.tokens("a") == 0.0
+    assert routed.total == 50.0
+    tokens, _ = routed.arrays()
+    assert tokens.sum() == 50.0, "a freed slot holds no tokens"
+    routed.forget("c", 5.0)  # never routed, or left already: nothing to forget
+    for i in range(20):  # past the arrays' first size: they grow, and a's slot is taken again
+        routed.add(f"t{i}", 1.0 + i, weight=0.5)
+    tokens, weights = routed.arrays()
+    assert len(routed) == 21
+    assert len(tokens) == 21
+    assert tokens.sum() == routed.total == 50.0 + sum(1.0 + i for i in range(20))
+    assert (tokens / weights)[routed.slots["t19"]] == 40.0
+    assert routed.weighted("b") == 50.0
 
 
 def test_service_a_peer_replica_gave_a_tenant_counts_against_its_share_here() -> None:

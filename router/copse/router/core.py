@@ -31,7 +31,7 @@ from copse.router.adapters import AdapterRouting, AdapterTracker
 from copse.router.approx import ApproximateIndexer
 from copse.router.cost import FloatArray, PerfTable, WorkerCosts
 from copse.router.experts import ExpertTracker
-from copse.router.fairness import FairQueue, HeardHeads, QueueHead
+from copse.router.fairness import FairQueue, HeardHeads, QueueHead, RoutedTokens
 from copse.router.indexer import BlockIndex, Indexer, RadixIndexer
 from copse.router.limits import TenantLimits
 from copse.router.policies import (
@@ -328,12 +328,9 @@ class Router:
         self._routed_tokens: deque[tuple[float, float, int, str]] = deque()
         """(time, tokens, priority, tenant) of every request routed within the last ``rate_window_s``."""
         self._routed_sum = 0.0
-        self._routed_by_tenant: dict[tuple[int, str], float] = {}
-        """Of ``_routed_sum``, the tokens of each (priority, tenant) routed in the window (a tenant
-        leaves when its last one does)."""
-        self._tenants_by_band: Counter[int] = Counter()
-        """Per priority, the tenants of ``_routed_by_tenant`` (kept with it: whether others compete
-        with a request is asked on every route)."""
+        self._routed_in_band: dict[int, RoutedTokens] = {}
+        """Of ``_routed_sum``, per priority, the tokens of each tenant routed in the window (a band
+        leaves when its last tenant does)."""
         self.outbox: list[PeerChange] | None = [] if share_load else None
         """Changes for peer routers since the caller last emptied it (``None``: not sharing)."""
         self.prompt_tokens_routed = 0
@@ -479,22 +476,23 @@ class Router:
             return None
         if at_or_below is None:
             return self._routed_sum / window
-        by_tenant = self._routed_by_tenant
-        return sum(tokens for (priority, _), tokens in by_tenant.items() if priority <= at_or_below) / window
+        return (
+            sum(routed.total for priority, routed in self._routed_in_band.items() if priority <= at_or_below)
+            / window
+        )
 
     def _forget_routed(self, *, now: float) -> None:
         """Drop the routed tokens older than ``rate_window_s`` at ``now``."""
         recent = self._routed_tokens
-        by_tenant = self._routed_by_tenant
+        in_band = self._routed_in_band
         while recent and recent[0][0] < now - self.thresholds.rate_window_s:
             _, tokens, priority, tenant = recent.popleft()
             self._routed_sum -= tokens
-            left = by_tenant.get((priority, tenant), 0.0) - tokens
-            if left > 0.5:
-                by_tenant[priority, tenant] = left
-            elif by_tenant.pop((priority, tenant), None) is not None:
-                # The tenant left the window (up to float residue and sub-token entries).
-                self._tenants_by_band[priority] -= 1
+            routed = in_band.get(priority)
+            if routed is not None:
+                routed.forget(tenant, tokens)
+                if not routed:
+                    del in_band[priority]
 
     def _count_routed(self, tokens: float, *, priority: int, tenant: str, now: float) -> None:
         """``tokens`` of ``tenant`` at ``priority`` were routed at ``now``, here or by a peer
@@ -503,10 +501,10 @@ class Router:
         self._forget_routed(now=now)
         self._routed_tokens.append((now, tokens, priority, tenant))
         self._routed_sum += tokens
-        by_tenant = self._routed_by_tenant
-        if (priority, tenant) not in by_tenant:
-            self._tenants_by_band[priority] += 1
-        by_tenant[priority, tenant] = by_tenant.get((priority, tenant), 0.0) + tokens
+        routed = self._routed_in_band.get(priority)
+        if routed is None:
+            routed = self._routed_in_band[priority] = RoutedTokens()
+        routed.add(tenant, tokens, weight=self._tenant_weight(tenant))
 
     def _contended(self, request: RouteRequest, *, now: float) -> bool:
         """Whether another tenant of ``request``'s priority, or any of a higher one, was routed over
@@ -514,8 +512,9 @@ class Router:
         the request goes only where its prompt fits in a step (:meth:`_within_step`)."""
         self._forget_routed(now=now)
         band = request.priority
-        routed = sum(count for priority, count in self._tenants_by_band.items() if priority >= band)
-        return routed > ((band, request.tenant) in self._routed_by_tenant)
+        in_band = self._routed_in_band
+        routed = sum(len(tenants) for priority, tenants in in_band.items() if priority >= band)
+        return routed > (band in in_band and request.tenant in in_band[band])
 
     def predicted_wait_s(self, request: RouteRequest, *, now: float) -> float | None:
         """Predicted wait of ``request`` in the queue before it is routed, s: the tokens the queues
@@ -530,18 +529,13 @@ class Router:
             rate = self.routed_tokens_per_s(now=now)
         if rate is None or rate <= 0.0:
             return None
-        window = self.thresholds.rate_window_s
-        arriving = {
-            tenant: tokens / window
-            for (priority, tenant), tokens in self._routed_by_tenant.items()
-            if priority == request.priority
-        }
         return self._queue.wait_s(
             priority=request.priority,
             tenant=request.tenant,
             tokens=float(request.prompt_tokens + request.max_tokens),
             rate=rate,
-            arriving=arriving,
+            routed=self._routed_in_band.get(request.priority),
+            window_s=self.thresholds.rate_window_s,
         )
 
     def _admit(self, request: RouteRequest, *, now: float) -> None:
@@ -836,15 +830,16 @@ class Router:
         none queued: had a tenant served more just taken the last one, it would wait for another's
         prefill to end. Those workers keep decoding; a tenant with requests waiting needs none
         left, the queue gives it the next worker anyway."""
-        band, weight, routed = request.priority, self._tenant_weight, self._routed_by_tenant
-        mine = routed.get((band, request.tenant), 0.0) / weight(request.tenant)
-        ahead = sum(
-            tokens
-            for (priority, tenant), tokens in routed.items()
-            if priority == band
-            and tokens / weight(tenant) < mine
-            and not self._queue.waits(priority=band, tenant=tenant)
-        )
+        routed = self._routed_in_band.get(request.priority)
+        if routed is None or request.tenant not in routed:
+            return 0  # a tenant routed nothing was routed less than nobody
+        mine = routed.weighted(request.tenant)
+        tokens, weights = routed.arrays()
+        below = tokens / weights < mine
+        for tenant in self._queue.waiting_tenants(request.priority):
+            if tenant in routed:
+                below[routed.slots[tenant]] = False
+        ahead = float(tokens[below].sum())
         if ahead <= 0.0:
             return 0
         workers = sum(

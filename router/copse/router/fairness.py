@@ -41,10 +41,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, NamedTuple, TypeVar
+
+import numpy as np
+
+from copse.router.cost import FloatArray
 
 T = TypeVar("T")
 
@@ -119,6 +122,84 @@ class _Band(Generic[T]):
     """Tokens of the requests waiting in the band."""
     tenant_tokens: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per waiting tenant, the tokens of its requests waiting in the band."""
+    count: int = 0
+    """Requests waiting in the band."""
+
+
+class RoutedTokens:
+    """The tokens each tenant of one priority band was routed over a window, and its weight, in
+    arrays with a slot per tenant: a shared fleet may see thousands of tenants at once, and the
+    questions asked on every request then cost one pass in compiled code, not one in Python per
+    tenant. A tenant that leaves the window frees its slot, which holds no tokens until reused
+    (so it weighs nothing in a sum over the arrays)."""
+
+    __slots__ = ("_free", "_tokens", "_used", "_weights", "slots", "total")
+
+    def __init__(self) -> None:
+        self.slots: dict[str, int] = {}
+        """Tenant -> its slot in the arrays."""
+        self.total = 0.0
+        """The tokens of every tenant."""
+        self._tokens: FloatArray = np.zeros(8)
+        self._weights: FloatArray = np.ones(8)
+        self._used = 0
+        """Slots ever handed out (the arrays' live prefix)."""
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __contains__(self, tenant: object) -> bool:
+        return tenant in self.slots
+
+    def tokens(self, tenant: str) -> float:
+        """The tokens ``tenant`` was routed over the window (0 when none)."""
+        slot = self.slots.get(tenant)
+        return 0.0 if slot is None else float(self._tokens[slot])
+
+    def weighted(self, tenant: str) -> float:
+        """The tokens ``tenant`` was routed over the window, over its weight (0 when none)."""
+        slot = self.slots.get(tenant)
+        return 0.0 if slot is None else float(self._tokens[slot] / self._weights[slot])
+
+    def add(self, tenant: str, tokens: float, *, weight: float) -> None:
+        """``tenant``, of weight ``weight``, was routed ``tokens`` more."""
+        slot = self.slots.get(tenant)
+        if slot is None:
+            slot = self.slots[tenant] = self._take()
+            self._weights[slot] = weight
+        self._tokens[slot] += tokens
+        self.total += tokens
+
+    def forget(self, tenant: str, tokens: float) -> None:
+        """``tokens`` of ``tenant``'s left the window; the tenant leaves with its last one (up to
+        float residue and sub-token entries)."""
+        slot = self.slots.get(tenant)
+        if slot is None:
+            return
+        held = float(self._tokens[slot])
+        left = held - tokens
+        if left > 0.5:
+            self._tokens[slot] = left
+            self.total -= tokens
+        else:
+            self.total -= held
+            self._tokens[slot], self._weights[slot] = 0.0, 1.0
+            del self.slots[tenant]
+            self._free.append(slot)
+
+    def arrays(self) -> tuple[FloatArray, FloatArray]:
+        """Every slot's tokens and weight (views: read, do not write)."""
+        return self._tokens[: self._used], self._weights[: self._used]
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._used == len(self._tokens):
+            self._tokens = np.concatenate((self._tokens, np.zeros(self._used)))
+            self._weights = np.concatenate((self._weights, np.ones(self._used)))
+        self._used += 1
+        return self._used - 1
 
 
 SAME_REQUEST_S = 0.25
@@ -189,8 +270,10 @@ class FairQueue(Generic[T]):
         self._where: dict[str, tuple[int, _Waiting[T]]] = {}
         self._order = itertools.count()
         self._peers: dict[str, _PeerHeads] = {}
-        self._waiting_at_peers: set[tuple[int, str]] = set()
-        """(priority, tenant) of every tenant waiting in a peer's queue."""
+        self._at_peers: dict[int, dict[str, float]] = {}
+        """Per priority, the tenants waiting in a peer's queue and their tokens there."""
+        self._at_peers_total: dict[int, float] = {}
+        """Per priority, the tokens waiting in peers' queues."""
 
     def __len__(self) -> int:
         return len(self._where)
@@ -216,6 +299,7 @@ class FairQueue(Generic[T]):
             start = band.served[tenant] = self._start(band, priority, tenant)
             heapq.heappush(band.heads, (start, now, next(self._order), tenant))
         fifo.append(waiting)
+        band.count += 1
         band.tokens += tokens
         band.tenant_tokens[tenant] = band.tenant_tokens.get(tenant, 0.0) + tokens
         self._where[key] = (priority, waiting)
@@ -252,18 +336,24 @@ class FairQueue(Generic[T]):
     def waits(self, *, priority: int, tenant: str) -> bool:
         """Whether ``tenant`` has a request waiting in the band of ``priority``, here or at a peer."""
         band = self._bands.get(priority)
-        return (band is not None and tenant in band.tenants) or (priority, tenant) in self._waiting_at_peers
+        return (band is not None and tenant in band.tenants) or tenant in self._at_peers.get(priority, ())
+
+    def waiting_tenants(self, priority: int) -> dict[str, None]:
+        """The tenants with a request waiting in the band of ``priority``, here or at a peer."""
+        band = self._bands.get(priority)
+        return dict.fromkeys(itertools.chain(band.tenants if band else (), self._at_peers.get(priority, ())))
 
     def _prune(self, band: _Band[T], priority: int) -> None:
         """Forget the virtual times at or below ``V`` of tenants waiting nowhere, once they
         outnumber the waiting ones, and of those above ``V`` all but the :data:`MAX_IDLE_TAGS` / 2
         furthest past it (amortised: the sweep halves what it looks at)."""
-        if len(band.served) <= 2 * (len(band.tenants) + len(self._waiting_at_peers)) + MAX_IDLE_TAGS:
+        at_peers = self._at_peers.get(priority, {})
+        if len(band.served) <= 2 * (len(band.tenants) + len(at_peers)) + MAX_IDLE_TAGS:
             return
         kept = {
             tenant: served
             for tenant, served in band.served.items()
-            if tenant in band.tenants or (priority, tenant) in self._waiting_at_peers
+            if tenant in band.tenants or tenant in at_peers
         }
         idle = [(served, tenant) for tenant, served in band.served.items() if tenant not in kept]
         for served, tenant in heapq.nlargest(MAX_IDLE_TAGS // 2, idle):
@@ -303,6 +393,7 @@ class FairQueue(Generic[T]):
         band = self._bands[priority]
         fifo = band.tenants[waiting.tenant]
         fifo.remove(waiting)
+        band.count -= 1
         band.tokens -= waiting.tokens
         if not fifo:
             del band.tenants[waiting.tenant]
@@ -363,17 +454,23 @@ class FairQueue(Generic[T]):
         self._peers[peer] = _PeerHeads(heads=fresh, heard=now, since=since)
         if known is not None and known.heads == fresh:
             return False
-        self._waiting_at_peers = {
-            (head.priority, head.tenant) for state in self._peers.values() for head in state.heads
-        }
+        self._count_at_peers()
         return True
+
+    def _count_at_peers(self) -> None:
+        """The peers' heads changed: who waits there, and how many tokens, per band."""
+        at_peers: dict[int, dict[str, float]] = {}
+        for state in self._peers.values():
+            for head in state.heads:
+                tenants = at_peers.setdefault(head.priority, {})
+                tenants[head.tenant] = tenants.get(head.tenant, 0.0) + head.tokens
+        self._at_peers = at_peers
+        self._at_peers_total = {priority: sum(tenants.values()) for priority, tenants in at_peers.items()}
 
     def forget_peer(self, peer: str) -> None:
         """``peer`` stopped: its heads hold nothing back any more."""
         if self._peers.pop(peer, None) is not None:
-            self._waiting_at_peers = {
-                (head.priority, head.tenant) for state in self._peers.values() for head in state.heads
-            }
+            self._count_at_peers()
 
     def forget_stale_peers(self, *, now: float, max_age_s: float) -> None:
         """Forget the heads of peers not heard for ``max_age_s`` (dead, or cut off)."""
@@ -426,56 +523,74 @@ class FairQueue(Generic[T]):
 
     # -- what admission asks ----------------------------------------------------------------------
 
-    def _waiting_tokens(self, priority: int) -> dict[str, float]:
-        """Per tenant, the tokens waiting in the band of ``priority`` here and at the peers."""
-        band = self._bands.get(priority)
-        tokens = {} if band is None else dict(band.tenant_tokens)
-        for state in self._peers.values():
-            for head in state.heads:
-                if head.priority == priority:
-                    tokens[head.tenant] = tokens.get(head.tenant, 0.0) + head.tokens
-        return tokens
-
     def wait_s(
-        self, *, priority: int, tenant: str, tokens: float, rate: float, arriving: Mapping[str, float]
+        self,
+        *,
+        priority: int,
+        tenant: str,
+        tokens: float,
+        rate: float,
+        routed: RoutedTokens | None,
+        window_s: float,
     ) -> float:
         """Seconds until a new request of ``tokens`` from ``tenant`` at ``priority`` is served, at
         ``rate`` tokens a second for its band and lower, as the queues of this replica and its peers
         would interleave it: every waiting token of higher bands, its tenant's waiting tokens and
-        its own, and each other tenant of the band, which keeps arriving at ``arriving[tenant]``
-        tokens a second meanwhile: its waiting tokens and those arrivals, up to its share of the
-        time the new request's tenant needs (an other tenant that sends below its share is served
-        as it sends, ahead of a backlogged one: counting only what waits now predicts too short a
-        wait for the backlogged tenant). ``rate`` must be positive; the wait is then finite, as
-        every share is."""
+        its own, and each other tenant of the band, which keeps arriving at the rate it was routed
+        (``routed`` over the last ``window_s``) meanwhile: its waiting tokens and those arrivals,
+        up to its share of the time the new request's tenant needs (an other tenant that sends
+        below its share is served as it sends, ahead of a backlogged one: counting only what waits
+        now predicts too short a wait for the backlogged tenant). ``rate`` must be positive; the
+        wait is then finite, as every share is.
+
+        Water-filling, solved exactly: what is served ahead grows with the wait, each other tenant
+        adding its arrivals until its share caps it; between two caps it grows linearly, so the
+        wait is where the line of the segment that crosses ``rate`` times the wait does. One sort
+        of the other tenants' cap times, in compiled code."""
         fixed = sum(band.tokens for level, band in self._bands.items() if level > priority)
-        fixed += sum(
-            head.tokens for state in self._peers.values() for head in state.heads if head.priority > priority
-        )
-        waiting = self._waiting_tokens(priority)
-        own = tokens + waiting.pop(tenant, 0.0)
+        fixed += sum(total for level, total in self._at_peers_total.items() if level > priority)
+        band = self._bands.get(priority)
+        here = band.tenant_tokens if band is not None else {}
+        there = self._at_peers.get(priority, {})
+        own = tokens + (here.get(tenant, 0.0) + there.get(tenant, 0.0))
         fixed += own
         weight = self._weight(tenant)
-        growing: list[tuple[float, float, float]] = []  # (waiting, arriving, share) of each other
-        for other in sorted((waiting.keys() | arriving.keys()) - {tenant}):  # a set: sorted, so sums repeat
-            theirs, flow = waiting.get(other, 0.0), arriving.get(other, 0.0)
-            share = own * self._weight(other) / weight
-            if theirs >= share or flow <= 0.0:
-                fixed += min(theirs, share)
-            else:
-                growing.append((theirs, flow, share))
-        # Water-filling: an other tenant takes its waiting tokens plus its arrivals over the wait
-        # until its share caps it; the wait is where what the fleet serves meets what is ahead
-        # (others whose arrivals alone outrun the rate are all capped: the loop ends finite).
-        while True:
-            spare = rate - sum(flow for _, flow, _ in growing)
-            wait = (fixed + sum(theirs for theirs, _, _ in growing)) / spare if spare > 0.0 else math.inf
-            capped = [entry for entry in growing if entry[0] + entry[1] * wait >= entry[2]]
-            if not capped:
-                return wait
-            for entry in capped:
-                growing.remove(entry)
-                fixed += entry[2]
+        # The other tenants waiting (here or at a peer), then those only routed.
+        waiting = [name for name in dict.fromkeys(itertools.chain(here, there)) if name != tenant]
+        theirs = np.fromiter(
+            (here.get(name, 0.0) + there.get(name, 0.0) for name in waiting), np.float64, len(waiting)
+        )
+        weights = np.fromiter((self._weight(name) for name in waiting), np.float64, len(waiting))
+        flow = np.zeros(len(waiting))
+        if routed is not None and len(routed):
+            flow = np.fromiter((routed.tokens(name) for name in waiting), np.float64, len(waiting))
+            sent, sent_weights = routed.arrays()
+            idle = np.ones(len(sent), dtype=bool)  # the slots of tenants routed and waiting nowhere
+            named = itertools.chain(waiting, (tenant,))
+            idle[[routed.slots[name] for name in named if name in routed]] = False
+            theirs = np.concatenate((theirs, np.zeros(int(idle.sum()))))
+            flow = np.concatenate((flow, sent[idle]))
+            weights = np.concatenate((weights, sent_weights[idle]))
+            flow /= window_s
+        share = own * weights / weight
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            cap_s = (share - theirs) / flow  # when each other tenant reaches its share
+        # Those at their share already count it; those that never reach it (no arrivals, or too
+        # few for a float to tell) count what waits.
+        capped = theirs >= share
+        steady = capped | ~np.isfinite(cap_s)
+        fixed += float(np.where(capped, share, theirs)[steady].sum())
+        theirs, flow, share, cap_s = theirs[~steady], flow[~steady], share[~steady], cap_s[~steady]
+        order = np.argsort(cap_s, kind="stable")
+        theirs, flow, share, cap_s = theirs[order], flow[order], share[order], cap_s[order]
+        # With the first k of them capped: their shares, and the others' waiting tokens and flow.
+        shares_before = np.concatenate(([0.0], np.cumsum(share)))
+        theirs_after = np.concatenate((np.cumsum(theirs[::-1])[::-1], [0.0]))
+        flow_after = np.concatenate((np.cumsum(flow[::-1])[::-1], [0.0]))
+        ahead_at_cap = fixed + shares_before[:-1] + theirs_after[:-1] + flow_after[:-1] * cap_s
+        crossed = np.flatnonzero(rate * cap_s >= ahead_at_cap)
+        k = int(crossed[0]) if len(crossed) else len(cap_s)
+        return float((fixed + shares_before[k] + theirs_after[k]) / (rate - flow_after[k]))
 
     def holds_its_share(self, *, priority: int, tenant: str) -> bool:
         """Whether ``tenant`` has at least its even share of the requests waiting in the band of
@@ -485,14 +600,8 @@ class FairQueue(Generic[T]):
             return False
         fifo = band.tenants.get(tenant)
         mine = len(fifo) if fifo else 0
-        total = sum(len(waiting) for waiting in band.tenants.values())
-        return mine * len(band.tenants) >= total
+        return mine * len(band.tenants) >= band.count
 
     def count_at_or_above(self, priority: int) -> int:
         """Requests waiting at ``priority`` or higher."""
-        return sum(
-            len(fifo)
-            for level, band in self._bands.items()
-            if level >= priority
-            for fifo in band.tenants.values()
-        )
+        return sum(band.count for level, band in self._bands.items() if level >= priority)
