@@ -10,7 +10,12 @@ measures the on-CPU time (``time.thread_time``) of its ``Router.submit`` plus th
 finish bookkeeping of that step (which routes queued requests), and prints it for each ``N``
 against ``N = 1`` measured in the same run: the ratio is the figure (this machine's speed drifts).
 
-Usage: ``.venv/bin/python benchmarks/router_tenants.py [--tenants 1,100,1000,5000] [--requests 3000]``
+With ``--replicas R``, R router replicas share the fleet, requests taken by each in turn; after
+every step each hands the others its load changes and its queue heads, as the twin does (a live
+replica sends them over NATS with each batch of changes); the time is that of all of them.
+
+Usage: ``.venv/bin/python benchmarks/router_tenants.py [--tenants 1,100,1000,5000] [--requests 3000]
+[--replicas 2]``
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-from copse.router.core import QueueFull, Role, Router, SloShed, WorkerInfo
+from copse.router.core import QueueFull, Role, Route, Router, SloShed, WorkerInfo
 from copse.router.policies import RouteRequest, SelectionSettings
 from copse.workers.perf import PolynomialPerfModel
 
@@ -40,14 +45,45 @@ def _tenants(count: int, rng: random.Random) -> list[str]:
     return [f"tenant-{k}" for k in rng.choices(range(count), weights=weights.tolist(), k=1 << 16)]
 
 
-def run(tenants: int, *, requests: int, warmup: int) -> dict[str, float]:
+def _sync(routers: list[Router], *, now: float) -> list[Route]:
+    """Each replica's load changes and queue heads handed to the others, until nothing changes;
+    returns the requests that let through."""
+    released: list[Route] = []
+    moved = len(routers) > 1
+    while moved:
+        moved = False
+        for source, router in enumerate(routers):
+            assert router.outbox is not None
+            changes = list(router.outbox)
+            router.outbox.clear()
+            heads = router.queue_heads(now=now)
+            moved = moved or bool(changes)
+            for peer in routers:
+                if peer is not router:
+                    for change in changes:
+                        released += peer.apply_peer(change, peer=str(source), now=now)
+                    released += peer.apply_peer_queue(str(source), heads, now=now)
+    return released
+
+
+def run(tenants: int, *, requests: int, warmup: int, replicas: int = 1) -> dict[str, float]:
     """Per-request on-CPU microseconds (median and 99th percentile of ``requests``, after
-    ``warmup``) with ``tenants`` tenants, and what the router held at the end."""
-    router = Router(
-        perf=PolynomialPerfModel(), settings=SelectionSettings(block_size=BLOCK), policy="kv", seed=0
-    )
-    for w in range(WORKERS):
-        router.add_worker(WorkerInfo(worker_id=f"w{w}", role=Role.WORKER), now=0.0)
+    ``warmup``) with ``tenants`` tenants through ``replicas`` router replicas, and what they held
+    at the end."""
+    routers = [
+        Router(
+            perf=PolynomialPerfModel(),
+            settings=SelectionSettings(block_size=BLOCK),
+            policy="kv",
+            seed=0,
+            share_load=replicas > 1,
+        )
+        for _ in range(replicas)
+    ]
+    for router in routers:
+        for w in range(WORKERS):
+            router.add_worker(WorkerInfo(worker_id=f"w{w}", role=Role.WORKER), now=0.0)
+    owner: dict[str, Router] = {}
     rng = random.Random(0)
     names = _tenants(tenants, rng)
     prefilling: deque[str] = deque()
@@ -56,9 +92,10 @@ def run(tenants: int, *, requests: int, warmup: int) -> dict[str, float]:
     cpu = np.empty(requests)
     seen: list[str] = []
 
-    def started(route_ids: list[str]) -> None:
-        prefilling.extend(route_ids)
-        inflight.extend(route_ids)
+    def started(routes: list[Route]) -> None:
+        ids = [route.request_id for route in routes]
+        prefilling.extend(ids)
+        inflight.extend(ids)
 
     gc.collect()
     gc.disable()
@@ -73,6 +110,7 @@ def run(tenants: int, *, requests: int, warmup: int) -> dict[str, float]:
             tenant=names[i % len(names)],
             ttft_slo_ms=5000.0,
         )
+        router = owner[request.request_id] = routers[i % replicas]
         c0 = time.thread_time()
         try:
             route = router.submit(request, now=now)
@@ -80,13 +118,16 @@ def run(tenants: int, *, requests: int, warmup: int) -> dict[str, float]:
             route = None
             shed += 1
         if route is not None:
-            started([route.request_id])
+            started([route])
         # The fleet finishes nine prefills per ten arrivals (it saturates, and admission sheds what
         # would miss the target), and keeps 8 sequences a worker decoding.
         if prefilling and i % 10:
-            started([r.request_id for r in router.prefill_done(prefilling.popleft(), now=now)])
+            key = prefilling.popleft()
+            started(owner[key].prefill_done(key, now=now))
         while len(inflight) > 8 * WORKERS:
-            started([r.request_id for r in router.finish(inflight.popleft(), now=now)])
+            key = inflight.popleft()
+            started(owner[key].finish(key, now=now))
+        started(_sync(routers, now=now))
         if i >= warmup:
             cpu[i - warmup] = time.thread_time() - c0
             seen.append(request.tenant)
@@ -95,7 +136,7 @@ def run(tenants: int, *, requests: int, warmup: int) -> dict[str, float]:
         "p50_us": float(np.percentile(cpu, 50) * 1e6),
         "p99_us": float(np.percentile(cpu, 99) * 1e6),
         "mean_us": float(cpu.mean() * 1e6),
-        "queued": float(router.queued),
+        "queued": float(sum(router.queued for router in routers)),
         "shed": float(shed),
         "distinct": float(len(set(seen))),
     }
@@ -110,10 +151,12 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=3000, help="Requests measured per count.")
     parser.add_argument("--warmup", type=int, default=3000, help="Requests before measuring.")
+    parser.add_argument("--replicas", type=int, default=1, help="Router replicas sharing the fleet.")
     args = parser.parse_args()
     counts = sorted({1, *(int(n) for n in args.tenants.split(","))})
     print(
-        f"{WORKERS} workers, kv, default thresholds, TTFT target 5 s, {args.warmup:,} requests of warm-up "
+        f"{WORKERS} workers, {args.replicas} router replica(s), kv, default thresholds, TTFT target 5 s, "
+        f"{args.warmup:,} requests of warm-up "
         f"then {args.requests:,} measured per tenant count (on-CPU per request: submit and bookkeeping)"
     )
     print(
@@ -122,7 +165,7 @@ def main() -> None:
     )
     base: float | None = None
     for count in counts:
-        figures = run(count, requests=args.requests, warmup=args.warmup)
+        figures = run(count, requests=args.requests, warmup=args.warmup, replicas=args.replicas)
         base = base or figures["mean_us"]
         print(
             f"{count:>8,} {figures['distinct']:>7,.0f} {figures['queued']:>7,.0f} "

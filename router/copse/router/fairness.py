@@ -41,8 +41,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -157,6 +158,11 @@ class RoutedTokens:
         slot = self.slots.get(tenant)
         return 0.0 if slot is None else float(self._tokens[slot])
 
+    def weight(self, tenant: str) -> float:
+        """``tenant``'s weight (1 when not routed)."""
+        slot = self.slots.get(tenant)
+        return 1.0 if slot is None else float(self._weights[slot])
+
     def weighted(self, tenant: str) -> float:
         """The tokens ``tenant`` was routed over the window, over its weight (0 when none)."""
         slot = self.slots.get(tenant)
@@ -251,6 +257,64 @@ def _since(
 ) -> dict[tuple[int, str], _Sent]:
     """Per head of ``heads`` heard at ``now``, its request and when the peer first sent it."""
     return {_key(head): _sent(head, before.get(_key(head)), now=now) for head in heads}
+
+
+LOOP_AT_MOST = 48
+"""Up to this many other tenants in a band, :meth:`FairQueue.wait_s` solves in a loop; past it,
+in arrays (numpy's cost per call, tens of microseconds for the dozen arrays, is more than the
+loop's below it)."""
+
+
+def _water_level(*, fixed: float, rate: float, others: Iterable[tuple[float, float, float]]) -> float:
+    """The wait ``W`` where ``rate * W`` meets what is served ahead: ``fixed`` tokens, and for each
+    other tenant (its waiting tokens, its arrivals a second, its share) its waiting tokens plus its
+    arrivals over ``W``, up to its share. What is ahead grows linearly between two tenants
+    reaching their shares, so ``W`` is where the segment crossing ``rate * W`` does: one sort of
+    the times they reach them. ``rate`` must be positive and ``fixed`` too (the request's own
+    tokens): the crossing is then unique and finite."""
+    growing: list[tuple[float, float, float, float]] = []  # (reaches its share at, waiting, arrivals, share)
+    for theirs, flow, share in others:
+        if theirs >= share:
+            fixed += share
+        elif flow <= 0.0 or math.isinf(reach_s := (share - theirs) / flow):
+            fixed += theirs  # it never reaches its share (or too slowly for a float to tell)
+        else:
+            growing.append((reach_s, theirs, flow, share))
+    growing.sort()
+    shares_before, theirs_after, flow_after = 0.0, sum(g[1] for g in growing), sum(g[2] for g in growing)
+    for reach_s, theirs, flow, share in growing:
+        if rate * reach_s >= fixed + shares_before + theirs_after + flow_after * reach_s:
+            break
+        shares_before, theirs_after, flow_after = (
+            shares_before + share,
+            theirs_after - theirs,
+            flow_after - flow,
+        )
+    else:
+        theirs_after = flow_after = 0.0  # every one capped (no float residue left)
+    return (fixed + shares_before + theirs_after) / (rate - flow_after)
+
+
+def _water_level_of_arrays(
+    *, fixed: float, rate: float, theirs: FloatArray, flow: FloatArray, share: FloatArray
+) -> float:
+    """:func:`_water_level` of many other tenants, their figures in arrays (cumulative sums in
+    place of the loop)."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        reach_s = (share - theirs) / flow
+    capped = theirs >= share
+    steady = capped | ~np.isfinite(reach_s)
+    fixed += float(np.where(capped, share, theirs)[steady].sum())
+    order = np.argsort(reach_s[~steady], kind="stable")
+    reach_s, theirs, flow, share = (values[~steady][order] for values in (reach_s, theirs, flow, share))
+    # With the first k of them capped: their shares, and the others' waiting tokens and flow.
+    shares_before = np.concatenate(([0.0], np.cumsum(share)))
+    theirs_after = np.concatenate((np.cumsum(theirs[::-1])[::-1], [0.0]))
+    flow_after = np.concatenate((np.cumsum(flow[::-1])[::-1], [0.0]))
+    ahead = fixed + shares_before[:-1] + theirs_after[:-1] + flow_after[:-1] * reach_s
+    crossed = np.flatnonzero(rate * reach_s >= ahead)
+    k = int(crossed[0]) if len(crossed) else len(reach_s)
+    return float((fixed + shares_before[k] + theirs_after[k]) / (rate - flow_after[k]))
 
 
 class FairQueue(Generic[T]):
@@ -543,10 +607,7 @@ class FairQueue(Generic[T]):
         now predicts too short a wait for the backlogged tenant). ``rate`` must be positive; the
         wait is then finite, as every share is.
 
-        Water-filling, solved exactly: what is served ahead grows with the wait, each other tenant
-        adding its arrivals until its share caps it; between two caps it grows linearly, so the
-        wait is where the line of the segment that crosses ``rate`` times the wait does. One sort
-        of the other tenants' cap times, in compiled code."""
+        Water-filling, solved exactly (:func:`_water_level`)."""
         fixed = sum(band.tokens for level, band in self._bands.items() if level > priority)
         fixed += sum(total for level, total in self._at_peers_total.items() if level > priority)
         band = self._bands.get(priority)
@@ -557,40 +618,41 @@ class FairQueue(Generic[T]):
         weight = self._weight(tenant)
         # The other tenants waiting (here or at a peer), then those only routed.
         waiting = [name for name in dict.fromkeys(itertools.chain(here, there)) if name != tenant]
+        sent = 0 if routed is None else len(routed)
+        if len(waiting) + sent <= LOOP_AT_MOST:
+            others = [
+                (
+                    here.get(name, 0.0) + there.get(name, 0.0),
+                    0.0 if routed is None else routed.tokens(name) / window_s,
+                    own * self._weight(name) / weight,
+                )
+                for name in waiting
+            ]
+            if routed is not None:
+                others += [
+                    (0.0, routed.tokens(name) / window_s, own * routed.weight(name) / weight)
+                    for name in routed.slots
+                    if name != tenant and name not in here and name not in there
+                ]
+            return _water_level(fixed=fixed, rate=rate, others=others)
         theirs = np.fromiter(
             (here.get(name, 0.0) + there.get(name, 0.0) for name in waiting), np.float64, len(waiting)
         )
         weights = np.fromiter((self._weight(name) for name in waiting), np.float64, len(waiting))
         flow = np.zeros(len(waiting))
-        if routed is not None and len(routed):
+        if routed is not None:
             flow = np.fromiter((routed.tokens(name) for name in waiting), np.float64, len(waiting))
-            sent, sent_weights = routed.arrays()
-            idle = np.ones(len(sent), dtype=bool)  # the slots of tenants routed and waiting nowhere
+            tokens_sent, weights_sent = routed.arrays()
+            idle = np.ones(len(tokens_sent), dtype=bool)  # the slots of tenants waiting nowhere
             named = itertools.chain(waiting, (tenant,))
             idle[[routed.slots[name] for name in named if name in routed]] = False
             theirs = np.concatenate((theirs, np.zeros(int(idle.sum()))))
-            flow = np.concatenate((flow, sent[idle]))
-            weights = np.concatenate((weights, sent_weights[idle]))
+            flow = np.concatenate((flow, tokens_sent[idle]))
+            weights = np.concatenate((weights, weights_sent[idle]))
             flow /= window_s
-        share = own * weights / weight
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            cap_s = (share - theirs) / flow  # when each other tenant reaches its share
-        # Those at their share already count it; those that never reach it (no arrivals, or too
-        # few for a float to tell) count what waits.
-        capped = theirs >= share
-        steady = capped | ~np.isfinite(cap_s)
-        fixed += float(np.where(capped, share, theirs)[steady].sum())
-        theirs, flow, share, cap_s = theirs[~steady], flow[~steady], share[~steady], cap_s[~steady]
-        order = np.argsort(cap_s, kind="stable")
-        theirs, flow, share, cap_s = theirs[order], flow[order], share[order], cap_s[order]
-        # With the first k of them capped: their shares, and the others' waiting tokens and flow.
-        shares_before = np.concatenate(([0.0], np.cumsum(share)))
-        theirs_after = np.concatenate((np.cumsum(theirs[::-1])[::-1], [0.0]))
-        flow_after = np.concatenate((np.cumsum(flow[::-1])[::-1], [0.0]))
-        ahead_at_cap = fixed + shares_before[:-1] + theirs_after[:-1] + flow_after[:-1] * cap_s
-        crossed = np.flatnonzero(rate * cap_s >= ahead_at_cap)
-        k = int(crossed[0]) if len(crossed) else len(cap_s)
-        return float((fixed + shares_before[k] + theirs_after[k]) / (rate - flow_after[k]))
+        return _water_level_of_arrays(
+            fixed=fixed, rate=rate, theirs=theirs, flow=flow, share=own * weights / weight
+        )
 
     def holds_its_share(self, *, priority: int, tenant: str) -> bool:
         """Whether ``tenant`` has at least its even share of the requests waiting in the band of
