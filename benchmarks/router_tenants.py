@@ -4,11 +4,12 @@ A shared fleet names a tenant per request (an API key, a fairness id), so a rout
 thousands of them at once. This script keeps one router (16 workers, ``kv``, default thresholds)
 saturated and contended: every request carries a TTFT target (so admission predicts its wait),
 its tenant is drawn from ``N`` by a Zipf(1.1) law (a few heavy tenants and a long tail, as API
-keys go), its prompt is 1k, 4k or 12k tokens, and the fleet takes prefills at nine tenths of the pace requests
-arrive, so the fair queue holds requests and tenants contend for idle workers. Per request it
-measures the on-CPU time (``time.thread_time``) of its ``Router.submit`` plus the first-token and
-finish bookkeeping of that step (which routes queued requests), and prints it for each ``N``
-against ``N = 1`` measured in the same run: the ratio is the figure (this machine's speed drifts).
+keys go), its prompt is 1k, 4k or 12k tokens, and the fleet ends prefills at nine tenths of the
+pace requests arrive, so the fair queue holds requests and tenants contend for idle workers. Per
+request it measures the on-CPU time (``time.thread_time``) of its ``Router.submit`` plus the
+first-token and finish bookkeeping of that step (which routes queued requests), and prints it for
+each ``N`` against ``N = 1`` measured in the same run: the ratio is the figure (this machine's
+speed drifts).
 
 With ``--replicas R``, R router replicas share the fleet, requests taken by each in turn; after
 every step each hands the others its load changes and its queue heads, as the twin does (a live
@@ -47,7 +48,7 @@ def _tenants(count: int, rng: random.Random) -> list[str]:
 
 def _sync(routers: list[Router], *, now: float) -> list[Route]:
     """Each replica's load changes and queue heads handed to the others, until nothing changes;
-    returns the requests that let through."""
+    returns the queued requests that lets through."""
     released: list[Route] = []
     moved = len(routers) > 1
     while moved:

@@ -163,6 +163,7 @@ _other = st.tuples(
 @given(
     others=st.lists(_other, max_size=12),
     own_waiting=st.floats(0.0, 3000.0),
+    own_flow=st.floats(0.0, 400.0),
     tokens=st.floats(1.0, 3000.0),
     rate=st.floats(10.0, 2000.0),
     higher=st.floats(0.0, 5000.0),
@@ -172,14 +173,16 @@ def test_the_predicted_wait_is_where_what_the_fleet_serves_meets_what_is_ahead(
     loop_at_most: int,
     others: list[tuple[float, float, float, float]],
     own_waiting: float,
+    own_flow: float,
     tokens: float,
     rate: float,
     higher: float,
 ) -> None:
     """Against the definition, root-found by bisection: ``rate * W`` equals the tokens ahead at
     ``W``: higher bands', the tenant's own, and each other tenant's waiting tokens plus its
-    arrivals over ``W``, capped at its share (the tenant's tokens scaled by their weights). Solved
-    in a loop for few tenants and in arrays for many: both."""
+    arrivals over ``W``, capped at its share (the tenant's tokens scaled by their weights); what
+    the tenant itself keeps sending is not ahead. Solved in a loop for few tenants and in arrays
+    for many: both."""
     weights = {f"o{i}": weight for i, (_, _, _, weight) in enumerate(others)}
     queue: FairQueue[str] = FairQueue(weight=lambda tenant: weights.get(tenant, 1.0))
     if higher:
@@ -194,6 +197,9 @@ def test_the_predicted_wait_is_where_what_the_fleet_serves_meets_what_is_ahead(
             peer_heads.append(QueueHead(priority=0, start=0.0, tenant=f"o{i}", virtual=0.0, tokens=there))
     queue.observe_peer("b", peer_heads, now=0.0)
     arriving = {f"o{i}": flow for i, (_, _, flow, _) in enumerate(others) if flow}
+    if own_flow:
+        arriving["me"] = own_flow
+        weights["me"] = 1.0
     with mock.patch.object(fairness, "LOOP_AT_MOST", loop_at_most):
         wait = queue.wait_s(
             priority=0,
