@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
+import itertools
+import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from copse.router.core import (
     DisaggSettings,
@@ -15,6 +20,7 @@ from copse.router.core import (
     QueueFull,
     RateLimited,
     Role,
+    Route,
     Router,
     SloShed,
     Thresholds,
@@ -548,6 +554,84 @@ def test_a_tenant_with_a_request_waiting_is_left_no_idle_worker() -> None:
         router.apply_peer_queue("b", [dataclasses.replace(head, waited_s=t - 0.3)], now=t)
     # The head held heavy back for at most 3 s from when b first sent it (Thresholds.peer_queue_max_age_s).
     assert router.submit(_own("heavy1", start=30_000, tenant="heavy"), now=3.4) is not None
+
+
+def _served_in_turn(router: Router, tenants: tuple[str, ...], *, model: str = "") -> None:
+    """Each of ``tenants`` in turn routes a request and ends it, the last one 30 tokens more."""
+    for i, tenant in enumerate(tenants):
+        tokens = 100 if i < len(tenants) - 1 else 130
+        request = dataclasses.replace(
+            _own(f"{tenant}0", start=10_000 * (i + 1), tokens=tokens, tenant=tenant), model=model
+        )
+        assert router.submit(request, now=0.1 * i) is not None
+        router.finish(request.request_id, now=0.1 * i + 0.05)
+
+
+def test_a_fleet_of_one_is_never_left_to_others() -> None:
+    # a and b were routed 220 of the 350 tokens: 0.63 of one worker. Leaving it to them held c
+    # back with nothing in flight to try it again (the queue stalled until its timeout).
+    router = _router(workers=1, thresholds=CONTENDED)
+    _served_in_turn(router, ("a", "b", "c"))
+    assert router.submit(_own("c1", start=90_000, tenant="c"), now=0.5) is not None
+
+
+def test_the_workers_left_to_others_are_of_the_request_s_model() -> None:
+    # Two workers, one per model: model x's request could take one, so it leaves it to nobody.
+    router = _router(workers=0, thresholds=CONTENDED)
+    for i, model in enumerate(("x", "y")):
+        router.add_worker(WorkerInfo(worker_id=f"w{i}", role=Role.WORKER, model=model), now=0.0)
+    _served_in_turn(router, ("a", "b", "c"), model="x")
+    route = router.submit(dataclasses.replace(_own("c1", start=90_000, tenant="c"), model="x"), now=0.5)
+    assert route is not None
+    assert route.worker_id == "w0"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tenants=st.integers(min_value=2, max_value=5),
+    workers=st.integers(min_value=1, max_value=3),
+    seed=st.integers(min_value=0, max_value=2**32),
+)
+def test_the_queue_never_holds_a_request_with_none_in_flight(tenants: int, workers: int, seed: int) -> None:
+    """Tenants in closed loop (a request, its first token, its end, a pause, the next one) with
+    jittered times: whenever a request waits, one is in flight, whose events try it again."""
+    rng = random.Random(seed)
+    router = _router(workers=workers)
+    events: list[tuple[float, int, str, str]] = []
+    order = itertools.count()
+    tenant_of: dict[str, str] = {}
+
+    def routed(route: Route | None, now: float) -> None:
+        if route is not None:
+            heapq.heappush(
+                events, (now + rng.uniform(0.001, 0.01), next(order), "prefilled", route.request_id)
+            )
+            heapq.heappush(events, (now + rng.uniform(0.02, 0.08), next(order), "ended", route.request_id))
+
+    for tenant in range(tenants):
+        heapq.heappush(events, (rng.uniform(0.0, 0.01), next(order), "sent", f"t{tenant}"))
+    for _ in range(3000):
+        now, _, kind, name = heapq.heappop(events)
+        if kind == "sent":
+            request = _own(
+                f"{name}-{next(order)}", start=rng.randrange(10**6), tokens=rng.randint(10, 30), tenant=name
+            )
+            tenant_of[request.request_id] = name
+            routed(router.submit(request, now=now), now)
+        else:
+            released = (
+                router.prefill_done(name, now=now) if kind == "prefilled" else router.finish(name, now=now)
+            )
+            for route in released:
+                routed(route, now)
+            if kind == "ended":
+                heapq.heappush(
+                    events, (now + rng.uniform(0.0005, 0.003), next(order), "sent", tenant_of[name])
+                )
+        in_flight = sum(router.in_flight(f"w{i}") for i in range(workers))
+        assert not router.queued or in_flight, (
+            f"{router.queued} requests wait at {now:.3f} s with none in flight"
+        )
 
 
 def test_a_lower_priority_keeps_a_step_queued_while_a_higher_one_is_routed() -> None:

@@ -115,9 +115,10 @@ class Thresholds:
     order, outside the fair queue and the priority bands, so a light tenant's or a higher band's
     request would start behind up to ``busy_prefill_tokens`` of others' prompts. Of the workers
     holding none, a request leaves as many idle as the tenants of its band served less than its
-    own, with nothing waiting, take of the fleet (``Router._left_to_others``). A fleet serving
-    one tenant at one priority never meets this rule (its queue is first come, first served
-    wherever it waits)."""
+    own, with nothing waiting, take of the fleet, never all of it (``Router._left_to_others``): a
+    request held back must have a worker busy or prefilling, whose next event tries it again. A
+    fleet serving one tenant at one priority never meets this rule (its queue is first come, first
+    served wherever it waits)."""
     queue_size: int = 1024
     """Requests that may wait while every worker is busy, counting those of the new request's
     priority or higher (a full queue of low-priority requests does not refuse a higher one; the
@@ -764,7 +765,9 @@ class Router:
                 # Only prefill workers of a revision that has a free decode worker.
                 prefill_free = self._of_revisions(prefill_free, self._revisions(decode_free))
             if prefill_free is not None:
-                return self._route_disaggregated(request, prefill_free, decode_free, retry=retry, now=now)
+                return self._route_disaggregated(
+                    request, prefill_free, decode_free, exclude=exclude, retry=retry, now=now
+                )
             if not self._prefill_serves(request, exclude, decode_free):
                 # No prefill worker for it at all: decode workers serve whole requests. Prefill
                 # workers that are only busy are waited for (as Dynamo's prefill router queues):
@@ -775,7 +778,7 @@ class Router:
                 )
         if worker_free is None:
             return None
-        selection = self._within_step(self._selection(request, worker_free, now=now))
+        selection = self._within_step(self._selection(request, worker_free, now=now), exclude=exclude)
         guarded = None if selection is None else self._within_guards(selection)
         if guarded is None:
             return None
@@ -796,7 +799,7 @@ class Router:
         )
         return out
 
-    def _within_step(self, selection: Selection) -> Selection | None:
+    def _within_step(self, selection: Selection, *, exclude: frozenset[str]) -> Selection | None:
         """Of ``selection``, while its request is contended (:meth:`_contended`), the workers where
         its uncached prompt fits in ``contended_prefill_tokens`` beside the prefill they hold, or
         that hold none, less those of the latter it leaves to the tenants its band serves first
@@ -810,7 +813,8 @@ class Router:
         idle = pending <= 0.0
         mask = selection.eligible & (fits | idle)
         idle &= mask
-        if idle.any() and int(idle.sum()) <= self._left_to_others(request, eligible=selection.eligible):
+        left = self._left_to_others(request, eligible=selection.eligible, exclude=exclude)
+        if idle.any() and int(idle.sum()) <= left:
             mask &= ~idle
         if not mask.any():
             return None
@@ -819,17 +823,22 @@ class Router:
         narrowed = _Eligible.of(mask)
         return dataclasses.replace(selection, eligible=narrowed.mask, exclusion=narrowed.exclusion)
 
-    def _left_to_others(self, request: RouteRequest, *, eligible: BoolArray) -> int:
+    def _left_to_others(self, request: RouteRequest, *, eligible: BoolArray, exclude: frozenset[str]) -> int:
         """How many of the workers with no prefill queued ``request`` leaves idle while contended
         (:meth:`_within_step`): what the tenants of its band that were routed less than its tenant
         per unit of weight over ``rate_window_s`` (here and by peers) and have nothing waiting take
-        of the fleet, by their share of the tokens routed over the window, in workers, to the
-        nearest (a guard, as trunk reservation keeps circuits for a protected class: rounding up
-        would keep a worker of a fleet of one from everybody else). The fair queue serves such a
-        tenant's next request first, but its prompt, when longer than a step, needs a worker with
-        none queued: had a tenant served more just taken the last one, it would wait for another's
-        prefill to end. Those workers keep decoding; a tenant with requests waiting needs none
-        left, the queue gives it the next worker anyway."""
+        of the workers that could take it (of its model, not excluded, busy or not), by their share
+        of the tokens routed over the window, to the nearest, and never all of them (a guard, as
+        trunk reservation keeps some circuits, never every one, for a protected class).
+        The fair queue serves such a tenant's next request first, but its prompt, when longer than
+        a step, needs a worker with none queued: had a tenant served more just taken the last one,
+        it would wait for another's prefill to end. Those workers keep decoding; a tenant with
+        requests waiting needs none left, the queue gives it the next worker anyway.
+
+        Leaving one worker unreserved is what keeps the queue live: a request held back here has a
+        worker that could take it that is busy or prefilling, whose next first token or end drains
+        the queue again. Reserving all of them held requests back with nothing in flight to drain
+        it (a fleet of one with three tenants in turn stalled until the queue timeout)."""
         routed = self._routed_in_band.get(request.priority)
         if routed is None or request.tenant not in routed:
             return 0  # a tenant routed nothing was routed less than nobody
@@ -842,10 +851,13 @@ class Router:
         ahead = float(tokens[below].sum())
         if ahead <= 0.0:
             return 0
-        workers = sum(
-            count for role, count in self._role_count.items() if (self._roles[role] & eligible).any()
-        )
-        return int(workers * ahead / self._routed_sum + 0.5)
+        present = np.zeros(len(eligible), dtype=bool)
+        for role in self._role_count:
+            if (self._roles[role] & eligible).any():
+                present |= self._present(role, exclude)
+        could_take = self._narrow(request, _Eligible.of(present))
+        workers = 0 if could_take is None else int(could_take.mask.sum())
+        return min(int(workers * ahead / self._routed_sum + 0.5), workers - 1)
 
     def _within_guards(self, selection: Selection) -> Selection | None:
         """Keep decode steps within the ITL targets of the objectives that have one:
@@ -999,10 +1011,11 @@ class Router:
         prefill_free: _Eligible,
         decode_free: _Eligible,
         *,
+        exclude: frozenset[str],
         retry: bool,
         now: float,
     ) -> Route | None:
-        prefill = self._within_step(self._selection(request, prefill_free, now=now))
+        prefill = self._within_step(self._selection(request, prefill_free, now=now), exclude=exclude)
         if prefill is None:
             return None
         p_slot = self.policy.choose(prefill)
