@@ -844,10 +844,7 @@ class Router:
             return 0  # a tenant routed nothing was routed less than nobody
         mine = routed.weighted(request.tenant)
         tokens, weights = routed.arrays()
-        below = tokens / weights < mine
-        for tenant in self._queue.waiting_tenants(request.priority):
-            if tenant in routed:
-                below[routed.slots[tenant]] = False
+        below = (tokens / weights < mine) & routed.outside(self._queue.waiting_tenants(request.priority))
         ahead = float(tokens[below].sum())
         if ahead <= 0.0:
             return 0

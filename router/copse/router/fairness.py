@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from copse.router.cost import FloatArray
 
@@ -197,6 +198,12 @@ class RoutedTokens:
     def arrays(self) -> tuple[FloatArray, FloatArray]:
         """Every slot's tokens and weight (views: read, do not write)."""
         return self._tokens[: self._used], self._weights[: self._used]
+
+    def outside(self, tenants: Iterable[str]) -> npt.NDArray[np.bool_]:
+        """Per slot of :meth:`arrays`, whether it is not one of ``tenants``'."""
+        mask = np.ones(self._used, dtype=bool)
+        mask[[self.slots[tenant] for tenant in tenants if tenant in self.slots]] = False
+        return mask
 
     def _take(self) -> int:
         if self._free:
@@ -617,7 +624,7 @@ class FairQueue(Generic[T]):
         fixed += own
         weight = self._weight(tenant)
         # The other tenants waiting (here or at a peer), then those only routed.
-        waiting = [name for name in dict.fromkeys(itertools.chain(here, there)) if name != tenant]
+        waiting = [name for name in self.waiting_tenants(priority) if name != tenant]
         sent = 0 if routed is None else len(routed)
         if len(waiting) + sent <= LOOP_AT_MOST:
             others = [
@@ -643,9 +650,7 @@ class FairQueue(Generic[T]):
         if routed is not None:
             flow = np.fromiter((routed.tokens(name) for name in waiting), np.float64, len(waiting))
             tokens_sent, weights_sent = routed.arrays()
-            idle = np.ones(len(tokens_sent), dtype=bool)  # the slots of tenants waiting nowhere
-            named = itertools.chain(waiting, (tenant,))
-            idle[[routed.slots[name] for name in named if name in routed]] = False
+            idle = routed.outside(itertools.chain(waiting, (tenant,)))  # the others waiting nowhere
             theirs = np.concatenate((theirs, np.zeros(int(idle.sum()))))
             flow = np.concatenate((flow, tokens_sent[idle]))
             weights = np.concatenate((weights, weights_sent[idle]))
