@@ -813,8 +813,9 @@ class Router:
         idle = pending <= 0.0
         mask = selection.eligible & (fits | idle)
         idle &= mask
-        left = self._left_to_others(request, eligible=selection.eligible, exclude=exclude)
-        if idle.any() and int(idle.sum()) <= left:
+        if idle.any() and int(idle.sum()) <= self._left_to_others(
+            request, eligible=selection.eligible, exclude=exclude
+        ):
             mask &= ~idle
         if not mask.any():
             return None
