@@ -830,11 +830,11 @@ class Router:
         per unit of weight over ``rate_window_s`` (here and by peers) and have nothing waiting take
         of the workers that could take it (of its model, not excluded, busy or not), by their share
         of the tokens routed over the window, to the nearest, and never all of them (a guard, as
-        trunk reservation keeps some circuits, never every one, for a protected class).
-        The fair queue serves such a tenant's next request first, but its prompt, when longer than
-        a step, needs a worker with none queued: had a tenant served more just taken the last one,
-        it would wait for another's prefill to end. Those workers keep decoding; a tenant with
-        requests waiting needs none left, the queue gives it the next worker anyway.
+        trunk reservation keeps some circuits, never every one, for a protected class). The fair
+        queue serves such a tenant's next request first, but its prompt, when longer than a step,
+        needs a worker with none queued: had a tenant served more just taken the last one, it would
+        wait for another's prefill to end. Those workers keep decoding; a tenant with requests
+        waiting needs none left, the queue gives it the next worker anyway.
 
         Leaving one worker unreserved is what keeps the queue live: a request held back here has a
         worker that could take it that is busy or prefilling, whose next first token or end drains

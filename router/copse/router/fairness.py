@@ -200,7 +200,7 @@ class RoutedTokens:
         return self._tokens[: self._used], self._weights[: self._used]
 
     def outside(self, tenants: Iterable[str]) -> npt.NDArray[np.bool_]:
-        """Per slot of :meth:`arrays`, whether it is not one of ``tenants``'."""
+        """Per slot of :meth:`arrays`, whether its tenant is none of ``tenants``."""
         mask = np.ones(self._used, dtype=bool)
         mask[[self.slots[tenant] for tenant in tenants if tenant in self.slots]] = False
         return mask
