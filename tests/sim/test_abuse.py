@@ -167,8 +167,12 @@ def test_the_three_reported_failures_and_huge_bodies_leave_every_process_well(
 def test_an_abuse_soak_fails_no_good_request(served: Served, http: httpx.Client) -> None:
     report = asyncio.run(soak(served, duration_s=20, good_clients=3, abusers=3, max_requests=600, seed=1))
     assert report.tried["good"] > 10
-    assert set(report.tried) == {"good", "malformed", "huge", "slow", "abandoned"}, report.tried
     assert report.good_failed == []
+    # The answers say why a kind was never tried (a 429 after 30 s: the queue held the abusers).
+    assert set(report.tried) == {"good", "malformed", "huge", "slow", "abandoned"}, (
+        report.tried,
+        report.statuses,
+    )
     assert report.server_errors == []
     assert all(peak < RSS_BOUND for peak in served.peak_rss.values()), served.peak_rss
     _still_well(served, http)
